@@ -1,0 +1,1 @@
+//! The launcher: `tandem up`.

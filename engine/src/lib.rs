@@ -1,0 +1,1 @@
+//! The model runtime shared by both workers.

@@ -1,0 +1,1 @@
+//! The prefill worker.

@@ -1,0 +1,1 @@
+//! gRPC services and KV-transfer wire types shared by the router and the workers.

@@ -1,0 +1,1 @@
+//! Tokenizers, chat templates and incremental detokenization, without any model code.
