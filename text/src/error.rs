@@ -1,0 +1,30 @@
+//! The one error type of this crate.
+
+use std::path::PathBuf;
+
+/// Everything that can go wrong while loading or using a tokenizer or a chat template.
+#[derive(Debug, thiserror::Error)]
+pub enum TextError {
+    #[error("cannot read {path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("not a usable GGUF file: {0}")]
+    Gguf(String),
+    #[error("tokenizer: {0}")]
+    Tokenizer(String),
+    #[error("unsupported tokenizer: {0}")]
+    Unsupported(String),
+    #[error("chat template: {0}")]
+    ChatTemplate(String),
+    #[error("this model has no chat template; use a completion endpoint or pass a template")]
+    NoChatTemplate,
+}
+
+impl TextError {
+    pub(crate) fn tokenizer(err: impl std::fmt::Display) -> Self {
+        TextError::Tokenizer(err.to_string())
+    }
+}
