@@ -1,0 +1,208 @@
+//! The tokenizer the benchmark counts with: loading (`tokenizer.json`, an HF folder, a GGUF
+//! file) and the few HF-`transformers` notions vLLM's datasets use (`vocab_size`,
+//! `all_special_ids`, `num_special_tokens_to_add`).
+//!
+//! Loading goes through one function, [`load_tokenizer`], so the source of truth for file
+//! formats can move to `tandem-text` without touching callers.
+
+use std::path::{Path, PathBuf};
+use std::str::FromStr;
+
+use tokenizers::tokenizer::PostProcessor;
+
+/// Why a tokenizer could not be loaded or used.
+#[derive(Debug, thiserror::Error)]
+pub enum TokenizerError {
+    #[error("no tokenizer.json in {0}")]
+    MissingFile(PathBuf),
+    #[error(
+        "{0}: GGUF tokenizers need tandem-text's loader, which is not available yet; pass a tokenizer.json or an HF folder"
+    )]
+    GgufUnsupported(PathBuf),
+    #[error("cannot load tokenizer from {path}: {message}")]
+    Load { path: PathBuf, message: String },
+    #[error("tokenizer failed: {0}")]
+    Run(String),
+}
+
+/// A loaded tokenizer plus the constants vLLM's dataset code reads from it.
+#[derive(Clone)]
+pub struct BenchTokenizer {
+    inner: tokenizers::Tokenizer,
+    num_special_tokens: usize,
+    vocab_size: usize,
+    special_ids: Vec<u32>,
+}
+
+impl std::fmt::Debug for BenchTokenizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("BenchTokenizer")
+            .field("vocab_size", &self.vocab_size)
+            .field("num_special_tokens", &self.num_special_tokens)
+            .finish()
+    }
+}
+
+/// Loads a tokenizer from a `tokenizer.json` file, an HF folder holding one, or a GGUF file.
+pub fn load_tokenizer(path: &Path) -> Result<BenchTokenizer, TokenizerError> {
+    let is_gguf = path
+        .extension()
+        .is_some_and(|ext| ext.eq_ignore_ascii_case("gguf"));
+    if is_gguf {
+        return Err(TokenizerError::GgufUnsupported(path.to_path_buf()));
+    }
+    let file = if path.is_dir() {
+        let file = path.join("tokenizer.json");
+        if !file.is_file() {
+            return Err(TokenizerError::MissingFile(path.to_path_buf()));
+        }
+        file
+    } else {
+        path.to_path_buf()
+    };
+    let inner = tokenizers::Tokenizer::from_file(&file).map_err(|e| TokenizerError::Load {
+        path: file.clone(),
+        message: e.to_string(),
+    })?;
+    Ok(BenchTokenizer::new(inner))
+}
+
+impl BenchTokenizer {
+    /// Wraps a `tokenizers::Tokenizer`.
+    pub fn new(inner: tokenizers::Tokenizer) -> Self {
+        let num_special_tokens = inner
+            .get_post_processor()
+            .map(|p| p.added_tokens(false))
+            .unwrap_or(0);
+        let vocab_size = inner.get_vocab_size(false);
+        let mut special_ids: Vec<u32> = inner
+            .get_added_tokens_decoder()
+            .into_iter()
+            .filter(|(_, token)| token.special)
+            .map(|(id, _)| id)
+            .collect();
+        special_ids.sort_unstable();
+        Self {
+            inner,
+            num_special_tokens,
+            vocab_size,
+            special_ids,
+        }
+    }
+
+    /// HF's `tokenizer.vocab_size`: the base vocabulary, without added tokens.
+    pub fn vocab_size(&self) -> usize {
+        self.vocab_size
+    }
+
+    /// HF's `num_special_tokens_to_add()`: tokens the post-processor adds to one sequence.
+    pub fn num_special_tokens(&self) -> usize {
+        self.num_special_tokens
+    }
+
+    /// Ids of special added tokens (HF's `all_special_ids`), sorted.
+    pub fn special_ids(&self) -> &[u32] {
+        &self.special_ids
+    }
+
+    /// Token ids of `text`.
+    pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, TokenizerError> {
+        self.inner
+            .encode_fast(text, add_special_tokens)
+            .map(|e| e.get_ids().to_vec())
+            .map_err(|e| TokenizerError::Run(e.to_string()))
+    }
+
+    /// Number of tokens in `text`.
+    pub fn count(&self, text: &str, add_special_tokens: bool) -> Result<usize, TokenizerError> {
+        self.inner
+            .encode_fast(text, add_special_tokens)
+            .map(|e| e.len())
+            .map_err(|e| TokenizerError::Run(e.to_string()))
+    }
+
+    /// Text of `ids`, special tokens kept (HF's `decode` default).
+    pub fn decode(&self, ids: &[u32]) -> Result<String, TokenizerError> {
+        self.inner
+            .decode(ids, false)
+            .map_err(|e| TokenizerError::Run(e.to_string()))
+    }
+}
+
+/// A small word-level tokenizer built in code, for tests and the fake-server benchmark:
+/// words `w0`…`w{n-1}`, whitespace splitting, and a BOS `<s>` added like Llama's.
+pub fn word_level_tokenizer_json(words: usize) -> String {
+    let special = ["<s>", "</s>", "<unk>"];
+    let mut vocab = serde_json::Map::new();
+    for (id, token) in special.iter().enumerate() {
+        vocab.insert((*token).to_string(), serde_json::json!(id));
+    }
+    for i in 0..words {
+        vocab.insert(format!("w{i}"), serde_json::json!(i + special.len()));
+    }
+    let added: Vec<serde_json::Value> = special
+        .iter()
+        .enumerate()
+        .map(|(id, token)| {
+            serde_json::json!({"id": id, "content": token, "single_word": false, "lstrip": false,
+                "rstrip": false, "normalized": false, "special": true})
+        })
+        .collect();
+    serde_json::json!({
+        "version": "1.0",
+        "truncation": null,
+        "padding": null,
+        "added_tokens": added,
+        "normalizer": null,
+        "pre_tokenizer": {"type": "WhitespaceSplit"},
+        "post_processor": {
+            "type": "TemplateProcessing",
+            "single": [{"SpecialToken": {"id": "<s>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+            "pair": [{"SpecialToken": {"id": "<s>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
+                     {"Sequence": {"id": "B", "type_id": 1}}],
+            "special_tokens": {"<s>": {"id": "<s>", "ids": [0], "tokens": ["<s>"]}}
+        },
+        "decoder": null,
+        "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "<unk>"}
+    })
+    .to_string()
+}
+
+/// [`word_level_tokenizer_json`] loaded.
+pub fn word_level_tokenizer(words: usize) -> Result<BenchTokenizer, TokenizerError> {
+    let inner = tokenizers::Tokenizer::from_str(&word_level_tokenizer_json(words))
+        .map_err(|e| TokenizerError::Run(e.to_string()))?;
+    Ok(BenchTokenizer::new(inner))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn word_level_tokenizer_behaves_like_a_bos_tokenizer() {
+        let tok = word_level_tokenizer(100).unwrap();
+        assert_eq!(tok.vocab_size(), 103);
+        assert_eq!(tok.num_special_tokens(), 1);
+        assert_eq!(tok.special_ids(), &[0, 1, 2]);
+        assert_eq!(tok.encode("w0 w1", true).unwrap(), vec![0, 3, 4]);
+        assert_eq!(tok.count("w0 w1", false).unwrap(), 2);
+        assert_eq!(tok.decode(&[3, 4, 5]).unwrap(), "w0 w1 w2");
+    }
+
+    #[test]
+    fn loads_file_and_folder_and_refuses_gguf_clearly() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("tokenizer.json");
+        std::fs::write(&file, word_level_tokenizer_json(10)).unwrap();
+        assert_eq!(load_tokenizer(&file).unwrap().vocab_size(), 13);
+        assert_eq!(load_tokenizer(dir.path()).unwrap().vocab_size(), 13);
+        let empty = tempfile::tempdir().unwrap();
+        assert!(matches!(
+            load_tokenizer(empty.path()),
+            Err(TokenizerError::MissingFile(_))
+        ));
+        let err = load_tokenizer(Path::new("model.Q4_K_M.gguf")).unwrap_err();
+        assert!(err.to_string().contains("GGUF"), "{err}");
+    }
+}
