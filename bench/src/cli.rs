@@ -117,7 +117,7 @@ pub struct BenchArgs {
     pub sonnet_prefix_len: usize,
     #[arg(long, default_value_t = 256)]
     pub custom_output_len: usize,
-    /// Accepted for compatibility: no chat template is ever applied.
+    /// Send custom prompts as they are, without the tokenizer's chat template.
     #[arg(long)]
     pub skip_chat_template: bool,
     /// Tokens per book prompt (a maximum with --book-split lines).

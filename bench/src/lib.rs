@@ -23,7 +23,7 @@ pub mod tokenizer;
 use std::io::Write;
 use std::path::PathBuf;
 
-use crate::backends::{RequestInput, Target};
+use crate::backends::{Backend, RequestInput, Target};
 use crate::cli::{BenchConfig, ConfigError, DatasetName, Preset};
 use crate::datasets::{BookConfig, DatasetConfig, DatasetError, RandomConfig, SamplingOptions};
 use crate::metrics::{BenchmarkMetrics, MetricsOptions, calculate_metrics};
@@ -339,10 +339,12 @@ fn dataset_config(config: &BenchConfig, random: RandomConfig) -> Result<DatasetC
             input_len: args.sonnet_input_len,
             output_len: args.sonnet_output_len,
             prefix_len: args.sonnet_prefix_len,
+            send_formatted: config.backend != Backend::OpenaiChat,
         },
         DatasetName::Custom => DatasetConfig::Custom {
             path: path()?,
             output_len: args.custom_output_len,
+            chat_template: !args.skip_chat_template,
         },
         DatasetName::Book => DatasetConfig::Book(BookConfig {
             path: path()?,

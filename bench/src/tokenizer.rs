@@ -2,27 +2,25 @@
 //! file) and the few HF-`transformers` notions vLLM's datasets use (`vocab_size`,
 //! `all_special_ids`, `num_special_tokens_to_add`).
 //!
-//! Loading goes through one function, [`load_tokenizer`], so the source of truth for file
-//! formats can move to `tandem-text` without touching callers.
+//! Loading is `tandem-text`'s (it owns the file formats, GGUF included); this module adds
+//! the counting helpers and the chat template vLLM applies to `sonnet` and `custom` prompts.
 
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
+use std::sync::Arc;
 
+use tandem_text::{ChatMessage, ChatTemplate, TextTokenizer};
 use tokenizers::tokenizer::PostProcessor;
 
 /// Why a tokenizer could not be loaded or used.
 #[derive(Debug, thiserror::Error)]
 pub enum TokenizerError {
-    #[error("no tokenizer.json in {0}")]
-    MissingFile(PathBuf),
-    #[error(
-        "{0}: GGUF tokenizers need tandem-text's loader, which is not available yet; pass a tokenizer.json or an HF folder"
-    )]
-    GgufUnsupported(PathBuf),
     #[error("cannot load tokenizer from {path}: {message}")]
     Load { path: PathBuf, message: String },
     #[error("tokenizer failed: {0}")]
     Run(String),
+    #[error("chat template failed: {0}")]
+    ChatTemplate(String),
 }
 
 /// A loaded tokenizer plus the constants vLLM's dataset code reads from it.
@@ -32,6 +30,7 @@ pub struct BenchTokenizer {
     num_special_tokens: usize,
     vocab_size: usize,
     special_ids: Vec<u32>,
+    chat_template: Option<Arc<ChatTemplate>>,
 }
 
 impl std::fmt::Debug for BenchTokenizer {
@@ -39,32 +38,30 @@ impl std::fmt::Debug for BenchTokenizer {
         f.debug_struct("BenchTokenizer")
             .field("vocab_size", &self.vocab_size)
             .field("num_special_tokens", &self.num_special_tokens)
+            .field("chat_template", &self.chat_template.is_some())
             .finish()
     }
 }
 
-/// Loads a tokenizer from a `tokenizer.json` file, an HF folder holding one, or a GGUF file.
+/// Loads a tokenizer from a `tokenizer.json` file, an HF folder holding one, or a GGUF file,
+/// with the folder's chat template when it has one.
 pub fn load_tokenizer(path: &Path) -> Result<BenchTokenizer, TokenizerError> {
-    let is_gguf = path
-        .extension()
-        .is_some_and(|ext| ext.eq_ignore_ascii_case("gguf"));
-    if is_gguf {
-        return Err(TokenizerError::GgufUnsupported(path.to_path_buf()));
-    }
-    let file = if path.is_dir() {
-        let file = path.join("tokenizer.json");
-        if !file.is_file() {
-            return Err(TokenizerError::MissingFile(path.to_path_buf()));
-        }
-        file
-    } else {
-        path.to_path_buf()
+    let load_error = |message: String| TokenizerError::Load {
+        path: path.to_path_buf(),
+        message,
     };
-    let inner = tokenizers::Tokenizer::from_file(&file).map_err(|e| TokenizerError::Load {
-        path: file.clone(),
-        message: e.to_string(),
-    })?;
-    Ok(BenchTokenizer::new(inner))
+    let text = TextTokenizer::from_path(path).map_err(|e| load_error(e.to_string()))?;
+    let info = text.info();
+    let chat_template = match &info.chat_template {
+        Some(source) => Some(Arc::new(
+            ChatTemplate::new(source, info.bos_token.as_deref(), info.eos_token.as_deref())
+                .map_err(|e| load_error(e.to_string()))?,
+        )),
+        None => None,
+    };
+    let mut tokenizer = BenchTokenizer::new(text.inner().clone());
+    tokenizer.chat_template = chat_template;
+    Ok(tokenizer)
 }
 
 impl BenchTokenizer {
@@ -87,7 +84,20 @@ impl BenchTokenizer {
             num_special_tokens,
             vocab_size,
             special_ids,
+            chat_template: None,
         }
+    }
+
+    /// HF's `apply_chat_template([{"role": "user", "content": prompt}],
+    /// add_generation_prompt=True, tokenize=False)`; `None` when there is no template.
+    pub fn apply_chat_template(&self, prompt: &str) -> Result<Option<String>, TokenizerError> {
+        let Some(template) = &self.chat_template else {
+            return Ok(None);
+        };
+        template
+            .render(&[ChatMessage::new("user", prompt)], true)
+            .map(Some)
+            .map_err(|e| TokenizerError::ChatTemplate(e.to_string()))
     }
 
     /// HF's `tokenizer.vocab_size`: the base vocabulary, without added tokens.
@@ -191,18 +201,26 @@ mod tests {
     }
 
     #[test]
-    fn loads_file_and_folder_and_refuses_gguf_clearly() {
+    fn loads_file_and_folder_with_its_chat_template() {
         let dir = tempfile::tempdir().unwrap();
         let file = dir.path().join("tokenizer.json");
         std::fs::write(&file, word_level_tokenizer_json(10)).unwrap();
-        assert_eq!(load_tokenizer(&file).unwrap().vocab_size(), 13);
-        assert_eq!(load_tokenizer(dir.path()).unwrap().vocab_size(), 13);
+        let from_file = load_tokenizer(&file).unwrap();
+        assert_eq!(from_file.vocab_size(), 13);
+        assert_eq!(from_file.apply_chat_template("w1").unwrap(), None);
+        std::fs::write(
+            dir.path().join("tokenizer_config.json"),
+            r#"{"chat_template": "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}{% endfor %}{% if add_generation_prompt %} [assistant]{% endif %}"}"#,
+        )
+        .unwrap();
+        let from_dir = load_tokenizer(dir.path()).unwrap();
+        assert_eq!(from_dir.vocab_size(), 13);
+        assert_eq!(
+            from_dir.apply_chat_template("w1 w2").unwrap().as_deref(),
+            Some("[user] w1 w2 [assistant]")
+        );
         let empty = tempfile::tempdir().unwrap();
-        assert!(matches!(
-            load_tokenizer(empty.path()),
-            Err(TokenizerError::MissingFile(_))
-        ));
-        let err = load_tokenizer(Path::new("model.Q4_K_M.gguf")).unwrap_err();
-        assert!(err.to_string().contains("GGUF"), "{err}");
+        assert!(load_tokenizer(empty.path()).is_err());
+        assert!(load_tokenizer(&empty.path().join("missing.gguf")).is_err());
     }
 }

@@ -3,8 +3,8 @@
 //!
 //! Every generator is deterministic for a given `--seed`. Byte-exact copies of Python's and
 //! numpy's random streams are not a goal (bench-spec §3.1); the distributions are the same.
-//! No chat template is applied anywhere: the bench owns no template engine, so `sonnet` and
-//! `custom` behave as with `--skip-chat-template`.
+//! `sonnet` and `custom` apply the tokenizer's chat template when it has one (an HF folder
+//! with `tokenizer_config.json`); without one they use the raw prompt.
 
 mod random;
 mod text;
@@ -59,10 +59,14 @@ pub enum DatasetConfig {
         input_len: usize,
         output_len: usize,
         prefix_len: usize,
+        /// Send the chat-templated prompt (every backend but openai-chat, as vLLM).
+        send_formatted: bool,
     },
     Custom {
         path: PathBuf,
         output_len: usize,
+        /// Apply the chat template (vLLM's default; off with `--skip-chat-template`).
+        chat_template: bool,
     },
     Book(BookConfig),
 }
@@ -96,16 +100,31 @@ pub fn sample(
             input_len,
             output_len,
             prefix_len,
+            send_formatted,
         } => text::sample_sonnet(
             path,
-            (*input_len, *output_len, *prefix_len),
+            text::SonnetLengths {
+                input_len: *input_len,
+                output_len: *output_len,
+                prefix_len: *prefix_len,
+            },
+            *send_formatted,
             tokenizer,
             num_requests,
             options.seed,
         ),
-        DatasetConfig::Custom { path, output_len } => {
-            text::sample_custom(path, *output_len, tokenizer, num_requests, options)
-        }
+        DatasetConfig::Custom {
+            path,
+            output_len,
+            chat_template,
+        } => text::sample_custom(
+            path,
+            *output_len,
+            *chat_template,
+            tokenizer,
+            num_requests,
+            options,
+        ),
         DatasetConfig::Book(config) => {
             let text = read_text(&config.path)?;
             sample_book(&text, config, tokenizer, num_requests)

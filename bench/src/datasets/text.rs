@@ -77,14 +77,36 @@ pub(super) fn sample_sharegpt(
     Ok(requests)
 }
 
+/// `--sonnet-input-len`, `--sonnet-output-len`, `--sonnet-prefix-len`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct SonnetLengths {
+    pub input_len: usize,
+    pub output_len: usize,
+    pub prefix_len: usize,
+}
+
+/// The chat-templated prompt, or the prompt itself when the tokenizer has no template.
+fn templated(tokenizer: &BenchTokenizer, prompt: &str) -> Result<String, DatasetError> {
+    Ok(tokenizer
+        .apply_chat_template(prompt)?
+        .unwrap_or_else(|| prompt.to_string()))
+}
+
 /// Sonnet: a fixed instruction, a fixed block of prefix lines, then lines drawn at random.
+/// Lengths are measured on the chat-templated prompt.
 pub(super) fn sample_sonnet(
     path: &Path,
-    (input_len, output_len, prefix_len): (usize, usize, usize),
+    lengths: SonnetLengths,
+    send_formatted: bool,
     tokenizer: &BenchTokenizer,
     num_requests: usize,
     seed: u64,
 ) -> Result<Vec<SampleRequest>, DatasetError> {
+    let SonnetLengths {
+        input_len,
+        output_len,
+        prefix_len,
+    } = lengths;
     let text = read_text(path)?;
     let lines: Vec<&str> = text.split_inclusive('\n').collect();
     if lines.is_empty() {
@@ -96,7 +118,7 @@ pub(super) fn sample_sonnet(
     }
     let avg_len = total as f64 / lines.len() as f64;
     let base_prompt = "Pick as many lines as you can from these poem lines:\n";
-    let base_offset = tokenizer.count(base_prompt, true)?;
+    let base_offset = tokenizer.count(&templated(tokenizer, base_prompt)?, true)?;
     if input_len <= base_offset {
         return Err(DatasetError::Invalid(format!(
             "'input_len' must be higher than the base prompt length ({base_offset})."
@@ -121,10 +143,11 @@ pub(super) fn sample_sonnet(
                 prompt.push_str(line);
             }
         }
-        let prompt_len = tokenizer.count(&prompt, true)?;
+        let formatted = templated(tokenizer, &prompt)?;
+        let prompt_len = tokenizer.count(&formatted, true)?;
         if prompt_len <= input_len {
             requests.push(SampleRequest {
-                prompt,
+                prompt: if send_formatted { formatted } else { prompt },
                 prompt_len,
                 expected_output_len: output_len,
             });
@@ -143,6 +166,7 @@ pub(super) fn sample_sonnet(
 pub(super) fn sample_custom(
     path: &Path,
     output_len: usize,
+    chat_template: bool,
     tokenizer: &BenchTokenizer,
     num_requests: usize,
     options: SamplingOptions,
@@ -166,6 +190,11 @@ pub(super) fn sample_custom(
     }
     let mut requests = Vec::new();
     for prompt in prompts.into_iter().take(num_requests) {
+        let prompt = if chat_template {
+            templated(tokenizer, &prompt)?
+        } else {
+            prompt
+        };
         let prompt_len = tokenizer.count(&prompt, true)?;
         requests.push(SampleRequest {
             prompt,
@@ -426,12 +455,12 @@ mod tests {
             shuffle: false,
             oversample: true,
         };
-        let requests = sample_custom(&path, 9, &tok, 2, options).unwrap();
+        let requests = sample_custom(&path, 9, true, &tok, 2, options).unwrap();
         assert_eq!(requests[0].prompt, "w1 w2 w3");
         assert_eq!(requests[0].prompt_len, 4);
         assert_eq!(requests[1].expected_output_len, 9);
         std::fs::write(&path, "{\"text\": \"x\"}\n").unwrap();
-        assert!(sample_custom(&path, 9, &tok, 2, options).is_err());
+        assert!(sample_custom(&path, 9, false, &tok, 2, options).is_err());
     }
 
     #[test]
@@ -441,7 +470,12 @@ mod tests {
         let path = dir.path().join("sonnet.txt");
         let poem: String = (0..40).map(|i| format!("{}\n", words(i..i + 5))).collect();
         std::fs::write(&path, poem).unwrap();
-        let requests = sample_sonnet(&path, (60, 20, 30), &tok, 5, 0).unwrap();
+        let lengths = SonnetLengths {
+            input_len: 60,
+            output_len: 20,
+            prefix_len: 30,
+        };
+        let requests = sample_sonnet(&path, lengths, true, &tok, 5, 0).unwrap();
         assert_eq!(requests.len(), 5);
         for r in &requests {
             assert!(

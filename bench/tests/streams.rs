@@ -1,0 +1,336 @@
+//! Stream parsing per backend against a fake axum server emitting scripted chunks at scripted
+//! times: TTFT and ITL come out as scripted (within a tolerance), and usage chunks, `[DONE]`,
+//! comment pings, errors mid-stream and non-200 answers are handled as vLLM does.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tandem_bench::backends::{Backend, NO_VALID_CHUNK, RequestInput, Target, send_request};
+use tandem_bench::fake_server::{
+    FakeServer, ReceivedRequest, ScriptedEvent, ScriptedResponse, chat_chunk, completion_chunk,
+    done_chunk, tgi_event, usage_chunk,
+};
+use tandem_bench::metrics::RequestOutput;
+use tokio::io::AsyncWriteExt;
+
+
+/// Scripted delays are lower bounds (the server sleeps at least that long); the upper slack
+/// absorbs scheduling on a loaded two-core machine.
+fn assert_near(actual_s: f64, scripted_ms: u64, what: &str) {
+    let scripted = scripted_ms as f64 / 1000.0;
+    assert!(
+        actual_s >= scripted - 0.002 && actual_s <= scripted + 0.060,
+        "{what}: measured {:.1} ms, scripted {scripted_ms} ms",
+        actual_s * 1000.0
+    );
+}
+
+fn script(status: u16, events: Vec<(u64, String)>) -> ScriptedResponse {
+    ScriptedResponse {
+        status,
+        events: events
+            .into_iter()
+            .map(|(delay_ms, text)| ScriptedEvent::new(Duration::from_millis(delay_ms), text, 1))
+            .collect(),
+    }
+}
+
+async fn serve(response: ScriptedResponse) -> FakeServer {
+    let responder = Arc::new(move |_: &ReceivedRequest| response.clone());
+    FakeServer::start(responder)
+        .await
+        .expect("bind 127.0.0.1:0")
+}
+
+fn input() -> RequestInput {
+    RequestInput {
+        prompt: "w1 w2 w3".into(),
+        prompt_len: 4,
+        output_len: 3,
+        model: "fake-model".into(),
+        ignore_eos: false,
+        logprobs: None,
+        temperature: None,
+        extra_body: None,
+        request_id: Some("benchmark-serving0".into()),
+    }
+}
+
+async fn send(server: &FakeServer, backend: Backend, path: &str) -> RequestOutput {
+    let target = Target {
+        backend,
+        url: format!("{}{path}", server.base_url()),
+        headers: Default::default(),
+    };
+    let client = reqwest::Client::new();
+    let output = tokio::time::timeout(
+        Duration::from_secs(10),
+        send_request(&client, &target, &input(), Instant::now()),
+    )
+    .await
+    .expect("request finished in time");
+    output
+}
+
+#[tokio::test]
+async fn completions_ttft_itl_usage_and_pings_as_scripted() {
+    let server = serve(script(
+        200,
+        vec![
+            (100, completion_chunk("w1 ")),
+            (20, ": ping\n\n".into()),
+            (20, completion_chunk("w2 ")),
+            (40, completion_chunk("")),
+            (0, usage_chunk(4, 3)),
+            (0, done_chunk()),
+        ],
+    ))
+    .await;
+    let output = send(&server, Backend::Openai, "/v1/completions").await;
+    assert!(output.success, "{}", output.error);
+    assert_eq!(output.generated_text, "w1 w2 ");
+    assert_eq!(output.output_tokens, Some(3));
+    assert_eq!(output.prompt_len, 4);
+    assert_near(output.ttft, 100, "ttft");
+    assert_eq!(
+        output.itl.len(),
+        2,
+        "an empty-text chunk is still a token event"
+    );
+    assert_near(output.itl[0], 40, "itl[0] (ping in between)");
+    assert_near(output.itl[1], 40, "itl[1]");
+    assert_near(output.latency, 180, "latency to the last token event");
+    let requests = server.requests();
+    assert_eq!(requests.len(), 1);
+    assert_eq!(requests[0].path, "/v1/completions");
+    assert_eq!(
+        requests[0].header("x-request-id"),
+        Some("benchmark-serving0")
+    );
+    assert_eq!(requests[0].body["max_tokens"], 3);
+    assert_eq!(requests[0].body["stream"], true);
+    server.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_message_split_across_writes_is_timed_when_complete() {
+    let chunk = completion_chunk("w1 ");
+    let (head, tail) = chunk.split_at(20);
+    let server = serve(script(
+        200,
+        vec![
+            (30, head.to_string()),
+            (50, tail.to_string()),
+            (30, completion_chunk("w2 ")),
+            (0, done_chunk()),
+        ],
+    ))
+    .await;
+    let output = send(&server, Backend::Openai, "/v1/completions").await;
+    assert!(output.success, "{}", output.error);
+    assert_near(output.ttft, 80, "ttft counts from the completed message");
+    assert_near(output.itl[0], 30, "itl");
+    assert_eq!(output.output_tokens, None, "no usage chunk was sent");
+    server.shutdown().await;
+}
+
+#[tokio::test]
+async fn done_ends_the_stream_even_if_the_server_keeps_it_open() {
+    let server = serve(script(
+        200,
+        vec![
+            (10, completion_chunk("w1 ")),
+            (0, done_chunk()),
+            (3000, completion_chunk("late")),
+        ],
+    ))
+    .await;
+    let started = Instant::now();
+    let output = send(&server, Backend::Openai, "/v1/completions").await;
+    assert!(output.success);
+    assert_eq!(output.generated_text, "w1 ");
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "client waited past [DONE]"
+    );
+    server.shutdown().await;
+}
+
+#[tokio::test]
+async fn chat_role_chunk_sets_ttft() {
+    let role = "data: {\"choices\":[{\"index\":0,\"delta\":{\"role\":\"assistant\"}}]}\n\n";
+    let server = serve(script(
+        200,
+        vec![
+            (60, role.into()),
+            (30, chat_chunk("w1 ")),
+            (30, chat_chunk("w2 ")),
+            (0, usage_chunk(4, 2)),
+            (0, done_chunk()),
+        ],
+    ))
+    .await;
+    let output = send(&server, Backend::OpenaiChat, "/v1/chat/completions").await;
+    assert!(output.success, "{}", output.error);
+    assert_near(output.ttft, 60, "ttft at the role-only chunk");
+    assert_eq!(output.itl.len(), 2);
+    assert_near(output.itl[1], 30, "itl");
+    assert_eq!(output.generated_text, "w1 w2 ");
+    assert_eq!(output.output_tokens, Some(2));
+    let body = &server.requests()[0].body;
+    assert_eq!(body["messages"][0]["content"][0]["text"], "w1 w2 w3");
+    assert_eq!(body["max_completion_tokens"], 3);
+    server.shutdown().await;
+}
+
+#[tokio::test]
+async fn tgi_events_each_count_and_the_last_carries_the_text() {
+    let server = serve(script(
+        200,
+        vec![
+            (50, tgi_event(1, "w1 ", None)),
+            (0, ":\n\n".into()),
+            (25, tgi_event(2, "w2", None)),
+            (25, tgi_event(3, "</s>", Some("w1 w2"))),
+        ],
+    ))
+    .await;
+    let output = send(&server, Backend::Tgi, "/generate_stream").await;
+    assert!(output.success, "{}", output.error);
+    assert_eq!(output.generated_text, "w1 w2");
+    assert_near(output.ttft, 50, "ttft");
+    assert_eq!(output.itl.len(), 2, "the EOS event is a token event too");
+    assert_near(output.itl[1], 25, "itl");
+    assert_eq!(output.output_tokens, None, "TGI output is re-tokenized");
+    let body = &server.requests()[0].body;
+    assert_eq!(body["inputs"], "w1 w2 w3");
+    assert_eq!(body["parameters"]["max_new_tokens"], 3);
+    server.shutdown().await;
+}
+
+#[tokio::test]
+async fn non_200_answers_fail_with_the_reason_phrase() {
+    for (status, reason) in [
+        (500, "Internal Server Error"),
+        (404, "Not Found"),
+        (429, "Too Many Requests"),
+    ] {
+        let server = serve(script(status, vec![(0, "{\"error\":\"no\"}".into())])).await;
+        for (backend, path) in [
+            (Backend::Openai, "/v1/completions"),
+            (Backend::OpenaiChat, "/v1/chat/completions"),
+            (Backend::Tgi, "/generate_stream"),
+        ] {
+            let output = send(&server, backend, path).await;
+            assert!(!output.success);
+            assert_eq!(output.error, reason);
+        }
+        server.shutdown().await;
+    }
+}
+
+#[tokio::test]
+async fn errors_mid_stream_are_handled_as_vllm_does() {
+    let error_event =
+        "data: {\"error\":{\"message\":\"engine died\",\"code\":500}}\n\n".to_string();
+    // After tokens: the error event is ignored and the request counts as a success.
+    let server = serve(script(
+        200,
+        vec![(5, completion_chunk("w1 ")), (5, error_event.clone())],
+    ))
+    .await;
+    let output = send(&server, Backend::Openai, "/v1/completions").await;
+    assert!(output.success);
+    assert_eq!(output.generated_text, "w1 ");
+    server.shutdown().await;
+    // Before any token: no TTFT, so vLLM's failure text.
+    let server = serve(script(200, vec![(5, error_event), (0, done_chunk())])).await;
+    let output = send(&server, Backend::Openai, "/v1/completions").await;
+    assert!(!output.success);
+    assert_eq!(output.error, NO_VALID_CHUNK);
+    server.shutdown().await;
+    // Malformed JSON is an exception in vLLM: a failed request, never a panic.
+    let server = serve(script(
+        200,
+        vec![
+            (5, completion_chunk("w1 ")),
+            (5, "data: {\"choices\": [\n\n".into()),
+        ],
+    ))
+    .await;
+    let output = send(&server, Backend::Openai, "/v1/completions").await;
+    assert!(!output.success);
+    assert!(
+        output.error.starts_with("JSONDecodeError"),
+        "{}",
+        output.error
+    );
+    server.shutdown().await;
+    // TGI error event last: KeyError on generated_text.
+    let server = serve(script(
+        200,
+        vec![
+            (5, tgi_event(1, "w1", None)),
+            (5, "data:{\"error\":\"overloaded\"}\n\n".into()),
+        ],
+    ))
+    .await;
+    let output = send(&server, Backend::Tgi, "/generate_stream").await;
+    assert!(!output.success);
+    assert!(output.error.contains("generated_text"), "{}", output.error);
+    server.shutdown().await;
+    // An empty 200 stream.
+    let server = serve(script(200, vec![])).await;
+    assert_eq!(
+        send(&server, Backend::Openai, "/v1/completions")
+            .await
+            .error,
+        NO_VALID_CHUNK
+    );
+    assert!(
+        !send(&server, Backend::Tgi, "/generate_stream")
+            .await
+            .success
+    );
+    server.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_connection_cut_mid_stream_or_refused_fails_the_request() {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let server = tokio::spawn(async move {
+        let (mut socket, _) = listener.accept().await.unwrap();
+        let mut buffer = vec![0u8; 65536];
+        let _ = tokio::io::AsyncReadExt::read(&mut socket, &mut buffer).await;
+        let chunk = completion_chunk("w1 ");
+        let head = "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n";
+        let body = format!("{:x}\r\n{chunk}\r\n", chunk.len());
+        socket.write_all(head.as_bytes()).await.unwrap();
+        socket.write_all(body.as_bytes()).await.unwrap();
+        socket.flush().await.unwrap();
+        // Close without the terminating zero-length chunk.
+    });
+    let target = Target {
+        backend: Backend::Openai,
+        url: format!("http://{addr}/v1/completions"),
+        headers: Default::default(),
+    };
+    let client = reqwest::Client::new();
+    let output = send_request(&client, &target, &input(), Instant::now()).await;
+    server.await.unwrap();
+    assert!(!output.success);
+    assert!(!output.error.is_empty());
+    // Nobody listening.
+    let target = Target {
+        url: format!("http://{addr}/v1/completions"),
+        ..target
+    };
+    let output = send_request(&client, &target, &input(), Instant::now()).await;
+    assert!(!output.success);
+    assert!(
+        output.error.starts_with("ClientConnectorError"),
+        "{}",
+        output.error
+    );
+}
