@@ -13,7 +13,6 @@ use tandem_bench::fake_server::{
 use tandem_bench::metrics::RequestOutput;
 use tokio::io::AsyncWriteExt;
 
-
 /// Scripted delays are lower bounds (the server sleeps at least that long); the upper slack
 /// absorbs scheduling on a loaded two-core machine.
 fn assert_near(actual_s: f64, scripted_ms: u64, what: &str) {
