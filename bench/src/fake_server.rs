@@ -334,26 +334,35 @@ pub struct SyntheticTiming {
 /// (`/generate_stream`: TGI; `…/chat/completions`: chat; anything else: completions), each
 /// token the word `w{k}`, then usage and `[DONE]` for OpenAI paths.
 pub fn synthetic(timing: SyntheticTiming) -> Responder {
+    // Chunks repeat every 100 tokens: render them once, so the server stays far cheaper than
+    // the client it is measuring.
+    let words: Vec<String> = (0..100).map(|k| format!("w{k} ")).collect();
+    let completion: Vec<String> = words.iter().map(|w| completion_chunk(w)).collect();
+    let chat: Vec<String> = words.iter().map(|w| chat_chunk(w)).collect();
     Arc::new(move |request: &ReceivedRequest| {
         let n = request.requested_tokens().unwrap_or(16);
         let per_write = timing.events_per_write.max(1) as u64;
-        let chat = request.path.ends_with("chat/completions");
-        let tgi = request.path.ends_with("generate_stream");
+        let is_chat = request.path.ends_with("chat/completions");
+        let is_tgi = request.path.ends_with("generate_stream");
         let mut events = Vec::new();
         let mut pending = String::new();
         let mut pending_tokens = 0;
         let mut generated = String::new();
         for k in 0..n {
-            let word = format!("w{} ", k % 100);
-            generated.push_str(&word);
+            let slot = (k % 100) as usize;
             let last = k + 1 == n;
-            pending.push_str(&if tgi {
-                tgi_event(k, &word, last.then_some(generated.as_str()))
-            } else if chat {
-                chat_chunk(&word)
+            if is_tgi {
+                generated.push_str(&words[slot]);
+                pending.push_str(&tgi_event(
+                    k,
+                    &words[slot],
+                    last.then_some(generated.as_str()),
+                ));
+            } else if is_chat {
+                pending.push_str(&chat[slot]);
             } else {
-                completion_chunk(&word)
-            });
+                pending.push_str(&completion[slot]);
+            }
             pending_tokens += 1;
             if pending_tokens == per_write || last {
                 let delay = if events.is_empty() {
@@ -369,7 +378,7 @@ pub fn synthetic(timing: SyntheticTiming) -> Responder {
                 pending_tokens = 0;
             }
         }
-        if !tgi {
+        if !is_tgi {
             let tail = format!("{}{}", usage_chunk(1, n), done_chunk());
             events.push(ScriptedEvent::new(Duration::ZERO, tail, 0));
         }
