@@ -395,7 +395,7 @@ impl BenchArgs {
         }
         let num_prompts = parse_count_list(&self.num_prompts)?;
         let request_rates = parse_float_list(&self.request_rate, "request rate")?;
-        if request_rates.iter().any(|r| !(*r > 0.0)) {
+        if request_rates.iter().any(|r| r.is_nan() || *r <= 0.0) {
             return Err(ConfigError("--request-rate must be positive".into()));
         }
         let max_concurrencies: Vec<Option<usize>> = match &self.max_concurrency {
@@ -415,7 +415,7 @@ impl BenchArgs {
                 "only one of --num-prompts, --request-rate, --max-concurrency may be a list".into(),
             ));
         }
-        if !(self.burstiness > 0.0) {
+        if self.burstiness.is_nan() || self.burstiness <= 0.0 {
             return Err(ConfigError(format!(
                 "A positive burstiness factor is expected, but given {}.",
                 self.burstiness

@@ -62,12 +62,12 @@ pub fn arrival_offsets(
     burstiness: f64,
     seed: u64,
 ) -> Result<Vec<f64>, RunError> {
-    if !(burstiness > 0.0) {
+    if burstiness.is_nan() || burstiness <= 0.0 {
         return Err(RunError::Traffic(format!(
             "A positive burstiness factor is expected, but given {burstiness}."
         )));
     }
-    if !(request_rate > 0.0) {
+    if request_rate.is_nan() || request_rate <= 0.0 {
         return Err(RunError::Traffic(format!(
             "request rate must be positive, got {request_rate}"
         )));

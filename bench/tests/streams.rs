@@ -62,13 +62,12 @@ async fn send(server: &FakeServer, backend: Backend, path: &str) -> RequestOutpu
         headers: Default::default(),
     };
     let client = reqwest::Client::new();
-    let output = tokio::time::timeout(
+    tokio::time::timeout(
         Duration::from_secs(10),
         send_request(&client, &target, &input(), Instant::now()),
     )
     .await
-    .expect("request finished in time");
-    output
+    .expect("request finished in time")
 }
 
 #[tokio::test]
