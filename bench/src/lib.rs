@@ -94,7 +94,7 @@ pub async fn run(
     out: &mut (dyn Write + Send),
     log: &mut (dyn Write + Send),
 ) -> Result<RunSummary, BenchError> {
-    let _ = writeln!(log, "{:?}", config.args);
+    let _ = writeln!(log, "{:?}", redacted(&config.args));
     let tokenizer_path = config
         .tokenizer
         .clone()
@@ -229,6 +229,20 @@ pub async fn run(
         summary.plot_files = finish_sweep(config, axis, &points, &date, out)?;
     }
     Ok(summary)
+}
+
+/// The options as vLLM prints its namespace, with secrets left out of the log.
+fn redacted(args: &cli::BenchArgs) -> cli::BenchArgs {
+    let mut args = args.clone();
+    if args.api_key.is_some() {
+        args.api_key = Some("<redacted>".into());
+    }
+    for header in &mut args.headers {
+        if let Some((name, _)) = header.split_once('=') {
+            *header = format!("{name}=<redacted>");
+        }
+    }
+    args
 }
 
 fn write_out(out: &mut (dyn Write + Send), text: &str) -> Result<(), BenchError> {

@@ -350,6 +350,55 @@ mod tests {
     }
 
     #[test]
+    fn detailed_results_keep_per_request_lists() {
+        let header = ResultHeader {
+            date: "20250101-000000".into(),
+            backend: "tgi".into(),
+            label: Some("run".into()),
+            model_id: "m".into(),
+            tokenizer_id: "t".into(),
+            num_prompts: 2,
+            metadata: vec![("gpu".into(), "none".into())],
+            request_rate: 4.0,
+            burstiness: f64::INFINITY,
+            max_concurrency: None,
+        };
+        let outputs = vec![
+            RequestOutput {
+                success: true,
+                prompt_len: 3,
+                ttft: 0.5,
+                itl: vec![0.1],
+                generated_text: "ab".into(),
+                ..Default::default()
+            },
+            RequestOutput {
+                prompt_len: 4,
+                error: "Not Found".into(),
+                ..Default::default()
+            },
+        ];
+        let metrics = BenchmarkMetrics::default();
+        let kinds = [MetricKind::Ttft];
+        let json = result_json(&header, &metrics, 1.0, &outputs, &[2, 0], &kinds, true);
+        assert_eq!(json["input_lens"], serde_json::json!([3, 4]));
+        assert_eq!(json["output_lens"], serde_json::json!([2, 0]));
+        assert_eq!(json["itls"], serde_json::json!([[0.1], []]));
+        assert_eq!(json["errors"], serde_json::json!(["", "Not Found"]));
+        assert_eq!(json["generated_texts"][0], "ab");
+        assert_eq!(json["request_rate"], 4.0);
+        assert_eq!(json["burstiness"], "inf");
+        assert_eq!(json["gpu"], "none");
+        assert!(json.get("mean_tpot_ms").is_none());
+        let brief = result_json(&header, &metrics, 1.0, &outputs, &[2, 0], &kinds, false);
+        assert!(brief.get("ttfts").is_none() && brief.get("errors").is_none());
+        assert!(
+            brief.get("p99_ttft_ms").is_none(),
+            "no percentiles were computed"
+        );
+    }
+
+    #[test]
     fn default_file_name_matches_vllm() {
         let header = ResultHeader {
             date: "20250101-000000".into(),

@@ -512,6 +512,8 @@ async fn request_rate_paces_arrivals_and_goodput_is_reported() {
             "--goodput",
             "ttft:5000",
             "e2el:0",
+            "--num-warmups",
+            "2",
         ],
     )
     .await;
@@ -529,5 +531,10 @@ async fn request_rate_paces_arrivals_and_goodput_is_reported() {
         "{stdout}"
     );
     assert_eq!(block.metrics.request_goodput, Some(0.0));
+    // Two warmup copies of sample 0 went first; they are not part of the block.
+    let requests = server.requests();
+    assert_eq!(requests.len(), 12);
+    assert_eq!(requests[0].body["prompt"], requests[1].body["prompt"]);
+    assert_eq!(block.metrics.completed, 10);
     server.shutdown().await;
 }
