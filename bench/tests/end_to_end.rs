@@ -538,3 +538,36 @@ async fn request_rate_paces_arrivals_and_goodput_is_reported() {
     assert_eq!(block.metrics.completed, 10);
     server.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn max_concurrency_list_sweeps_that_option() {
+    let dir = tempfile::tempdir().unwrap();
+    let tokenizer = write_tokenizer(dir.path());
+    let server = FakeServer::start(synthetic(timing(1, 1))).await.unwrap();
+    let (summary, stdout) = run_in_process(
+        &server,
+        &tokenizer,
+        &[
+            "--model",
+            "m",
+            "--num-prompts",
+            "4",
+            "--max-concurrency",
+            "1,2",
+            "--random-input-len",
+            "8",
+            "--random-output-len",
+            "2",
+            "--no-plot",
+        ],
+    )
+    .await;
+    let limits: Vec<Option<usize>> = summary.blocks.iter().map(|b| b.max_concurrency).collect();
+    assert_eq!(limits, [Some(1), Some(2)]);
+    assert!(stdout.contains("Maximum request concurrency:             1         \n"));
+    assert!(stdout.contains("Maximum request concurrency:             2         \n"));
+    let table = stdout.split(" Sweep Summary ").nth(1).expect("summary");
+    assert!(table.contains("max_concurrency"));
+    assert!(summary.plot_files.is_empty());
+    server.shutdown().await;
+}
