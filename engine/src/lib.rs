@@ -1,1 +1,22 @@
-//! The model runtime shared by both workers.
+//! tandem's model runtime, shared by the prefill and decode workers: Llama-family models on
+//! a paged KV cache, batched and chunked prefill, continuous-batching decode, sampling and
+//! stopping, and the KV export/import primitives the transports build on.
+//!
+//! It knows nothing of networks or RPC: workers drive an [`Engine`] from their own threads.
+
+pub mod config;
+pub mod engine;
+pub mod error;
+pub mod fetch;
+pub mod kernels;
+pub mod kv;
+pub mod model;
+pub mod reference;
+pub mod sampling;
+mod sequence;
+
+pub use config::{ModelConfig, WeightDtype};
+pub use engine::{Engine, EngineConfig, FinishReason, SeqId, StepOutput};
+pub use error::{EngineError, Result};
+pub use model::{LoadOptions, Model, ModelSource, SeqInput, load_model};
+pub use sampling::{SamplingParams, StopParams};

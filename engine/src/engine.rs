@@ -1,0 +1,640 @@
+//! `Engine`: the scheduler around a model and its KV cache. Each [`Engine::step`] runs one
+//! forward pass over a batch built like vLLM's chunked-prefill scheduler: every running
+//! sequence contributes its next decode token first, then prompts are prefilled in chunks
+//! under the token budget. Sequences join and leave between any two steps.
+//!
+//! The same engine serves the three roles: a prefill worker (prompts with one output token,
+//! KV handed out per layer through [`Engine::step_with`]), a decode worker (KV imported into
+//! reserved blocks, then [`Engine::add_prefilled`]), and aggregated serving (both).
+//!
+//! When the pool runs dry the youngest running sequence is preempted: its blocks are freed
+//! and it is recomputed from its tokens later (counted in [`EngineStats::preemptions`]).
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
+
+use serde::{Deserialize, Serialize};
+use tandem_text::TextTokenizer;
+
+use crate::error::{EngineError, Result};
+use crate::kv::{BLOCK_SIZE, BlockPool, KvCache, blocks_for};
+use crate::model::{Model, SeqInput};
+use crate::sampling::{Sampler, SamplingParams, StopParams};
+use crate::sequence::Sequence;
+
+/// Identifies a sequence inside one engine.
+pub type SeqId = u64;
+
+/// Why a sequence ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum FinishReason {
+    /// EOS, a stop token or a stop string.
+    Stop,
+    /// max_tokens, or the context is full.
+    Length,
+}
+
+impl FinishReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FinishReason::Stop => "stop",
+            FinishReason::Length => "length",
+        }
+    }
+}
+
+/// One generated token of one sequence.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StepOutput {
+    pub id: SeqId,
+    pub token: u32,
+    pub logprob: f32,
+    /// Text this token completes (may be empty, never half a character).
+    pub text: String,
+    /// Set on the sequence's last token; its blocks are already free.
+    pub finish: Option<FinishReason>,
+    pub prompt_tokens: usize,
+    pub completion_tokens: usize,
+}
+
+/// Engine sizing.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EngineConfig {
+    /// Bytes of KV cache; the pool holds as many blocks as fit.
+    pub kv_budget_bytes: usize,
+    /// Tokens per forward pass (decode tokens plus prefill chunks).
+    pub max_batch_tokens: usize,
+    /// Sequences running at once.
+    pub max_running: usize,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        Self {
+            kv_budget_bytes: 1 << 30,
+            max_batch_tokens: 2048,
+            max_running: 256,
+        }
+    }
+}
+
+impl EngineConfig {
+    pub fn validate(&self) -> Result<()> {
+        if self.max_batch_tokens < BLOCK_SIZE {
+            return Err(EngineError::Config(format!(
+                "max_batch_tokens must be at least {BLOCK_SIZE}"
+            )));
+        }
+        if self.max_running == 0 || self.max_running > self.max_batch_tokens {
+            return Err(EngineError::Config(format!(
+                "max_running must be in 1..={} (max_batch_tokens)",
+                self.max_batch_tokens
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// Counters for metrics and tests.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EngineStats {
+    pub steps: u64,
+    pub prefill_tokens: u64,
+    pub decode_tokens: u64,
+    pub preemptions: u64,
+}
+
+/// What a per-layer callback learns: which positions of which sequences now have this
+/// layer's KV in the cache.
+#[derive(Debug, Clone)]
+pub struct ChunkInfo {
+    pub id: SeqId,
+    pub start_pos: usize,
+    pub len: usize,
+    /// The sequence's block table (covers at least `start_pos + len` tokens).
+    pub blocks: Vec<u32>,
+}
+
+impl ChunkInfo {
+    /// Logical block indices this chunk wrote into (the last may be partly filled).
+    pub fn logical_blocks(&self) -> std::ops::Range<usize> {
+        self.start_pos / BLOCK_SIZE..(self.start_pos + self.len).div_ceil(BLOCK_SIZE)
+    }
+}
+
+/// A model, its KV cache and the sequences sharing them.
+pub struct Engine {
+    model: Arc<Model>,
+    tokenizer: TextTokenizer,
+    cache: KvCache,
+    pool: BlockPool,
+    config: EngineConfig,
+    seqs: HashMap<SeqId, Sequence>,
+    waiting: VecDeque<SeqId>,
+    /// Sequences holding blocks, oldest first (preemption takes from the back).
+    running: Vec<SeqId>,
+    next_id: SeqId,
+    eos: Vec<u32>,
+    stats: EngineStats,
+}
+
+impl std::fmt::Debug for Engine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Engine")
+            .field("model", &self.model.name())
+            .field("blocks", &self.pool.total())
+            .field("free", &self.pool.free_count())
+            .field("waiting", &self.waiting.len())
+            .field("running", &self.running.len())
+            .finish()
+    }
+}
+
+impl Engine {
+    /// An engine with a private KV cache sized by `config.kv_budget_bytes`.
+    pub fn new(model: Arc<Model>, tokenizer: TextTokenizer, config: EngineConfig) -> Result<Self> {
+        let cache = KvCache::with_budget(model.kv_layout(), config.kv_budget_bytes)?;
+        Self::with_cache(model, tokenizer, config, cache)
+    }
+
+    /// An engine over a given cache (for example one in shared memory).
+    pub fn with_cache(
+        model: Arc<Model>,
+        tokenizer: TextTokenizer,
+        config: EngineConfig,
+        cache: KvCache,
+    ) -> Result<Self> {
+        config.validate()?;
+        if let Some(why) = cache.layout().mismatch(&model.kv_layout()) {
+            return Err(EngineError::LayoutMismatch(why));
+        }
+        let eos = tokenizer.info().eos_token_ids.clone();
+        Ok(Self {
+            pool: BlockPool::new(cache.num_blocks()),
+            model,
+            tokenizer,
+            cache,
+            config,
+            seqs: HashMap::new(),
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            next_id: 1,
+            eos,
+            stats: EngineStats::default(),
+        })
+    }
+
+    pub fn model(&self) -> &Arc<Model> {
+        &self.model
+    }
+
+    pub fn tokenizer(&self) -> &TextTokenizer {
+        &self.tokenizer
+    }
+
+    pub fn cache(&self) -> &KvCache {
+        &self.cache
+    }
+
+    pub fn config(&self) -> &EngineConfig {
+        &self.config
+    }
+
+    pub fn stats(&self) -> &EngineStats {
+        &self.stats
+    }
+
+    pub fn total_blocks(&self) -> usize {
+        self.pool.total()
+    }
+
+    pub fn free_blocks(&self) -> usize {
+        self.pool.free_count()
+    }
+
+    pub fn used_blocks(&self) -> usize {
+        self.pool.used_count()
+    }
+
+    pub fn num_waiting(&self) -> usize {
+        self.waiting.len()
+    }
+
+    pub fn num_running(&self) -> usize {
+        self.running.len()
+    }
+
+    /// Prompt tokens not yet run (queued prefill work, for load balancing).
+    pub fn pending_prefill_tokens(&self) -> usize {
+        self.seqs
+            .values()
+            .map(|s| s.pending().saturating_sub(1))
+            .sum::<usize>()
+            + self
+                .waiting
+                .iter()
+                .filter_map(|id| self.seqs.get(id))
+                .filter(|s| s.pending() == 1)
+                .count()
+    }
+
+    pub fn has_work(&self) -> bool {
+        !self.waiting.is_empty() || !self.running.is_empty()
+    }
+
+    pub fn context_len(&self) -> usize {
+        self.model.config().max_position_embeddings
+    }
+
+    /// Checks a request against the model and the pool; the typed errors map to 4xx.
+    pub fn validate_request(
+        &self,
+        prompt: &[u32],
+        sampling: &SamplingParams,
+        stop: &StopParams,
+    ) -> Result<()> {
+        let cfg = self.model.config();
+        if prompt.is_empty() {
+            return Err(EngineError::EmptyPrompt);
+        }
+        if let Some(&id) = prompt.iter().find(|&&t| t as usize >= cfg.vocab_size) {
+            return Err(EngineError::UnknownToken {
+                id,
+                vocab: cfg.vocab_size,
+            });
+        }
+        sampling.validate()?;
+        stop.validate(cfg.vocab_size)?;
+        let context = self.context_len();
+        if prompt.len() + stop.max_tokens > context {
+            return Err(EngineError::ContextExceeded {
+                prompt: prompt.len(),
+                max_tokens: stop.max_tokens,
+                context,
+            });
+        }
+        let needed = blocks_for(prompt.len() + 1);
+        if needed > self.pool.total() {
+            return Err(EngineError::SequenceTooLong {
+                needed,
+                total: self.pool.total(),
+            });
+        }
+        Ok(())
+    }
+
+    /// Queues a request; it runs in the coming steps.
+    pub fn add_request(
+        &mut self,
+        prompt: Vec<u32>,
+        sampling: SamplingParams,
+        stop: StopParams,
+    ) -> Result<SeqId> {
+        self.validate_request(&prompt, &sampling, &stop)?;
+        let id = self.allocate_id();
+        let sampler = Sampler::new(&sampling);
+        let seq = Sequence::new(id, prompt, sampling, stop, &self.eos, sampler);
+        self.seqs.insert(id, seq);
+        self.waiting.push_back(id);
+        Ok(id)
+    }
+
+    /// Removes a sequence wherever it is and frees its blocks. Returns whether it existed.
+    pub fn abort(&mut self, id: SeqId) -> bool {
+        let Some(seq) = self.seqs.remove(&id) else {
+            return false;
+        };
+        self.waiting.retain(|&w| w != id);
+        self.running.retain(|&r| r != id);
+        self.free_blocks_of(seq.blocks);
+        true
+    }
+
+    /// Reserves blocks for `prompt_len` tokens whose KV another engine will write
+    /// (the decode side of a disaggregated request).
+    pub fn reserve(&mut self, prompt_len: usize) -> Result<Vec<u32>> {
+        if prompt_len == 0 {
+            return Err(EngineError::EmptyPrompt);
+        }
+        let needed = blocks_for(prompt_len);
+        if needed > self.pool.total() {
+            return Err(EngineError::SequenceTooLong {
+                needed,
+                total: self.pool.total(),
+            });
+        }
+        self.pool.allocate(needed)
+    }
+
+    /// Returns reserved blocks that will not be used (lease expired, request failed).
+    pub fn release(&mut self, blocks: &[u32]) -> Result<()> {
+        self.pool.release(blocks)
+    }
+
+    /// Writes one received block of one layer. The block must be allocated (reserved).
+    pub fn import_block_layer(&mut self, layer: usize, block: u32, bytes: &[u8]) -> Result<()> {
+        if !self.pool.is_allocated(block) {
+            return Err(EngineError::InvalidKv(format!(
+                "block {block} is not reserved"
+            )));
+        }
+        self.cache.write_block_layer_bytes(layer, block, bytes)
+    }
+
+    /// Direct access to the cache for transports that copy in place (checked by the caller
+    /// against a reservation).
+    pub fn cache_mut(&mut self) -> &mut KvCache {
+        &mut self.cache
+    }
+
+    /// Admits a sequence whose prompt KV already sits in `blocks` and whose first token was
+    /// sampled elsewhere. Returns its id and the output for that first token (which may
+    /// already finish it, freeing the blocks).
+    pub fn add_prefilled(
+        &mut self,
+        prompt: Vec<u32>,
+        first_token: u32,
+        first_logprob: f32,
+        blocks: Vec<u32>,
+        sampling: SamplingParams,
+        stop: StopParams,
+    ) -> Result<(SeqId, StepOutput)> {
+        self.validate_request(&prompt, &sampling, &stop)?;
+        if first_token as usize >= self.model.config().vocab_size {
+            return Err(EngineError::UnknownToken {
+                id: first_token,
+                vocab: self.model.config().vocab_size,
+            });
+        }
+        if blocks.len() < blocks_for(prompt.len())
+            || blocks.iter().any(|&b| !self.pool.is_allocated(b))
+        {
+            return Err(EngineError::InvalidKv(
+                "blocks do not cover the prompt or are not reserved".into(),
+            ));
+        }
+        let id = self.allocate_id();
+        let sampler = Sampler::resumed(&sampling, 1);
+        let mut seq = Sequence::new(id, prompt, sampling, stop, &self.eos, sampler);
+        seq.computed = seq.prompt_len;
+        seq.blocks = blocks;
+        let out = seq.push_token(
+            first_token,
+            first_logprob,
+            &self.tokenizer,
+            self.context_len(),
+        );
+        if out.finish.is_some() {
+            self.free_blocks_of(seq.blocks);
+        } else {
+            self.seqs.insert(id, seq);
+            self.running.push(id);
+        }
+        Ok((id, out))
+    }
+
+    /// One forward pass. Returns a token for every sequence that produced one.
+    pub fn step(&mut self) -> Result<Vec<StepOutput>> {
+        self.step_with(&mut |_, _, _| {})
+    }
+
+    /// One forward pass; `on_layer(layer, cache, chunks)` runs when each layer's KV is in the
+    /// cache for every chunk of the batch (the hook for layer-by-layer KV transfer).
+    pub fn step_with(
+        &mut self,
+        on_layer: &mut dyn FnMut(usize, &KvCache, &[ChunkInfo]),
+    ) -> Result<Vec<StepOutput>> {
+        let plan = self.schedule();
+        if plan.is_empty() {
+            return Ok(Vec::new());
+        }
+        let chunks: Vec<ChunkInfo> = plan
+            .iter()
+            .map(|&(id, start, len)| ChunkInfo {
+                id,
+                start_pos: start,
+                len,
+                blocks: self.seqs[&id].blocks.clone(),
+            })
+            .collect();
+        let mut wants_logits = Vec::with_capacity(plan.len());
+        let inputs: Vec<SeqInput<'_>> = plan
+            .iter()
+            .map(|&(id, start, len)| {
+                let seq = &self.seqs[&id];
+                let logits = start + len == seq.tokens.len();
+                wants_logits.push(logits);
+                SeqInput {
+                    tokens: &seq.tokens[start..start + len],
+                    start_pos: start,
+                    block_table: &seq.blocks,
+                    logits,
+                }
+            })
+            .collect();
+        let logits = self
+            .model
+            .forward(&mut self.cache, &inputs, &mut |layer, cache| {
+                on_layer(layer, cache, &chunks)
+            })?;
+        self.stats.steps += 1;
+
+        let mut outputs = Vec::new();
+        let mut logits = logits.into_iter();
+        let context = self.context_len();
+        for (&(id, _, len), wants) in plan.iter().zip(wants_logits) {
+            let Some(seq) = self.seqs.get_mut(&id) else {
+                continue;
+            };
+            if seq.pending() == 1
+                && len == 1
+                && seq.computed + 1 == seq.tokens.len()
+                && seq.computed >= seq.prompt_len
+            {
+                self.stats.decode_tokens += 1;
+            } else {
+                self.stats.prefill_tokens += len as u64;
+            }
+            seq.computed += len;
+            if !wants {
+                continue;
+            }
+            let Some(mut row) = logits.next() else { break };
+            let (token, logprob) = seq.sampler.sample(&mut row, &seq.sampling, &seq.tokens);
+            let out = seq.push_token(token, logprob, &self.tokenizer, context);
+            if out.finish.is_some() {
+                self.finish(id);
+            }
+            outputs.push(out);
+        }
+        Ok(outputs)
+    }
+
+    /// Runs steps until `id` finishes; returns its outputs (other sequences advance too).
+    pub fn run_to_completion(&mut self, id: SeqId) -> Result<Vec<StepOutput>> {
+        let mut mine = Vec::new();
+        while self.seqs.contains_key(&id) {
+            for out in self.step()? {
+                if out.id == id {
+                    mine.push(out);
+                }
+            }
+        }
+        Ok(mine)
+    }
+
+    /// Picks this step's work: `(sequence, start position, token count)`.
+    fn schedule(&mut self) -> Vec<(SeqId, usize, usize)> {
+        let mut plan = Vec::new();
+        let mut budget = self.config.max_batch_tokens;
+        // 1. Running sequences: decode tokens, and the next chunk of prompts in progress.
+        let mut i = 0;
+        while i < self.running.len() && budget > 0 {
+            let id = self.running[i];
+            let seq = &self.seqs[&id];
+            let start = seq.computed;
+            let len = chunk_len(seq.pending(), budget);
+            if len == 0 {
+                break;
+            }
+            if !self.grow(id, start + len) {
+                // `id` itself was preempted; everything after it in `running` too.
+                break;
+            }
+            plan.push((id, start, len));
+            budget -= len;
+            i += 1;
+        }
+        // 2. Admit waiting sequences while the budget, the running limit and the pool allow;
+        // keep a few blocks spare so admissions do not immediately force preemptions.
+        let watermark = (self.pool.total() / 100).max(1);
+        while budget > 0 && self.running.len() < self.config.max_running {
+            let Some(&id) = self.waiting.front() else {
+                break;
+            };
+            let seq = &self.seqs[&id];
+            let len = chunk_len(seq.pending(), budget);
+            if len == 0 {
+                break;
+            }
+            let needed = blocks_for(seq.computed + len).saturating_sub(seq.blocks.len());
+            if needed + watermark > self.pool.free_count() && !self.running.is_empty() {
+                break;
+            }
+            let Ok(new_blocks) = self.pool.allocate(needed) else {
+                break;
+            };
+            self.waiting.pop_front();
+            let seq = self.seqs.get_mut(&id).expect("waiting ids are in seqs");
+            seq.blocks.extend(new_blocks);
+            plan.push((id, seq.computed, len));
+            self.running.push(id);
+            budget -= len;
+        }
+        plan
+    }
+
+    /// Makes sure `id` has blocks for `tokens` tokens, preempting the youngest running
+    /// sequences if needed. Returns false if `id` itself had to be preempted.
+    fn grow(&mut self, id: SeqId, tokens: usize) -> bool {
+        loop {
+            let seq = &self.seqs[&id];
+            let needed = blocks_for(tokens).saturating_sub(seq.blocks.len());
+            if needed == 0 {
+                return true;
+            }
+            if let Ok(new_blocks) = self.pool.allocate(needed) {
+                self.seqs
+                    .get_mut(&id)
+                    .expect("running ids are in seqs")
+                    .blocks
+                    .extend(new_blocks);
+                return true;
+            }
+            let Some(&victim) = self.running.last() else {
+                return false;
+            };
+            self.preempt(victim);
+            if victim == id {
+                return false;
+            }
+        }
+    }
+
+    fn preempt(&mut self, id: SeqId) {
+        self.running.retain(|&r| r != id);
+        let Some(seq) = self.seqs.get_mut(&id) else {
+            return;
+        };
+        let blocks = std::mem::take(&mut seq.blocks);
+        seq.computed = 0;
+        seq.preemptions += 1;
+        self.stats.preemptions += 1;
+        tracing::debug!(
+            seq = id,
+            tokens = seq.tokens.len(),
+            "preempted: KV freed, will recompute"
+        );
+        self.free_blocks_of(blocks);
+        self.waiting.push_front(id);
+    }
+
+    fn finish(&mut self, id: SeqId) {
+        self.running.retain(|&r| r != id);
+        if let Some(seq) = self.seqs.remove(&id) {
+            self.free_blocks_of(seq.blocks);
+        }
+    }
+
+    fn free_blocks_of(&mut self, blocks: Vec<u32>) {
+        if let Err(e) = self.pool.release(&blocks) {
+            // A bookkeeping bug, not a request error: log loudly, keep serving.
+            tracing::error!(error = %e, "releasing blocks failed");
+        }
+    }
+
+    fn allocate_id(&mut self) -> SeqId {
+        let id = self.next_id;
+        self.next_id += 1;
+        id
+    }
+}
+
+/// Tokens to run for a sequence with `pending` tokens left under `budget`: all of them if
+/// they fit, else a whole number of blocks (so exported blocks are full), else nothing.
+fn chunk_len(pending: usize, budget: usize) -> usize {
+    if pending <= budget {
+        pending
+    } else {
+        budget / BLOCK_SIZE * BLOCK_SIZE
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn chunks_are_whole_blocks_unless_last() {
+        assert_eq!(chunk_len(10, 100), 10);
+        assert_eq!(chunk_len(100, 40), 32);
+        assert_eq!(chunk_len(100, 15), 0);
+        assert_eq!(chunk_len(1, 1), 1);
+    }
+
+    #[test]
+    fn config_validation() {
+        assert!(EngineConfig::default().validate().is_ok());
+        let bad = EngineConfig {
+            max_batch_tokens: 8,
+            ..Default::default()
+        };
+        assert!(bad.validate().is_err());
+        let bad = EngineConfig {
+            max_running: 0,
+            ..Default::default()
+        };
+        assert!(bad.validate().is_err());
+    }
+}

@@ -1,0 +1,177 @@
+//! Per-row operations of the Llama block: RMSNorm, rotary embeddings (HF rotate-half
+//! layout, with Llama 3 frequency scaling), SwiGLU and residual adds. Each row is computed on
+//! its own, in a fixed order, so these are batch-invariant by construction.
+
+use crate::config::{ModelConfig, RopeScaling};
+
+/// `out[t] = x[t] / rms(x[t]) * weight`, for each row `t` of width `weight.len()`.
+pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
+    let h = weight.len();
+    for (row, o) in x.chunks_exact(h).zip(out.chunks_exact_mut(h)) {
+        let mut sum = [0f32; 8];
+        for (i, &v) in row.iter().enumerate() {
+            sum[i % 8] += v * v;
+        }
+        let ss = ((sum[0] + sum[1]) + (sum[2] + sum[3])) + ((sum[4] + sum[5]) + (sum[6] + sum[7]));
+        let scale = 1.0 / (ss / h as f32 + eps).sqrt();
+        for ((o, &v), &w) in o.iter_mut().zip(row).zip(weight) {
+            *o = v * scale * w;
+        }
+    }
+}
+
+/// SwiGLU on a fused gate/up projection: each input row is `[gate(f), up(f)]`, each output
+/// row `silu(gate) * up`.
+pub fn silu_mul(gate_up: &[f32], f: usize, out: &mut [f32]) {
+    for (row, o) in gate_up.chunks_exact(2 * f).zip(out.chunks_exact_mut(f)) {
+        let (gate, up) = row.split_at(f);
+        for ((o, &g), &u) in o.iter_mut().zip(gate).zip(up) {
+            *o = g / (1.0 + (-g).exp()) * u;
+        }
+    }
+}
+
+/// `x += y`.
+pub fn add_in_place(x: &mut [f32], y: &[f32]) {
+    for (a, b) in x.iter_mut().zip(y) {
+        *a += b;
+    }
+}
+
+/// Rotary position embeddings: the inverse frequencies of a model, applied to Q and K rows.
+#[derive(Debug, Clone)]
+pub struct RopeTable {
+    inv_freq: Vec<f32>,
+    head_dim: usize,
+}
+
+impl RopeTable {
+    pub fn new(cfg: &ModelConfig) -> Self {
+        let d = cfg.head_dim;
+        let mut inv_freq: Vec<f32> = (0..d / 2)
+            .map(|i| 1.0 / (cfg.rope_theta as f32).powf((2 * i) as f32 / d as f32))
+            .collect();
+        if let Some(s) = &cfg.rope_scaling {
+            llama3_scale(&mut inv_freq, s);
+        }
+        Self {
+            inv_freq,
+            head_dim: d,
+        }
+    }
+
+    /// `(cos, sin)` tables of `positions.len() × head_dim/2`.
+    pub fn cos_sin(&self, positions: &[usize]) -> (Vec<f32>, Vec<f32>) {
+        let half = self.head_dim / 2;
+        let mut cos = Vec::with_capacity(positions.len() * half);
+        let mut sin = Vec::with_capacity(positions.len() * half);
+        for &p in positions {
+            for &f in &self.inv_freq {
+                let angle = p as f32 * f;
+                cos.push(angle.cos());
+                sin.push(angle.sin());
+            }
+        }
+        (cos, sin)
+    }
+
+    /// Rotates `heads` heads of every row in place: row `t` starts at `t * row_stride`, its
+    /// heads at `col_offset` (so Q and K can be rotated inside a fused QKV row).
+    pub fn apply(
+        &self,
+        x: &mut [f32],
+        row_stride: usize,
+        col_offset: usize,
+        heads: usize,
+        cos: &[f32],
+        sin: &[f32],
+    ) {
+        let d = self.head_dim;
+        let half = d / 2;
+        for (t, row) in x.chunks_exact_mut(row_stride).enumerate() {
+            let c = &cos[t * half..(t + 1) * half];
+            let s = &sin[t * half..(t + 1) * half];
+            for head in row[col_offset..col_offset + heads * d].chunks_exact_mut(d) {
+                let (a, b) = head.split_at_mut(half);
+                for i in 0..half {
+                    let (x1, x2) = (a[i], b[i]);
+                    a[i] = x1 * c[i] - x2 * s[i];
+                    b[i] = x2 * c[i] + x1 * s[i];
+                }
+            }
+        }
+    }
+}
+
+/// Llama 3.1's frequency-dependent scaling of the inverse frequencies.
+fn llama3_scale(inv_freq: &mut [f32], s: &RopeScaling) {
+    let old_ctx = s.original_max_position_embeddings as f32;
+    let low_wavelen = old_ctx / s.low_freq_factor as f32;
+    let high_wavelen = old_ctx / s.high_freq_factor as f32;
+    for f in inv_freq.iter_mut() {
+        let wavelen = 2.0 * std::f32::consts::PI / *f;
+        *f = if wavelen < high_wavelen {
+            *f
+        } else if wavelen > low_wavelen {
+            *f / s.factor as f32
+        } else {
+            let smooth = (old_ctx / wavelen - s.low_freq_factor as f32)
+                / (s.high_freq_factor as f32 - s.low_freq_factor as f32);
+            (1.0 - smooth) * *f / s.factor as f32 + smooth * *f
+        };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rms_norm_unit_rows() {
+        let x = [3.0, 4.0, 0.0, 0.0];
+        let mut out = [0.0; 4];
+        rms_norm(&x, &[1.0, 1.0, 2.0, 2.0], 0.0, &mut out);
+        let rms = (25.0f32 / 4.0).sqrt();
+        assert!((out[0] - 3.0 / rms).abs() < 1e-6 && (out[1] - 4.0 / rms).abs() < 1e-6);
+    }
+
+    #[test]
+    fn rope_preserves_norm_and_position_zero_is_identity() {
+        let cfg = ModelConfig::preset("tiny").unwrap();
+        let rope = RopeTable::new(&cfg);
+        let d = cfg.head_dim;
+        let orig: Vec<f32> = (0..2 * d).map(|i| (i as f32 * 0.37).sin()).collect();
+        let mut x = orig.clone();
+        let (c, s) = rope.cos_sin(&[0]);
+        rope.apply(&mut x, 2 * d, 0, 2, &c, &s);
+        assert_eq!(x, orig);
+        let (c, s) = rope.cos_sin(&[1234]);
+        rope.apply(&mut x, 2 * d, 0, 2, &c, &s);
+        let n0: f32 = orig.iter().map(|v| v * v).sum();
+        let n1: f32 = x.iter().map(|v| v * v).sum();
+        assert!((n0 - n1).abs() < 1e-3 * n0);
+    }
+
+    #[test]
+    fn llama3_scaling_keeps_high_frequencies() {
+        let cfg = ModelConfig::preset("llama-3.2-1b").unwrap();
+        let scaled = RopeTable::new(&cfg);
+        let plain = RopeTable::new(&ModelConfig {
+            rope_scaling: None,
+            ..cfg
+        });
+        assert_eq!(scaled.inv_freq[0], plain.inv_freq[0]);
+        let last = plain.inv_freq.len() - 1;
+        assert!((scaled.inv_freq[last] - plain.inv_freq[last] / 32.0).abs() < 1e-12);
+    }
+
+    #[test]
+    fn silu_mul_matches_formula() {
+        let gu = [1.0, -2.0, 3.0, 0.5];
+        let mut out = [0.0; 2];
+        silu_mul(&gu, 2, &mut out);
+        let silu = |g: f32| g / (1.0 + (-g).exp());
+        assert!((out[0] - silu(1.0) * 3.0).abs() < 1e-6);
+        assert!((out[1] - silu(-2.0) * 0.5).abs() < 1e-6);
+    }
+}

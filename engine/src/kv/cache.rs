@@ -1,0 +1,310 @@
+//! `KvCache`: the memory that holds every KV block of one engine, addressed by
+//! `(layer, block)`. The memory is an anonymous mapping, or a file in shared memory that the
+//! prefill worker on the same host maps too and writes reserved blocks into (the `shm`
+//! transport: one copy, no serialization).
+
+use std::fs::OpenOptions;
+use std::path::{Path, PathBuf};
+
+use memmap2::MmapMut;
+
+use super::layout::KvLayout;
+use crate::error::{EngineError, Result};
+
+/// The backing memory of a KV cache.
+#[derive(Debug)]
+pub struct KvStorage {
+    map: MmapMut,
+    shared_path: Option<PathBuf>,
+}
+
+impl KvStorage {
+    /// Private memory of `bytes` (zero pages, committed lazily by the OS).
+    pub fn anonymous(bytes: usize) -> Result<Self> {
+        let map = MmapMut::map_anon(bytes.max(1))
+            .map_err(|e| EngineError::io("anonymous KV memory", e))?;
+        Ok(Self {
+            map,
+            shared_path: None,
+        })
+    }
+
+    /// Creates (or replaces) a shared-memory file of `bytes` at `path` and maps it.
+    pub fn create_shared(path: &Path, bytes: usize) -> Result<Self> {
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(path)
+            .map_err(|e| EngineError::io(path, e))?;
+        file.set_len(bytes as u64)
+            .map_err(|e| EngineError::io(path, e))?;
+        // SAFETY: the file was just created by us; other processes only write blocks that
+        // this process reserved for them (see `KvCache`).
+        let map = unsafe { MmapMut::map_mut(&file) }.map_err(|e| EngineError::io(path, e))?;
+        Ok(Self {
+            map,
+            shared_path: Some(path.to_owned()),
+        })
+    }
+
+    /// Maps an existing shared-memory file, which must be exactly `bytes` long.
+    pub fn open_shared(path: &Path, bytes: usize) -> Result<Self> {
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(path)
+            .map_err(|e| EngineError::io(path, e))?;
+        let len = file.metadata().map_err(|e| EngineError::io(path, e))?.len();
+        if len != bytes as u64 {
+            return Err(EngineError::LayoutMismatch(format!(
+                "shared KV file {} holds {len} bytes, the layout needs {bytes}",
+                path.display()
+            )));
+        }
+        // SAFETY: the owner keeps the file alive while peers hold leases on its blocks.
+        let map = unsafe { MmapMut::map_mut(&file) }.map_err(|e| EngineError::io(path, e))?;
+        Ok(Self {
+            map,
+            shared_path: None,
+        })
+    }
+
+    /// The shared-memory file this storage created, if any.
+    pub fn shared_path(&self) -> Option<&Path> {
+        self.shared_path.as_deref()
+    }
+
+    pub fn len(&self) -> usize {
+        self.map.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.map.is_empty()
+    }
+}
+
+impl Drop for KvStorage {
+    fn drop(&mut self) {
+        if let Some(path) = &self.shared_path {
+            let _ = std::fs::remove_file(path);
+        }
+    }
+}
+
+/// All KV blocks of one engine.
+#[derive(Debug)]
+pub struct KvCache {
+    layout: KvLayout,
+    num_blocks: usize,
+    storage: KvStorage,
+}
+
+impl KvCache {
+    /// A cache over `storage`, which must hold exactly `num_blocks` blocks of `layout`.
+    pub fn new(layout: KvLayout, num_blocks: usize, storage: KvStorage) -> Result<Self> {
+        let need = num_blocks * layout.block_bytes();
+        if storage.len() < need {
+            return Err(EngineError::LayoutMismatch(format!(
+                "KV storage of {} bytes cannot hold {num_blocks} blocks of {} bytes",
+                storage.len(),
+                layout.block_bytes()
+            )));
+        }
+        Ok(Self {
+            layout,
+            num_blocks,
+            storage,
+        })
+    }
+
+    /// A private cache with as many blocks as `budget_bytes` holds.
+    pub fn with_budget(layout: KvLayout, budget_bytes: usize) -> Result<Self> {
+        let num_blocks = budget_bytes / layout.block_bytes();
+        if num_blocks == 0 {
+            return Err(EngineError::Config(format!(
+                "a KV budget of {budget_bytes} bytes holds no block of {} bytes",
+                layout.block_bytes()
+            )));
+        }
+        let storage = KvStorage::anonymous(num_blocks * layout.block_bytes())?;
+        Self::new(layout, num_blocks, storage)
+    }
+
+    pub fn layout(&self) -> &KvLayout {
+        &self.layout
+    }
+
+    pub fn num_blocks(&self) -> usize {
+        self.num_blocks
+    }
+
+    pub fn storage(&self) -> &KvStorage {
+        &self.storage
+    }
+
+    fn offset(&self, layer: usize, block: u32) -> Result<usize> {
+        if layer >= self.layout.num_layers || block as usize >= self.num_blocks {
+            return Err(EngineError::InvalidKv(format!(
+                "layer {layer} block {block} out of range ({} layers, {} blocks)",
+                self.layout.num_layers, self.num_blocks
+            )));
+        }
+        Ok((layer * self.num_blocks + block as usize) * self.layout.block_layer_elems())
+    }
+
+    /// The floats of one block of one layer (K part, then V part).
+    pub fn block_layer(&self, layer: usize, block: u32) -> Result<&[f32]> {
+        let off = self.offset(layer, block)?;
+        Ok(&self.floats()[off..off + self.layout.block_layer_elems()])
+    }
+
+    /// The same as raw bytes, as transports send them.
+    pub fn block_layer_bytes(&self, layer: usize, block: u32) -> Result<&[u8]> {
+        let n = self.layout.block_layer_bytes();
+        let off = self.offset(layer, block)? * 4;
+        Ok(&self.storage.map[off..off + n])
+    }
+
+    /// Overwrites one block of one layer with received bytes (exactly one block's worth).
+    pub fn write_block_layer_bytes(
+        &mut self,
+        layer: usize,
+        block: u32,
+        bytes: &[u8],
+    ) -> Result<()> {
+        let n = self.layout.block_layer_bytes();
+        if bytes.len() != n {
+            return Err(EngineError::InvalidKv(format!(
+                "block payload of {} bytes, expected {n}",
+                bytes.len()
+            )));
+        }
+        let off = self.offset(layer, block)? * 4;
+        self.storage.map[off..off + n].copy_from_slice(bytes);
+        Ok(())
+    }
+
+    /// Mutable floats of one block of one layer.
+    pub fn block_layer_mut(&mut self, layer: usize, block: u32) -> Result<&mut [f32]> {
+        let off = self.offset(layer, block)?;
+        let n = self.layout.block_layer_elems();
+        Ok(&mut self.floats_mut()[off..off + n])
+    }
+
+    /// Writes one token's K and V rows (`kv_heads × head_dim` each) into `slot` of `block`.
+    pub(crate) fn write_token(
+        &mut self,
+        layer: usize,
+        block: u32,
+        slot: usize,
+        k: &[f32],
+        v: &[f32],
+    ) -> Result<()> {
+        let (bs, d) = (self.layout.block_size, self.layout.head_dim);
+        let heads = self.layout.num_kv_heads;
+        let dst = self.block_layer_mut(layer, block)?;
+        let (kpart, vpart) = dst.split_at_mut(heads * d * bs);
+        for h in 0..heads {
+            for i in 0..d {
+                kpart[(h * d + i) * bs + slot] = k[h * d + i];
+            }
+            vpart[(h * bs + slot) * d..(h * bs + slot + 1) * d]
+                .copy_from_slice(&v[h * d..(h + 1) * d]);
+        }
+        Ok(())
+    }
+
+    /// Reads back one token's K and V rows (for tests and the reference comparison).
+    pub fn read_token(
+        &self,
+        layer: usize,
+        block: u32,
+        slot: usize,
+    ) -> Result<(Vec<f32>, Vec<f32>)> {
+        let (bs, d) = (self.layout.block_size, self.layout.head_dim);
+        let heads = self.layout.num_kv_heads;
+        let src = self.block_layer(layer, block)?;
+        let (kpart, vpart) = src.split_at(heads * d * bs);
+        let mut k = vec![0f32; heads * d];
+        let mut v = vec![0f32; heads * d];
+        for h in 0..heads {
+            for i in 0..d {
+                k[h * d + i] = kpart[(h * d + i) * bs + slot];
+            }
+            v[h * d..(h + 1) * d]
+                .copy_from_slice(&vpart[(h * bs + slot) * d..(h * bs + slot + 1) * d]);
+        }
+        Ok((k, v))
+    }
+
+    /// Base pointer of a layer's blocks, for the attention kernel.
+    pub(crate) fn layer_ptr(&self, layer: usize) -> *const f32 {
+        let off = layer * self.num_blocks * self.layout.block_layer_elems();
+        self.floats()[off..].as_ptr()
+    }
+
+    fn floats(&self) -> &[f32] {
+        let bytes: &[u8] = &self.storage.map;
+        // SAFETY: mappings are page-aligned, so the f32 view is aligned; the length rounds down.
+        unsafe { std::slice::from_raw_parts(bytes.as_ptr().cast::<f32>(), bytes.len() / 4) }
+    }
+
+    fn floats_mut(&mut self) -> &mut [f32] {
+        let bytes: &mut [u8] = &mut self.storage.map;
+        // SAFETY: as in `floats`, with exclusive access through `&mut self`.
+        unsafe { std::slice::from_raw_parts_mut(bytes.as_mut_ptr().cast::<f32>(), bytes.len() / 4) }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kv::KvDtype;
+
+    fn layout() -> KvLayout {
+        KvLayout {
+            num_layers: 2,
+            num_kv_heads: 2,
+            head_dim: 4,
+            block_size: 16,
+            dtype: KvDtype::F32,
+            model_fingerprint: "t".into(),
+        }
+    }
+
+    #[test]
+    fn token_round_trip_and_bounds() {
+        let mut cache = KvCache::with_budget(layout(), 3 * layout().block_bytes()).unwrap();
+        assert_eq!(cache.num_blocks(), 3);
+        let k: Vec<f32> = (0..8).map(|i| i as f32).collect();
+        let v: Vec<f32> = (0..8).map(|i| 100.0 + i as f32).collect();
+        cache.write_token(1, 2, 5, &k, &v).unwrap();
+        assert_eq!(cache.read_token(1, 2, 5).unwrap(), (k, v));
+        assert!(cache.block_layer(2, 0).is_err());
+        assert!(cache.block_layer(0, 3).is_err());
+        assert!(cache.write_block_layer_bytes(0, 0, &[0u8; 3]).is_err());
+        assert!(KvCache::with_budget(layout(), 10).is_err());
+    }
+
+    #[test]
+    fn shared_file_is_seen_by_a_second_mapping() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("kv");
+        let bytes = 2 * layout().block_bytes();
+        let owner =
+            KvCache::new(layout(), 2, KvStorage::create_shared(&path, bytes).unwrap()).unwrap();
+        let mut peer =
+            KvCache::new(layout(), 2, KvStorage::open_shared(&path, bytes).unwrap()).unwrap();
+        let payload: Vec<u8> = (0..layout().block_layer_bytes())
+            .map(|i| (i % 251) as u8)
+            .collect();
+        peer.write_block_layer_bytes(1, 1, &payload).unwrap();
+        assert_eq!(owner.block_layer_bytes(1, 1).unwrap(), &payload[..]);
+        assert!(KvStorage::open_shared(&path, bytes + 1).is_err());
+        drop(peer);
+        drop(owner);
+        assert!(!path.exists(), "the owner removes its file");
+    }
+}

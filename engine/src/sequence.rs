@@ -1,0 +1,123 @@
+//! One request's state inside an engine: its tokens, how many of them have KV in the cache,
+//! its blocks, and the text-side state (detokenizer, stop strings) that turns sampled tokens
+//! into output deltas and finish reasons.
+
+use tandem_text::{IncrementalDetokenizer, StopStringMatcher, TextTokenizer};
+
+use crate::engine::{FinishReason, SeqId, StepOutput};
+use crate::sampling::{Sampler, SamplingParams, StopParams};
+
+#[derive(Debug)]
+pub(crate) struct Sequence {
+    pub id: SeqId,
+    /// The prompt followed by every generated token.
+    pub tokens: Vec<u32>,
+    pub prompt_len: usize,
+    /// Tokens whose KV is in the cache.
+    pub computed: usize,
+    pub blocks: Vec<u32>,
+    pub sampling: SamplingParams,
+    pub stop: StopParams,
+    pub sampler: Sampler,
+    /// Token ids that end generation (EOS unless ignored, plus the request's own).
+    pub stop_ids: Vec<u32>,
+    detok: IncrementalDetokenizer,
+    stop_matcher: StopStringMatcher,
+    /// Times this sequence lost its blocks and was recomputed.
+    pub preemptions: u32,
+}
+
+impl Sequence {
+    pub fn new(
+        id: SeqId,
+        prompt: Vec<u32>,
+        sampling: SamplingParams,
+        stop: StopParams,
+        eos: &[u32],
+        sampler: Sampler,
+    ) -> Self {
+        let mut stop_ids = stop.stop_token_ids.clone();
+        if !stop.ignore_eos {
+            stop_ids.extend_from_slice(eos);
+        }
+        let detok = IncrementalDetokenizer::new(&prompt, true);
+        let stop_matcher = StopStringMatcher::new(&stop.stop_strings);
+        Self {
+            id,
+            prompt_len: prompt.len(),
+            tokens: prompt,
+            computed: 0,
+            blocks: Vec::new(),
+            sampling,
+            stop,
+            sampler,
+            stop_ids,
+            detok,
+            stop_matcher,
+            preemptions: 0,
+        }
+    }
+
+    pub fn generated(&self) -> usize {
+        self.tokens.len() - self.prompt_len
+    }
+
+    /// Tokens still to run through the model.
+    pub fn pending(&self) -> usize {
+        self.tokens.len() - self.computed
+    }
+
+    /// Appends a sampled token and works out what the client sees and whether it ends here.
+    pub fn push_token(
+        &mut self,
+        token: u32,
+        logprob: f32,
+        tokenizer: &TextTokenizer,
+        context: usize,
+    ) -> StepOutput {
+        self.tokens.push(token);
+        let mut finish = None;
+        let mut text = String::new();
+        if self.stop_ids.contains(&token) {
+            finish = Some(FinishReason::Stop);
+            text.push_str(&self.flush(tokenizer, false));
+        } else {
+            let delta = self.detok.push(tokenizer, token).unwrap_or_else(|e| {
+                tracing::warn!(seq = self.id, error = %e, "detokenization failed");
+                String::new()
+            });
+            let m = self.stop_matcher.push(&delta);
+            text.push_str(&m.emit);
+            if m.stopped.is_some() {
+                finish = Some(FinishReason::Stop);
+            } else if self.generated() >= self.stop.max_tokens || self.tokens.len() >= context {
+                finish = Some(FinishReason::Length);
+                text.push_str(&self.flush(tokenizer, true));
+            }
+        }
+        StepOutput {
+            id: self.id,
+            token,
+            logprob,
+            text,
+            finish,
+            prompt_tokens: self.prompt_len,
+            completion_tokens: self.generated(),
+        }
+    }
+
+    /// Text still held by the detokenizer and the stop matcher at the end of generation.
+    fn flush(&mut self, tokenizer: &TextTokenizer, include_detok: bool) -> String {
+        let mut out = String::new();
+        if include_detok {
+            let rest = self.detok.finish(tokenizer).unwrap_or_default();
+            let m = self.stop_matcher.push(&rest);
+            out.push_str(&m.emit);
+            if m.stopped.is_some() {
+                return out;
+            }
+        }
+        out.push_str(&self.stop_matcher.finish());
+        out
+    }
+}

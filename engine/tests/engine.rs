@@ -1,0 +1,404 @@
+//! Engine behaviour on the tiny built-in model: continuous batching, preemption, KV
+//! export/import between two engines, stopping rules, and typed errors for bad input.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use tandem_engine::config::{ModelConfig, WeightDtype};
+use tandem_engine::engine::EngineStats;
+use tandem_engine::model::dummy_model;
+use tandem_engine::{
+    Engine, EngineConfig, EngineError, FinishReason, Model, SamplingParams, StepOutput, StopParams,
+};
+use tandem_text::TextTokenizer;
+
+fn model() -> Arc<Model> {
+    Arc::new(
+        dummy_model(
+            ModelConfig::preset("tiny").unwrap(),
+            WeightDtype::F32,
+            0,
+            "tiny",
+        )
+        .unwrap(),
+    )
+}
+
+fn engine(model: &Arc<Model>, blocks: usize) -> Engine {
+    let bytes = blocks * model.kv_layout().block_bytes();
+    let config = EngineConfig {
+        kv_budget_bytes: bytes,
+        max_batch_tokens: 256,
+        max_running: 64,
+    };
+    Engine::new(model.clone(), TextTokenizer::byte_level(), config).unwrap()
+}
+
+fn prompt(i: usize, len: usize) -> Vec<u32> {
+    (0..len)
+        .map(|j| 3 + ((i * 31 + j * 7) % 250) as u32)
+        .collect()
+}
+
+fn greedy(max_tokens: usize) -> (SamplingParams, StopParams) {
+    (
+        SamplingParams::greedy(),
+        StopParams {
+            max_tokens,
+            ignore_eos: true,
+            ..Default::default()
+        },
+    )
+}
+
+fn run_alone(model: &Arc<Model>, p: &[u32], max_tokens: usize) -> Vec<u32> {
+    let mut e = engine(model, 64);
+    let (s, st) = greedy(max_tokens);
+    let id = e.add_request(p.to_vec(), s, st).unwrap();
+    e.run_to_completion(id)
+        .unwrap()
+        .iter()
+        .map(|o| o.token)
+        .collect()
+}
+
+fn drain(e: &mut Engine) -> HashMap<u64, Vec<StepOutput>> {
+    let mut outs: HashMap<u64, Vec<StepOutput>> = HashMap::new();
+    let mut guard = 0;
+    while e.has_work() {
+        for o in e.step().unwrap() {
+            outs.entry(o.id).or_default().push(o);
+        }
+        guard += 1;
+        assert!(guard < 10_000, "engine did not finish");
+    }
+    outs
+}
+
+#[test]
+fn continuous_batching_gives_each_sequence_its_solo_tokens() {
+    let model = model();
+    let mut e = engine(&model, 256);
+    let lens = [3, 40, 17, 300, 1, 64, 90, 5];
+    let mut ids = Vec::new();
+    let mut outs: HashMap<u64, Vec<StepOutput>> = HashMap::new();
+    // Sequences join at different steps while others decode.
+    for (i, &len) in lens.iter().enumerate() {
+        let (s, st) = greedy(12 + i);
+        ids.push((e.add_request(prompt(i, len), s, st).unwrap(), i, len));
+        for _ in 0..i {
+            for o in e.step().unwrap() {
+                outs.entry(o.id).or_default().push(o);
+            }
+        }
+    }
+    for (id, o) in drain(&mut e) {
+        outs.entry(id).or_default().extend(o);
+    }
+    for (id, i, len) in ids {
+        let got: Vec<u32> = outs[&id].iter().map(|o| o.token).collect();
+        assert_eq!(
+            got,
+            run_alone(&model, &prompt(i, len), 12 + i),
+            "sequence {i}"
+        );
+        let last = outs[&id].last().unwrap();
+        assert_eq!(last.finish, Some(FinishReason::Length));
+        assert_eq!(last.completion_tokens, 12 + i);
+        assert_eq!(last.prompt_tokens, len);
+    }
+    assert_eq!(e.used_blocks(), 0, "every block returned");
+}
+
+#[test]
+fn preemption_recomputes_without_changing_tokens() {
+    let model = model();
+    // 12 blocks: four sequences of 40-token prompts growing to 80 tokens cannot all fit.
+    let mut e = engine(&model, 12);
+    let mut ids = Vec::new();
+    for i in 0..4 {
+        let (s, st) = greedy(40);
+        ids.push((e.add_request(prompt(i, 40), s, st).unwrap(), i));
+    }
+    let outs = drain(&mut e);
+    let stats: &EngineStats = e.stats();
+    assert!(stats.preemptions > 0, "the pool was meant to run dry");
+    for (id, i) in ids {
+        let got: Vec<u32> = outs[&id].iter().map(|o| o.token).collect();
+        assert_eq!(got, run_alone(&model, &prompt(i, 40), 40), "sequence {i}");
+    }
+    assert_eq!(e.used_blocks(), 0);
+}
+
+#[test]
+fn exported_kv_continues_identically_in_another_engine() {
+    let model = model();
+    for len in [1, 15, 16, 17, 100, 300] {
+        let p = prompt(len, len);
+        let mut prefill = engine(&model, 64);
+        let (s, _) = greedy(1);
+        let stop_prefill = StopParams {
+            max_tokens: 1,
+            ignore_eos: true,
+            ..Default::default()
+        };
+        prefill
+            .add_request(p.clone(), s.clone(), stop_prefill)
+            .unwrap();
+        // Capture every (logical block, layer) as the layers complete.
+        let mut shipped: HashMap<(usize, usize), Vec<u8>> = HashMap::new();
+        let mut first = None;
+        while prefill.has_work() {
+            let outs = prefill
+                .step_with(&mut |layer, cache, chunks| {
+                    for c in chunks {
+                        for lb in c.logical_blocks() {
+                            let bytes = cache.block_layer_bytes(layer, c.blocks[lb]).unwrap();
+                            shipped.insert((lb, layer), bytes.to_vec());
+                        }
+                    }
+                })
+                .unwrap();
+            if let Some(o) = outs.into_iter().next() {
+                first = Some(o);
+            }
+        }
+        let first = first.unwrap();
+        assert_eq!(prefill.used_blocks(), 0, "prefill side frees its blocks");
+
+        let mut decode = engine(&model, 64);
+        let blocks = decode.reserve(len).unwrap();
+        for ((lb, layer), bytes) in &shipped {
+            decode
+                .import_block_layer(*layer, blocks[*lb], bytes)
+                .unwrap();
+        }
+        let (s, st) = greedy(20);
+        let (id, out0) = decode
+            .add_prefilled(p.clone(), first.token, first.logprob, blocks, s, st)
+            .unwrap();
+        let mut got = vec![out0.token];
+        got.extend(
+            decode
+                .run_to_completion(id)
+                .unwrap()
+                .iter()
+                .map(|o| o.token),
+        );
+        assert_eq!(got, run_alone(&model, &p, 20), "prompt of {len}");
+        assert_eq!(decode.used_blocks(), 0);
+    }
+}
+
+#[test]
+fn stop_tokens_strings_and_eos() {
+    let model = model();
+    let reference = run_alone(&model, &prompt(1, 10), 30);
+    let tok = TextTokenizer::byte_level();
+    // A stop token: generation ends at its first occurrence, which is not emitted as text.
+    let target = reference[5];
+    let cut = reference.iter().position(|&t| t == target).unwrap();
+    let mut e = engine(&model, 64);
+    let stop = StopParams {
+        max_tokens: 30,
+        stop_token_ids: vec![target],
+        ..Default::default()
+    };
+    let id = e
+        .add_request(prompt(1, 10), SamplingParams::greedy(), stop)
+        .unwrap();
+    let outs = e.run_to_completion(id).unwrap();
+    assert_eq!(outs.len(), cut + 1);
+    assert_eq!(outs.last().unwrap().finish, Some(FinishReason::Stop));
+    // A stop string made of generated text: output ends right before it.
+    let full_text = tok.decode(&reference, true).unwrap();
+    let stop_str: String = full_text.chars().skip(8).take(3).collect();
+    if !stop_str.is_empty() {
+        let mut e = engine(&model, 64);
+        let stop = StopParams {
+            max_tokens: 30,
+            stop_strings: vec![stop_str.clone()],
+            ignore_eos: true,
+            ..Default::default()
+        };
+        let id = e
+            .add_request(prompt(1, 10), SamplingParams::greedy(), stop)
+            .unwrap();
+        let outs = e.run_to_completion(id).unwrap();
+        let text: String = outs.iter().map(|o| o.text.as_str()).collect();
+        let expected = &full_text[..full_text.find(&stop_str).unwrap()];
+        assert_eq!(text, expected);
+        assert_eq!(outs.last().unwrap().finish, Some(FinishReason::Stop));
+        assert_eq!(e.used_blocks(), 0);
+    }
+    // EOS ends generation unless ignore_eos; with the tiny model EOS is id 2.
+    let mut e = engine(&model, 64);
+    let stop = StopParams {
+        max_tokens: 5,
+        stop_token_ids: vec![],
+        ignore_eos: false,
+        ..Default::default()
+    };
+    let id = e
+        .add_request(prompt(3, 4), SamplingParams::greedy(), stop)
+        .unwrap();
+    let outs = e.run_to_completion(id).unwrap();
+    assert!(outs.len() <= 5);
+    let text: String = outs.iter().map(|o| o.text.as_str()).collect();
+    let full: String = tok
+        .decode(&outs.iter().map(|o| o.token).collect::<Vec<_>>(), true)
+        .unwrap();
+    assert_eq!(text, full, "streamed text equals the whole decode");
+}
+
+#[test]
+fn sampled_requests_reproduce_with_a_seed() {
+    let model = model();
+    let sampling = SamplingParams {
+        // The tiny model's logits are sharp: a high temperature makes sampling visible.
+        temperature: 8.0,
+        top_k: 40,
+        top_p: 0.95,
+        seed: Some(1234),
+        repetition_penalty: 1.1,
+    };
+    let stop = StopParams {
+        max_tokens: 25,
+        ignore_eos: true,
+        ..Default::default()
+    };
+    let run = || {
+        let mut e = engine(&model, 64);
+        let id = e
+            .add_request(prompt(2, 30), sampling.clone(), stop.clone())
+            .unwrap();
+        e.run_to_completion(id)
+            .unwrap()
+            .iter()
+            .map(|o| o.token)
+            .collect::<Vec<_>>()
+    };
+    let a = run();
+    assert_eq!(a, run());
+    assert_ne!(
+        a,
+        run_alone(&model, &prompt(2, 30), 25),
+        "sampling differs from greedy"
+    );
+}
+
+#[test]
+fn bad_inputs_are_typed_errors() {
+    let model = model();
+    let mut e = engine(&model, 64);
+    let ok = SamplingParams::greedy();
+    let stop = StopParams::default();
+    assert!(matches!(
+        e.add_request(vec![], ok.clone(), stop.clone()),
+        Err(EngineError::EmptyPrompt)
+    ));
+    assert!(matches!(
+        e.add_request(vec![3, 500], ok.clone(), stop.clone()),
+        Err(EngineError::UnknownToken {
+            id: 500,
+            vocab: 259
+        })
+    ));
+    let ctx = model.config().max_position_embeddings;
+    let long = StopParams {
+        max_tokens: 10,
+        ..Default::default()
+    };
+    match e.add_request(vec![3; ctx - 5], ok.clone(), long) {
+        Err(EngineError::ContextExceeded {
+            prompt,
+            max_tokens,
+            context,
+        }) => {
+            assert_eq!((prompt, max_tokens, context), (ctx - 5, 10, ctx));
+        }
+        other => panic!("expected ContextExceeded, got {other:?}"),
+    }
+    // Fits the context but not this engine's small pool.
+    assert!(matches!(
+        e.add_request(vec![3; 64 * 16 + 1], ok.clone(), stop.clone()),
+        Err(EngineError::SequenceTooLong { .. })
+    ));
+    for bad in [
+        SamplingParams {
+            temperature: -0.5,
+            ..Default::default()
+        },
+        SamplingParams {
+            top_p: 2.0,
+            ..Default::default()
+        },
+        SamplingParams {
+            repetition_penalty: f32::INFINITY,
+            ..Default::default()
+        },
+    ] {
+        let err = e.add_request(vec![3, 4], bad, stop.clone()).unwrap_err();
+        assert!(err.is_invalid_request(), "{err}");
+    }
+    let zero = StopParams {
+        max_tokens: 0,
+        ..Default::default()
+    };
+    assert!(matches!(
+        e.add_request(vec![3], ok.clone(), zero),
+        Err(EngineError::InvalidSampling {
+            param: "max_tokens",
+            ..
+        })
+    ));
+    // Import paths: foreign blocks and wrong sizes are refused.
+    assert!(e.import_block_layer(0, 3, &[0u8; 8]).is_err());
+    let blocks = e.reserve(20).unwrap();
+    assert!(e.import_block_layer(0, blocks[0], &[0u8; 8]).is_err());
+    assert!(
+        e.import_block_layer(
+            99,
+            blocks[0],
+            &vec![0u8; model.kv_layout().block_layer_bytes()]
+        )
+        .is_err()
+    );
+    assert!(
+        e.add_prefilled(
+            vec![3; 20],
+            9999,
+            0.0,
+            blocks.clone(),
+            ok.clone(),
+            stop.clone()
+        )
+        .is_err()
+    );
+    assert!(
+        e.add_prefilled(vec![3; 40], 5, 0.0, blocks.clone(), ok, stop)
+            .is_err(),
+        "blocks do not cover the prompt"
+    );
+    e.release(&blocks).unwrap();
+    assert!(e.release(&blocks).is_err());
+    assert_eq!(e.used_blocks(), 0);
+    assert!(!e.has_work());
+}
+
+#[test]
+fn abort_frees_blocks_anywhere() {
+    let model = model();
+    let mut e = engine(&model, 64);
+    let (s, st) = greedy(100);
+    let a = e.add_request(prompt(0, 50), s.clone(), st.clone()).unwrap();
+    let b = e.add_request(prompt(1, 20), s, st).unwrap();
+    e.step().unwrap();
+    e.step().unwrap();
+    assert!(e.used_blocks() > 0);
+    assert!(e.abort(a));
+    assert!(e.abort(b));
+    assert!(!e.abort(b));
+    assert_eq!(e.used_blocks(), 0);
+    assert!(!e.has_work());
+}
