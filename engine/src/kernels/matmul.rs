@@ -285,6 +285,9 @@ mod x86 {
                     let mut wv = [_mm512_setzero_ps(); C];
                     for j in 0..C {
                         wv[j] = unsafe { load16!($kind, w.add(j * k + p)) };
+                        // The next tile's rows follow these in memory: fetch them while this
+                        // tile computes, so small batches stream weights at full bandwidth.
+                        _mm_prefetch::<_MM_HINT_T0>(w.wrapping_add((C + j) * k + p) as *const i8);
                     }
                     for i in 0..R {
                         let xv = unsafe { _mm512_loadu_ps(x.add(i * k + p)) };
@@ -338,6 +341,7 @@ mod x86 {
                     let mut wv = [_mm256_setzero_ps(); C];
                     for j in 0..C {
                         wv[j] = unsafe { load8!($kind, w.add(j * k + p)) };
+                        _mm_prefetch::<_MM_HINT_T0>(w.wrapping_add((C + j) * k + p) as *const i8);
                     }
                     for i in 0..R {
                         let xv = unsafe { _mm256_loadu_ps(x.add(i * k + p)) };
