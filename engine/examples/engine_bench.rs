@@ -12,7 +12,10 @@ use std::time::Instant;
 use candle_core::{Device, Tensor};
 use rayon::prelude::*;
 use tandem_engine::kernels::{Matrix, WeightData, linear};
-use tandem_engine::{Engine, EngineConfig, LoadOptions, ModelSource, SamplingParams, StopParams, WeightDtype, load_model};
+use tandem_engine::{
+    Engine, EngineConfig, LoadOptions, ModelSource, SamplingParams, StopParams, WeightDtype,
+    load_model,
+};
 
 struct Args {
     model: String,
@@ -26,20 +29,26 @@ fn parse_args() -> anyhow::Result<Args> {
     let mut args = Args {
         model: "smollm2".into(),
         dtype: WeightDtype::F32,
-        cache: std::env::var_os("TANDEM_CACHE").map_or_else(tandem_engine::fetch::default_cache_dir, PathBuf::from),
+        cache: std::env::var_os("TANDEM_CACHE")
+            .map_or_else(tandem_engine::fetch::default_cache_dir, PathBuf::from),
         prompt_len: 512,
         decode_steps: 16,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
-        let mut value = || it.next().ok_or_else(|| anyhow::anyhow!("{flag} needs a value"));
+        let mut value = || {
+            it.next()
+                .ok_or_else(|| anyhow::anyhow!("{flag} needs a value"))
+        };
         match flag.as_str() {
             "--model" => args.model = value()?,
             "--dtype" => args.dtype = value()?.parse()?,
             "--cache" => args.cache = value()?.into(),
             "--prompt-len" => args.prompt_len = value()?.parse()?,
             "--decode-steps" => args.decode_steps = value()?.parse()?,
-            other => anyhow::bail!("unknown flag {other} (--model, --dtype, --cache, --prompt-len, --decode-steps)"),
+            other => anyhow::bail!(
+                "unknown flag {other} (--model, --dtype, --cache, --prompt-len, --decode-steps)"
+            ),
         }
     }
     Ok(args)
@@ -54,7 +63,9 @@ fn copy_bandwidth() -> f64 {
     let mut best = f64::MAX;
     for _ in 0..5 {
         let t = Instant::now();
-        dst.par_chunks_mut(1 << 20).zip(src.par_chunks(1 << 20)).for_each(|(d, s)| d.copy_from_slice(s));
+        dst.par_chunks_mut(1 << 20)
+            .zip(src.par_chunks(1 << 20))
+            .for_each(|(d, s)| d.copy_from_slice(s));
         best = best.min(t.elapsed().as_secs_f64());
     }
     std::hint::black_box(&dst);
@@ -139,7 +150,11 @@ fn main() -> anyhow::Result<()> {
         max_batch_tokens: 4096,
         max_running: 256,
     };
-    let prompt = |seed: u32, len: usize| -> Vec<u32> { (0..len as u32).map(|i| 3 + (i * 7919 + seed * 104_729) % (vocab - 3)).collect() };
+    let prompt = |seed: u32, len: usize| -> Vec<u32> {
+        (0..len as u32)
+            .map(|i| 3 + (i * 7919 + seed * 104_729) % (vocab - 3))
+            .collect()
+    };
     let greedy = SamplingParams::greedy();
     let stop = |n| StopParams {
         max_tokens: n,
@@ -159,7 +174,8 @@ fn main() -> anyhow::Result<()> {
     let t = args.prompt_len as f64;
     let linear_flops = 2.0 * (cfg.num_parameters() - cfg.vocab_size * cfg.hidden_size) as f64 * t
         + 2.0 * (cfg.vocab_size * cfg.hidden_size) as f64; // LM head for the last token only
-    let attn_flops = 2.0 * 2.0 * cfg.num_hidden_layers as f64 * (cfg.q_width() as f64) * t * (t + 1.0) / 2.0;
+    let attn_flops =
+        2.0 * 2.0 * cfg.num_hidden_layers as f64 * (cfg.q_width() as f64) * t * (t + 1.0) / 2.0;
     let prefill_flops = linear_flops + attn_flops;
     let prefill_tok_s = t / prefill_s;
     let prefill_vs_peak = prefill_flops / prefill_s / peak;
@@ -169,7 +185,11 @@ fn main() -> anyhow::Result<()> {
     for &batch in &[1usize, 8, 32, 64] {
         let mut engine = Engine::new(model.clone(), tokenizer.clone(), config.clone())?;
         for i in 0..batch {
-            engine.add_request(prompt(i as u32, 128), greedy.clone(), stop(args.decode_steps + 2))?;
+            engine.add_request(
+                prompt(i as u32, 128),
+                greedy.clone(),
+                stop(args.decode_steps + 2),
+            )?;
         }
         engine.step()?; // prefill of every prompt (fits the token budget)
         engine.step()?; // first decode step: warm-up
@@ -189,15 +209,46 @@ fn main() -> anyhow::Result<()> {
     println!("| measure | value |");
     println!("|---|---|");
     println!("| threads | {threads} |");
-    println!("| memory bandwidth (copy, read+write) | {:.1} GB/s |", bandwidth / 1e9);
-    println!("| memory bandwidth (read only, for reference) | {:.1} GB/s |", read_bw / 1e9);
-    println!("| f32 matmul 2048³, candle/gemm | {:.1} GFLOP/s |", candle_gflops / 1e9);
-    println!("| f32 matmul 2048³, tandem batch-invariant kernel | {:.1} GFLOP/s |", own_gflops / 1e9);
-    println!("| model | {} ({}, {:.1} MB of weights) |", model.name(), args.dtype.name(), weight_bytes as f64 / 1e6);
-    println!("| prefill {} tokens | {:.1} ms, {:.0} tok/s, {:.1} GFLOP/s ({:.2} of peak) |", args.prompt_len, prefill_s * 1e3, prefill_tok_s, prefill_flops / prefill_s / 1e9, prefill_vs_peak);
-    println!("| decode step floor (weights / bandwidth) | {:.1} ms |", floor_step * 1e3);
+    println!(
+        "| memory bandwidth (copy, read+write) | {:.1} GB/s |",
+        bandwidth / 1e9
+    );
+    println!(
+        "| memory bandwidth (read only, for reference) | {:.1} GB/s |",
+        read_bw / 1e9
+    );
+    println!(
+        "| f32 matmul 2048³, candle/gemm | {:.1} GFLOP/s |",
+        candle_gflops / 1e9
+    );
+    println!(
+        "| f32 matmul 2048³, tandem batch-invariant kernel | {:.1} GFLOP/s |",
+        own_gflops / 1e9
+    );
+    println!(
+        "| model | {} ({}, {:.1} MB of weights) |",
+        model.name(),
+        args.dtype.name(),
+        weight_bytes as f64 / 1e6
+    );
+    println!(
+        "| prefill {} tokens | {:.1} ms, {:.0} tok/s, {:.1} GFLOP/s ({:.2} of peak) |",
+        args.prompt_len,
+        prefill_s * 1e3,
+        prefill_tok_s,
+        prefill_flops / prefill_s / 1e9,
+        prefill_vs_peak
+    );
+    println!(
+        "| decode step floor (weights / bandwidth) | {:.1} ms |",
+        floor_step * 1e3
+    );
     for (batch, step, tok_s) in &decode {
-        println!("| decode batch {batch} | {:.1} ms/step, {:.1} tok/s |", step * 1e3, tok_s);
+        println!(
+            "| decode batch {batch} | {:.1} ms/step, {:.1} tok/s |",
+            step * 1e3,
+            tok_s
+        );
     }
     let json = serde_json::json!({
         "model": model.name(),

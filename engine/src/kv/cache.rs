@@ -5,6 +5,7 @@
 
 use std::fs::OpenOptions;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use memmap2::MmapMut;
 
@@ -12,21 +13,28 @@ use super::layout::KvLayout;
 use crate::error::{EngineError, Result};
 
 /// The backing memory of a KV cache.
+///
+/// Accessed only through raw pointers to one block at a time: the engine's thread, transport
+/// threads writing reserved blocks, and (for shared files) another process may all touch the
+/// region at once, each in blocks it owns, so no reference ever spans the whole region.
 #[derive(Debug)]
 pub struct KvStorage {
     map: MmapMut,
+    base: *mut u8,
     shared_path: Option<PathBuf>,
 }
+
+// SAFETY: the mapping lives as long as the storage; concurrent access is per block, and a
+// block has one owner at a time (the engine's pool and the decode worker's leases decide).
+unsafe impl Send for KvStorage {}
+unsafe impl Sync for KvStorage {}
 
 impl KvStorage {
     /// Private memory of `bytes` (zero pages, committed lazily by the OS).
     pub fn anonymous(bytes: usize) -> Result<Self> {
         let map = MmapMut::map_anon(bytes.max(1))
             .map_err(|e| EngineError::io("anonymous KV memory", e))?;
-        Ok(Self {
-            map,
-            shared_path: None,
-        })
+        Ok(Self::from_map(map, None))
     }
 
     /// Creates (or replaces) a shared-memory file of `bytes` at `path` and maps it.
@@ -43,10 +51,7 @@ impl KvStorage {
         // SAFETY: the file was just created by us; other processes only write blocks that
         // this process reserved for them (see `KvCache`).
         let map = unsafe { MmapMut::map_mut(&file) }.map_err(|e| EngineError::io(path, e))?;
-        Ok(Self {
-            map,
-            shared_path: Some(path.to_owned()),
-        })
+        Ok(Self::from_map(map, Some(path.to_owned())))
     }
 
     /// Maps an existing shared-memory file, which must be exactly `bytes` long.
@@ -65,10 +70,16 @@ impl KvStorage {
         }
         // SAFETY: the owner keeps the file alive while peers hold leases on its blocks.
         let map = unsafe { MmapMut::map_mut(&file) }.map_err(|e| EngineError::io(path, e))?;
-        Ok(Self {
+        Ok(Self::from_map(map, None))
+    }
+
+    fn from_map(mut map: MmapMut, shared_path: Option<PathBuf>) -> Self {
+        let base = map.as_mut_ptr();
+        Self {
             map,
-            shared_path: None,
-        })
+            base,
+            shared_path,
+        }
     }
 
     /// The shared-memory file this storage created, if any.
@@ -98,7 +109,7 @@ impl Drop for KvStorage {
 pub struct KvCache {
     layout: KvLayout,
     num_blocks: usize,
-    storage: KvStorage,
+    storage: Arc<KvStorage>,
 }
 
 impl KvCache {
@@ -115,7 +126,7 @@ impl KvCache {
         Ok(Self {
             layout,
             num_blocks,
-            storage,
+            storage: Arc::new(storage),
         })
     }
 
@@ -144,27 +155,37 @@ impl KvCache {
         &self.storage
     }
 
-    fn offset(&self, layer: usize, block: u32) -> Result<usize> {
-        if layer >= self.layout.num_layers || block as usize >= self.num_blocks {
-            return Err(EngineError::InvalidKv(format!(
-                "layer {layer} block {block} out of range ({} layers, {} blocks)",
-                self.layout.num_layers, self.num_blocks
-            )));
+    /// A handle that writes whole blocks from other threads (transports receiving KV into
+    /// reserved blocks while the engine keeps computing).
+    pub fn block_writer(&self) -> KvBlockWriter {
+        KvBlockWriter {
+            storage: self.storage.clone(),
+            layout: self.layout.clone(),
+            num_blocks: self.num_blocks,
         }
-        Ok((layer * self.num_blocks + block as usize) * self.layout.block_layer_elems())
+    }
+
+    /// Element offset of `(layer, block)`.
+    fn offset(&self, layer: usize, block: u32) -> Result<usize> {
+        block_offset(&self.layout, self.num_blocks, layer, block)
     }
 
     /// The floats of one block of one layer (K part, then V part).
     pub fn block_layer(&self, layer: usize, block: u32) -> Result<&[f32]> {
         let off = self.offset(layer, block)?;
-        Ok(&self.floats()[off..off + self.layout.block_layer_elems()])
+        // SAFETY: in bounds (checked offset); only this block is borrowed.
+        Ok(unsafe {
+            std::slice::from_raw_parts(self.floats_ptr().add(off), self.layout.block_layer_elems())
+        })
     }
 
     /// The same as raw bytes, as transports send them.
     pub fn block_layer_bytes(&self, layer: usize, block: u32) -> Result<&[u8]> {
-        let n = self.layout.block_layer_bytes();
         let off = self.offset(layer, block)? * 4;
-        Ok(&self.storage.map[off..off + n])
+        // SAFETY: as in `block_layer`.
+        Ok(unsafe {
+            std::slice::from_raw_parts(self.storage.base.add(off), self.layout.block_layer_bytes())
+        })
     }
 
     /// Overwrites one block of one layer with received bytes (exactly one block's worth).
@@ -182,7 +203,8 @@ impl KvCache {
             )));
         }
         let off = self.offset(layer, block)? * 4;
-        self.storage.map[off..off + n].copy_from_slice(bytes);
+        // SAFETY: in bounds; `&mut self` excludes the engine's own readers.
+        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), self.storage.base.add(off), n) };
         Ok(())
     }
 
@@ -190,7 +212,8 @@ impl KvCache {
     pub fn block_layer_mut(&mut self, layer: usize, block: u32) -> Result<&mut [f32]> {
         let off = self.offset(layer, block)?;
         let n = self.layout.block_layer_elems();
-        Ok(&mut self.floats_mut()[off..off + n])
+        // SAFETY: in bounds; only this block is borrowed, exclusively through `&mut self`.
+        Ok(unsafe { std::slice::from_raw_parts_mut(self.floats_ptr().add(off), n) })
     }
 
     /// Writes one token's K and V rows (`kv_heads × head_dim` each) into `slot` of `block`.
@@ -242,19 +265,73 @@ impl KvCache {
     /// Base pointer of a layer's blocks, for the attention kernel.
     pub(crate) fn layer_ptr(&self, layer: usize) -> *const f32 {
         let off = layer * self.num_blocks * self.layout.block_layer_elems();
-        self.floats()[off..].as_ptr()
+        // SAFETY: `layer` < num_layers at every call site, so the offset is in bounds.
+        unsafe { self.floats_ptr().add(off) }
     }
 
-    fn floats(&self) -> &[f32] {
-        let bytes: &[u8] = &self.storage.map;
-        // SAFETY: mappings are page-aligned, so the f32 view is aligned; the length rounds down.
-        unsafe { std::slice::from_raw_parts(bytes.as_ptr().cast::<f32>(), bytes.len() / 4) }
+    /// The region as floats: mappings are page-aligned, so the cast is aligned.
+    fn floats_ptr(&self) -> *mut f32 {
+        self.storage.base.cast::<f32>()
+    }
+}
+
+fn block_offset(layout: &KvLayout, num_blocks: usize, layer: usize, block: u32) -> Result<usize> {
+    if layer >= layout.num_layers || block as usize >= num_blocks {
+        return Err(EngineError::InvalidKv(format!(
+            "layer {layer} block {block} out of range ({} layers, {num_blocks} blocks)",
+            layout.num_layers
+        )));
+    }
+    Ok((layer * num_blocks + block as usize) * layout.block_layer_elems())
+}
+
+/// Writes and reads whole blocks of a cache from any thread. Every method is `unsafe`:
+/// the caller must hold the block exclusively (a reservation nobody else touches until it is
+/// handed to the engine), which the type system cannot see across threads or processes.
+#[derive(Debug, Clone)]
+pub struct KvBlockWriter {
+    storage: Arc<KvStorage>,
+    layout: KvLayout,
+    num_blocks: usize,
+}
+
+impl KvBlockWriter {
+    pub fn layout(&self) -> &KvLayout {
+        &self.layout
     }
 
-    fn floats_mut(&mut self) -> &mut [f32] {
-        let bytes: &mut [u8] = &mut self.storage.map;
-        // SAFETY: as in `floats`, with exclusive access through `&mut self`.
-        unsafe { std::slice::from_raw_parts_mut(bytes.as_mut_ptr().cast::<f32>(), bytes.len() / 4) }
+    pub fn num_blocks(&self) -> usize {
+        self.num_blocks
+    }
+
+    /// Copies one block's bytes of one layer into the cache.
+    ///
+    /// # Safety
+    /// No one else may read or write `(layer, block)` during the call.
+    pub unsafe fn write(&self, layer: usize, block: u32, bytes: &[u8]) -> Result<()> {
+        let n = self.layout.block_layer_bytes();
+        if bytes.len() != n {
+            return Err(EngineError::InvalidKv(format!(
+                "block payload of {} bytes, expected {n}",
+                bytes.len()
+            )));
+        }
+        let off = block_offset(&self.layout, self.num_blocks, layer, block)? * 4;
+        // SAFETY: in bounds; exclusivity is the caller's promise.
+        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), self.storage.base.add(off), n) };
+        Ok(())
+    }
+
+    /// Reads one block's bytes of one layer (to verify a checksum after a remote write).
+    ///
+    /// # Safety
+    /// No one may write `(layer, block)` while the returned slice lives.
+    pub unsafe fn read(&self, layer: usize, block: u32) -> Result<&[u8]> {
+        let off = block_offset(&self.layout, self.num_blocks, layer, block)? * 4;
+        // SAFETY: in bounds; the caller excludes writers.
+        Ok(unsafe {
+            std::slice::from_raw_parts(self.storage.base.add(off), self.layout.block_layer_bytes())
+        })
     }
 }
 

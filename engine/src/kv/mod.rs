@@ -9,7 +9,7 @@ mod cache;
 mod layout;
 mod pool;
 
-pub use cache::{KvCache, KvStorage};
+pub use cache::{KvBlockWriter, KvCache, KvStorage};
 pub use layout::{KvDtype, KvLayout};
 pub use pool::BlockPool;
 
