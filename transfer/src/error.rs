@@ -1,0 +1,49 @@
+//! Transfer errors, each mapping to a gRPC status so peers and the router see precise codes.
+
+use tandem_engine::EngineError;
+
+#[derive(Debug, thiserror::Error)]
+pub enum TransferError {
+    #[error("KV layout mismatch: {0}")]
+    LayoutMismatch(String),
+    #[error("unknown or finished lease {0}")]
+    UnknownLease(u64),
+    #[error("lease {0} was cancelled")]
+    Cancelled(u64),
+    #[error("corrupt KV transfer: {0}")]
+    Corrupt(String),
+    #[error("incomplete KV transfer: {0}")]
+    Incomplete(String),
+    #[error("protocol error: {0}")]
+    Protocol(String),
+    #[error("cannot reach the decode worker: {0}")]
+    Connect(String),
+    #[error("transfer I/O: {0}")]
+    Io(#[from] std::io::Error),
+    #[error("peer refused the transfer: {0}")]
+    Remote(String),
+    #[error(transparent)]
+    Engine(#[from] EngineError),
+}
+
+impl From<TransferError> for tonic::Status {
+    fn from(e: TransferError) -> Self {
+        let msg = e.to_string();
+        match e {
+            TransferError::LayoutMismatch(_) => tonic::Status::failed_precondition(msg),
+            TransferError::UnknownLease(_) => tonic::Status::not_found(msg),
+            TransferError::Cancelled(_) => tonic::Status::cancelled(msg),
+            TransferError::Corrupt(_) | TransferError::Incomplete(_) => {
+                tonic::Status::data_loss(msg)
+            }
+            TransferError::Protocol(_) => tonic::Status::invalid_argument(msg),
+            TransferError::Connect(_) | TransferError::Io(_) | TransferError::Remote(_) => {
+                tonic::Status::unavailable(msg)
+            }
+            TransferError::Engine(e) if e.is_invalid_request() => {
+                tonic::Status::invalid_argument(msg)
+            }
+            TransferError::Engine(_) => tonic::Status::internal(msg),
+        }
+    }
+}

@@ -1,0 +1,193 @@
+//! The gRPC transport: a `PushKv` client stream per request (header, blocks layer by layer in
+//! messages of at most 1 MiB, commit), and the decode worker's handler for it.
+
+use std::time::Instant;
+
+use bytes::Bytes;
+use tandem_engine::kv::KvLayout;
+use tandem_proto::v1::decode_service_client::DecodeServiceClient;
+use tandem_proto::v1::{
+    KvBlocks, KvCommit, KvDestination, KvHeader, KvMessage, Transport, kv_message,
+};
+use tokio::sync::{mpsc, oneshot};
+use tokio_stream::wrappers::ReceiverStream;
+
+use crate::checksum::crc32;
+use crate::error::TransferError;
+use crate::lease::LeaseTable;
+use crate::sender::{KvSender, Peers, SendFuture, SendStats};
+
+/// Payload bytes per message, well under tonic's 4 MiB default limit.
+const MAX_PAYLOAD: usize = 1 << 20;
+/// Messages in flight between the engine thread and the network task.
+const QUEUE: usize = 16;
+
+pub(crate) struct GrpcSender {
+    tx: mpsc::Sender<KvMessage>,
+    done: oneshot::Receiver<Result<u64, TransferError>>,
+    dest: KvDestination,
+    request_id: String,
+    num_tokens: usize,
+    bytes: u64,
+    started: Option<Instant>,
+}
+
+impl GrpcSender {
+    pub(crate) async fn start(
+        peers: &Peers,
+        dest: KvDestination,
+        _layout: &KvLayout,
+        request_id: &str,
+        num_tokens: usize,
+    ) -> Result<Self, TransferError> {
+        let mut client = DecodeServiceClient::new(peers.channel(&dest.decode_endpoint)?);
+        let (tx, rx) = mpsc::channel(QUEUE);
+        let header = KvMessage {
+            msg: Some(kv_message::Msg::Header(KvHeader {
+                lease_id: dest.lease_id,
+                kv_layout_hash: dest.kv_layout_hash.clone(),
+                request_id: request_id.to_string(),
+            })),
+        };
+        tx.send(header)
+            .await
+            .map_err(|_| TransferError::Connect("transfer task ended".into()))?;
+        let (done_tx, done) = oneshot::channel();
+        tokio::spawn(async move {
+            let result = client
+                .push_kv(ReceiverStream::new(rx))
+                .await
+                .map(|ack| ack.into_inner().bytes_received)
+                .map_err(|s| TransferError::Remote(format!("{}: {}", s.code(), s.message())));
+            let _ = done_tx.send(result);
+        });
+        Ok(Self {
+            tx,
+            done,
+            dest,
+            request_id: request_id.to_string(),
+            num_tokens,
+            bytes: 0,
+            started: None,
+        })
+    }
+
+    fn failed(&mut self) -> TransferError {
+        match self.done.try_recv() {
+            Ok(Err(e)) => e,
+            _ => TransferError::Connect("the gRPC transfer stream closed".into()),
+        }
+    }
+}
+
+impl KvSender for GrpcSender {
+    fn send_layer(&mut self, layer: usize, blocks: &[(u32, &[u8])]) -> Result<(), TransferError> {
+        self.started.get_or_insert_with(Instant::now);
+        let per_msg = blocks
+            .first()
+            .map_or(1, |(_, b)| (MAX_PAYLOAD / b.len().max(1)).max(1));
+        for group in blocks.chunks(per_msg) {
+            let mut payload = Vec::with_capacity(group.iter().map(|(_, b)| b.len()).sum());
+            let mut logical = Vec::with_capacity(group.len());
+            let mut checksums = Vec::with_capacity(group.len());
+            for &(lb, bytes) in group {
+                payload.extend_from_slice(bytes);
+                logical.push(lb);
+                checksums.push(crc32(bytes));
+            }
+            self.bytes += payload.len() as u64;
+            let msg = KvMessage {
+                msg: Some(kv_message::Msg::Blocks(KvBlocks {
+                    layer: layer as u32,
+                    logical_blocks: logical,
+                    checksums,
+                    payload: Bytes::from(payload),
+                })),
+            };
+            if self.tx.blocking_send(msg).is_err() {
+                return Err(self.failed());
+            }
+        }
+        Ok(())
+    }
+
+    fn commit(self: Box<Self>, first_token: u32, first_logprob: f32) -> SendFuture {
+        Box::pin(async move {
+            let me = *self;
+            let started = me.started.unwrap_or_else(Instant::now);
+            let commit = KvMessage {
+                msg: Some(kv_message::Msg::Commit(KvCommit {
+                    lease_id: me.dest.lease_id,
+                    kv_layout_hash: me.dest.kv_layout_hash.clone(),
+                    request_id: me.request_id.clone(),
+                    first_token,
+                    first_logprob,
+                    num_tokens: me.num_tokens as u32,
+                    checksums: Vec::new(),
+                    transport: Transport::Grpc as i32,
+                    bytes: me.bytes,
+                })),
+            };
+            let sent = me.tx.send(commit).await;
+            drop(me.tx);
+            let result = me
+                .done
+                .await
+                .map_err(|_| TransferError::Connect("transfer task ended".into()))?;
+            sent.map_err(|_| TransferError::Connect("the gRPC transfer stream closed".into()))
+                .and(result)?;
+            Ok(SendStats {
+                bytes: me.bytes,
+                seconds: started.elapsed().as_secs_f64(),
+                transport: Transport::Grpc,
+            })
+        })
+    }
+}
+
+/// The decode worker's side of `PushKv`: checks the header, writes every block through the
+/// lease table, and commits. Any error fails the stream (and, for bad data, the lease).
+pub async fn receive_push_kv(
+    table: &LeaseTable,
+    stream: &mut tonic::Streaming<KvMessage>,
+) -> Result<u64, TransferError> {
+    let next =
+        |s: tonic::Status| TransferError::Protocol(format!("transfer stream: {}", s.message()));
+    let Some(first) = stream.message().await.map_err(next)? else {
+        return Err(TransferError::Protocol("empty transfer stream".into()));
+    };
+    let Some(kv_message::Msg::Header(header)) = first.msg else {
+        return Err(TransferError::Protocol(
+            "a transfer must start with its header".into(),
+        ));
+    };
+    let lease = table.check_header(header.lease_id, &header.kv_layout_hash)?;
+    while let Some(msg) = stream.message().await.map_err(next)? {
+        match msg.msg {
+            Some(kv_message::Msg::Blocks(b)) => {
+                table.write_blocks(
+                    &lease,
+                    b.layer as usize,
+                    &b.logical_blocks,
+                    &b.checksums,
+                    &b.payload,
+                )?;
+            }
+            Some(kv_message::Msg::Commit(c)) => {
+                if c.lease_id != lease.id {
+                    return Err(TransferError::Protocol("commit for another lease".into()));
+                }
+                return table.commit(&c);
+            }
+            _ => {
+                return Err(TransferError::Protocol(
+                    "unexpected message in a transfer".into(),
+                ));
+            }
+        }
+    }
+    Err(TransferError::Incomplete(format!(
+        "transfer for lease {} ended without a commit",
+        lease.id
+    )))
+}

@@ -1,0 +1,33 @@
+//! KV transfer between a prefill worker and a decode worker, behind one trait.
+//!
+//! The prefill side gets a [`KvSender`] per request from [`connect`]: the engine thread hands
+//! it each layer's blocks as soon as the layer is computed (`send_layer` copies and returns),
+//! and `commit` finishes with the first token once every byte is on the other side. Three
+//! transports implement it:
+//! - `grpc`: chunked `DecodeService.PushKv` client streams; works anywhere; the baseline.
+//! - `tcp`: a raw framed stream to the decode worker's KV port (no protobuf copies); for
+//!   workers on different hosts.
+//! - `shm`: the decode worker's KV pool is a shared-memory file; the prefill worker maps it
+//!   and writes the reserved blocks in place, then commits with checksums over gRPC.
+//!
+//! The decode side keeps a [`LeaseTable`]: every reservation, which of its (layer, block)
+//! pieces have arrived with a good CRC-32, and the commit that hands it to the engine. Every
+//! transfer is checked: the layout hash at the start, sizes and a checksum per block-layer,
+//! completeness at commit. A bad transfer fails its request; it never produces wrong tokens.
+
+mod checksum;
+mod error;
+mod frame;
+mod grpc;
+mod lease;
+mod sender;
+mod shm;
+mod tcp;
+
+pub use checksum::crc32;
+pub use error::TransferError;
+pub use grpc::receive_push_kv;
+pub use lease::{Commit, Lease, LeaseTable, Progress};
+pub use sender::{KvSender, Peers, SendFuture, SendStats, connect, transport_name};
+pub use shm::{OwnerTags, tags_path};
+pub use tcp::serve_tcp;

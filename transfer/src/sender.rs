@@ -1,0 +1,134 @@
+//! The sending half: one [`KvSender`] per request, made by [`connect`] for the transport the
+//! router chose, and the [`Peers`] cache of connections and mappings it draws on.
+
+use std::collections::HashMap;
+use std::pin::Pin;
+use std::sync::Mutex;
+
+use tandem_engine::kv::KvLayout;
+use tandem_proto::v1::{KvDestination, Transport};
+use tonic::transport::{Channel, Endpoint};
+
+use crate::error::TransferError;
+use crate::grpc::GrpcSender;
+use crate::shm::{ShmPeers, ShmSender};
+use crate::tcp::TcpSender;
+
+/// What a finished transfer cost.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SendStats {
+    pub bytes: u64,
+    /// From the first byte handed over to the commit's acknowledgement.
+    pub seconds: f64,
+    pub transport: Transport,
+}
+
+/// The future returned by [`KvSender::commit`].
+pub type SendFuture = Pin<Box<dyn Future<Output = Result<SendStats, TransferError>> + Send>>;
+
+/// Moves one request's KV to its decode worker.
+///
+/// `send_layer` runs on the engine's thread (never inside an async runtime) right after a
+/// layer's KV is in the cache; it copies what it needs before returning, so the engine may
+/// reuse its blocks at once. Dropping a sender without committing abandons the transfer.
+pub trait KvSender: Send {
+    /// Ships `(logical block, bytes)` pieces of one layer.
+    fn send_layer(&mut self, layer: usize, blocks: &[(u32, &[u8])]) -> Result<(), TransferError>;
+
+    /// Finishes: every piece has been sent; the decode worker verifies and admits the request
+    /// with this first token.
+    fn commit(self: Box<Self>, first_token: u32, first_logprob: f32) -> SendFuture;
+}
+
+/// Connections and mappings a prefill worker keeps across requests.
+#[derive(Debug, Default)]
+pub struct Peers {
+    pub(crate) shm: ShmPeers,
+    channels: Mutex<HashMap<String, Channel>>,
+}
+
+impl Peers {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// A gRPC channel to `endpoint`, shared by every request to it (connects lazily and
+    /// reconnects on its own).
+    pub fn channel(&self, endpoint: &str) -> Result<Channel, TransferError> {
+        let mut channels = self.channels.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(c) = channels.get(endpoint) {
+            return Ok(c.clone());
+        }
+        let channel = Endpoint::from_shared(endpoint.to_string())
+            .map_err(|e| TransferError::Connect(format!("bad endpoint {endpoint}: {e}")))?
+            .tcp_nodelay(true)
+            .connect_lazy();
+        channels.insert(endpoint.to_string(), channel.clone());
+        Ok(channel)
+    }
+
+    /// Drops what is cached for a decode worker that failed (it may have restarted).
+    pub fn forget(&self, dest: &KvDestination) {
+        self.channels
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&dest.decode_endpoint);
+        if !dest.shm_path.is_empty() {
+            self.shm.forget(std::path::Path::new(&dest.shm_path));
+        }
+    }
+}
+
+/// Opens a transfer to `dest` for a prompt of `num_tokens` tokens. Refuses a destination
+/// whose layout differs from ours before any byte moves.
+pub async fn connect(
+    peers: &Peers,
+    dest: &KvDestination,
+    layout: &KvLayout,
+    request_id: &str,
+    num_tokens: usize,
+) -> Result<Box<dyn KvSender>, TransferError> {
+    let ours = layout.hash();
+    if dest.kv_layout_hash != ours {
+        return Err(TransferError::LayoutMismatch(format!(
+            "destination expects layout {}, this worker has {ours}",
+            dest.kv_layout_hash
+        )));
+    }
+    let needed = tandem_engine::kv::blocks_for(num_tokens);
+    if dest.block_ids.len() != needed {
+        return Err(TransferError::Protocol(format!(
+            "lease has {} blocks, the prompt needs {needed}",
+            dest.block_ids.len()
+        )));
+    }
+    let transport = Transport::try_from(dest.transport).unwrap_or(Transport::Unspecified);
+    Ok(match transport {
+        Transport::Grpc => {
+            Box::new(GrpcSender::start(peers, dest.clone(), layout, request_id, num_tokens).await?)
+        }
+        Transport::Tcp => {
+            Box::new(TcpSender::start(dest.clone(), layout, request_id, num_tokens).await?)
+        }
+        Transport::Shm => Box::new(ShmSender::new(
+            peers,
+            dest.clone(),
+            layout,
+            request_id,
+            num_tokens,
+        )?),
+        Transport::Unspecified => {
+            return Err(TransferError::Protocol("no transport chosen".into()));
+        }
+    })
+}
+
+/// The name used in metrics and flags.
+pub fn transport_name(t: Transport) -> &'static str {
+    match t {
+        Transport::Grpc => "grpc",
+        Transport::Tcp => "tcp",
+        Transport::Shm => "shm",
+        Transport::Unspecified => "none",
+    }
+}
