@@ -1,0 +1,324 @@
+//! The HTTP surface: the axum `Router`, its shared state, the middleware every request goes
+//! through (request id + tracing span, API key, body limit), the small routes (`/health`,
+//! `/metrics`, `/v1/models`), and the launch step the four generation routes share.
+//!
+//! Route families: `/v1/*` speak OpenAI and render errors OpenAI style; `/generate` and
+//! `/generate_stream` speak TGI and render errors TGI style (validation → 422). The API key,
+//! when configured, guards both families; `/health` and `/metrics` stay open so that probes
+//! and scrapers need no secret.
+
+pub mod error;
+pub mod extract;
+pub mod openai;
+pub mod sse;
+pub mod tgi;
+pub mod validate;
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use axum::Router;
+use axum::extract::{DefaultBodyLimit, Request, State};
+use axum::http::{HeaderValue, StatusCode, header};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use metrics_exporter_prometheus::PrometheusHandle;
+use serde_json::json;
+use tracing::Instrument;
+
+use crate::admission::Admission;
+use crate::config::RouterConfig;
+use crate::flow::{self, FinishOut, FlowContext, FlowEvent, FlowRequest, FlowStream};
+use crate::metrics as m;
+use crate::model::ServedModel;
+use crate::workers::WorkerPool;
+use error::{ApiError, ApiFlavor};
+
+/// Shared by every handler.
+#[derive(Clone)]
+pub struct AppState(Arc<Shared>);
+
+struct Shared {
+    config: RouterConfig,
+    pool: Arc<WorkerPool>,
+    flow: Arc<FlowContext>,
+    admission: Admission,
+    prometheus: PrometheusHandle,
+}
+
+impl std::fmt::Debug for AppState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AppState")
+            .field("config", &self.0.config)
+            .finish_non_exhaustive()
+    }
+}
+
+impl AppState {
+    pub fn new(config: RouterConfig, pool: Arc<WorkerPool>, prometheus: PrometheusHandle) -> Self {
+        let flow = Arc::new(FlowContext {
+            pool: Arc::clone(&pool),
+            agg_threshold: config.agg_threshold,
+            fallback: config.fallback,
+            lease_ttl_ms: config.lease_ttl_ms,
+        });
+        let admission = Admission::new(config.max_concurrent_requests, config.max_queued_requests);
+        AppState(Arc::new(Shared {
+            config,
+            pool,
+            flow,
+            admission,
+            prometheus,
+        }))
+    }
+
+    pub fn config(&self) -> &RouterConfig {
+        &self.0.config
+    }
+
+    pub fn pool(&self) -> &Arc<WorkerPool> {
+        &self.0.pool
+    }
+
+    /// The served model, or 503 while no decode worker has handed over its tokenizer.
+    pub fn model(&self) -> Result<Arc<ServedModel>, ApiError> {
+        self.0.pool.model().ok_or(ApiError::Starting)
+    }
+
+    /// Checks the `model` field of an OpenAI request (absent means the served model).
+    pub fn check_model_name(
+        &self,
+        model: &ServedModel,
+        asked: Option<&str>,
+    ) -> Result<(), ApiError> {
+        match asked {
+            Some(name) if name != model.name => Err(ApiError::ModelNotFound(name.to_string())),
+            _ => Ok(()),
+        }
+    }
+}
+
+/// The request id of the request being served: the client's `x-request-id` when it is
+/// sane, else a fresh one. Every gRPC call and log line of the request carries it.
+#[derive(Debug, Clone)]
+pub struct RequestId(pub String);
+
+/// Builds the whole HTTP application.
+pub fn app(state: AppState) -> Router {
+    let guarded = Router::new()
+        .route("/v1/completions", post(openai::completions))
+        .route("/v1/chat/completions", post(openai::chat_completions))
+        .route("/v1/models", get(openai::models))
+        .route("/generate", post(tgi::generate))
+        .route("/generate_stream", post(tgi::generate_stream))
+        .route_layer(middleware::from_fn_with_state(
+            state.clone(),
+            require_api_key,
+        ));
+    Router::new()
+        .merge(guarded)
+        .route("/health", get(health))
+        .route("/metrics", get(prometheus_metrics))
+        .fallback(route_not_found)
+        .method_not_allowed_fallback(method_not_allowed)
+        .layer(DefaultBodyLimit::max(state.config().body_limit_bytes))
+        .layer(middleware::from_fn(request_context))
+        .with_state(state)
+}
+
+fn flavor_of_path(path: &str) -> ApiFlavor {
+    if path.starts_with("/generate") {
+        ApiFlavor::Tgi
+    } else {
+        ApiFlavor::OpenAi
+    }
+}
+
+async fn route_not_found(req: Request) -> Response {
+    ApiError::RouteNotFound.into_response_for(flavor_of_path(req.uri().path()))
+}
+
+async fn method_not_allowed(req: Request) -> Response {
+    ApiError::MethodNotAllowed.into_response_for(flavor_of_path(req.uri().path()))
+}
+
+/// Whether a client-supplied request id is safe to log and echo.
+fn is_sane_request_id(id: &str) -> bool {
+    (1..=128).contains(&id.len())
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"-_.:".contains(&b))
+}
+
+fn new_request_id() -> String {
+    format!("{:032x}", rand::random::<u128>())
+}
+
+/// Assigns the request id, opens the request's span, and echoes the id on the response.
+async fn request_context(mut req: Request, next: Next) -> Response {
+    let id = req
+        .headers()
+        .get("x-request-id")
+        .and_then(|v| v.to_str().ok())
+        .filter(|v| is_sane_request_id(v))
+        .map_or_else(new_request_id, str::to_string);
+    req.extensions_mut().insert(RequestId(id.clone()));
+    let span = tracing::info_span!("request", request_id = %id, method = %req.method(), path = %req.uri().path());
+    let mut response = next.run(req).instrument(span).await;
+    if let Ok(v) = HeaderValue::from_str(&id) {
+        response.headers_mut().insert("x-request-id", v);
+    }
+    response
+}
+
+/// 401 unless the configured API key is presented.
+async fn require_api_key(State(state): State<AppState>, req: Request, next: Next) -> Response {
+    if let Some(key) = &state.config().api_key {
+        let presented = req
+            .headers()
+            .get(header::AUTHORIZATION)
+            .map(|v| v.as_bytes());
+        if !key.accepts_authorization(presented) {
+            tracing::info!("request refused: missing or wrong API key");
+            record_rejection(&ApiError::Unauthorized);
+            let mut response =
+                ApiError::Unauthorized.into_response_for(flavor_of_path(req.uri().path()));
+            response
+                .headers_mut()
+                .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+            return response;
+        }
+    }
+    next.run(req).await
+}
+
+/// `GET /health`: 200 when the router can serve (model known, a decode worker routable),
+/// else 503 with what is missing. Open, no API key.
+async fn health(State(state): State<AppState>) -> Response {
+    let (decode, prefill) = state.pool().healthy_counts();
+    let ready = state.pool().model().is_some() && decode > 0;
+    let body = json!({
+        "status": if ready { "ok" } else { "unavailable" },
+        "model_ready": state.pool().model().is_some(),
+        "decode_workers_healthy": decode,
+        "decode_workers": state.pool().decode.len(),
+        "prefill_workers_healthy": prefill,
+        "prefill_workers": state.pool().prefill.len(),
+    });
+    let status = if ready {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    };
+    (status, axum::Json(body)).into_response()
+}
+
+/// `GET /metrics`: Prometheus text. Open, no API key.
+async fn prometheus_metrics(State(state): State<AppState>) -> Response {
+    (
+        [(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("text/plain; version=0.0.4"),
+        )],
+        state.0.prometheus.render(),
+    )
+        .into_response()
+}
+
+/// Counts a request refused before any worker was involved.
+pub fn record_rejection(e: &ApiError) {
+    if e.is_server_side() {
+        tracing::warn!(error = %e, "request refused");
+    } else {
+        tracing::info!(error = %e, "request refused");
+    }
+    metrics::counter!(m::REQUESTS_TOTAL, "mode" => "none", "outcome" => e.kind()).increment(1);
+}
+
+/// Admits a validated request (429 when full, 503 after waiting past the deadline) and
+/// starts it; returns once its first token is in.
+pub async fn launch(state: &AppState, request: FlowRequest) -> Result<FlowStream, ApiError> {
+    let admit = state.0.admission.admit();
+    let in_flight = match request.deadline {
+        Some(d) => tokio::time::timeout_at(d.into(), admit)
+            .await
+            .unwrap_or(Err(ApiError::QueueTimeout)),
+        None => admit.await,
+    }
+    .inspect_err(record_rejection)?;
+    flow::start(Arc::clone(&state.0.flow), request, in_flight).await
+}
+
+/// A whole generation, for the non-streaming routes.
+#[derive(Debug)]
+pub struct Collected {
+    /// The text of the non-special tokens.
+    pub text: String,
+    pub finish: FinishOut,
+    /// The id of the last token, if any (TGI tells EOS from stop sequences by it).
+    pub last_token: Option<u32>,
+}
+
+/// Reads a started generation to its end. Nothing has been sent yet, so a failure here
+/// still becomes a real HTTP status.
+pub async fn collect(mut stream: FlowStream) -> Result<Collected, ApiError> {
+    let mut text = String::new();
+    let mut last_token = None;
+    while let Some(event) = stream.events.recv().await {
+        match event {
+            FlowEvent::Token(token, finish) => {
+                if !token.special {
+                    text.push_str(&token.text);
+                }
+                last_token = Some(token.id);
+                if let Some(finish) = finish {
+                    return Ok(Collected {
+                        text,
+                        finish,
+                        last_token,
+                    });
+                }
+            }
+            FlowEvent::Finished(finish) => {
+                return Ok(Collected {
+                    text,
+                    finish,
+                    last_token,
+                });
+            }
+            FlowEvent::Failed(e) => return Err(e),
+        }
+    }
+    tracing::error!("event stream ended without a finish");
+    Err(ApiError::WorkerFailed)
+}
+
+/// The request deadline from the configured timeout.
+pub fn deadline_from(state: &AppState, arrival: Instant) -> Option<Instant> {
+    state.config().request_timeout.map(|t| arrival + t)
+}
+
+/// Unix seconds now (the `created` field).
+pub fn unix_now() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn request_ids() {
+        assert!(is_sane_request_id("benchmark-serving-12"));
+        assert!(is_sane_request_id("a.b:c_d"));
+        assert!(!is_sane_request_id(""));
+        assert!(!is_sane_request_id("has space"));
+        assert!(!is_sane_request_id("new\nline"));
+        assert!(!is_sane_request_id(&"x".repeat(129)));
+        assert_eq!(new_request_id().len(), 32);
+    }
+}

@@ -1,0 +1,739 @@
+//! The OpenAI routes: `POST /v1/completions`, `POST /v1/chat/completions` (streaming and
+//! not) and `GET /v1/models`.
+//!
+//! Accepted beyond OpenAI's fields, as vLLM does: `ignore_eos`, `top_k` (-1/0 = off),
+//! `repetition_penalty`, `stop_token_ids`, and `min_tokens` = 0. Refused with a 400 naming
+//! the field (rather than silently ignored): `n`/`best_of` ≠ 1, `min_tokens` > 0, `logprobs`,
+//! `echo`, `suffix`, non-zero presence/frequency penalties, `logit_bias`, tools, non-text
+//! content parts. Unknown fields are ignored, as OpenAI clients send many. A `model` that is
+//! not the served one gets 404 `model_not_found`; an absent `model` means the served one.
+//!
+//! Where the `tandem` extension goes: non-streaming, in `usage.tandem`; streaming with
+//! `stream_options.include_usage`, in the usage chunk's `usage.tandem`; streaming without
+//! it, as a top-level `tandem` object on the final chunk (the one with `finish_reason`).
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use axum::Extension;
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+use tandem_proto::v1::{FinishReason, StopParams};
+use tandem_text::ChatMessage;
+
+use super::error::{ApiError, ApiFlavor};
+use super::extract::ApiJson;
+use super::sse::{StreamFormatter, data_event, event_stream, tandem_headers};
+use super::validate::{self, StopField};
+use super::{AppState, RequestId, collect, deadline_from, launch, record_rejection, unix_now};
+use crate::flow::{FinishOut, FlowEvent, FlowRequest, Head, TokenOut, transport_name};
+use crate::model::{ServedModel, encode_blocking};
+
+/// Default `max_tokens` of `/v1/completions` (OpenAI's); chat defaults to the room left.
+const DEFAULT_COMPLETION_MAX_TOKENS: u32 = 16;
+
+#[derive(Debug, Default, Deserialize)]
+pub struct StreamOptions {
+    pub include_usage: Option<bool>,
+}
+
+/// Fields both OpenAI generation requests share, validated into worker parameters. (Kept
+/// as plain fields in each request rather than `#[serde(flatten)]`, which would lose the
+/// field name in type errors.)
+#[derive(Debug, Default)]
+pub struct SamplingFields {
+    pub temperature: Option<f64>,
+    pub top_p: Option<f64>,
+    pub n: Option<i64>,
+    pub best_of: Option<i64>,
+    pub stream: Option<bool>,
+    pub stream_options: Option<StreamOptions>,
+    pub stop: Option<StopField>,
+    pub stop_token_ids: Option<Vec<u32>>,
+    pub seed: Option<u64>,
+    pub ignore_eos: Option<bool>,
+    pub top_k: Option<i64>,
+    pub repetition_penalty: Option<f64>,
+    pub min_tokens: Option<i64>,
+    pub presence_penalty: Option<f64>,
+    pub frequency_penalty: Option<f64>,
+    pub logit_bias: Option<serde_json::Map<String, Value>>,
+}
+
+/// Moves the shared fields out of a request struct that has them all.
+macro_rules! sampling_fields {
+    ($body:expr) => {
+        SamplingFields {
+            temperature: $body.temperature,
+            top_p: $body.top_p,
+            n: $body.n,
+            best_of: $body.best_of,
+            stream: $body.stream,
+            stream_options: $body.stream_options,
+            stop: $body.stop,
+            stop_token_ids: $body.stop_token_ids,
+            seed: $body.seed,
+            ignore_eos: $body.ignore_eos,
+            top_k: $body.top_k,
+            repetition_penalty: $body.repetition_penalty,
+            min_tokens: $body.min_tokens,
+            presence_penalty: $body.presence_penalty,
+            frequency_penalty: $body.frequency_penalty,
+            logit_bias: $body.logit_bias,
+        }
+    };
+}
+
+/// `POST /v1/completions` body.
+#[derive(Debug, Deserialize)]
+pub struct CompletionRequest {
+    pub model: Option<String>,
+    pub prompt: Option<Value>,
+    pub max_tokens: Option<i64>,
+    pub logprobs: Option<u32>,
+    pub echo: Option<bool>,
+    pub suffix: Option<String>,
+    pub temperature: Option<f64>,
+    pub top_p: Option<f64>,
+    pub n: Option<i64>,
+    pub best_of: Option<i64>,
+    pub stream: Option<bool>,
+    pub stream_options: Option<StreamOptions>,
+    pub stop: Option<StopField>,
+    pub stop_token_ids: Option<Vec<u32>>,
+    pub seed: Option<u64>,
+    pub ignore_eos: Option<bool>,
+    pub top_k: Option<i64>,
+    pub repetition_penalty: Option<f64>,
+    pub min_tokens: Option<i64>,
+    pub presence_penalty: Option<f64>,
+    pub frequency_penalty: Option<f64>,
+    pub logit_bias: Option<serde_json::Map<String, Value>>,
+}
+
+/// One chat message as clients send it.
+#[derive(Debug, Deserialize)]
+pub struct ChatMessageIn {
+    pub role: String,
+    pub content: Option<Value>,
+}
+
+/// `POST /v1/chat/completions` body.
+#[derive(Debug, Deserialize)]
+pub struct ChatRequest {
+    pub model: Option<String>,
+    pub messages: Option<Vec<ChatMessageIn>>,
+    pub max_tokens: Option<i64>,
+    pub max_completion_tokens: Option<i64>,
+    pub logprobs: Option<bool>,
+    pub tools: Option<Vec<Value>>,
+    pub temperature: Option<f64>,
+    pub top_p: Option<f64>,
+    pub n: Option<i64>,
+    pub best_of: Option<i64>,
+    pub stream: Option<bool>,
+    pub stream_options: Option<StreamOptions>,
+    pub stop: Option<StopField>,
+    pub stop_token_ids: Option<Vec<u32>>,
+    pub seed: Option<u64>,
+    pub ignore_eos: Option<bool>,
+    pub top_k: Option<i64>,
+    pub repetition_penalty: Option<f64>,
+    pub min_tokens: Option<i64>,
+    pub presence_penalty: Option<f64>,
+    pub frequency_penalty: Option<f64>,
+    pub logit_bias: Option<serde_json::Map<String, Value>>,
+}
+
+/// What the shared fields validate into.
+struct Params {
+    sampling: tandem_proto::v1::SamplingParams,
+    stop_strings: Vec<String>,
+    stop_token_ids: Vec<u32>,
+    ignore_eos: bool,
+    stream: bool,
+    include_usage: bool,
+}
+
+fn params(f: SamplingFields) -> Result<Params, ApiError> {
+    validate::single_choice(f.n, "n")?;
+    validate::single_choice(f.best_of, "best_of")?;
+    if f.min_tokens.is_some_and(|n| n != 0) {
+        return Err(validate::unsupported("min_tokens", "only 0 is accepted"));
+    }
+    for (name, value) in [
+        ("presence_penalty", f.presence_penalty),
+        ("frequency_penalty", f.frequency_penalty),
+    ] {
+        if value.is_some_and(|v| v != 0.0) {
+            return Err(validate::unsupported(name, "use `repetition_penalty`"));
+        }
+    }
+    if f.logit_bias.as_ref().is_some_and(|m| !m.is_empty()) {
+        return Err(validate::unsupported("logit_bias", "no logit biasing"));
+    }
+    let stream = f.stream.unwrap_or(false);
+    let include_usage = f
+        .stream_options
+        .as_ref()
+        .and_then(|o| o.include_usage)
+        .unwrap_or(false);
+    Ok(Params {
+        sampling: validate::sampling(
+            validate::temperature(f.temperature, 1.0)?,
+            validate::top_p(f.top_p)?,
+            validate::top_k(f.top_k)?,
+            f.seed,
+            validate::repetition_penalty(f.repetition_penalty)?,
+        ),
+        stop_strings: validate::stop_strings(f.stop)?,
+        stop_token_ids: f.stop_token_ids.unwrap_or_default(),
+        ignore_eos: f.ignore_eos.unwrap_or(false),
+        stream,
+        include_usage,
+    })
+}
+
+/// A completion prompt: text to tokenize, or ids taken as they are.
+#[derive(Debug, PartialEq)]
+enum PromptInput {
+    Text(String),
+    Ids(Vec<u32>),
+}
+
+fn token_ids(items: &[Value]) -> Option<Vec<u32>> {
+    items
+        .iter()
+        .map(|v| v.as_u64().and_then(|n| u32::try_from(n).ok()))
+        .collect()
+}
+
+/// Accepts a string, a list of token ids, or a one-element list of either.
+fn parse_prompt(value: Option<Value>) -> Result<PromptInput, ApiError> {
+    let empty = || ApiError::invalid("prompt", "`prompt` must not be empty");
+    let batched = || {
+        ApiError::invalid(
+            "prompt",
+            "batched prompts are not supported: send one prompt per request",
+        )
+    };
+    let shape = || {
+        ApiError::invalid(
+            "prompt",
+            "`prompt` must be a string, a list of token ids, or a one-element list of either",
+        )
+    };
+    match value {
+        None | Some(Value::Null) => Err(ApiError::invalid("prompt", "`prompt` is required")),
+        Some(Value::String(s)) if s.is_empty() => Err(empty()),
+        Some(Value::String(s)) => Ok(PromptInput::Text(s)),
+        Some(Value::Array(items)) => match items.first() {
+            None => Err(empty()),
+            Some(Value::String(_)) | Some(Value::Array(_)) if items.len() > 1 => Err(batched()),
+            Some(Value::String(_)) | Some(Value::Array(_)) => {
+                parse_prompt(items.into_iter().next())
+            }
+            Some(Value::Number(_)) => token_ids(&items).map(PromptInput::Ids).ok_or_else(shape),
+            Some(_) => Err(shape()),
+        },
+        Some(_) => Err(shape()),
+    }
+}
+
+/// Flattens message content: a string, a list of text parts (joined by newlines), or null.
+fn message_text(content: Option<Value>, i: usize) -> Result<String, ApiError> {
+    let param = format!("messages[{i}].content");
+    match content {
+        None | Some(Value::Null) => Ok(String::new()),
+        Some(Value::String(s)) => Ok(s),
+        Some(Value::Array(parts)) => {
+            let mut texts = Vec::with_capacity(parts.len());
+            for part in parts {
+                match (part.get("type").and_then(Value::as_str), part.get("text")) {
+                    (Some("text"), Some(Value::String(t))) => texts.push(t.clone()),
+                    _ => {
+                        return Err(ApiError::invalid(
+                            param,
+                            "only text content parts ({\"type\": \"text\", \"text\": ...}) are supported",
+                        ));
+                    }
+                }
+            }
+            Ok(texts.join("\n"))
+        }
+        Some(_) => Err(ApiError::invalid(
+            param,
+            "message content must be a string or a list of text parts",
+        )),
+    }
+}
+
+fn flow_request(
+    model: &ServedModel,
+    request_id: &str,
+    prompt: Vec<u32>,
+    max_tokens: u32,
+    p: &Params,
+    arrival: Instant,
+    state: &AppState,
+) -> FlowRequest {
+    FlowRequest {
+        request_id: request_id.to_string(),
+        prompt,
+        sampling: p.sampling,
+        stop: StopParams {
+            max_tokens,
+            stop_token_ids: p.stop_token_ids.clone(),
+            stop_strings: p.stop_strings.clone(),
+            ignore_eos: p.ignore_eos,
+        },
+        eos_token_ids: model.eos_token_ids.clone(),
+        hold_every_token: false,
+        arrival,
+        deadline: deadline_from(state, arrival),
+    }
+}
+
+/// Which OpenAI object family a response belongs to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Completion,
+    Chat,
+}
+
+/// `POST /v1/completions`.
+pub async fn completions(
+    State(state): State<AppState>,
+    Extension(RequestId(request_id)): Extension<RequestId>,
+    body: Result<ApiJson<CompletionRequest>, ApiError>,
+) -> Response {
+    let arrival = Instant::now();
+    let prepared = async {
+        let model = state.model()?;
+        let ApiJson(body) = body?;
+        state.check_model_name(&model, body.model.as_deref())?;
+        if body.logprobs.is_some_and(|n| n > 0) {
+            return Err(validate::unsupported("logprobs", "no log probabilities"));
+        }
+        if body.echo == Some(true) {
+            return Err(validate::unsupported("echo", "the prompt is not echoed"));
+        }
+        if body.suffix.is_some() {
+            return Err(validate::unsupported("suffix", "no insertion"));
+        }
+        let requested = validate::max_tokens(body.max_tokens, "max_tokens")?;
+        let p = params(sampling_fields!(body))?;
+        let prompt = match parse_prompt(body.prompt)? {
+            PromptInput::Ids(ids) => {
+                validate::prompt_ids(&ids, &model, "prompt")?;
+                ids
+            }
+            PromptInput::Text(text) => {
+                encode_blocking(Arc::clone(&model), move |m| m.encode_prompt(&text)).await?
+            }
+        };
+        let budget = validate::completion_budget(
+            prompt.len(),
+            requested,
+            Some(DEFAULT_COMPLETION_MAX_TOKENS),
+            &model,
+            "max_tokens",
+        )?;
+        let req = flow_request(&model, &request_id, prompt, budget, &p, arrival, &state);
+        Ok((model, req, p))
+    }
+    .await;
+    match prepared {
+        Ok((model, req, p)) => respond(&state, Kind::Completion, &model, req, &p).await,
+        Err(e) => {
+            record_rejection(&e);
+            e.into_response()
+        }
+    }
+}
+
+/// `POST /v1/chat/completions`.
+pub async fn chat_completions(
+    State(state): State<AppState>,
+    Extension(RequestId(request_id)): Extension<RequestId>,
+    body: Result<ApiJson<ChatRequest>, ApiError>,
+) -> Response {
+    let arrival = Instant::now();
+    let prepared = async {
+        let model = state.model()?;
+        let ApiJson(body) = body?;
+        state.check_model_name(&model, body.model.as_deref())?;
+        if body.logprobs == Some(true) {
+            return Err(validate::unsupported("logprobs", "no log probabilities"));
+        }
+        if body.tools.as_ref().is_some_and(|t| !t.is_empty()) {
+            return Err(validate::unsupported("tools", "no tool calling"));
+        }
+        // `max_completion_tokens` is OpenAI's newer name and wins when both are given.
+        let requested = match body.max_completion_tokens {
+            Some(n) => validate::max_tokens(Some(n), "max_completion_tokens")?,
+            None => validate::max_tokens(body.max_tokens, "max_tokens")?,
+        };
+        let p = params(sampling_fields!(body))?;
+        let messages = match body.messages {
+            None => return Err(ApiError::invalid("messages", "`messages` is required")),
+            Some(m) if m.is_empty() => {
+                return Err(ApiError::invalid(
+                    "messages",
+                    "`messages` must not be empty",
+                ));
+            }
+            Some(m) => m,
+        };
+        let mut conversation = Vec::with_capacity(messages.len());
+        for (i, msg) in messages.into_iter().enumerate() {
+            if msg.role.is_empty() {
+                return Err(ApiError::invalid(
+                    format!("messages[{i}].role"),
+                    "a message role must not be empty",
+                ));
+            }
+            conversation.push(ChatMessage::new(msg.role, message_text(msg.content, i)?));
+        }
+        let prompt =
+            encode_blocking(Arc::clone(&model), move |m| m.encode_chat(&conversation)).await?;
+        let param = if body.max_completion_tokens.is_some() {
+            "max_completion_tokens"
+        } else {
+            "max_tokens"
+        };
+        let budget = validate::completion_budget(prompt.len(), requested, None, &model, param)?;
+        let req = flow_request(&model, &request_id, prompt, budget, &p, arrival, &state);
+        Ok((model, req, p))
+    }
+    .await;
+    match prepared {
+        Ok((model, req, p)) => respond(&state, Kind::Chat, &model, req, &p).await,
+        Err(e) => {
+            record_rejection(&e);
+            e.into_response()
+        }
+    }
+}
+
+/// Launches the request and answers streaming or not.
+async fn respond(
+    state: &AppState,
+    kind: Kind,
+    model: &ServedModel,
+    req: FlowRequest,
+    p: &Params,
+) -> Response {
+    let prompt_tokens = u32::try_from(req.prompt.len()).unwrap_or(u32::MAX);
+    let id = match kind {
+        Kind::Completion => format!("cmpl-{}", req.request_id),
+        Kind::Chat => format!("chatcmpl-{}", req.request_id),
+    };
+    let started = match launch(state, req).await {
+        Ok(s) => s,
+        Err(e) => return e.into_response_for(ApiFlavor::OpenAi),
+    };
+    let formatter = OpenAiFormatter {
+        kind,
+        id,
+        created: unix_now(),
+        model: model.name.clone(),
+        include_usage: p.include_usage,
+        head: started.head.clone(),
+        prompt_tokens,
+        sent_role: false,
+    };
+    if p.stream {
+        return event_stream(&started.head, started.events, formatter);
+    }
+    let head = started.head.clone();
+    match collect(started).await {
+        Ok(done) => {
+            let body = formatter.full_response(&done.text, &done.finish);
+            let mut response = (StatusCode::OK, axum::Json(body)).into_response();
+            tandem_headers(&head, response.headers_mut());
+            response
+        }
+        Err(e) => e.into_response_for(ApiFlavor::OpenAi),
+    }
+}
+
+/// `GET /v1/models`.
+pub async fn models(State(state): State<AppState>) -> Response {
+    match state.model() {
+        Ok(model) => axum::Json(serde_json::json!({
+            "object": "list",
+            "data": [{
+                "id": model.name,
+                "object": "model",
+                "created": model.created,
+                "owned_by": "tandem",
+                "max_model_len": model.context_length,
+            }],
+        }))
+        .into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+/// The `tandem` extension object.
+#[derive(Debug, Serialize, PartialEq)]
+pub struct TandemUsage {
+    pub mode: &'static str,
+    pub kv_bytes: u64,
+    pub transport: Option<&'static str>,
+    pub fallback_reason: Option<&'static str>,
+}
+
+#[derive(Debug, Serialize)]
+struct Usage {
+    prompt_tokens: u32,
+    completion_tokens: u32,
+    total_tokens: u32,
+    tandem: TandemUsage,
+}
+
+#[derive(Serialize)]
+struct CompletionChoice<'a> {
+    index: u32,
+    text: &'a str,
+    logprobs: Option<()>,
+    finish_reason: Option<&'static str>,
+}
+
+#[derive(Serialize, Default)]
+struct Delta<'a> {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    role: Option<&'static str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    content: Option<&'a str>,
+}
+
+#[derive(Serialize)]
+struct ChatChunkChoice<'a> {
+    index: u32,
+    delta: Delta<'a>,
+    logprobs: Option<()>,
+    finish_reason: Option<&'static str>,
+}
+
+#[derive(Serialize)]
+struct ChatMessageOut<'a> {
+    role: &'static str,
+    content: &'a str,
+}
+
+#[derive(Serialize)]
+struct ChatChoice<'a> {
+    index: u32,
+    message: ChatMessageOut<'a>,
+    logprobs: Option<()>,
+    finish_reason: &'static str,
+}
+
+/// One streamed chunk; `usage` is absent, null, or set.
+#[derive(Serialize)]
+struct Envelope<'a, C> {
+    id: &'a str,
+    object: &'static str,
+    created: u64,
+    model: &'a str,
+    choices: Vec<C>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    usage: Option<Option<Usage>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    tandem: Option<TandemUsage>,
+}
+
+fn finish_reason(f: &FinishOut) -> &'static str {
+    match f.reason {
+        FinishReason::Length => "length",
+        _ => "stop",
+    }
+}
+
+/// Builds the OpenAI objects of one request.
+struct OpenAiFormatter {
+    kind: Kind,
+    id: String,
+    created: u64,
+    model: String,
+    include_usage: bool,
+    head: Head,
+    prompt_tokens: u32,
+    sent_role: bool,
+}
+
+impl OpenAiFormatter {
+    fn tandem(&self, f: &FinishOut) -> TandemUsage {
+        TandemUsage {
+            mode: self.head.mode.as_str(),
+            kv_bytes: f.kv_bytes,
+            transport: f.transport.map(|t| transport_name(Some(t))),
+            fallback_reason: self.head.fallback.map(|r| r.as_str()),
+        }
+    }
+
+    fn usage(&self, f: &FinishOut) -> Usage {
+        let prompt = if f.prompt_tokens > 0 {
+            f.prompt_tokens
+        } else {
+            self.prompt_tokens
+        };
+        Usage {
+            prompt_tokens: prompt,
+            completion_tokens: f.completion_tokens,
+            total_tokens: prompt.saturating_add(f.completion_tokens),
+            tandem: self.tandem(f),
+        }
+    }
+
+    fn envelope<C: Serialize>(
+        &self,
+        choices: Vec<C>,
+        usage: Option<Option<Usage>>,
+        tandem: Option<TandemUsage>,
+    ) -> String {
+        let object = match self.kind {
+            Kind::Completion => "text_completion",
+            Kind::Chat => "chat.completion.chunk",
+        };
+        let envelope = Envelope {
+            id: &self.id,
+            object,
+            created: self.created,
+            model: &self.model,
+            choices,
+            usage,
+            tandem,
+        };
+        serde_json::to_string(&envelope).unwrap_or_default()
+    }
+
+    /// One chunk: a token's text (if any) and, on the last, the finish reason.
+    fn chunk(&mut self, token: Option<&TokenOut>, finish: Option<&FinishOut>) -> String {
+        let text = token.filter(|t| !t.special).map_or("", |t| t.text.as_str());
+        let reason = finish.map(finish_reason);
+        let usage = self.include_usage.then_some(None);
+        let tandem = finish
+            .filter(|_| !self.include_usage)
+            .map(|f| self.tandem(f));
+        let json = match self.kind {
+            Kind::Completion => self.envelope(
+                vec![CompletionChoice {
+                    index: 0,
+                    text,
+                    logprobs: None,
+                    finish_reason: reason,
+                }],
+                usage,
+                tandem,
+            ),
+            Kind::Chat => {
+                // The first token's chunk also opens the assistant message.
+                let role = (!self.sent_role).then_some("assistant");
+                self.sent_role = true;
+                let content = (token.is_some() || role.is_some()).then_some(text);
+                self.envelope(
+                    vec![ChatChunkChoice {
+                        index: 0,
+                        delta: Delta { role, content },
+                        logprobs: None,
+                        finish_reason: reason,
+                    }],
+                    usage,
+                    tandem,
+                )
+            }
+        };
+        data_event(&json, true)
+    }
+
+    /// After the last chunk: the usage chunk when asked for, then `[DONE]`.
+    fn tail(&mut self, f: &FinishOut) -> String {
+        let mut out = String::new();
+        if self.include_usage {
+            let json = match self.kind {
+                Kind::Completion => self.envelope(
+                    Vec::<CompletionChoice>::new(),
+                    Some(Some(self.usage(f))),
+                    None,
+                ),
+                Kind::Chat => self.envelope(
+                    Vec::<ChatChunkChoice>::new(),
+                    Some(Some(self.usage(f))),
+                    None,
+                ),
+            };
+            out.push_str(&data_event(&json, true));
+        }
+        out.push_str(&data_event("[DONE]", true));
+        out
+    }
+
+    /// The non-streaming response object.
+    fn full_response(&self, text: &str, f: &FinishOut) -> Value {
+        let usage = serde_json::to_value(self.usage(f)).unwrap_or(Value::Null);
+        match self.kind {
+            Kind::Completion => serde_json::json!({
+                "id": self.id,
+                "object": "text_completion",
+                "created": self.created,
+                "model": self.model,
+                "choices": [CompletionChoice { index: 0, text, logprobs: None, finish_reason: Some(finish_reason(f)) }],
+                "usage": usage,
+            }),
+            Kind::Chat => serde_json::json!({
+                "id": self.id,
+                "object": "chat.completion",
+                "created": self.created,
+                "model": self.model,
+                "choices": [ChatChoice {
+                    index: 0,
+                    message: ChatMessageOut { role: "assistant", content: text },
+                    logprobs: None,
+                    finish_reason: finish_reason(f),
+                }],
+                "usage": usage,
+            }),
+        }
+    }
+}
+
+/// The error event that ends a broken OpenAI stream, then `[DONE]`.
+pub fn stream_error(e: &ApiError) -> String {
+    let mut out = data_event(&e.openai_body().to_string(), true);
+    out.push_str(&data_event("[DONE]", true));
+    out
+}
+
+impl StreamFormatter for OpenAiFormatter {
+    fn format(&mut self, event: FlowEvent) -> (String, bool) {
+        match event {
+            FlowEvent::Token(t, None) => (self.chunk(Some(&t), None), false),
+            FlowEvent::Token(t, Some(f)) => {
+                let mut out = self.chunk(Some(&t), Some(&f));
+                out.push_str(&self.tail(&f));
+                (out, true)
+            }
+            FlowEvent::Finished(f) => {
+                let mut out = self.chunk(None, Some(&f));
+                out.push_str(&self.tail(&f));
+                (out, true)
+            }
+            FlowEvent::Failed(e) => (stream_error(&e), true),
+        }
+    }
+
+    fn broken(&mut self) -> String {
+        tracing::error!("event stream ended without a finish; sending an error event");
+        stream_error(&ApiError::WorkerFailed)
+    }
+}
+
+#[cfg(test)]
+#[path = "openai_tests.rs"]
+mod tests;

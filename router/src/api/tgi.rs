@@ -1,0 +1,492 @@
+//! The TGI routes: `POST /generate` and `POST /generate_stream`, taking the body vLLM's
+//! benchmark sends (`{"inputs", "parameters": {...}}`) and answering in TGI's shapes:
+//! one `data:{"index","token","generated_text","details"}` event per token, the last one
+//! carrying the full `generated_text` (and `details` when asked). Errors are TGI style,
+//! validation → 422.
+//!
+//! Sampling follows TGI: greedy unless `do_sample` or a warper (`temperature` ≠ 1, `top_p`,
+//! `top_k`) is given; `temperature` and `top_k` must be strictly positive. `truncate` keeps
+//! the last N prompt tokens. `best_of` must be 1. Refused with a 422 naming the field:
+//! `return_full_text`, `typical_p` < 1, `watermark`, `top_n_tokens`, `decoder_input_details`,
+//! non-zero `frequency_penalty`. The event `index` counts tokens from 1, as TGI's does.
+//! `finish_reason` is `eos_token` when the last token is an EOS id, `stop_sequence` for any
+//! other stop, `length` at `max_new_tokens`.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use axum::Extension;
+use axum::extract::State;
+use axum::response::{IntoResponse, Response};
+use serde::{Deserialize, Serialize};
+use tandem_proto::v1::{FinishReason, StopParams};
+
+use super::error::{ApiError, ApiFlavor, TgiError};
+use super::extract::ApiJson;
+use super::sse::{StreamFormatter, data_event, event_stream, tandem_headers};
+use super::validate::{self, StopField};
+use super::{AppState, RequestId, collect, deadline_from, launch, record_rejection};
+use crate::flow::{FinishOut, FlowEvent, FlowRequest, TokenOut};
+use crate::model::encode_blocking;
+
+/// TGI's default `max_new_tokens`.
+const DEFAULT_MAX_NEW_TOKENS: u32 = 100;
+
+/// `POST /generate(_stream)` body.
+#[derive(Debug, Deserialize)]
+pub struct TgiRequest {
+    pub inputs: String,
+    pub parameters: Option<TgiParameters>,
+}
+
+/// TGI's `parameters`.
+#[derive(Debug, Default, Deserialize)]
+pub struct TgiParameters {
+    pub max_new_tokens: Option<i64>,
+    pub do_sample: Option<bool>,
+    pub temperature: Option<f64>,
+    pub top_p: Option<f64>,
+    pub top_k: Option<i64>,
+    pub truncate: Option<i64>,
+    pub ignore_eos_token: Option<bool>,
+    pub best_of: Option<i64>,
+    pub details: Option<bool>,
+    pub seed: Option<u64>,
+    pub stop: Option<Vec<String>>,
+    pub repetition_penalty: Option<f64>,
+    pub return_full_text: Option<bool>,
+    pub typical_p: Option<f64>,
+    pub watermark: Option<bool>,
+    pub top_n_tokens: Option<u32>,
+    pub decoder_input_details: Option<bool>,
+    pub frequency_penalty: Option<f64>,
+}
+
+/// A validated TGI request, ready to launch.
+struct Prepared {
+    request: FlowRequest,
+    details: bool,
+    seed: Option<u64>,
+    ignore_eos: bool,
+    eos_token_ids: Vec<u32>,
+}
+
+fn strictly_positive(value: Option<f64>, param: &str) -> Result<(), ApiError> {
+    match value {
+        Some(v) if !(v.is_finite() && v > 0.0) => Err(ApiError::invalid(
+            param,
+            format!("`{param}` must be strictly positive, got {v}"),
+        )),
+        _ => Ok(()),
+    }
+}
+
+fn refuse_unsupported(p: &TgiParameters) -> Result<(), ApiError> {
+    let checks = [
+        (
+            p.return_full_text == Some(true),
+            "return_full_text",
+            "only the generated text is returned",
+        ),
+        (
+            p.typical_p.is_some_and(|t| t < 1.0),
+            "typical_p",
+            "no typical sampling",
+        ),
+        (p.watermark == Some(true), "watermark", "no watermarking"),
+        (
+            p.top_n_tokens.is_some_and(|n| n > 0),
+            "top_n_tokens",
+            "no top tokens",
+        ),
+        (
+            p.decoder_input_details == Some(true),
+            "decoder_input_details",
+            "no prompt details",
+        ),
+        (
+            p.frequency_penalty.is_some_and(|f| f != 0.0),
+            "frequency_penalty",
+            "use `repetition_penalty`",
+        ),
+    ];
+    match checks.into_iter().find(|(bad, _, _)| *bad) {
+        Some((_, param, why)) => Err(validate::unsupported(param, why)),
+        None => Ok(()),
+    }
+}
+
+async fn prepare(
+    state: &AppState,
+    request_id: &str,
+    arrival: Instant,
+    body: Result<ApiJson<TgiRequest>, ApiError>,
+) -> Result<Prepared, ApiError> {
+    let model = state.model()?;
+    let ApiJson(body) = body?;
+    let p = body.parameters.unwrap_or_default();
+    refuse_unsupported(&p)?;
+    if body.inputs.is_empty() {
+        return Err(ApiError::invalid("inputs", "`inputs` must not be empty"));
+    }
+    validate::single_choice(p.best_of, "best_of")?;
+    strictly_positive(p.temperature, "temperature")?;
+    if p.top_k.is_some_and(|k| k <= 0) {
+        return Err(ApiError::invalid(
+            "top_k",
+            "`top_k` must be strictly positive",
+        ));
+    }
+    let requested = validate::max_tokens(p.max_new_tokens, "max_new_tokens")?;
+    let truncate = match p.truncate {
+        Some(t) if t < 1 => {
+            return Err(ApiError::invalid(
+                "truncate",
+                format!("`truncate` must be at least 1, got {t}"),
+            ));
+        }
+        Some(t) => Some(usize::try_from(t).unwrap_or(usize::MAX)),
+        None => None,
+    };
+    // TGI samples when asked to or when any warper is set; otherwise it is greedy.
+    let warped = p.temperature.is_some_and(|t| t != 1.0) || p.top_p.is_some() || p.top_k.is_some();
+    let temperature = if p.do_sample == Some(true) || warped {
+        validate::temperature(p.temperature, 1.0)?
+    } else {
+        0.0
+    };
+    let sampling = validate::sampling(
+        temperature,
+        validate::top_p(p.top_p)?,
+        validate::top_k(p.top_k)?,
+        p.seed,
+        validate::repetition_penalty(p.repetition_penalty)?,
+    );
+    let stop_strings = validate::stop_strings(p.stop.map(StopField::Many))?;
+    let inputs = body.inputs;
+    let mut prompt = encode_blocking(Arc::clone(&model), move |m| m.encode_prompt(&inputs)).await?;
+    if let Some(t) = truncate
+        && prompt.len() > t
+    {
+        prompt.drain(..prompt.len() - t);
+    }
+    let max_tokens = validate::completion_budget(
+        prompt.len(),
+        requested,
+        Some(DEFAULT_MAX_NEW_TOKENS),
+        &model,
+        "max_new_tokens",
+    )?;
+    let ignore_eos = p.ignore_eos_token.unwrap_or(false);
+    Ok(Prepared {
+        request: FlowRequest {
+            request_id: request_id.to_string(),
+            prompt,
+            sampling,
+            // With stop strings the last token cannot be foreseen, and a TGI stream must end
+            // on a token event: hold each token until the next event.
+            hold_every_token: !stop_strings.is_empty(),
+            stop: StopParams {
+                max_tokens,
+                stop_token_ids: Vec::new(),
+                stop_strings,
+                ignore_eos,
+            },
+            eos_token_ids: model.eos_token_ids.clone(),
+            arrival,
+            deadline: deadline_from(state, arrival),
+        },
+        details: p.details.unwrap_or(false),
+        seed: p.seed,
+        ignore_eos,
+        eos_token_ids: model.eos_token_ids.clone(),
+    })
+}
+
+/// `POST /generate`.
+pub async fn generate(
+    State(state): State<AppState>,
+    Extension(RequestId(request_id)): Extension<RequestId>,
+    body: Result<ApiJson<TgiRequest>, ApiError>,
+) -> Response {
+    let prepared = match prepare(&state, &request_id, Instant::now(), body).await {
+        Ok(p) => p,
+        Err(e) => {
+            record_rejection(&e);
+            return TgiError(e).into_response();
+        }
+    };
+    let started = match launch(&state, prepared.request).await {
+        Ok(s) => s,
+        Err(e) => return TgiError(e).into_response(),
+    };
+    let head = started.head.clone();
+    let done = match collect(started).await {
+        Ok(done) => done,
+        Err(e) => return TgiError(e).into_response(),
+    };
+    let details = TgiDetails {
+        finish_reason: tgi_finish_reason(
+            &done.finish,
+            done.last_token,
+            prepared.ignore_eos,
+            &prepared.eos_token_ids,
+        ),
+        generated_tokens: done.finish.completion_tokens,
+        seed: prepared.seed,
+    };
+    let body = TgiGenerateResponse {
+        generated_text: &done.text,
+        details: prepared.details.then_some(details),
+    };
+    let mut response = axum::Json(body).into_response();
+    tandem_headers(&head, response.headers_mut());
+    response
+}
+
+/// `POST /generate_stream`.
+pub async fn generate_stream(
+    State(state): State<AppState>,
+    Extension(RequestId(request_id)): Extension<RequestId>,
+    body: Result<ApiJson<TgiRequest>, ApiError>,
+) -> Response {
+    let prepared = match prepare(&state, &request_id, Instant::now(), body).await {
+        Ok(p) => p,
+        Err(e) => {
+            record_rejection(&e);
+            return TgiError(e).into_response();
+        }
+    };
+    let formatter = TgiFormatter {
+        generated: String::new(),
+        count: 0,
+        last_token: None,
+        details: prepared.details,
+        seed: prepared.seed,
+        ignore_eos: prepared.ignore_eos,
+        eos_token_ids: prepared.eos_token_ids,
+    };
+    match launch(&state, prepared.request).await {
+        Ok(started) => event_stream(&started.head, started.events, formatter),
+        Err(e) => e.into_response_for(ApiFlavor::Tgi),
+    }
+}
+
+fn tgi_finish_reason(
+    f: &FinishOut,
+    last_token: Option<u32>,
+    ignore_eos: bool,
+    eos_token_ids: &[u32],
+) -> &'static str {
+    match f.reason {
+        FinishReason::Length => "length",
+        _ if !ignore_eos && last_token.is_some_and(|t| eos_token_ids.contains(&t)) => "eos_token",
+        _ => "stop_sequence",
+    }
+}
+
+#[derive(Debug, Serialize)]
+struct TgiDetails {
+    finish_reason: &'static str,
+    generated_tokens: u32,
+    seed: Option<u64>,
+}
+
+#[derive(Serialize)]
+struct TgiGenerateResponse<'a> {
+    generated_text: &'a str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    details: Option<TgiDetails>,
+}
+
+#[derive(Serialize)]
+struct TgiToken<'a> {
+    id: u32,
+    text: &'a str,
+    logprob: f32,
+    special: bool,
+}
+
+/// One `/generate_stream` event, fields in TGI's order.
+#[derive(Serialize)]
+struct TgiStreamEvent<'a> {
+    index: u32,
+    token: TgiToken<'a>,
+    generated_text: Option<&'a str>,
+    details: Option<TgiDetails>,
+}
+
+struct TgiFormatter {
+    generated: String,
+    count: u32,
+    last_token: Option<u32>,
+    details: bool,
+    seed: Option<u64>,
+    ignore_eos: bool,
+    eos_token_ids: Vec<u32>,
+}
+
+impl TgiFormatter {
+    fn event(&mut self, token: &TokenOut, finish: Option<&FinishOut>) -> String {
+        self.count += 1;
+        if !token.special {
+            self.generated.push_str(&token.text);
+        }
+        self.last_token = Some(token.id);
+        let details = finish.filter(|_| self.details).map(|f| TgiDetails {
+            finish_reason: tgi_finish_reason(
+                f,
+                self.last_token,
+                self.ignore_eos,
+                &self.eos_token_ids,
+            ),
+            generated_tokens: f.completion_tokens,
+            seed: self.seed,
+        });
+        let event = TgiStreamEvent {
+            index: self.count,
+            token: TgiToken {
+                id: token.id,
+                text: &token.text,
+                logprob: token.logprob,
+                special: token.special,
+            },
+            generated_text: finish.map(|_| self.generated.as_str()),
+            details,
+        };
+        data_event(&serde_json::to_string(&event).unwrap_or_default(), false)
+    }
+}
+
+/// The error event that ends a broken TGI stream.
+pub fn stream_error(e: &ApiError) -> String {
+    data_event(&e.tgi_body().to_string(), false)
+}
+
+impl StreamFormatter for TgiFormatter {
+    fn format(&mut self, event: FlowEvent) -> (String, bool) {
+        match event {
+            FlowEvent::Token(t, finish) => {
+                let done = finish.is_some();
+                (self.event(&t, finish.as_ref()), done)
+            }
+            FlowEvent::Finished(f) => {
+                // Only when the worker ended for a reason the router could not foresee: a
+                // TGI stream must still end on an event with `generated_text`, so it gets
+                // an empty special token.
+                tracing::warn!(
+                    "generation finished without a final token; closing with an empty token event"
+                );
+                let token = TokenOut {
+                    id: self.last_token.unwrap_or_default(),
+                    text: String::new(),
+                    logprob: 0.0,
+                    index: self.count,
+                    special: true,
+                };
+                let last = self.last_token;
+                let out = self.event(&token, Some(&f));
+                self.last_token = last;
+                (out, true)
+            }
+            FlowEvent::Failed(e) => (stream_error(&e), true),
+        }
+    }
+
+    fn broken(&mut self) -> String {
+        tracing::error!("event stream ended without a finish; sending an error event");
+        stream_error(&ApiError::WorkerFailed)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tandem_proto::v1::Transport;
+
+    fn token(id: u32, text: &str, index: u32) -> TokenOut {
+        TokenOut {
+            id,
+            text: text.into(),
+            logprob: -0.5,
+            index,
+            special: false,
+        }
+    }
+
+    fn finish(reason: FinishReason, n: u32) -> FinishOut {
+        FinishOut {
+            reason,
+            prompt_tokens: 3,
+            completion_tokens: n,
+            kv_bytes: 0,
+            transport: Some(Transport::Shm),
+        }
+    }
+
+    fn formatter(details: bool) -> TgiFormatter {
+        TgiFormatter {
+            generated: String::new(),
+            count: 0,
+            last_token: None,
+            details,
+            seed: Some(7),
+            ignore_eos: false,
+            eos_token_ids: vec![2],
+        }
+    }
+
+    #[test]
+    fn stream_events_golden() {
+        let mut f = formatter(true);
+        let (a, done_a) = f.format(FlowEvent::Token(token(72, "Hi", 0), None));
+        let (b, done_b) = f.format(FlowEvent::Token(
+            token(35, " \"x\"", 1),
+            Some(finish(FinishReason::Length, 2)),
+        ));
+        assert!(!done_a && done_b);
+        assert_eq!(
+            a,
+            "data:{\"index\":1,\"token\":{\"id\":72,\"text\":\"Hi\",\"logprob\":-0.5,\"special\":false},\"generated_text\":null,\"details\":null}\n\n"
+        );
+        assert_eq!(
+            b,
+            "data:{\"index\":2,\"token\":{\"id\":35,\"text\":\" \\\"x\\\"\",\"logprob\":-0.5,\"special\":false},\"generated_text\":\"Hi \\\"x\\\"\",\"details\":{\"finish_reason\":\"length\",\"generated_tokens\":2,\"seed\":7}}\n\n"
+        );
+    }
+
+    #[test]
+    fn details_only_when_asked_and_eos_reason() {
+        let mut f = formatter(false);
+        let (out, _) = f.format(FlowEvent::Token(
+            token(2, "", 0),
+            Some(finish(FinishReason::Stop, 1)),
+        ));
+        assert!(
+            out.contains("\"generated_text\":\"\",\"details\":null"),
+            "{out}"
+        );
+        let stop = finish(FinishReason::Stop, 1);
+        assert_eq!(tgi_finish_reason(&stop, Some(2), false, &[2]), "eos_token");
+        assert_eq!(
+            tgi_finish_reason(&stop, Some(2), true, &[2]),
+            "stop_sequence"
+        );
+        assert_eq!(
+            tgi_finish_reason(&stop, Some(9), false, &[2]),
+            "stop_sequence"
+        );
+    }
+
+    #[test]
+    fn error_event_golden() {
+        let mut f = formatter(false);
+        let (out, done) = f.format(FlowEvent::Failed(ApiError::WorkerFailed));
+        assert!(done);
+        assert_eq!(
+            out,
+            "data:{\"error\":\"a worker failed while serving this request\",\"error_type\":\"generation\"}\n\n"
+        );
+        assert!(f.broken().starts_with("data:{\"error\""));
+    }
+}

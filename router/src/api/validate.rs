@@ -1,0 +1,294 @@
+//! Validation shared by the OpenAI and TGI routes: numeric ranges, stop lists, prompt token
+//! ids and the context-length check. Each check names the field and the numbers involved,
+//! and none of them needs a worker.
+
+use serde::Deserialize;
+use tandem_proto::v1::SamplingParams;
+
+use super::error::ApiError;
+use crate::model::ServedModel;
+
+/// Stop strings at most per request.
+pub const MAX_STOP_STRINGS: usize = 16;
+/// Characters at most per stop string.
+pub const MAX_STOP_STRING_CHARS: usize = 256;
+
+/// `max_tokens` (or its TGI/chat alias `param`): at least 1, at most `u32::MAX`; the
+/// context-length check bounds it further.
+pub fn max_tokens(value: Option<i64>, param: &str) -> Result<Option<u32>, ApiError> {
+    match value {
+        None => Ok(None),
+        Some(n) if n < 1 => Err(ApiError::invalid(
+            param,
+            format!("`{param}` must be at least 1, got {n}"),
+        )),
+        Some(n) => u32::try_from(n)
+            .map(Some)
+            .map_err(|_| ApiError::invalid(param, format!("`{param}` is far too large: {n}"))),
+    }
+}
+
+/// `temperature`: finite and >= 0 (0 is greedy).
+pub fn temperature(value: Option<f64>, default: f64) -> Result<f32, ApiError> {
+    let t = value.unwrap_or(default);
+    if !t.is_finite() || t < 0.0 {
+        return Err(ApiError::invalid(
+            "temperature",
+            format!("`temperature` must be >= 0, got {t}"),
+        ));
+    }
+    Ok(t as f32)
+}
+
+/// `top_p`: in (0, 1].
+pub fn top_p(value: Option<f64>) -> Result<f32, ApiError> {
+    let p = value.unwrap_or(1.0);
+    if !(p > 0.0 && p <= 1.0) {
+        return Err(ApiError::invalid(
+            "top_p",
+            format!("`top_p` must be in (0, 1], got {p}"),
+        ));
+    }
+    Ok(p as f32)
+}
+
+/// `top_k`: vLLM's convention, where -1 and 0 disable it.
+pub fn top_k(value: Option<i64>) -> Result<u32, ApiError> {
+    match value {
+        None | Some(-1) | Some(0) => Ok(0),
+        Some(k) if k > 0 => u32::try_from(k)
+            .map_err(|_| ApiError::invalid("top_k", format!("`top_k` is far too large: {k}"))),
+        Some(k) => Err(ApiError::invalid(
+            "top_k",
+            format!("`top_k` must be -1 (disabled) or at least 1, got {k}"),
+        )),
+    }
+}
+
+/// `repetition_penalty`: > 0, 1 disables.
+pub fn repetition_penalty(value: Option<f64>) -> Result<f32, ApiError> {
+    let r = value.unwrap_or(1.0);
+    if !(r.is_finite() && r > 0.0) {
+        return Err(ApiError::invalid(
+            "repetition_penalty",
+            format!("`repetition_penalty` must be > 0, got {r}"),
+        ));
+    }
+    Ok(r as f32)
+}
+
+/// `n` (and `best_of`): only one choice per request.
+pub fn single_choice(value: Option<i64>, param: &str) -> Result<(), ApiError> {
+    match value {
+        None | Some(1) => Ok(()),
+        Some(n) => Err(ApiError::invalid(
+            param,
+            format!("`{param}` must be 1: tandem generates one sequence per request, got {n}"),
+        )),
+    }
+}
+
+/// A stop field given as one string or a list of strings.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum StopField {
+    One(String),
+    Many(Vec<String>),
+}
+
+/// The stop strings: at most `MAX_STOP_STRINGS`, none empty or over-long.
+pub fn stop_strings(value: Option<StopField>) -> Result<Vec<String>, ApiError> {
+    let list = match value {
+        None => Vec::new(),
+        Some(StopField::One(s)) => vec![s],
+        Some(StopField::Many(v)) => v,
+    };
+    if list.len() > MAX_STOP_STRINGS {
+        return Err(ApiError::invalid(
+            "stop",
+            format!(
+                "at most {MAX_STOP_STRINGS} stop strings are allowed, got {}",
+                list.len()
+            ),
+        ));
+    }
+    if list.iter().any(String::is_empty) {
+        return Err(ApiError::invalid("stop", "stop strings must not be empty"));
+    }
+    if list
+        .iter()
+        .any(|s| s.chars().count() > MAX_STOP_STRING_CHARS)
+    {
+        return Err(ApiError::invalid(
+            "stop",
+            format!("stop strings must be at most {MAX_STOP_STRING_CHARS} characters"),
+        ));
+    }
+    Ok(list)
+}
+
+/// Rejects a feature the router does not implement, naming it, instead of ignoring it.
+pub fn unsupported(param: &str, what: &str) -> ApiError {
+    ApiError::invalid(param, format!("`{param}` is not supported: {what}"))
+}
+
+/// Token ids given directly must exist in the vocabulary.
+pub fn prompt_ids(ids: &[u32], model: &ServedModel, param: &str) -> Result<(), ApiError> {
+    if model.vocab_size > 0
+        && let Some(bad) = ids.iter().find(|&&id| id >= model.vocab_size)
+    {
+        return Err(ApiError::invalid(
+            param,
+            format!(
+                "token id {bad} is out of range: the vocabulary has {} tokens",
+                model.vocab_size
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// The completion budget: `requested` if it fits, else a 400 naming both numbers;
+/// `default` (clamped to what is left) when nothing was requested. Exactly filling the
+/// context is accepted.
+pub fn completion_budget(
+    prompt_tokens: usize,
+    requested: Option<u32>,
+    default: Option<u32>,
+    model: &ServedModel,
+    param: &str,
+) -> Result<u32, ApiError> {
+    if prompt_tokens == 0 {
+        return Err(ApiError::invalid("prompt", "the prompt must not be empty"));
+    }
+    let context = model.context_length as usize;
+    if context == 0 {
+        // The worker did not say; let it judge.
+        return Ok(requested.or(default).unwrap_or(16));
+    }
+    if prompt_tokens >= context {
+        return Err(ApiError::invalid(
+            "prompt",
+            format!(
+                "This model's maximum context length is {context} tokens, and the prompt has \
+                 {prompt_tokens} tokens: no room is left to generate. Shorten the prompt."
+            ),
+        ));
+    }
+    let room = context - prompt_tokens;
+    match requested {
+        Some(n) if n as usize > room => Err(ApiError::invalid(
+            param,
+            format!(
+                "This model's maximum context length is {context} tokens. However, you \
+                 requested {} tokens ({prompt_tokens} in the prompt, {n} for the completion). \
+                 Reduce the prompt or `{param}`.",
+                prompt_tokens + n as usize
+            ),
+        )),
+        Some(n) => Ok(n),
+        None => {
+            let room = u32::try_from(room).unwrap_or(u32::MAX);
+            Ok(default.map_or(room, |d| d.min(room)))
+        }
+    }
+}
+
+/// Sampling parameters for the workers.
+pub fn sampling(
+    temperature: f32,
+    top_p: f32,
+    top_k: u32,
+    seed: Option<u64>,
+    repetition_penalty: f32,
+) -> SamplingParams {
+    SamplingParams {
+        temperature,
+        top_k,
+        top_p,
+        seed,
+        repetition_penalty,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tandem_text::TextTokenizer;
+
+    fn model(context: u32) -> ServedModel {
+        ServedModel::new("m", context, TextTokenizer::byte_level(), None)
+    }
+
+    fn message(e: ApiError) -> String {
+        e.to_string()
+    }
+
+    #[test]
+    fn max_tokens_range() {
+        assert_eq!(max_tokens(None, "max_tokens").unwrap(), None);
+        assert_eq!(max_tokens(Some(1), "max_tokens").unwrap(), Some(1));
+        assert!(message(max_tokens(Some(0), "max_tokens").unwrap_err()).contains("at least 1"));
+        assert!(max_tokens(Some(-5), "max_tokens").is_err());
+        assert!(max_tokens(Some(1 << 40), "max_tokens").is_err());
+    }
+
+    #[test]
+    fn sampling_ranges() {
+        assert_eq!(temperature(None, 1.0).unwrap(), 1.0);
+        assert_eq!(temperature(Some(0.0), 1.0).unwrap(), 0.0);
+        assert!(temperature(Some(-0.1), 1.0).is_err());
+        assert!(temperature(Some(f64::NAN), 1.0).is_err());
+        assert!(top_p(Some(0.0)).is_err());
+        assert!(top_p(Some(1.5)).is_err());
+        assert_eq!(top_p(Some(1.0)).unwrap(), 1.0);
+        assert_eq!(top_k(Some(-1)).unwrap(), 0);
+        assert_eq!(top_k(Some(40)).unwrap(), 40);
+        assert!(top_k(Some(-2)).is_err());
+        assert!(repetition_penalty(Some(0.0)).is_err());
+        assert!(single_choice(Some(2), "n").is_err());
+        assert!(single_choice(Some(1), "n").is_ok());
+    }
+
+    #[test]
+    fn stops() {
+        assert_eq!(
+            stop_strings(Some(StopField::One("x".into()))).unwrap(),
+            ["x"]
+        );
+        assert!(stop_strings(Some(StopField::Many(vec![String::new()]))).is_err());
+        assert!(stop_strings(Some(StopField::Many(vec!["a".into(); 17]))).is_err());
+    }
+
+    #[test]
+    fn context_boundary_is_inclusive_and_names_both_numbers() {
+        let m = model(100);
+        assert_eq!(
+            completion_budget(90, Some(10), None, &m, "max_tokens").unwrap(),
+            10
+        );
+        let e = message(completion_budget(90, Some(11), None, &m, "max_tokens").unwrap_err());
+        assert!(
+            e.contains("100") && e.contains("90") && e.contains("11") && e.contains("101"),
+            "{e}"
+        );
+        assert!(completion_budget(100, None, None, &m, "max_tokens").is_err());
+        assert!(completion_budget(0, Some(1), None, &m, "max_tokens").is_err());
+        // Defaults are clamped to the room left.
+        assert_eq!(
+            completion_budget(95, None, Some(16), &m, "max_tokens").unwrap(),
+            5
+        );
+        assert_eq!(
+            completion_budget(10, None, None, &m, "max_tokens").unwrap(),
+            90
+        );
+    }
+
+    #[test]
+    fn ids_in_vocabulary() {
+        let m = model(100);
+        assert!(prompt_ids(&[3, 4], &m, "prompt").is_ok());
+        assert!(prompt_ids(&[3, 1_000_000], &m, "prompt").is_err());
+    }
+}

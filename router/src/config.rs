@@ -1,0 +1,405 @@
+//! The router's configuration: `RouterArgs` (clap flags, each also a `TANDEM_*` env var, and
+//! the same keys in a TOML file given with `--config`), validated once into `RouterConfig`,
+//! which is all the library ever sees. Flags and env vars win over the file; the file wins
+//! over the defaults.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use clap::{Parser, ValueEnum};
+use serde::Deserialize;
+use tandem_proto::v1::Transport;
+
+use crate::auth::ApiKey;
+
+/// What to do with a request meant for disaggregation when no healthy, compatible prefill
+/// worker exists.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum FallbackPolicy {
+    /// Run it aggregated on the decode worker; the response and metrics say so.
+    Aggregated,
+    /// Answer 503 with `Retry-After`.
+    Error,
+}
+
+/// The KV transport the router asks prefill workers to use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum TransportArg {
+    Shm,
+    Tcp,
+    Grpc,
+}
+
+impl From<TransportArg> for Transport {
+    fn from(t: TransportArg) -> Self {
+        match t {
+            TransportArg::Shm => Transport::Shm,
+            TransportArg::Tcp => Transport::Tcp,
+            TransportArg::Grpc => Transport::Grpc,
+        }
+    }
+}
+
+/// Log line format of the binary.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    Text,
+    Json,
+}
+
+/// Command-line flags of `tandem-router`. Every field is optional here so that the TOML
+/// file can supply it; defaults are applied in [`RouterConfig::from_args`].
+#[derive(Debug, Default, Parser, Deserialize)]
+#[command(name = "tandem-router", version, about = "tandem's HTTP front door")]
+#[serde(deny_unknown_fields)]
+pub struct RouterArgs {
+    /// TOML file with any of these settings (same names, snake_case; lists as arrays).
+    #[arg(long, env = "TANDEM_ROUTER_CONFIG")]
+    #[serde(skip)]
+    pub config: Option<PathBuf>,
+    /// Address to listen on [default: 127.0.0.1].
+    #[arg(long, env = "TANDEM_ROUTER_HOST")]
+    pub host: Option<String>,
+    /// Port to listen on [default: 8000].
+    #[arg(long, env = "TANDEM_ROUTER_PORT")]
+    pub port: Option<u16>,
+    /// Prefill workers' gRPC URLs, comma-separated (e.g. http://127.0.0.1:7101).
+    #[arg(long, env = "TANDEM_ROUTER_PREFILL", value_delimiter = ',')]
+    #[serde(default)]
+    pub prefill: Vec<String>,
+    /// Decode workers' gRPC URLs, comma-separated (e.g. http://127.0.0.1:7201).
+    #[arg(long, env = "TANDEM_ROUTER_DECODE", value_delimiter = ',')]
+    #[serde(default)]
+    pub decode: Vec<String>,
+    /// KV transport prefill workers are asked to use [default: shm].
+    #[arg(long, env = "TANDEM_ROUTER_TRANSPORT", value_enum)]
+    pub transport: Option<TransportArg>,
+    /// Prompts shorter than this many tokens run aggregated; 0 always disaggregates
+    /// [default: 0].
+    #[arg(long, env = "TANDEM_ROUTER_AGG_THRESHOLD")]
+    pub agg_threshold: Option<u32>,
+    /// When no prefill worker is healthy: run aggregated, or answer 503 [default: aggregated].
+    #[arg(long, env = "TANDEM_ROUTER_FALLBACK", value_enum)]
+    pub fallback: Option<FallbackPolicy>,
+    /// Model name clients must send [default: the decode workers' model name].
+    #[arg(long, env = "TANDEM_ROUTER_SERVED_MODEL_NAME")]
+    pub served_model_name: Option<String>,
+    /// Requests running at once [default: 256].
+    #[arg(long, env = "TANDEM_ROUTER_MAX_CONCURRENT_REQUESTS")]
+    pub max_concurrent_requests: Option<usize>,
+    /// Requests waiting for a running slot; beyond that, 429 [default: 512].
+    #[arg(long, env = "TANDEM_ROUTER_MAX_QUEUED_REQUESTS")]
+    pub max_queued_requests: Option<usize>,
+    /// Largest request body; larger gets 413 [default: 2000000].
+    #[arg(long, env = "TANDEM_ROUTER_BODY_LIMIT_BYTES")]
+    pub body_limit_bytes: Option<usize>,
+    /// How long a decode worker keeps a reservation waiting for KV [default: 30000].
+    #[arg(long, env = "TANDEM_ROUTER_LEASE_TTL_MS")]
+    pub lease_ttl_ms: Option<u32>,
+    /// Period of the workers' load and health poll [default: 1000].
+    #[arg(long, env = "TANDEM_ROUTER_HEALTH_INTERVAL_MS")]
+    pub health_interval_ms: Option<u64>,
+    /// Whole-request deadline, queueing included; 0 disables [default: 600].
+    #[arg(long, env = "TANDEM_ROUTER_REQUEST_TIMEOUT_S")]
+    pub request_timeout_s: Option<u64>,
+    /// How long to wait at startup for a decode worker to hand over the tokenizer
+    /// [default: 120].
+    #[arg(long, env = "TANDEM_ROUTER_STARTUP_TIMEOUT_S")]
+    pub startup_timeout_s: Option<u64>,
+    /// On Ctrl-C/SIGTERM, how long running requests may finish before they are cut
+    /// [default: 30].
+    #[arg(long, env = "TANDEM_ROUTER_SHUTDOWN_GRACE_S")]
+    pub shutdown_grace_s: Option<u64>,
+    /// Bearer token required on /v1/* and the TGI routes (/health and /metrics stay open).
+    #[arg(long, env = "TANDEM_API_KEY", hide_env_values = true)]
+    pub api_key: Option<String>,
+    /// Log format [default: text].
+    #[arg(long, env = "TANDEM_ROUTER_LOG_FORMAT", value_enum)]
+    pub log_format: Option<LogFormat>,
+}
+
+/// A configuration value that cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("cannot read config file {path}: {source}")]
+    ReadFile {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("config file {path}: {source}")]
+    ParseFile {
+        path: PathBuf,
+        #[source]
+        source: toml::de::Error,
+    },
+    #[error("{0}")]
+    Invalid(String),
+}
+
+/// The validated configuration the library runs on.
+#[derive(Debug, Clone)]
+pub struct RouterConfig {
+    pub host: String,
+    pub port: u16,
+    /// Normalised worker URLs (no trailing slash).
+    pub prefill_urls: Vec<String>,
+    pub decode_urls: Vec<String>,
+    pub transport: Transport,
+    pub agg_threshold: u32,
+    pub fallback: FallbackPolicy,
+    pub served_model_name: Option<String>,
+    pub max_concurrent_requests: usize,
+    pub max_queued_requests: usize,
+    pub body_limit_bytes: usize,
+    pub lease_ttl_ms: u32,
+    pub health_interval: Duration,
+    pub request_timeout: Option<Duration>,
+    pub startup_timeout: Duration,
+    pub shutdown_grace: Duration,
+    pub api_key: Option<ApiKey>,
+    pub log_format: LogFormat,
+}
+
+impl RouterConfig {
+    /// Defaults for everything, with these workers: the starting point of tests and embedders.
+    pub fn new(prefill_urls: Vec<String>, decode_urls: Vec<String>) -> Self {
+        Self {
+            host: "127.0.0.1".into(),
+            port: 8000,
+            prefill_urls,
+            decode_urls,
+            transport: Transport::Shm,
+            agg_threshold: 0,
+            fallback: FallbackPolicy::Aggregated,
+            served_model_name: None,
+            max_concurrent_requests: 256,
+            max_queued_requests: 512,
+            body_limit_bytes: 2_000_000,
+            lease_ttl_ms: 30_000,
+            health_interval: Duration::from_millis(1000),
+            request_timeout: Some(Duration::from_secs(600)),
+            startup_timeout: Duration::from_secs(120),
+            shutdown_grace: Duration::from_secs(30),
+            api_key: None,
+            log_format: LogFormat::Text,
+        }
+    }
+
+    /// Merges `args` over the TOML file it names (if any) over the defaults, and validates.
+    pub fn from_args(args: RouterArgs) -> Result<Self, ConfigError> {
+        let file = match &args.config {
+            Some(path) => read_file(path)?,
+            None => RouterArgs::default(),
+        };
+        let pick_list = |flag: Vec<String>, file: Vec<String>| {
+            if flag.is_empty() { file } else { flag }
+        };
+        let defaults = RouterConfig::new(Vec::new(), Vec::new());
+        let config = RouterConfig {
+            host: args.host.or(file.host).unwrap_or(defaults.host),
+            port: args.port.or(file.port).unwrap_or(defaults.port),
+            prefill_urls: normalise_urls("prefill", pick_list(args.prefill, file.prefill))?,
+            decode_urls: normalise_urls("decode", pick_list(args.decode, file.decode))?,
+            transport: args
+                .transport
+                .or(file.transport)
+                .map_or(defaults.transport, Transport::from),
+            agg_threshold: args
+                .agg_threshold
+                .or(file.agg_threshold)
+                .unwrap_or(defaults.agg_threshold),
+            fallback: args.fallback.or(file.fallback).unwrap_or(defaults.fallback),
+            served_model_name: args.served_model_name.or(file.served_model_name),
+            max_concurrent_requests: args
+                .max_concurrent_requests
+                .or(file.max_concurrent_requests)
+                .unwrap_or(defaults.max_concurrent_requests),
+            max_queued_requests: args
+                .max_queued_requests
+                .or(file.max_queued_requests)
+                .unwrap_or(defaults.max_queued_requests),
+            body_limit_bytes: args
+                .body_limit_bytes
+                .or(file.body_limit_bytes)
+                .unwrap_or(defaults.body_limit_bytes),
+            lease_ttl_ms: args
+                .lease_ttl_ms
+                .or(file.lease_ttl_ms)
+                .unwrap_or(defaults.lease_ttl_ms),
+            health_interval: args
+                .health_interval_ms
+                .or(file.health_interval_ms)
+                .map_or(defaults.health_interval, Duration::from_millis),
+            request_timeout: match args.request_timeout_s.or(file.request_timeout_s) {
+                Some(0) => None,
+                Some(s) => Some(Duration::from_secs(s)),
+                None => defaults.request_timeout,
+            },
+            startup_timeout: args
+                .startup_timeout_s
+                .or(file.startup_timeout_s)
+                .map_or(defaults.startup_timeout, Duration::from_secs),
+            shutdown_grace: args
+                .shutdown_grace_s
+                .or(file.shutdown_grace_s)
+                .map_or(defaults.shutdown_grace, Duration::from_secs),
+            api_key: args
+                .api_key
+                .or(file.api_key)
+                .map(|k| ApiKey::new(&k))
+                .transpose()
+                .map_err(ConfigError::Invalid)?,
+            log_format: args
+                .log_format
+                .or(file.log_format)
+                .unwrap_or(defaults.log_format),
+        };
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// Checks the relations between values; `from_args` calls it, embedders should too.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let invalid = |m: &str| Err(ConfigError::Invalid(m.to_string()));
+        if self.decode_urls.is_empty() {
+            return invalid("at least one decode worker is required (--decode URL[,URL...])");
+        }
+        if self.max_concurrent_requests == 0 {
+            return invalid("--max-concurrent-requests must be at least 1");
+        }
+        if self.body_limit_bytes < 1024 {
+            return invalid("--body-limit-bytes must be at least 1024");
+        }
+        if self.lease_ttl_ms == 0 {
+            return invalid("--lease-ttl-ms must be at least 1");
+        }
+        if self.health_interval < Duration::from_millis(10) {
+            return invalid("--health-interval-ms must be at least 10");
+        }
+        if self.startup_timeout.is_zero() {
+            return invalid("--startup-timeout-s must be at least 1");
+        }
+        if self.served_model_name.as_deref().is_some_and(str::is_empty) {
+            return invalid("--served-model-name must not be empty");
+        }
+        Ok(())
+    }
+}
+
+fn read_file(path: &Path) -> Result<RouterArgs, ConfigError> {
+    let text = std::fs::read_to_string(path).map_err(|source| ConfigError::ReadFile {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    toml::from_str(&text).map_err(|source| ConfigError::ParseFile {
+        path: path.to_path_buf(),
+        source,
+    })
+}
+
+/// Trims, drops a trailing slash, and checks each URL is `http(s)://host[:port]`.
+fn normalise_urls(role: &str, urls: Vec<String>) -> Result<Vec<String>, ConfigError> {
+    let mut out: Vec<String> = Vec::with_capacity(urls.len());
+    for raw in urls {
+        let url = raw.trim().trim_end_matches('/').to_string();
+        if url.is_empty() {
+            continue;
+        }
+        let uri: axum::http::Uri = url.parse().map_err(|_| {
+            ConfigError::Invalid(format!("{role} worker URL `{url}` is not a valid URL"))
+        })?;
+        let scheme_ok = matches!(uri.scheme_str(), Some("http" | "https"));
+        let path_ok = matches!(uri.path(), "" | "/");
+        if !scheme_ok || uri.host().is_none() || !path_ok {
+            return Err(ConfigError::Invalid(format!(
+                "{role} worker URL `{url}` must look like http://HOST:PORT"
+            )));
+        }
+        if out.contains(&url) {
+            return Err(ConfigError::Invalid(format!(
+                "{role} worker URL `{url}` is listed twice"
+            )));
+        }
+        out.push(url);
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(args: &[&str]) -> Result<RouterConfig, ConfigError> {
+        let mut argv = vec!["tandem-router"];
+        argv.extend_from_slice(args);
+        RouterConfig::from_args(RouterArgs::try_parse_from(argv).expect("flags parse"))
+    }
+
+    #[test]
+    fn flags_and_defaults() {
+        let c = parse(&[
+            "--decode",
+            "http://127.0.0.1:7201/,http://127.0.0.1:7202",
+            "--prefill",
+            "http://127.0.0.1:7101",
+            "--transport",
+            "tcp",
+            "--fallback",
+            "error",
+            "--request-timeout-s",
+            "0",
+        ])
+        .unwrap();
+        assert_eq!(
+            c.decode_urls,
+            ["http://127.0.0.1:7201", "http://127.0.0.1:7202"]
+        );
+        assert_eq!(c.transport, Transport::Tcp);
+        assert_eq!(c.fallback, FallbackPolicy::Error);
+        assert_eq!(c.request_timeout, None);
+        assert_eq!(c.max_concurrent_requests, 256);
+        assert_eq!(c.max_queued_requests, 512);
+        assert_eq!(c.body_limit_bytes, 2_000_000);
+        assert_eq!(c.lease_ttl_ms, 30_000);
+        assert_eq!(c.port, 8000);
+    }
+
+    #[test]
+    fn file_below_flags() {
+        let dir = std::env::temp_dir().join(format!("tandem-router-cfg-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("router.toml");
+        std::fs::write(
+            &path,
+            "decode = [\"http://10.0.0.2:7201\"]\nprefill = [\"http://10.0.0.3:7101\"]\nport = 9000\nagg_threshold = 64\n",
+        )
+        .unwrap();
+        let c = parse(&["--config", path.to_str().unwrap(), "--port", "9100"]).unwrap();
+        assert_eq!(c.decode_urls, ["http://10.0.0.2:7201"]);
+        assert_eq!(c.agg_threshold, 64);
+        assert_eq!(c.port, 9100);
+        std::fs::write(&path, "decode = [\"http://x:1\"]\nbogus = 1\n").unwrap();
+        assert!(matches!(
+            parse(&["--config", path.to_str().unwrap()]),
+            Err(ConfigError::ParseFile { .. })
+        ));
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn rejects_bad_values() {
+        assert!(parse(&[]).is_err(), "no decode worker");
+        assert!(parse(&["--decode", "127.0.0.1:7201"]).is_err(), "no scheme");
+        assert!(parse(&["--decode", "http://a:1/path"]).is_err(), "path");
+        assert!(
+            parse(&["--decode", "http://a:1,http://a:1"]).is_err(),
+            "twice"
+        );
+        assert!(parse(&["--decode", "http://a:1", "--max-concurrent-requests", "0"]).is_err());
+        assert!(parse(&["--decode", "http://a:1", "--api-key", ""]).is_err());
+    }
+}

@@ -1,0 +1,730 @@
+//! One request's life across the workers: pick workers, open `DecodeService.Generate`, get
+//! the lease, run `PrefillService.Prefill` toward it, retry or fall back while nothing has
+//! reached the client, then pump tokens to the HTTP layer.
+//!
+//! Ownership and cancellation: a spawned task per request owns both gRPC calls. It talks to
+//! the HTTP layer through a oneshot (the response head, or an error with a real status code)
+//! and a bounded mpsc (the events after it). The mpsc receiver lives in the handler until the
+//! head is sent and in the response body after that, so when the client goes away the
+//! receiver is dropped, `tx.closed()` fires, and the task returns — dropping the Generate
+//! stream and the Prefill future, which makes tonic reset both RPCs and the workers free the
+//! request's blocks at once.
+//!
+//! Retries happen only before the head: after a decode worker died (once, on another decode
+//! worker) and after a prefill failure (once, on another prefill worker, then aggregated if
+//! `--fallback aggregated`). A failure after the head ends the stream with an error event.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::time::Instant;
+
+use tandem_proto::v1::generate_event::Event;
+use tandem_proto::v1::{
+    FinishReason, Finished, GenerateEvent, GenerateRequest, KvDestination, Mode, PrefillRequest,
+    SamplingParams, StopParams, TokenEvent, Transport,
+};
+use tokio::sync::{mpsc, oneshot};
+use tonic::Streaming;
+use tracing::Instrument;
+
+use crate::admission::InFlight;
+use crate::api::error::ApiError;
+use crate::config::FallbackPolicy;
+use crate::metrics as m;
+use crate::routing::{self, FallbackReason, ModeDecision};
+use crate::workers::{Worker, WorkerPool, kv_tcp_addr, status_means_worker_down};
+
+/// Events buffered between the request task and a slow client.
+const EVENT_BUFFER: usize = 64;
+
+/// What the flow needs from the router's configuration.
+#[derive(Debug)]
+pub struct FlowContext {
+    pub pool: Arc<WorkerPool>,
+    pub agg_threshold: u32,
+    pub fallback: FallbackPolicy,
+    pub lease_ttl_ms: u32,
+}
+
+/// A validated, tokenized request.
+#[derive(Debug, Clone)]
+pub struct FlowRequest {
+    pub request_id: String,
+    pub prompt: Vec<u32>,
+    pub sampling: SamplingParams,
+    pub stop: StopParams,
+    /// Tokens that end generation unless `stop.ignore_eos`.
+    pub eos_token_ids: Vec<u32>,
+    /// Hold every token until the next event so that the last one always carries the
+    /// finish. Needed where a stream must end on a token event (TGI) and the last token
+    /// cannot be foreseen (stop strings); it delays each token by one inter-token gap.
+    pub hold_every_token: bool,
+    pub arrival: Instant,
+    pub deadline: Option<Instant>,
+}
+
+/// How the request ran.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RunMode {
+    Disaggregated,
+    Aggregated,
+}
+
+impl RunMode {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RunMode::Disaggregated => "disaggregated",
+            RunMode::Aggregated => "aggregated",
+        }
+    }
+}
+
+/// What is known when the response head goes out: after the first token (and, when
+/// disaggregated, the prefill's answer).
+#[derive(Debug, Clone)]
+pub struct Head {
+    pub mode: RunMode,
+    /// KV bytes the prefill worker reports sending (0 aggregated).
+    pub kv_bytes: u64,
+    /// The KV transport used (None aggregated).
+    pub transport: Option<Transport>,
+    pub fallback: Option<FallbackReason>,
+}
+
+/// The name of a transport in headers and usage (`shm`, `tcp`, `grpc`, or `none`).
+pub fn transport_name(t: Option<Transport>) -> &'static str {
+    match t {
+        Some(Transport::Shm) => "shm",
+        Some(Transport::Tcp) => "tcp",
+        Some(Transport::Grpc) => "grpc",
+        Some(Transport::Unspecified) | None => "none",
+    }
+}
+
+/// One generated token.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenOut {
+    pub id: u32,
+    pub text: String,
+    pub logprob: f32,
+    pub index: u32,
+    pub special: bool,
+}
+
+/// The end of a generation.
+#[derive(Debug, Clone, PartialEq)]
+pub struct FinishOut {
+    /// `Stop` covers EOS, stop tokens and stop strings; `Length` is max_tokens.
+    pub reason: FinishReason,
+    pub prompt_tokens: u32,
+    pub completion_tokens: u32,
+    pub kv_bytes: u64,
+    pub transport: Option<Transport>,
+}
+
+/// What the HTTP layer receives after the head.
+#[derive(Debug)]
+pub enum FlowEvent {
+    /// A token; the finish rides along when this token is known to be the last.
+    Token(TokenOut, Option<FinishOut>),
+    /// The finish, when it could not ride on the last token.
+    Finished(FinishOut),
+    /// The generation broke after the head was sent: end the stream with this error.
+    Failed(ApiError),
+}
+
+/// A started generation: the head, and the events to stream after it.
+#[derive(Debug)]
+pub struct FlowStream {
+    pub head: Head,
+    pub events: mpsc::Receiver<FlowEvent>,
+}
+
+/// Starts the request task and waits for its head. An error here has not sent anything to
+/// the client, so it becomes a real HTTP status.
+pub async fn start(
+    ctx: Arc<FlowContext>,
+    req: FlowRequest,
+    in_flight: InFlight,
+) -> Result<FlowStream, ApiError> {
+    let (head_tx, head_rx) = oneshot::channel();
+    let (tx, rx) = mpsc::channel(EVENT_BUFFER);
+    let task = drive(ctx, req, head_tx, tx, in_flight).instrument(tracing::Span::current());
+    tokio::spawn(task);
+    match head_rx.await {
+        Ok(Ok(head)) => Ok(FlowStream { head, events: rx }),
+        Ok(Err(e)) => Err(e),
+        Err(_) => {
+            tracing::error!("request task ended without an answer");
+            Err(ApiError::Internal)
+        }
+    }
+}
+
+/// A decode stream item after the lease.
+enum DecodeItem {
+    Token(TokenEvent),
+    Finished(Finished),
+}
+
+/// Failure of one attempt before the head.
+enum AttemptError {
+    /// The decode worker is down: another decode worker may be tried.
+    DecodeDown(ApiError),
+    /// Give up with this error.
+    Fatal(ApiError),
+}
+
+impl AttemptError {
+    fn into_api(self) -> ApiError {
+        match self {
+            AttemptError::DecodeDown(e) | AttemptError::Fatal(e) => e,
+        }
+    }
+}
+
+/// Failure of a disaggregated attempt.
+enum DisaggError {
+    Decode(AttemptError),
+    Prefill(ApiError),
+}
+
+/// A generation whose first token is in: the head, the open stream, what came early.
+struct Live {
+    head: Head,
+    stream: Streaming<GenerateEvent>,
+    decode: Arc<Worker>,
+    early: VecDeque<DecodeItem>,
+}
+
+/// Token timing for TTFT and ITL.
+struct Timing {
+    arrival: Instant,
+    last_token: Option<Instant>,
+}
+
+impl Timing {
+    fn on_token(&mut self, mode: RunMode) {
+        let now = Instant::now();
+        match self.last_token {
+            None => metrics::histogram!(m::TTFT_SECONDS, "mode" => mode.as_str())
+                .record((now - self.arrival).as_secs_f64()),
+            Some(prev) => metrics::histogram!(m::ITL_SECONDS, "mode" => mode.as_str())
+                .record((now - prev).as_secs_f64()),
+        }
+        self.last_token = Some(now);
+    }
+}
+
+/// How a request ended, for the metrics.
+enum Outcome {
+    Ok(RunMode, FinishOut),
+    Cancelled(Option<RunMode>),
+    Failed(Option<RunMode>, &'static str),
+}
+
+fn record_outcome(outcome: &Outcome, arrival: Instant) {
+    let (mode, label) = match outcome {
+        Outcome::Ok(mode, finish) => {
+            metrics::counter!(m::TOKENS_TOTAL, "kind" => "prompt")
+                .increment(u64::from(finish.prompt_tokens));
+            metrics::counter!(m::TOKENS_TOTAL, "kind" => "completion")
+                .increment(u64::from(finish.completion_tokens));
+            (Some(*mode), "ok")
+        }
+        Outcome::Cancelled(mode) => (*mode, "cancelled"),
+        Outcome::Failed(mode, kind) => (*mode, *kind),
+    };
+    let mode = mode.map_or("none", RunMode::as_str);
+    metrics::counter!(m::REQUESTS_TOTAL, "mode" => mode, "outcome" => label).increment(1);
+    metrics::histogram!(m::E2E_SECONDS, "mode" => mode, "outcome" => label)
+        .record(arrival.elapsed().as_secs_f64());
+}
+
+async fn drive(
+    ctx: Arc<FlowContext>,
+    req: FlowRequest,
+    head_tx: oneshot::Sender<Result<Head, ApiError>>,
+    tx: mpsc::Sender<FlowEvent>,
+    in_flight: InFlight,
+) {
+    let _in_flight = in_flight;
+    let mut timing = Timing {
+        arrival: req.arrival,
+        last_token: None,
+    };
+    let established = tokio::select! {
+        biased;
+        _ = tx.closed() => {
+            tracing::info!("client went away before the first token; request cancelled");
+            return record_outcome(&Outcome::Cancelled(None), req.arrival);
+        }
+        r = with_deadline(req.deadline, establish(&ctx, &req, &mut timing)) => r,
+    };
+    let live = match established {
+        Ok(live) => live,
+        Err(e) => {
+            record_outcome(&Outcome::Failed(None, e.kind()), req.arrival);
+            let _ = head_tx.send(Err(e));
+            return;
+        }
+    };
+    let mode = live.head.mode;
+    if head_tx.send(Ok(live.head.clone())).is_err() {
+        tracing::info!("client went away before the response head; request cancelled");
+        return record_outcome(&Outcome::Cancelled(Some(mode)), req.arrival);
+    }
+    let outcome = pump(live, &req, &tx, &mut timing).await;
+    match &outcome {
+        Outcome::Ok(_, f) => tracing::info!(
+            mode = mode.as_str(),
+            prompt_tokens = f.prompt_tokens,
+            completion_tokens = f.completion_tokens,
+            kv_bytes = f.kv_bytes,
+            "request finished"
+        ),
+        Outcome::Cancelled(_) => tracing::info!("client went away; request cancelled"),
+        Outcome::Failed(..) => {}
+    }
+    record_outcome(&outcome, req.arrival);
+}
+
+async fn with_deadline<T>(
+    deadline: Option<Instant>,
+    fut: impl Future<Output = Result<T, ApiError>>,
+) -> Result<T, ApiError> {
+    match deadline {
+        None => fut.await,
+        Some(d) => tokio::time::timeout_at(d.into(), fut)
+            .await
+            .unwrap_or(Err(ApiError::Timeout)),
+    }
+}
+
+/// Picks workers and gets the first token, retrying as the module doc says.
+async fn establish(
+    ctx: &FlowContext,
+    req: &FlowRequest,
+    timing: &mut Timing,
+) -> Result<Live, ApiError> {
+    let mut tried_decode: Vec<usize> = Vec::new();
+    loop {
+        let candidates = ctx.pool.decode_candidates(&tried_decode);
+        let Some(index) = routing::pick_decode(&candidates) else {
+            return Err(match tried_decode.is_empty() {
+                true => ApiError::NoDecodeWorker,
+                false => ApiError::WorkerUnavailable,
+            });
+        };
+        let decode = Arc::clone(&ctx.pool.decode[index]);
+        match establish_on(ctx, req, &decode, timing).await {
+            Ok(live) => return Ok(live),
+            Err(AttemptError::DecodeDown(e)) if tried_decode.is_empty() => {
+                tracing::warn!(decode = %decode.url, "decode worker down before the first token; trying another");
+                tried_decode.push(index);
+                let _ = e;
+            }
+            Err(e) => return Err(e.into_api()),
+        }
+    }
+}
+
+/// Runs the request on `decode`, disaggregated when possible.
+async fn establish_on(
+    ctx: &FlowContext,
+    req: &FlowRequest,
+    decode: &Arc<Worker>,
+    timing: &mut Timing,
+) -> Result<Live, AttemptError> {
+    let first_prefill = routing::pick_prefill(&ctx.pool.prefill_candidates_for(decode), &[]);
+    let mut decision = routing::decide_mode(
+        req.prompt.len(),
+        ctx.agg_threshold,
+        first_prefill,
+        ctx.fallback,
+    );
+    let mut tried_prefill: Vec<usize> = Vec::new();
+    let mut last_prefill_error: Option<ApiError> = None;
+    loop {
+        match decision {
+            ModeDecision::Refuse => {
+                return Err(AttemptError::Fatal(
+                    last_prefill_error.unwrap_or(ApiError::NoPrefillWorker),
+                ));
+            }
+            ModeDecision::Aggregated { fallback } => {
+                if let Some(reason) = fallback {
+                    tracing::warn!(
+                        reason = reason.as_str(),
+                        "running aggregated instead of disaggregated"
+                    );
+                    metrics::counter!(m::FALLBACKS_TOTAL, "reason" => reason.as_str()).increment(1);
+                }
+                return run_aggregated(ctx, req, decode, fallback, timing).await;
+            }
+            ModeDecision::Disaggregated { prefill } => {
+                let prefill_worker = Arc::clone(&ctx.pool.prefill[prefill]);
+                match run_disaggregated(ctx, req, decode, &prefill_worker, timing).await {
+                    Ok(live) => return Ok(live),
+                    Err(DisaggError::Decode(e)) => return Err(e),
+                    Err(DisaggError::Prefill(ApiError::WorkerRejected)) => {
+                        // The request itself is invalid: no other worker will take it.
+                        return Err(AttemptError::Fatal(ApiError::WorkerRejected));
+                    }
+                    Err(DisaggError::Prefill(e)) => {
+                        tried_prefill.push(prefill);
+                        last_prefill_error = Some(e);
+                        let other = routing::pick_prefill(
+                            &ctx.pool.prefill_candidates_for(decode),
+                            &tried_prefill,
+                        );
+                        decision = routing::decide_after_prefill_failure(
+                            tried_prefill.len() < 2,
+                            other,
+                            ctx.fallback,
+                        );
+                        if let ModeDecision::Disaggregated { prefill: next } = decision {
+                            tracing::warn!(failed = %prefill_worker.url, next = %ctx.pool.prefill[next].url, "prefill failed; retrying on another prefill worker");
+                            metrics::counter!(m::PREFILL_RETRIES_TOTAL).increment(1);
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+fn grpc_request<T>(message: T, request_id: &str) -> tonic::Request<T> {
+    let mut request = tonic::Request::new(message);
+    if let Ok(v) = request_id.parse() {
+        request.metadata_mut().insert("x-request-id", v);
+    }
+    request
+}
+
+/// Logs a decode worker's failure, marks it down when it is, and classifies the error.
+fn decode_failure(decode: &Worker, status: &tonic::Status) -> AttemptError {
+    tracing::warn!(decode = %decode.url, code = ?status.code(), message = status.message(), "decode worker call failed");
+    let e = ApiError::from_worker_status(status);
+    if status_means_worker_down(status) {
+        decode.mark_unhealthy("a request failed on it");
+        AttemptError::DecodeDown(e)
+    } else {
+        AttemptError::Fatal(e)
+    }
+}
+
+/// A broken exchange (wrong event order, stream ended early): the worker is misbehaving.
+fn decode_protocol_error(decode: &Worker, what: &str) -> AttemptError {
+    tracing::error!(decode = %decode.url, "decode worker protocol error: {what}");
+    decode.mark_unhealthy(what);
+    AttemptError::Fatal(ApiError::WorkerFailed)
+}
+
+/// The next token or finish; a Lease here is a protocol error.
+async fn next_item(
+    stream: &mut Streaming<GenerateEvent>,
+    decode: &Worker,
+) -> Result<DecodeItem, AttemptError> {
+    match stream.message().await {
+        Ok(Some(GenerateEvent {
+            event: Some(Event::Token(t)),
+        })) => Ok(DecodeItem::Token(t)),
+        Ok(Some(GenerateEvent {
+            event: Some(Event::Finished(f)),
+        })) => Ok(DecodeItem::Finished(f)),
+        Ok(Some(GenerateEvent {
+            event: Some(Event::Lease(_)),
+        })) => Err(decode_protocol_error(
+            decode,
+            "a lease after the first event",
+        )),
+        Ok(Some(GenerateEvent { event: None })) => {
+            Err(decode_protocol_error(decode, "an empty event"))
+        }
+        Ok(None) => Err(decode_protocol_error(
+            decode,
+            "the stream ended without a Finished event",
+        )),
+        Err(status) => Err(decode_failure(decode, &status)),
+    }
+}
+
+fn generate_request(ctx: &FlowContext, req: &FlowRequest, mode: Mode) -> GenerateRequest {
+    GenerateRequest {
+        request_id: req.request_id.clone(),
+        prompt: req.prompt.clone(),
+        sampling: Some(req.sampling),
+        stop: Some(req.stop.clone()),
+        mode: mode as i32,
+        lease_ttl_ms: match mode {
+            Mode::Disaggregated => ctx.lease_ttl_ms,
+            _ => 0,
+        },
+    }
+}
+
+fn prompt_blocks(decode: &Worker, prompt_len: usize) -> u32 {
+    let block_size = decode
+        .info()
+        .and_then(|i| i.kv_layout.as_ref().map(|l| l.block_size))
+        .unwrap_or(16);
+    routing::blocks_for_tokens(prompt_len, block_size)
+}
+
+async fn run_aggregated(
+    ctx: &FlowContext,
+    req: &FlowRequest,
+    decode: &Arc<Worker>,
+    fallback: Option<FallbackReason>,
+    timing: &mut Timing,
+) -> Result<Live, AttemptError> {
+    decode.note_dispatch(prompt_blocks(decode, req.prompt.len()), 0);
+    let mut client = decode.decode_client();
+    let request = grpc_request(
+        generate_request(ctx, req, Mode::Aggregated),
+        &req.request_id,
+    );
+    let mut stream = client
+        .generate(request)
+        .await
+        .map_err(|s| decode_failure(decode, &s))?
+        .into_inner();
+    let first = next_item(&mut stream, decode).await?;
+    timing.on_token(RunMode::Aggregated);
+    Ok(Live {
+        head: Head {
+            mode: RunMode::Aggregated,
+            kv_bytes: 0,
+            transport: None,
+            fallback,
+        },
+        stream,
+        decode: Arc::clone(decode),
+        early: VecDeque::from([first]),
+    })
+}
+
+async fn run_disaggregated(
+    ctx: &FlowContext,
+    req: &FlowRequest,
+    decode: &Arc<Worker>,
+    prefill: &Arc<Worker>,
+    timing: &mut Timing,
+) -> Result<Live, DisaggError> {
+    let decode_info = decode
+        .info()
+        .ok_or(DisaggError::Decode(AttemptError::DecodeDown(
+            ApiError::WorkerUnavailable,
+        )))?;
+    decode.note_dispatch(prompt_blocks(decode, req.prompt.len()), 0);
+    let mut client = decode.decode_client();
+    let request = grpc_request(
+        generate_request(ctx, req, Mode::Disaggregated),
+        &req.request_id,
+    );
+    let mut stream = client
+        .generate(request)
+        .await
+        .map_err(|s| DisaggError::Decode(decode_failure(decode, &s)))?
+        .into_inner();
+    let lease = match stream.message().await {
+        Ok(Some(GenerateEvent {
+            event: Some(Event::Lease(lease)),
+        })) => lease,
+        Ok(_) => {
+            return Err(DisaggError::Decode(decode_protocol_error(
+                decode,
+                "the first event of a disaggregated Generate was not a lease",
+            )));
+        }
+        Err(status) => return Err(DisaggError::Decode(decode_failure(decode, &status))),
+    };
+    tracing::debug!(
+        decode = %decode.url,
+        prefill = %prefill.url,
+        lease_id = lease.lease_id,
+        blocks = lease.block_ids.len(),
+        "lease granted"
+    );
+    let destination = KvDestination {
+        transport: ctx.pool.transport() as i32,
+        decode_endpoint: decode.url.clone(),
+        kv_tcp_addr: kv_tcp_addr(&decode.url, &decode_info),
+        shm_path: decode_info.shm_path.clone(),
+        shm_bytes: decode_info.shm_bytes,
+        lease_id: lease.lease_id,
+        block_ids: lease.block_ids,
+        kv_layout_hash: decode_info.kv_layout_hash.clone(),
+    };
+    prefill.note_dispatch(0, req.prompt.len() as u64);
+    let mut prefill_client = prefill.prefill_client();
+    let prefill_call = prefill_client.prefill(grpc_request(
+        PrefillRequest {
+            request_id: req.request_id.clone(),
+            prompt: req.prompt.clone(),
+            sampling: Some(req.sampling),
+            destination: Some(destination),
+        },
+        &req.request_id,
+    ));
+    tokio::pin!(prefill_call);
+    let mut prefill_answer = None;
+    let mut early = VecDeque::new();
+    // Both the prefill's answer (for the KV accounting in the head) and the first token are
+    // needed before the head goes out; the decode stream stays open meanwhile.
+    while prefill_answer.is_none() || early.is_empty() {
+        tokio::select! {
+            answer = &mut prefill_call, if prefill_answer.is_none() => match answer {
+                Ok(response) => prefill_answer = Some(response.into_inner()),
+                Err(status) => {
+                    tracing::warn!(prefill = %prefill.url, code = ?status.code(), message = status.message(), "prefill failed");
+                    if status_means_worker_down(&status) {
+                        prefill.mark_unhealthy("a prefill call failed");
+                    }
+                    // Returning drops the Generate stream, which cancels the reservation.
+                    return Err(DisaggError::Prefill(ApiError::from_worker_status(&status)));
+                }
+            },
+            item = next_item(&mut stream, decode), if early.is_empty() => {
+                early.push_back(item.map_err(DisaggError::Decode)?);
+                timing.on_token(RunMode::Disaggregated);
+            }
+        }
+    }
+    let answer = prefill_answer.unwrap_or_default();
+    let transport = Transport::try_from(answer.transport)
+        .ok()
+        .filter(|t| *t != Transport::Unspecified)
+        .unwrap_or(ctx.pool.transport());
+    let label = transport_name(Some(transport));
+    metrics::counter!(m::KV_TRANSFER_BYTES_TOTAL, "transport" => label).increment(answer.kv_bytes);
+    metrics::histogram!(m::KV_TRANSFER_SECONDS, "transport" => label)
+        .record(answer.transfer_seconds);
+    Ok(Live {
+        head: Head {
+            mode: RunMode::Disaggregated,
+            kv_bytes: answer.kv_bytes,
+            transport: Some(transport),
+            fallback: None,
+        },
+        stream,
+        decode: Arc::clone(decode),
+        early,
+    })
+}
+
+/// Whether `token` must be the last one, so its event can carry the finish.
+fn is_known_last(req: &FlowRequest, token: &TokenEvent) -> bool {
+    token.index.saturating_add(1) >= req.stop.max_tokens
+        || (!req.stop.ignore_eos && req.eos_token_ids.contains(&token.id))
+        || req.stop.stop_token_ids.contains(&token.id)
+}
+
+fn token_out(t: TokenEvent) -> TokenOut {
+    TokenOut {
+        id: t.id,
+        text: t.text,
+        logprob: t.logprob,
+        index: t.index,
+        special: t.special,
+    }
+}
+
+/// Streams the rest of the generation to the HTTP layer.
+async fn pump(
+    mut live: Live,
+    req: &FlowRequest,
+    tx: &mpsc::Sender<FlowEvent>,
+    timing: &mut Timing,
+) -> Outcome {
+    let mode = live.head.mode;
+    let mut held: Option<TokenEvent> = None;
+    loop {
+        let item = match live.early.pop_front() {
+            Some(item) => Ok(item),
+            None => {
+                let deadline = async {
+                    match req.deadline {
+                        Some(d) => tokio::time::sleep_until(d.into()).await,
+                        None => std::future::pending().await,
+                    }
+                };
+                tokio::select! {
+                    biased;
+                    _ = tx.closed() => return Outcome::Cancelled(Some(mode)),
+                    _ = deadline => Err(AttemptError::Fatal(ApiError::Timeout)),
+                    item = next_item(&mut live.stream, &live.decode) => {
+                        if matches!(item, Ok(DecodeItem::Token(_))) {
+                            timing.on_token(mode);
+                        }
+                        item
+                    }
+                }
+            }
+        };
+        match item {
+            Ok(DecodeItem::Token(token)) => {
+                if let Some(prev) = held.take()
+                    && tx
+                        .send(FlowEvent::Token(token_out(prev), None))
+                        .await
+                        .is_err()
+                {
+                    return Outcome::Cancelled(Some(mode));
+                }
+                if req.hold_every_token || is_known_last(req, &token) {
+                    held = Some(token);
+                } else if tx
+                    .send(FlowEvent::Token(token_out(token), None))
+                    .await
+                    .is_err()
+                {
+                    return Outcome::Cancelled(Some(mode));
+                }
+            }
+            Ok(DecodeItem::Finished(f)) => {
+                let finish = finish_out(&live.head, &f);
+                if mode == RunMode::Disaggregated {
+                    metrics::histogram!(m::KV_WAIT_SECONDS, "transport" => transport_name(live.head.transport))
+                        .record(f.kv_wait_seconds);
+                }
+                let event = match held.take() {
+                    Some(last) => FlowEvent::Token(token_out(last), Some(finish.clone())),
+                    None => FlowEvent::Finished(finish.clone()),
+                };
+                return match tx.send(event).await {
+                    Ok(()) => Outcome::Ok(mode, finish),
+                    Err(_) => Outcome::Cancelled(Some(mode)),
+                };
+            }
+            Err(e) => {
+                let e = e.into_api();
+                tracing::warn!(error = %e, "generation failed after the response head; ending the stream with an error event");
+                if let Some(prev) = held.take() {
+                    let _ = tx.send(FlowEvent::Token(token_out(prev), None)).await;
+                }
+                let kind = e.kind();
+                let _ = tx.send(FlowEvent::Failed(e)).await;
+                return Outcome::Failed(Some(mode), kind);
+            }
+        }
+    }
+}
+
+fn finish_out(head: &Head, f: &Finished) -> FinishOut {
+    FinishOut {
+        reason: match FinishReason::try_from(f.reason) {
+            Ok(FinishReason::Length) => FinishReason::Length,
+            _ => FinishReason::Stop,
+        },
+        prompt_tokens: f.prompt_tokens,
+        completion_tokens: f.completion_tokens,
+        kv_bytes: if head.kv_bytes > 0 {
+            head.kv_bytes
+        } else {
+            f.kv_bytes
+        },
+        transport: head.transport,
+    }
+}

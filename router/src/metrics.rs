@@ -1,0 +1,115 @@
+//! Every metric the router exports, named in one place (`tandem_router_<what>_<unit>`,
+//! Dynamo `prometheus_names.rs` style), plus the Prometheus recorder behind `GET /metrics`.
+//!
+//! The `metrics` crate has one process-wide recorder. The router installs a Prometheus
+//! recorder once per process and every router started in that process (tests start many)
+//! shares it; if some other component already installed a recorder, the router logs a warning
+//! and its `/metrics` shows only the metrics described here with no samples.
+
+use std::sync::OnceLock;
+
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+
+/// Time from request arrival to the first token received from the decode worker, by mode.
+pub const TTFT_SECONDS: &str = "tandem_router_ttft_seconds";
+/// Gap between consecutive tokens of one request, by mode.
+pub const ITL_SECONDS: &str = "tandem_router_itl_seconds";
+/// Time from request arrival to the end of its generation, by mode and outcome.
+pub const E2E_SECONDS: &str = "tandem_router_e2e_latency_seconds";
+/// Requests waiting for a running slot.
+pub const QUEUE_DEPTH: &str = "tandem_router_queue_depth";
+/// Requests holding a running slot.
+pub const IN_FLIGHT: &str = "tandem_router_in_flight_requests";
+/// Finished requests, by `mode` (disaggregated, aggregated, none) and `outcome`.
+pub const REQUESTS_TOTAL: &str = "tandem_router_requests_total";
+/// Requests that ran aggregated although disaggregation was wanted, by `reason`.
+pub const FALLBACKS_TOTAL: &str = "tandem_router_fallbacks_total";
+/// Prefill calls retried on another prefill worker.
+pub const PREFILL_RETRIES_TOTAL: &str = "tandem_router_prefill_retries_total";
+/// KV bytes moved from prefill to decode workers, by `transport` (from PrefillResponse).
+pub const KV_TRANSFER_BYTES_TOTAL: &str = "tandem_router_kv_transfer_bytes_total";
+/// Seconds each KV transfer took, by `transport` (from PrefillResponse).
+pub const KV_TRANSFER_SECONDS: &str = "tandem_router_kv_transfer_seconds";
+/// Seconds from lease to verified commit as the decode worker saw it, by `transport`.
+pub const KV_WAIT_SECONDS: &str = "tandem_router_kv_wait_seconds";
+/// 1 when a worker is healthy and routable, else 0; by `worker` (URL) and `role`.
+pub const WORKER_HEALTHY: &str = "tandem_router_worker_healthy";
+/// KV blocks in use on a worker, by `worker` and `role` (from GetLoad).
+pub const WORKER_KV_BLOCKS_IN_USE: &str = "tandem_router_worker_kv_blocks_in_use";
+/// KV blocks a worker has in all, by `worker` and `role` (from GetLoad).
+pub const WORKER_KV_BLOCKS_TOTAL: &str = "tandem_router_worker_kv_blocks_total";
+/// Prompt tokens queued on a prefill worker, by `worker` (from GetLoad).
+pub const WORKER_QUEUED_PREFILL_TOKENS: &str = "tandem_router_worker_queued_prefill_tokens";
+/// Prompt and completion tokens of finished requests, by `kind`.
+pub const TOKENS_TOTAL: &str = "tandem_router_tokens_total";
+
+/// Histogram buckets (seconds) shared by the latency metrics: 1 ms to 5 minutes.
+const LATENCY_BUCKETS: &[f64] = &[
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+    120.0, 300.0,
+];
+
+static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
+
+/// The process-wide Prometheus handle, installing the recorder on first use.
+pub fn prometheus() -> PrometheusHandle {
+    HANDLE.get_or_init(install).clone()
+}
+
+fn install() -> PrometheusHandle {
+    let builder = match PrometheusBuilder::new()
+        .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), LATENCY_BUCKETS)
+    {
+        Ok(b) => b,
+        Err(e) => {
+            tracing::warn!(error = %e, "invalid histogram buckets; using summaries");
+            PrometheusBuilder::new()
+        }
+    };
+    let recorder = builder.build_recorder();
+    let handle = recorder.handle();
+    if metrics::set_global_recorder(recorder).is_err() {
+        tracing::warn!("a metrics recorder is already installed; /metrics will show no samples");
+    }
+    describe();
+    handle
+}
+
+fn describe() {
+    use metrics::{Unit, describe_counter, describe_gauge, describe_histogram};
+    describe_histogram!(TTFT_SECONDS, Unit::Seconds, "Time to first token, by mode");
+    describe_histogram!(ITL_SECONDS, Unit::Seconds, "Inter-token latency, by mode");
+    describe_histogram!(E2E_SECONDS, Unit::Seconds, "End-to-end request latency");
+    describe_gauge!(QUEUE_DEPTH, "Requests waiting for a running slot");
+    describe_gauge!(IN_FLIGHT, "Requests holding a running slot");
+    describe_counter!(REQUESTS_TOTAL, "Finished requests by mode and outcome");
+    describe_counter!(
+        FALLBACKS_TOTAL,
+        "Requests run aggregated instead of disaggregated"
+    );
+    describe_counter!(
+        PREFILL_RETRIES_TOTAL,
+        "Prefill calls retried on another worker"
+    );
+    describe_counter!(KV_TRANSFER_BYTES_TOTAL, Unit::Bytes, "KV bytes moved");
+    describe_histogram!(KV_TRANSFER_SECONDS, Unit::Seconds, "KV transfer time");
+    describe_histogram!(KV_WAIT_SECONDS, Unit::Seconds, "Lease to commit on decode");
+    describe_gauge!(WORKER_HEALTHY, "1 if the worker is healthy and routable");
+    describe_gauge!(WORKER_KV_BLOCKS_IN_USE, "KV blocks in use on the worker");
+    describe_gauge!(WORKER_KV_BLOCKS_TOTAL, "KV blocks on the worker");
+    describe_gauge!(
+        WORKER_QUEUED_PREFILL_TOKENS,
+        "Prompt tokens queued on the worker"
+    );
+    describe_counter!(TOKENS_TOTAL, "Tokens of finished requests by kind");
+}
+
+/// Registers the series that exist before any request, so `/metrics` lists them at once.
+pub fn register_static_series() {
+    metrics::gauge!(QUEUE_DEPTH).increment(0.0);
+    metrics::gauge!(IN_FLIGHT).increment(0.0);
+    for reason in ["no_prefill_worker", "prefill_failed"] {
+        metrics::counter!(FALLBACKS_TOTAL, "reason" => reason).increment(0);
+    }
+    metrics::counter!(PREFILL_RETRIES_TOTAL).increment(0);
+}

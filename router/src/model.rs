@@ -1,0 +1,156 @@
+//! `ServedModel`: what the router serves, as learned from a decode worker's `GetInfo` — the
+//! model name, context length, tokenizer and chat template — and the two tokenizations the
+//! API routes need. The router owns tokenization so that prompt lengths are counted once, the
+//! same way for validation, routing and the workers.
+
+use std::sync::Arc;
+
+use tandem_proto::v1::WorkerInfo;
+use tandem_text::{ChatMessage, ChatTemplate, TextTokenizer, TokenizerInfo};
+
+use crate::api::error::ApiError;
+
+/// The model behind the router, fixed once the first decode worker handed over its tokenizer.
+pub struct ServedModel {
+    /// The name clients send in `model` (`--served-model-name`, else the worker's).
+    pub name: String,
+    /// Prompt + generated tokens at most; 0 when the worker did not say.
+    pub context_length: u32,
+    /// Token ids must be below this; 0 when unknown.
+    pub vocab_size: u32,
+    /// Ids that end generation unless `ignore_eos`.
+    pub eos_token_ids: Vec<u32>,
+    /// Unix seconds when the router learned the model (the `created` of `/v1/models`).
+    pub created: u64,
+    tokenizer: TextTokenizer,
+    chat_template: Option<ChatTemplate>,
+}
+
+impl std::fmt::Debug for ServedModel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ServedModel")
+            .field("name", &self.name)
+            .field("context_length", &self.context_length)
+            .field("vocab_size", &self.vocab_size)
+            .field("has_chat_template", &self.chat_template.is_some())
+            .finish()
+    }
+}
+
+impl ServedModel {
+    /// Builds the model from a decode worker's info, which must carry the tokenizer.
+    pub fn from_worker_info(
+        info: &WorkerInfo,
+        served_model_name: Option<&str>,
+    ) -> Result<Self, String> {
+        let spec = info
+            .tokenizer
+            .as_ref()
+            .ok_or_else(|| "the worker's info carries no tokenizer".to_string())?;
+        let tokenizer = TextTokenizer::from_json(
+            &spec.tokenizer_json,
+            TokenizerInfo {
+                bos_token: spec.bos_token.clone(),
+                eos_token_ids: spec.eos_token_ids.clone(),
+                eos_token: spec.eos_token.clone(),
+                chat_template: spec.chat_template.clone(),
+            },
+        )
+        .map_err(|e| format!("cannot build the tokenizer: {e}"))?;
+        let chat_template = match spec.chat_template.as_deref() {
+            None => None,
+            Some(src) => {
+                match ChatTemplate::new(src, spec.bos_token.as_deref(), spec.eos_token.as_deref()) {
+                    Ok(t) => Some(t),
+                    Err(e) => {
+                        tracing::warn!(error = %e, "the model's chat template does not compile; chat completions are disabled");
+                        None
+                    }
+                }
+            }
+        };
+        let name = match served_model_name {
+            Some(n) => n.to_string(),
+            None if !info.model_name.is_empty() => info.model_name.clone(),
+            None => "tandem".to_string(),
+        };
+        let created = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_secs())
+            .unwrap_or_default();
+        Ok(Self {
+            name,
+            context_length: info.context_length,
+            vocab_size: info.vocab_size,
+            eos_token_ids: spec.eos_token_ids.clone(),
+            created,
+            tokenizer,
+            chat_template,
+        })
+    }
+
+    /// A model around a tokenizer directly (tests and embedders).
+    pub fn new(
+        name: &str,
+        context_length: u32,
+        tokenizer: TextTokenizer,
+        chat_template: Option<ChatTemplate>,
+    ) -> Self {
+        Self {
+            name: name.to_string(),
+            context_length,
+            vocab_size: u32::try_from(tokenizer.vocab_size()).unwrap_or(u32::MAX),
+            eos_token_ids: tokenizer.info().eos_token_ids.clone(),
+            created: 0,
+            tokenizer,
+            chat_template,
+        }
+    }
+
+    /// Token ids of a completion prompt: the tokenizer's special tokens (BOS) included.
+    pub fn encode_prompt(&self, text: &str) -> Result<Vec<u32>, ApiError> {
+        self.tokenizer.encode(text, true).map_err(|e| {
+            tracing::warn!(error = %e, "tokenizer failed on a prompt");
+            ApiError::invalid("prompt", "the prompt could not be tokenized")
+        })
+    }
+
+    /// Token ids of a conversation: the chat template with the assistant turn opened, encoded
+    /// without adding special tokens, since the template writes its own.
+    pub fn encode_chat(&self, messages: &[ChatMessage]) -> Result<Vec<u32>, ApiError> {
+        let template = self.chat_template.as_ref().ok_or_else(|| {
+            ApiError::invalid_body("this model has no chat template: use /v1/completions instead")
+        })?;
+        let text = template.render(messages, true).map_err(|e| {
+            // Template errors are about the conversation (e.g. roles that must alternate),
+            // raised by the template itself, so the client gets them.
+            ApiError::invalid(
+                "messages",
+                format!("the chat template rejected the messages: {e}"),
+            )
+        })?;
+        self.tokenizer.encode(&text, false).map_err(|e| {
+            tracing::warn!(error = %e, "tokenizer failed on a rendered conversation");
+            ApiError::invalid("messages", "the messages could not be tokenized")
+        })
+    }
+
+    /// Whether `id` ends generation (when EOS is not ignored).
+    pub fn is_eos(&self, id: u32) -> bool {
+        self.eos_token_ids.contains(&id)
+    }
+}
+
+/// Encodes on the blocking pool: long prompts take milliseconds of CPU that must not stall
+/// the async workers serving other streams.
+pub async fn encode_blocking<F>(model: Arc<ServedModel>, f: F) -> Result<Vec<u32>, ApiError>
+where
+    F: FnOnce(&ServedModel) -> Result<Vec<u32>, ApiError> + Send + 'static,
+{
+    tokio::task::spawn_blocking(move || f(&model))
+        .await
+        .map_err(|e| {
+            tracing::error!(error = %e, "tokenization task failed");
+            ApiError::Internal
+        })?
+}

@@ -1,0 +1,11 @@
+//! Routing policy: which workers serve a request and in which mode. Pure functions over
+//! snapshots of worker load, with no I/O, so they are unit-tested here and could move to a
+//! crate of their own (as Dynamo's `kv-router` did). `workers.rs` builds the snapshots;
+//! `flow.rs` acts on the decisions.
+
+pub mod policy;
+
+pub use policy::{
+    DecodeCandidate, FallbackReason, ModeDecision, PrefillCandidate, blocks_for_tokens,
+    decide_after_prefill_failure, decide_mode, pick_decode, pick_prefill,
+};

@@ -1,0 +1,542 @@
+//! The worker pool: one gRPC channel per prefill and decode worker, what each said about
+//! itself (`GetInfo`), its last load (`GetLoad`), and whether it is healthy.
+//!
+//! One poll task per worker asks for info until it gets it (so the router can start before
+//! its workers), then for load every `--health-interval-ms`. A failed poll marks the worker
+//! unhealthy, and so does a request that sees it die; the next successful poll brings it back
+//! (re-reading its info, since a restarted worker may have a new layout or shm file). Workers
+//! speaking another protocol version, or in the wrong role, are refused for good; prefill and
+//! decode workers whose KV layouts differ are never paired (`pair_incompatibility`).
+
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+use std::time::Duration;
+
+use tandem_proto::v1::decode_service_client::DecodeServiceClient;
+use tandem_proto::v1::prefill_service_client::PrefillServiceClient;
+use tandem_proto::v1::{InfoRequest, LoadReport, LoadRequest, Role, Transport, WorkerInfo};
+use tokio_util::sync::CancellationToken;
+use tonic::transport::{Channel, Endpoint};
+
+use crate::metrics as m;
+use crate::model::ServedModel;
+use crate::routing::{DecodeCandidate, PrefillCandidate};
+
+/// Largest gRPC message the router accepts (a `tokenizer.json` can be several MiB).
+const MAX_MESSAGE_BYTES: usize = 64 << 20;
+/// Deadline of one `GetInfo` call (it may carry the tokenizer).
+const INFO_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Worker roles as the pool knows them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WorkerRole {
+    Prefill,
+    Decode,
+}
+
+impl WorkerRole {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            WorkerRole::Prefill => "prefill",
+            WorkerRole::Decode => "decode",
+        }
+    }
+
+    fn proto(self) -> Role {
+        match self {
+            WorkerRole::Prefill => Role::Prefill,
+            WorkerRole::Decode => Role::Decode,
+        }
+    }
+}
+
+#[derive(Debug, Default)]
+struct WorkerState {
+    info: Option<Arc<WorkerInfo>>,
+    load: Option<LoadReport>,
+    healthy: bool,
+    /// Set when the worker can never be used (protocol version or role mismatch).
+    refused: Option<String>,
+}
+
+/// One worker and the router's view of it.
+#[derive(Debug)]
+pub struct Worker {
+    pub role: WorkerRole,
+    /// Index within its role's list.
+    pub index: usize,
+    /// The gRPC URL it was configured with (also its `worker` metric label).
+    pub url: String,
+    channel: Channel,
+    state: Mutex<WorkerState>,
+    /// Dispatched by this router since the last load report (see `routing::policy`).
+    pending_blocks: AtomicU32,
+    pending_requests: AtomicU32,
+    pending_tokens: AtomicU64,
+}
+
+impl Worker {
+    fn new(role: WorkerRole, index: usize, url: &str) -> Result<Self, String> {
+        let endpoint = Endpoint::from_shared(url.to_string())
+            .map_err(|e| format!("{} worker URL `{url}`: {e}", role.as_str()))?
+            .connect_timeout(Duration::from_secs(2))
+            .tcp_nodelay(true)
+            // Notice a silently vanished peer (no RST) on an otherwise idle connection.
+            .http2_keep_alive_interval(Duration::from_secs(10))
+            .keep_alive_timeout(Duration::from_secs(5))
+            .keep_alive_while_idle(true);
+        Ok(Self {
+            role,
+            index,
+            url: url.to_string(),
+            channel: endpoint.connect_lazy(),
+            state: Mutex::new(WorkerState::default()),
+            pending_blocks: AtomicU32::new(0),
+            pending_requests: AtomicU32::new(0),
+            pending_tokens: AtomicU64::new(0),
+        })
+    }
+
+    fn state(&self) -> MutexGuard<'_, WorkerState> {
+        // The state is plain data updated in one step; a panic elsewhere cannot leave it
+        // half-written, so a poisoned lock is still usable.
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub fn decode_client(&self) -> DecodeServiceClient<Channel> {
+        DecodeServiceClient::new(self.channel.clone()).max_decoding_message_size(MAX_MESSAGE_BYTES)
+    }
+
+    pub fn prefill_client(&self) -> PrefillServiceClient<Channel> {
+        PrefillServiceClient::new(self.channel.clone()).max_decoding_message_size(MAX_MESSAGE_BYTES)
+    }
+
+    /// What the worker said about itself, once it answered.
+    pub fn info(&self) -> Option<Arc<WorkerInfo>> {
+        self.state().info.clone()
+    }
+
+    /// Healthy, answered GetInfo, not refused, not draining.
+    pub fn is_routable(&self) -> bool {
+        let s = self.state();
+        s.healthy
+            && s.refused.is_none()
+            && s.info.is_some()
+            && !s.load.as_ref().is_some_and(|l| l.draining)
+    }
+
+    pub fn is_healthy(&self) -> bool {
+        self.state().healthy
+    }
+
+    /// Records a request sent to this worker, until the next load report accounts for it.
+    pub fn note_dispatch(&self, blocks: u32, prompt_tokens: u64) {
+        self.pending_blocks.fetch_add(blocks, Ordering::Relaxed);
+        self.pending_requests.fetch_add(1, Ordering::Relaxed);
+        self.pending_tokens
+            .fetch_add(prompt_tokens, Ordering::Relaxed);
+    }
+
+    /// Marks the worker unhealthy after a failed call; `why` is logged, not shown to clients.
+    pub fn mark_unhealthy(&self, why: &str) {
+        let was = std::mem::replace(&mut self.state().healthy, false);
+        if was {
+            tracing::warn!(worker = %self.url, role = self.role.as_str(), reason = why, "worker marked unhealthy");
+        }
+        self.publish_health();
+    }
+
+    fn publish_health(&self) {
+        let routable = self.is_routable();
+        metrics::gauge!(m::WORKER_HEALTHY, "worker" => self.url.clone(), "role" => self.role.as_str())
+            .set(if routable { 1.0 } else { 0.0 });
+    }
+
+    fn set_load(&self, load: LoadReport) {
+        self.pending_blocks.store(0, Ordering::Relaxed);
+        self.pending_requests.store(0, Ordering::Relaxed);
+        self.pending_tokens.store(0, Ordering::Relaxed);
+        let labels = [
+            ("worker", self.url.clone()),
+            ("role", self.role.as_str().to_string()),
+        ];
+        metrics::gauge!(m::WORKER_KV_BLOCKS_TOTAL, &labels).set(f64::from(load.total_blocks));
+        metrics::gauge!(m::WORKER_KV_BLOCKS_IN_USE, &labels).set(f64::from(
+            load.total_blocks.saturating_sub(load.free_blocks),
+        ));
+        if self.role == WorkerRole::Prefill {
+            metrics::gauge!(m::WORKER_QUEUED_PREFILL_TOKENS, &labels)
+                .set(load.queued_prefill_tokens as f64);
+        }
+        let was = {
+            let mut s = self.state();
+            s.load = Some(load);
+            std::mem::replace(&mut s.healthy, true)
+        };
+        if !was {
+            tracing::info!(worker = %self.url, role = self.role.as_str(), "worker healthy");
+        }
+        self.publish_health();
+    }
+
+    fn decode_candidate(&self) -> Option<DecodeCandidate> {
+        if !self.is_routable() {
+            return None;
+        }
+        let load = self.state().load.unwrap_or_default();
+        Some(DecodeCandidate {
+            id: self.index,
+            free_blocks: load.free_blocks,
+            running: load.running.saturating_add(load.waiting),
+            pending_blocks: self.pending_blocks.load(Ordering::Relaxed),
+            pending_requests: self.pending_requests.load(Ordering::Relaxed),
+        })
+    }
+
+    fn prefill_candidate(&self) -> Option<PrefillCandidate> {
+        if !self.is_routable() {
+            return None;
+        }
+        let load = self.state().load.unwrap_or_default();
+        Some(PrefillCandidate {
+            id: self.index,
+            queued_prefill_tokens: load.queued_prefill_tokens,
+            pending_tokens: self.pending_tokens.load(Ordering::Relaxed),
+        })
+    }
+}
+
+/// Why a prefill worker cannot send KV to a decode worker, or `None` if it can.
+pub fn pair_incompatibility(
+    prefill: &WorkerInfo,
+    decode: &WorkerInfo,
+    transport: Transport,
+) -> Option<String> {
+    if prefill.kv_layout_hash != decode.kv_layout_hash {
+        return Some(format!(
+            "KV layouts differ (prefill {:?} vs decode {:?})",
+            prefill.kv_layout_hash, decode.kv_layout_hash
+        ));
+    }
+    let t = transport as i32;
+    if !prefill.transports.is_empty() && !prefill.transports.contains(&t) {
+        return Some(format!(
+            "the prefill worker cannot send over {}",
+            transport.as_str_name()
+        ));
+    }
+    if !decode.transports.is_empty() && !decode.transports.contains(&t) {
+        return Some(format!(
+            "the decode worker cannot receive over {}",
+            transport.as_str_name()
+        ));
+    }
+    None
+}
+
+/// Why a worker's info makes it unusable, or `None`.
+pub fn info_refusal(info: &WorkerInfo, role: WorkerRole) -> Option<String> {
+    if info.protocol_version != tandem_proto::PROTOCOL_VERSION {
+        return Some(format!(
+            "it speaks protocol version {} and the router speaks {}",
+            info.protocol_version,
+            tandem_proto::PROTOCOL_VERSION
+        ));
+    }
+    if info.role != role.proto() as i32 {
+        return Some(format!(
+            "it reports role {:?} but is configured as a {} worker",
+            Role::try_from(info.role).unwrap_or(Role::Unspecified),
+            role.as_str()
+        ));
+    }
+    None
+}
+
+/// All workers, and the model learned from them.
+#[derive(Debug)]
+pub struct WorkerPool {
+    pub decode: Vec<Arc<Worker>>,
+    pub prefill: Vec<Arc<Worker>>,
+    transport: Transport,
+    served_model_name: Option<String>,
+    model: OnceLock<Arc<ServedModel>>,
+}
+
+impl WorkerPool {
+    pub fn new(
+        prefill_urls: &[String],
+        decode_urls: &[String],
+        transport: Transport,
+        served_model_name: Option<String>,
+    ) -> Result<Self, String> {
+        let build = |role, urls: &[String]| -> Result<Vec<Arc<Worker>>, String> {
+            urls.iter()
+                .enumerate()
+                .map(|(i, u)| Worker::new(role, i, u).map(Arc::new))
+                .collect()
+        };
+        let pool = Self {
+            decode: build(WorkerRole::Decode, decode_urls)?,
+            prefill: build(WorkerRole::Prefill, prefill_urls)?,
+            transport,
+            served_model_name,
+            model: OnceLock::new(),
+        };
+        for w in pool.all() {
+            w.publish_health();
+        }
+        Ok(pool)
+    }
+
+    fn all(&self) -> impl Iterator<Item = &Arc<Worker>> {
+        self.decode.iter().chain(self.prefill.iter())
+    }
+
+    /// The served model, once a decode worker has handed over its tokenizer.
+    pub fn model(&self) -> Option<Arc<ServedModel>> {
+        self.model.get().cloned()
+    }
+
+    /// The KV transport requests ask for.
+    pub fn transport(&self) -> Transport {
+        self.transport
+    }
+
+    pub fn healthy_counts(&self) -> (usize, usize) {
+        let count = |ws: &[Arc<Worker>]| ws.iter().filter(|w| w.is_routable()).count();
+        (count(&self.decode), count(&self.prefill))
+    }
+
+    /// Routable decode workers, minus `exclude`.
+    pub fn decode_candidates(&self, exclude: &[usize]) -> Vec<DecodeCandidate> {
+        self.decode
+            .iter()
+            .filter(|w| !exclude.contains(&w.index))
+            .filter_map(|w| w.decode_candidate())
+            .collect()
+    }
+
+    /// Routable prefill workers that can send KV to `decode`.
+    pub fn prefill_candidates_for(&self, decode: &Worker) -> Vec<PrefillCandidate> {
+        let Some(decode_info) = decode.info() else {
+            return Vec::new();
+        };
+        self.prefill
+            .iter()
+            .filter(|p| {
+                p.info().is_some_and(|pi| {
+                    pair_incompatibility(&pi, &decode_info, self.transport).is_none()
+                })
+            })
+            .filter_map(|p| p.prefill_candidate())
+            .collect()
+    }
+
+    /// Stores a worker's info after checking it; logs every refusal and layout mismatch.
+    fn accept_info(&self, worker: &Worker, info: WorkerInfo) {
+        if let Some(why) = info_refusal(&info, worker.role) {
+            let mut s = worker.state();
+            if s.refused.is_none() {
+                tracing::error!(worker = %worker.url, role = worker.role.as_str(), "worker refused: {why}; it will not be used");
+            }
+            s.refused = Some(why);
+            s.healthy = false;
+            return;
+        }
+        if worker.role == WorkerRole::Decode
+            && info.tokenizer.is_some()
+            && self.model.get().is_none()
+        {
+            match ServedModel::from_worker_info(&info, self.served_model_name.as_deref()) {
+                Ok(model) => {
+                    tracing::info!(worker = %worker.url, model = %model.name, context_length = model.context_length, "serving model");
+                    let _ = self.model.set(Arc::new(model));
+                }
+                Err(e) => {
+                    tracing::error!(worker = %worker.url, "cannot use the worker's tokenizer: {e}")
+                }
+            }
+        }
+        // Tokenizers are large: keep the info without it.
+        let info = Arc::new(WorkerInfo {
+            tokenizer: None,
+            ..info
+        });
+        let counterparts = match worker.role {
+            WorkerRole::Decode => &self.prefill,
+            WorkerRole::Prefill => &self.decode,
+        };
+        for other in counterparts {
+            let Some(other_info) = other.info() else {
+                continue;
+            };
+            let (p, d) = match worker.role {
+                WorkerRole::Decode => (&other_info, &info),
+                WorkerRole::Prefill => (&info, &other_info),
+            };
+            if let Some(why) = pair_incompatibility(p, d, self.transport) {
+                let (pu, du) = match worker.role {
+                    WorkerRole::Decode => (&other.url, &worker.url),
+                    WorkerRole::Prefill => (&worker.url, &other.url),
+                };
+                tracing::error!(prefill = %pu, decode = %du, "workers will not be paired: {why}");
+            }
+        }
+        worker.state().info = Some(info);
+    }
+
+    /// Spawns one poll task per worker; they stop when `shutdown` is cancelled.
+    pub fn spawn_health_tasks(self: &Arc<Self>, interval: Duration, shutdown: &CancellationToken) {
+        for worker in self.all() {
+            let pool = Arc::clone(self);
+            let worker = Arc::clone(worker);
+            let shutdown = shutdown.clone();
+            tokio::spawn(async move {
+                let mut ticker = tokio::time::interval(interval);
+                ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+                loop {
+                    tokio::select! {
+                        _ = shutdown.cancelled() => break,
+                        _ = ticker.tick() => {}
+                    }
+                    tokio::select! {
+                        _ = shutdown.cancelled() => break,
+                        _ = pool.poll(&worker, interval) => {}
+                    }
+                }
+            });
+        }
+    }
+
+    /// One health round for `worker`: info if needed, then load.
+    async fn poll(&self, worker: &Worker, interval: Duration) {
+        let (needs_info, refused) = {
+            let s = worker.state();
+            (s.info.is_none() || !s.healthy, s.refused.is_some())
+        };
+        if refused {
+            return;
+        }
+        if needs_info {
+            let include_tokenizer = worker.role == WorkerRole::Decode && self.model.get().is_none();
+            let request = InfoRequest { include_tokenizer };
+            let answer = match worker.role {
+                WorkerRole::Decode => {
+                    let mut c = worker.decode_client();
+                    tokio::time::timeout(INFO_TIMEOUT, c.get_info(request)).await
+                }
+                WorkerRole::Prefill => {
+                    let mut c = worker.prefill_client();
+                    tokio::time::timeout(INFO_TIMEOUT, c.get_info(request)).await
+                }
+            };
+            match answer {
+                Ok(Ok(info)) => self.accept_info(worker, info.into_inner()),
+                Ok(Err(status)) => {
+                    tracing::debug!(worker = %worker.url, %status, "GetInfo failed");
+                    return worker.mark_unhealthy("GetInfo failed");
+                }
+                Err(_) => return worker.mark_unhealthy("GetInfo timed out"),
+            }
+            if worker.state().refused.is_some() {
+                return worker.publish_health();
+            }
+        }
+        // Long enough for a busy worker, short enough that a dead one is noticed within about
+        // two intervals.
+        let load_timeout = (interval * 2).clamp(Duration::from_millis(250), Duration::from_secs(5));
+        let answer = match worker.role {
+            WorkerRole::Decode => {
+                let mut c = worker.decode_client();
+                tokio::time::timeout(load_timeout, c.get_load(LoadRequest {})).await
+            }
+            WorkerRole::Prefill => {
+                let mut c = worker.prefill_client();
+                tokio::time::timeout(load_timeout, c.get_load(LoadRequest {})).await
+            }
+        };
+        match answer {
+            Ok(Ok(load)) => worker.set_load(load.into_inner()),
+            Ok(Err(status)) => {
+                tracing::debug!(worker = %worker.url, %status, "GetLoad failed");
+                worker.mark_unhealthy("GetLoad failed");
+            }
+            Err(_) => worker.mark_unhealthy("GetLoad timed out"),
+        }
+    }
+}
+
+/// Whether a failed call means the worker itself is gone or broken (rather than this one
+/// request being refused): such workers are routed around until a poll succeeds again.
+pub fn status_means_worker_down(status: &tonic::Status) -> bool {
+    use tonic::Code::*;
+    matches!(
+        status.code(),
+        Unavailable | Unknown | Cancelled | Aborted | DataLoss | Internal
+    )
+}
+
+/// `host:port` of a decode worker's KV TCP listener, or "" when it has none.
+pub fn kv_tcp_addr(decode_url: &str, info: &WorkerInfo) -> String {
+    if info.kv_tcp_port == 0 {
+        return String::new();
+    }
+    let host = if !info.advertise_host.is_empty() {
+        info.advertise_host.clone()
+    } else {
+        decode_url
+            .parse::<axum::http::Uri>()
+            .ok()
+            .and_then(|u| u.host().map(str::to_string))
+            .unwrap_or_default()
+    };
+    format!("{host}:{}", info.kv_tcp_port)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn info(role: Role, hash: &str) -> WorkerInfo {
+        WorkerInfo {
+            role: role as i32,
+            kv_layout_hash: hash.into(),
+            protocol_version: tandem_proto::PROTOCOL_VERSION,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn pairs_need_equal_layouts_and_the_transport() {
+        let p = info(Role::Prefill, "abc");
+        let d = info(Role::Decode, "abc");
+        assert_eq!(pair_incompatibility(&p, &d, Transport::Shm), None);
+        let other = info(Role::Decode, "xyz");
+        assert!(pair_incompatibility(&p, &other, Transport::Shm).is_some());
+        let mut tcp_only = info(Role::Decode, "abc");
+        tcp_only.transports = vec![Transport::Tcp as i32];
+        assert!(pair_incompatibility(&p, &tcp_only, Transport::Shm).is_some());
+        assert_eq!(pair_incompatibility(&p, &tcp_only, Transport::Tcp), None);
+    }
+
+    #[test]
+    fn refuses_other_protocols_and_roles() {
+        let d = info(Role::Decode, "h");
+        assert_eq!(info_refusal(&d, WorkerRole::Decode), None);
+        assert!(info_refusal(&d, WorkerRole::Prefill).is_some());
+        let mut old = d.clone();
+        old.protocol_version = tandem_proto::PROTOCOL_VERSION + 1;
+        assert!(info_refusal(&old, WorkerRole::Decode).is_some());
+    }
+
+    #[test]
+    fn kv_tcp_address() {
+        let mut d = info(Role::Decode, "h");
+        assert_eq!(kv_tcp_addr("http://10.0.0.2:7201", &d), "");
+        d.kv_tcp_port = 7301;
+        assert_eq!(kv_tcp_addr("http://10.0.0.2:7201", &d), "10.0.0.2:7301");
+        d.advertise_host = "decode-0.svc".into();
+        assert_eq!(kv_tcp_addr("http://10.0.0.2:7201", &d), "decode-0.svc:7301");
+    }
+}
