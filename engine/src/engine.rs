@@ -21,6 +21,7 @@ use crate::kv::{BLOCK_SIZE, BlockPool, KvCache, blocks_for};
 use crate::model::{Model, SeqInput};
 use crate::sampling::{Sampler, SamplingParams, StopParams};
 use crate::sequence::Sequence;
+use std::sync::{Mutex, MutexGuard};
 
 /// Identifies a sequence inside one engine.
 pub type SeqId = u64;
@@ -123,12 +124,60 @@ impl ChunkInfo {
     }
 }
 
+/// The block pool behind a mutex, shared by an engine and the threads that reserve blocks
+/// for incoming KV.
+#[derive(Debug, Clone)]
+pub struct SharedPool(Arc<Mutex<BlockPool>>);
+
+impl SharedPool {
+    pub fn new(blocks: usize) -> Self {
+        Self(Arc::new(Mutex::new(BlockPool::new(blocks))))
+    }
+
+    fn lock(&self) -> MutexGuard<'_, BlockPool> {
+        // A panic elsewhere cannot leave the pool half-updated (every method is one step).
+        self.0.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Reserves blocks for `prompt_len` tokens.
+    pub fn reserve(&self, prompt_len: usize) -> Result<Vec<u32>> {
+        if prompt_len == 0 {
+            return Err(EngineError::EmptyPrompt);
+        }
+        let needed = blocks_for(prompt_len);
+        let mut pool = self.lock();
+        if needed > pool.total() {
+            return Err(EngineError::SequenceTooLong {
+                needed,
+                total: pool.total(),
+            });
+        }
+        pool.allocate(needed)
+    }
+
+    pub fn release(&self, blocks: &[u32]) -> Result<()> {
+        self.lock().release(blocks)
+    }
+
+    pub fn total(&self) -> usize {
+        self.lock().total()
+    }
+
+    pub fn free_count(&self) -> usize {
+        self.lock().free_count()
+    }
+
+    pub fn used_count(&self) -> usize {
+        self.lock().used_count()
+    }
+}
+
 /// A model, its KV cache and the sequences sharing them.
 pub struct Engine {
     model: Arc<Model>,
     tokenizer: TextTokenizer,
     cache: KvCache,
-    pool: BlockPool,
+    pool: SharedPool,
     config: EngineConfig,
     seqs: HashMap<SeqId, Sequence>,
     waiting: VecDeque<SeqId>,
@@ -143,8 +192,8 @@ impl std::fmt::Debug for Engine {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Engine")
             .field("model", &self.model.name())
-            .field("blocks", &self.pool.total())
-            .field("free", &self.pool.free_count())
+            .field("blocks", &self.pool().total())
+            .field("free", &self.pool().free_count())
             .field("waiting", &self.waiting.len())
             .field("running", &self.running.len())
             .finish()
@@ -171,7 +220,7 @@ impl Engine {
         }
         let eos = tokenizer.info().eos_token_ids.clone();
         Ok(Self {
-            pool: BlockPool::new(cache.num_blocks()),
+            pool: SharedPool::new(cache.num_blocks()),
             model,
             tokenizer,
             cache,
@@ -206,15 +255,15 @@ impl Engine {
     }
 
     pub fn total_blocks(&self) -> usize {
-        self.pool.total()
+        self.pool().total()
     }
 
     pub fn free_blocks(&self) -> usize {
-        self.pool.free_count()
+        self.pool().free_count()
     }
 
     pub fn used_blocks(&self) -> usize {
-        self.pool.used_count()
+        self.pool().used_count()
     }
 
     pub fn num_waiting(&self) -> usize {
@@ -225,18 +274,14 @@ impl Engine {
         self.running.len()
     }
 
-    /// Prompt tokens not yet run (queued prefill work, for load balancing).
+    /// Prompt tokens not yet run (queued prefill work, for load balancing): every sequence
+    /// still in its prompt counts what is left of it.
     pub fn pending_prefill_tokens(&self) -> usize {
         self.seqs
             .values()
-            .map(|s| s.pending().saturating_sub(1))
-            .sum::<usize>()
-            + self
-                .waiting
-                .iter()
-                .filter_map(|id| self.seqs.get(id))
-                .filter(|s| s.pending() == 1)
-                .count()
+            .filter(|s| s.pending() > 1 || s.computed == 0)
+            .map(|s| s.pending())
+            .sum()
     }
 
     pub fn has_work(&self) -> bool {
@@ -254,34 +299,13 @@ impl Engine {
         sampling: &SamplingParams,
         stop: &StopParams,
     ) -> Result<()> {
-        let cfg = self.model.config();
-        if prompt.is_empty() {
-            return Err(EngineError::EmptyPrompt);
-        }
-        if let Some(&id) = prompt.iter().find(|&&t| t as usize >= cfg.vocab_size) {
-            return Err(EngineError::UnknownToken {
-                id,
-                vocab: cfg.vocab_size,
-            });
-        }
-        sampling.validate()?;
-        stop.validate(cfg.vocab_size)?;
-        let context = self.context_len();
-        if prompt.len() + stop.max_tokens > context {
-            return Err(EngineError::ContextExceeded {
-                prompt: prompt.len(),
-                max_tokens: stop.max_tokens,
-                context,
-            });
-        }
-        let needed = blocks_for(prompt.len() + 1);
-        if needed > self.pool.total() {
-            return Err(EngineError::SequenceTooLong {
-                needed,
-                total: self.pool.total(),
-            });
-        }
-        Ok(())
+        validate_request(
+            self.model.config(),
+            self.pool().total(),
+            prompt,
+            sampling,
+            stop,
+        )
     }
 
     /// Queues a request; it runs in the coming steps.
@@ -314,17 +338,7 @@ impl Engine {
     /// Reserves blocks for `prompt_len` tokens whose KV another engine will write
     /// (the decode side of a disaggregated request).
     pub fn reserve(&mut self, prompt_len: usize) -> Result<Vec<u32>> {
-        if prompt_len == 0 {
-            return Err(EngineError::EmptyPrompt);
-        }
-        let needed = blocks_for(prompt_len);
-        if needed > self.pool.total() {
-            return Err(EngineError::SequenceTooLong {
-                needed,
-                total: self.pool.total(),
-            });
-        }
-        self.pool.allocate(needed)
+        self.pool.reserve(prompt_len)
     }
 
     /// Returns reserved blocks that will not be used (lease expired, request failed).
@@ -332,9 +346,15 @@ impl Engine {
         self.pool.release(blocks)
     }
 
+    /// The block pool, shared with threads that reserve and release blocks while the engine
+    /// computes (so a reservation never waits for a forward pass).
+    pub fn shared_pool(&self) -> SharedPool {
+        self.pool.clone()
+    }
+
     /// Writes one received block of one layer. The block must be allocated (reserved).
     pub fn import_block_layer(&mut self, layer: usize, block: u32, bytes: &[u8]) -> Result<()> {
-        if !self.pool.is_allocated(block) {
+        if !self.pool().is_allocated(block) {
             return Err(EngineError::InvalidKv(format!(
                 "block {block} is not reserved"
             )));
@@ -367,9 +387,10 @@ impl Engine {
                 vocab: self.model.config().vocab_size,
             });
         }
-        if blocks.len() < blocks_for(prompt.len())
-            || blocks.iter().any(|&b| !self.pool.is_allocated(b))
-        {
+        if blocks.len() < blocks_for(prompt.len()) || {
+            let pool = self.pool();
+            blocks.iter().any(|&b| !pool.is_allocated(b))
+        } {
             return Err(EngineError::InvalidKv(
                 "blocks do not cover the prompt or are not reserved".into(),
             ));
@@ -508,7 +529,7 @@ impl Engine {
         }
         // 2. Admit waiting sequences while the budget, the running limit and the pool allow;
         // keep a few blocks spare so admissions do not immediately force preemptions.
-        let watermark = (self.pool.total() / 100).max(1);
+        let watermark = (self.pool().total() / 100).max(1);
         while budget > 0 && self.running.len() < self.config.max_running {
             let Some(&id) = self.waiting.front() else {
                 break;
@@ -519,10 +540,10 @@ impl Engine {
                 break;
             }
             let needed = blocks_for(seq.computed + len).saturating_sub(seq.blocks.len());
-            if needed + watermark > self.pool.free_count() && !self.running.is_empty() {
+            if needed + watermark > self.pool().free_count() && !self.running.is_empty() {
                 break;
             }
-            let Ok(new_blocks) = self.pool.allocate(needed) else {
+            let Ok(new_blocks) = self.pool().allocate(needed) else {
                 break;
             };
             self.waiting.pop_front();
@@ -544,7 +565,8 @@ impl Engine {
             if needed == 0 {
                 return true;
             }
-            if let Ok(new_blocks) = self.pool.allocate(needed) {
+            let allocated = self.pool().allocate(needed);
+            if let Ok(new_blocks) = allocated {
                 self.seqs
                     .get_mut(&id)
                     .expect("running ids are in seqs")
@@ -588,10 +610,14 @@ impl Engine {
     }
 
     fn free_blocks_of(&mut self, blocks: Vec<u32>) {
-        if let Err(e) = self.pool.release(&blocks) {
+        if let Err(e) = self.pool().release(&blocks) {
             // A bookkeeping bug, not a request error: log loudly, keep serving.
             tracing::error!(error = %e, "releasing blocks failed");
         }
+    }
+
+    fn pool(&self) -> MutexGuard<'_, BlockPool> {
+        self.pool.lock()
     }
 
     fn allocate_id(&mut self) -> SeqId {
@@ -609,6 +635,69 @@ fn chunk_len(pending: usize, budget: usize) -> usize {
     } else {
         budget / BLOCK_SIZE * BLOCK_SIZE
     }
+}
+
+/// Checks a request against a model and a pool of `total_blocks` blocks: what every entry
+/// point (engine, worker RPC) refuses before any work is queued.
+pub fn validate_request(
+    cfg: &crate::config::ModelConfig,
+    total_blocks: usize,
+    prompt: &[u32],
+    sampling: &SamplingParams,
+    stop: &StopParams,
+) -> Result<()> {
+    if prompt.is_empty() {
+        return Err(EngineError::EmptyPrompt);
+    }
+    if let Some(&id) = prompt.iter().find(|&&t| t as usize >= cfg.vocab_size) {
+        return Err(EngineError::UnknownToken {
+            id,
+            vocab: cfg.vocab_size,
+        });
+    }
+    sampling.validate()?;
+    stop.validate(cfg.vocab_size)?;
+    let context = cfg.max_position_embeddings;
+    if prompt.len() + stop.max_tokens > context {
+        return Err(EngineError::ContextExceeded {
+            prompt: prompt.len(),
+            max_tokens: stop.max_tokens,
+            context,
+        });
+    }
+    let needed = blocks_for(prompt.len() + 1);
+    if needed > total_blocks {
+        return Err(EngineError::SequenceTooLong {
+            needed,
+            total: total_blocks,
+        });
+    }
+    Ok(())
+}
+
+/// The output a first token sampled elsewhere produces (text delta, finish), computed the way
+/// [`Engine::add_prefilled`] will, but without an engine: a decode worker streams it the
+/// moment the KV commit arrives instead of waiting for the current forward pass to end.
+pub fn first_token_output(
+    tokenizer: &TextTokenizer,
+    context: usize,
+    prompt: &[u32],
+    token: u32,
+    logprob: f32,
+    sampling: &SamplingParams,
+    stop: &StopParams,
+) -> StepOutput {
+    let eos = tokenizer.info().eos_token_ids.clone();
+    let mut seq = Sequence::new(
+        0,
+        prompt.to_vec(),
+        sampling.clone(),
+        stop.clone(),
+        &eos,
+        Sampler::resumed(sampling, 0),
+    );
+    seq.computed = seq.prompt_len;
+    seq.push_token(token, logprob, tokenizer, context)
 }
 
 #[cfg(test)]

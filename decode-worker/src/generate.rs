@@ -1,0 +1,287 @@
+//! One request's life on the decode worker (`DecodeService.Generate`).
+//!
+//! Disaggregated: reserve blocks (from the shared pool, without waiting for a forward pass),
+//! open a lease and tell the router where the KV goes, wait for the commit while watching the
+//! client and the lease's idle time, stream the first token the moment the commit is verified,
+//! then hand the sequence to the engine. Aggregated: queue the whole request.
+//! Whatever happens, the blocks go back: on cancel, expiry or a failed transfer they are
+//! released (after a short quarantine when remote writers exist); after admission the
+//! engine owns them.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tandem_engine::engine::{first_token_output, validate_request};
+use tandem_engine::{SamplingParams, StepOutput, StopParams};
+use tandem_proto::v1::*;
+use tandem_transfer::{Commit, Lease};
+use tandem_worker::SeqEvent;
+use tandem_worker::convert::{
+    engine_status, finish_to_proto, sampling_from_proto, stop_from_proto,
+};
+use tokio::sync::{mpsc, oneshot};
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::Status;
+use tracing::Instrument;
+
+use crate::service::Inner;
+
+type Out = mpsc::Sender<Result<GenerateEvent, Status>>;
+
+/// What the final event reports about the KV that arrived.
+#[derive(Debug, Clone, Copy)]
+struct KvReport {
+    bytes: u64,
+    wait_seconds: f64,
+    transport: Transport,
+}
+
+/// Validates, then starts the request; the returned stream carries its events.
+pub(crate) async fn start(
+    inner: Arc<Inner>,
+    req: GenerateRequest,
+) -> Result<ReceiverStream<Result<GenerateEvent, Status>>, Status> {
+    let sampling = sampling_from_proto(req.sampling.as_ref());
+    let stop = stop_from_proto(req.stop.as_ref());
+    let pool = inner.engine.pool();
+    validate_request(
+        inner.model.config(),
+        pool.total(),
+        &req.prompt,
+        &sampling,
+        &stop,
+    )
+    .map_err(|e| engine_status(&e))?;
+    let (out, rx) = mpsc::channel(64);
+    let span = tracing::info_span!("generate", request_id = %req.request_id);
+    match Mode::try_from(req.mode).unwrap_or(Mode::Unspecified) {
+        Mode::Disaggregated => {
+            let blocks = pool
+                .reserve(req.prompt.len())
+                .map_err(|e| engine_status(&e))?;
+            let (lease, commit) = inner
+                .leases
+                .create(blocks, req.prompt.len(), &req.request_id);
+            tracing::debug!(parent: &span, lease = lease.id, blocks = lease.blocks.len(), "reserved");
+            let event = GenerateEvent {
+                event: Some(generate_event::Event::Lease(tandem_proto::v1::Lease {
+                    lease_id: lease.id,
+                    block_ids: lease.blocks.clone(),
+                })),
+            };
+            // The channel is fresh and has room; a failure means the client is gone already.
+            let _ = out.try_send(Ok(event));
+            let ttl = match req.lease_ttl_ms {
+                0 => inner.config.default_lease_ttl,
+                ms => Duration::from_millis(u64::from(ms)),
+            };
+            tokio::spawn(
+                disaggregated(inner, lease, commit, out, req.prompt, sampling, stop, ttl)
+                    .instrument(span),
+            );
+        }
+        Mode::Aggregated | Mode::Unspecified => {
+            let (events_tx, events) = mpsc::unbounded_channel();
+            inner
+                .engine
+                .add(req.prompt, sampling, stop, None, events_tx)
+                .await
+                .map_err(|e| engine_status(&e))?;
+            let report = KvReport {
+                bytes: 0,
+                wait_seconds: 0.0,
+                transport: Transport::Unspecified,
+            };
+            tokio::spawn(forward(inner, events, out, report).instrument(span));
+        }
+    }
+    Ok(ReceiverStream::new(rx))
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn disaggregated(
+    inner: Arc<Inner>,
+    lease: Arc<Lease>,
+    mut commit: oneshot::Receiver<Result<Commit, String>>,
+    out: Out,
+    prompt: Vec<u32>,
+    sampling: SamplingParams,
+    stop: StopParams,
+    ttl: Duration,
+) {
+    let started = Instant::now();
+    let check = ttl.min(Duration::from_millis(100));
+    let result = loop {
+        tokio::select! {
+            r = &mut commit => break r,
+            () = out.closed() => {
+                tracing::debug!(lease = lease.id, "request went away before its KV arrived");
+                abandon(&inner, &lease);
+                return;
+            }
+            () = tokio::time::sleep(check) => {
+                let progress = lease.progress();
+                if progress.idle > ttl {
+                    tracing::warn!(lease = lease.id, bytes = progress.bytes, "lease expired without KV");
+                    abandon(&inner, &lease);
+                    let _ = out.send(Err(Status::deadline_exceeded(format!("no KV arrived for {} ms", ttl.as_millis())))).await;
+                    return;
+                }
+            }
+        }
+    };
+    let commit = match result {
+        Ok(Ok(c)) => c,
+        Ok(Err(reason)) => {
+            tracing::warn!(lease = lease.id, %reason, "KV transfer failed");
+            abandon(&inner, &lease);
+            let _ = out
+                .send(Err(Status::data_loss(format!(
+                    "KV transfer failed: {reason}"
+                ))))
+                .await;
+            return;
+        }
+        Err(_) => {
+            abandon(&inner, &lease);
+            let _ = out
+                .send(Err(Status::internal("lease ended without a commit")))
+                .await;
+            return;
+        }
+    };
+    let report = KvReport {
+        bytes: commit.bytes,
+        wait_seconds: started.elapsed().as_secs_f64(),
+        transport: commit.transport,
+    };
+    // Stream the first token now rather than after the engine's current step.
+    let context = inner.model.config().max_position_embeddings;
+    let first = first_token_output(
+        &inner.tokenizer,
+        context,
+        &prompt,
+        commit.first_token,
+        commit.first_logprob,
+        &sampling,
+        &stop,
+    );
+    if out.send(Ok(token_event(&inner, &first))).await.is_err() {
+        release(&inner, lease.blocks.clone(), false);
+        return;
+    }
+    if first.finish.is_some() {
+        release(&inner, lease.blocks.clone(), false);
+        let _ = out.send(Ok(finished_event(&first, report))).await;
+        return;
+    }
+    let (events_tx, events) = mpsc::unbounded_channel();
+    let admitted = inner
+        .engine
+        .add_prefilled(
+            prompt,
+            commit.first_token,
+            commit.first_logprob,
+            lease.blocks.clone(),
+            sampling,
+            stop,
+            events_tx,
+        )
+        .await;
+    match admitted {
+        Ok(_) => forward(inner, events, out, report).await,
+        Err(e) => {
+            release(&inner, lease.blocks.clone(), false);
+            let _ = out.send(Err(engine_status(&e))).await;
+        }
+    }
+}
+
+/// Relays the engine's events for one sequence until it finishes or the client leaves
+/// (dropping `events` then makes the engine abort the sequence before its next step).
+async fn forward(
+    inner: Arc<Inner>,
+    mut events: mpsc::UnboundedReceiver<SeqEvent>,
+    out: Out,
+    report: KvReport,
+) {
+    loop {
+        let event = tokio::select! {
+            e = events.recv() => e,
+            () = out.closed() => return,
+        };
+        match event {
+            Some(SeqEvent::Token(o)) => {
+                if out.send(Ok(token_event(&inner, &o))).await.is_err() {
+                    return;
+                }
+                if o.finish.is_some() {
+                    let _ = out.send(Ok(finished_event(&o, report))).await;
+                    return;
+                }
+            }
+            Some(SeqEvent::Failed(reason)) => {
+                let _ = out.send(Err(Status::internal(reason))).await;
+                return;
+            }
+            Some(SeqEvent::Prefilled { .. }) | None => {
+                let _ = out
+                    .send(Err(Status::internal("the engine dropped the request")))
+                    .await;
+                return;
+            }
+        }
+    }
+}
+
+fn token_event(inner: &Inner, o: &StepOutput) -> GenerateEvent {
+    GenerateEvent {
+        event: Some(generate_event::Event::Token(TokenEvent {
+            id: o.token,
+            text: o.text.clone(),
+            logprob: o.logprob,
+            index: o.completion_tokens.saturating_sub(1) as u32,
+            special: inner.tokenizer.is_special(o.token),
+        })),
+    }
+}
+
+fn finished_event(o: &StepOutput, kv: KvReport) -> GenerateEvent {
+    let reason = o.finish.map_or(FinishReason::Unspecified, finish_to_proto);
+    GenerateEvent {
+        event: Some(generate_event::Event::Finished(Finished {
+            reason: reason as i32,
+            prompt_tokens: o.prompt_tokens as u32,
+            completion_tokens: o.completion_tokens as u32,
+            kv_bytes: kv.bytes,
+            kv_wait_seconds: kv.wait_seconds,
+            transport: kv.transport as i32,
+        })),
+    }
+}
+
+/// Ends the lease if still open and gives its blocks back. Once a lease is no longer open
+/// (cancelled here, failed, or committed with nobody left to admit it) its blocks are ours.
+fn abandon(inner: &Inner, lease: &Lease) {
+    inner.leases.cancel(lease.id);
+    release(
+        inner,
+        lease.blocks.clone(),
+        inner.leases.has_remote_writers(),
+    );
+}
+
+fn release(inner: &Inner, blocks: Vec<u32>, quarantine: bool) {
+    let pool = inner.engine.pool().clone();
+    if quarantine {
+        let wait = inner.config.quarantine;
+        tokio::spawn(async move {
+            tokio::time::sleep(wait).await;
+            if let Err(e) = pool.release(&blocks) {
+                tracing::error!(error = %e, "releasing quarantined blocks failed");
+            }
+        });
+    } else if let Err(e) = pool.release(&blocks) {
+        tracing::error!(error = %e, "releasing blocks failed");
+    }
+}

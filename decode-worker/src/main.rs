@@ -1,0 +1,105 @@
+//! `tandem-decode`: parses flags, loads the model, and runs the decode worker.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::Parser;
+use tandem_decode::{DecodeConfig, DecodeWorker, default_shm_dir, serve};
+use tandem_worker::telemetry::{init_tracing, shutdown_signal};
+use tandem_worker::{EngineArgs, ModelArgs, ServerArgs};
+use tokio::net::TcpListener;
+
+/// tandem's decode worker: receives KV from prefill workers and streams tokens.
+#[derive(Debug, Parser)]
+#[command(version)]
+struct Args {
+    #[command(flatten)]
+    model: ModelArgs,
+    #[command(flatten)]
+    engine: EngineArgs,
+    #[command(flatten)]
+    server: ServerArgs,
+    /// Raw TCP port for KV transfer (0 picks a free one; `--no-kv-tcp` disables it).
+    #[arg(long, env = "TANDEM_KV_TCP_PORT", default_value_t = 0)]
+    kv_tcp_port: u16,
+    /// Do not listen for raw TCP KV transfers.
+    #[arg(long, env = "TANDEM_NO_KV_TCP")]
+    no_kv_tcp: bool,
+    /// Folder for the shared-memory KV pool (default /dev/shm).
+    #[arg(long, env = "TANDEM_SHM_DIR")]
+    shm_dir: Option<PathBuf>,
+    /// Keep the KV pool in private memory (disables the shm transport).
+    #[arg(long, env = "TANDEM_NO_SHM")]
+    no_shm: bool,
+    /// Default lease: how long a reservation waits for KV without progress (ms).
+    #[arg(long, env = "TANDEM_LEASE_TTL_MS", default_value_t = 30_000)]
+    lease_ttl_ms: u64,
+    /// How long shutdown waits for running requests (s).
+    #[arg(long, env = "TANDEM_DRAIN_TIMEOUT_S", default_value_t = 30)]
+    drain_timeout_s: u64,
+}
+
+fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    init_tracing(args.server.log_json);
+    args.engine.init_threads();
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    runtime.block_on(run(args))
+}
+
+async fn run(args: Args) -> anyhow::Result<()> {
+    let port = args.server.port.unwrap_or(7201);
+    let grpc = TcpListener::bind((args.server.host.as_str(), port))
+        .await
+        .with_context(|| format!("binding {}:{port}", args.server.host))?;
+    let kv = if args.no_kv_tcp {
+        None
+    } else {
+        Some(
+            TcpListener::bind((args.server.host.as_str(), args.kv_tcp_port))
+                .await
+                .with_context(|| format!("binding the KV port {}", args.kv_tcp_port))?,
+        )
+    };
+    let kv_port = kv
+        .as_ref()
+        .map(|l| l.local_addr())
+        .transpose()?
+        .map_or(0, |a| a.port());
+    let local = grpc.local_addr()?;
+    let config = DecodeConfig {
+        worker_id: args
+            .server
+            .worker_id
+            .clone()
+            .unwrap_or_else(|| format!("decode@{local}")),
+        advertise_host: args.server.advertise_host.clone().unwrap_or_default(),
+        shm_dir: if args.no_shm {
+            None
+        } else {
+            args.shm_dir.clone().or_else(default_shm_dir)
+        },
+        default_lease_ttl: Duration::from_millis(args.lease_ttl_ms),
+        drain_timeout: Duration::from_secs(args.drain_timeout_s),
+        ..DecodeConfig::default()
+    };
+    tracing::info!(model = %args.model.model, "loading model");
+    let (model, tokenizer) = args.model.load().context("loading the model")?;
+    let worker = DecodeWorker::new(
+        model,
+        tokenizer,
+        args.engine.engine_config(),
+        config,
+        kv_port,
+    )
+    .context("starting the engine")?;
+    tracing::info!(grpc = %local, kv_tcp_port = kv_port, "decode worker ready");
+    serve(worker, grpc, kv, shutdown_signal()).await?;
+    tracing::info!("decode worker stopped");
+    Ok(())
+}

@@ -1,0 +1,302 @@
+//! The `DecodeService` implementation and the worker's assembly: engine over a (shared-memory)
+//! KV cache, lease table, gRPC server with health, KV TCP listener, graceful drain.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use tandem_engine::kv::{KvCache, KvStorage};
+use tandem_engine::{Engine, EngineConfig, Model};
+use tandem_proto::PROTOCOL_VERSION;
+use tandem_proto::v1::decode_service_server::{DecodeService, DecodeServiceServer};
+use tandem_proto::v1::*;
+use tandem_text::TextTokenizer;
+use tandem_transfer::{LeaseTable, OwnerTags, receive_push_kv, serve_tcp, tags_path};
+use tandem_worker::convert::{kv_layout_to_proto, tokenizer_spec};
+use tandem_worker::{EngineHandle, spawn_engine};
+use tokio::net::TcpListener;
+use tonic::{Request, Response, Status, Streaming};
+
+/// Why the worker could not start or serve.
+#[derive(Debug, thiserror::Error)]
+pub enum DecodeError {
+    #[error("engine: {0}")]
+    Engine(#[from] tandem_engine::EngineError),
+    #[error("KV transfer setup: {0}")]
+    Transfer(#[from] tandem_transfer::TransferError),
+    #[error("I/O: {0}")]
+    Io(#[from] std::io::Error),
+    #[error("gRPC server: {0}")]
+    Server(#[from] tonic::transport::Error),
+    #[error("{0}")]
+    Config(String),
+}
+
+/// How this worker runs, beyond the engine's sizing.
+#[derive(Debug, Clone)]
+pub struct DecodeConfig {
+    pub worker_id: String,
+    /// Host peers reach the KV TCP port at ("" = the address they used for gRPC).
+    pub advertise_host: String,
+    /// Put the KV pool in a shared-memory file in this folder (the `shm` transport).
+    pub shm_dir: Option<PathBuf>,
+    /// Lease time without progress when the request names none.
+    pub default_lease_ttl: Duration,
+    /// How long blocks of a lease that ended early wait before reuse (a remote writer may
+    /// still be finishing one block copy).
+    pub quarantine: Duration,
+    /// How long shutdown waits for running requests.
+    pub drain_timeout: Duration,
+}
+
+impl Default for DecodeConfig {
+    fn default() -> Self {
+        Self {
+            worker_id: "decode".into(),
+            advertise_host: String::new(),
+            shm_dir: default_shm_dir(),
+            default_lease_ttl: Duration::from_secs(30),
+            quarantine: Duration::from_millis(200),
+            drain_timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+/// `/dev/shm` where it exists (Linux), else no shared-memory pool.
+pub fn default_shm_dir() -> Option<PathBuf> {
+    let p = Path::new("/dev/shm");
+    p.is_dir().then(|| p.to_path_buf())
+}
+
+pub(crate) struct Inner {
+    pub engine: EngineHandle,
+    pub leases: Arc<LeaseTable>,
+    pub tokenizer: Arc<TextTokenizer>,
+    pub model: Arc<Model>,
+    pub config: DecodeConfig,
+    pub info: WorkerInfo,
+    pub draining: AtomicBool,
+}
+
+/// The gRPC face of the worker.
+#[derive(Clone)]
+pub struct DecodeWorker {
+    pub(crate) inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for DecodeWorker {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DecodeWorker")
+            .field("id", &self.inner.config.worker_id)
+            .finish()
+    }
+}
+
+impl DecodeWorker {
+    /// Builds the engine (its pool in shared memory when configured) and starts its thread.
+    pub fn new(
+        model: Arc<Model>,
+        tokenizer: TextTokenizer,
+        engine_config: EngineConfig,
+        config: DecodeConfig,
+        kv_tcp_port: u16,
+    ) -> Result<Self, DecodeError> {
+        let layout = model.kv_layout();
+        let num_blocks = engine_config.kv_budget_bytes / layout.block_bytes();
+        if num_blocks == 0 {
+            return Err(DecodeError::Config(format!(
+                "a KV budget of {} bytes holds no block of {} bytes",
+                engine_config.kv_budget_bytes,
+                layout.block_bytes()
+            )));
+        }
+        let bytes = num_blocks * layout.block_bytes();
+        let (storage, tags, shm_path) = match &config.shm_dir {
+            Some(dir) => {
+                let path = dir.join(format!(
+                    "tandem-kv-{}-{}",
+                    sanitize(&config.worker_id),
+                    std::process::id()
+                ));
+                let storage = KvStorage::create_shared(&path, bytes)?;
+                let tags = OwnerTags::create(&tags_path(&path), num_blocks)?;
+                (storage, Some(tags), path.to_string_lossy().into_owned())
+            }
+            None => (KvStorage::anonymous(bytes)?, None, String::new()),
+        };
+        let cache = KvCache::new(layout.clone(), num_blocks, storage)?;
+        let leases = Arc::new(LeaseTable::new(cache.block_writer(), layout.hash(), tags));
+        let mut transports = vec![Transport::Grpc as i32];
+        if kv_tcp_port != 0 {
+            transports.push(Transport::Tcp as i32);
+        }
+        if !shm_path.is_empty() {
+            transports.push(Transport::Shm as i32);
+        }
+        let cfg = model.config();
+        let info = WorkerInfo {
+            worker_id: config.worker_id.clone(),
+            role: Role::Decode as i32,
+            model_name: model.name().to_string(),
+            kv_layout_hash: layout.hash(),
+            kv_layout: Some(kv_layout_to_proto(&layout)),
+            context_length: cfg.max_position_embeddings as u32,
+            vocab_size: cfg.vocab_size as u32,
+            tokenizer: None,
+            transports,
+            shm_path,
+            shm_bytes: if config.shm_dir.is_some() {
+                bytes as u64
+            } else {
+                0
+            },
+            kv_tcp_port: u32::from(kv_tcp_port),
+            advertise_host: config.advertise_host.clone(),
+            total_blocks: num_blocks as u32,
+            protocol_version: PROTOCOL_VERSION,
+        };
+        let engine = Engine::with_cache(model.clone(), tokenizer.clone(), engine_config, cache)?;
+        let handle = spawn_engine(engine)?;
+        Ok(Self {
+            inner: Arc::new(Inner {
+                engine: handle,
+                leases,
+                tokenizer: Arc::new(tokenizer),
+                model,
+                config,
+                info,
+                draining: AtomicBool::new(false),
+            }),
+        })
+    }
+
+    pub fn leases(&self) -> &Arc<LeaseTable> {
+        &self.inner.leases
+    }
+
+    fn load_report(&self) -> LoadReport {
+        use std::sync::atomic::Ordering::Relaxed;
+        let pool = self.inner.engine.pool();
+        let load = self.inner.engine.load();
+        LoadReport {
+            total_blocks: pool.total() as u32,
+            free_blocks: pool.free_count() as u32,
+            running: load.running.load(Relaxed) as u32,
+            waiting: load.waiting.load(Relaxed) as u32,
+            queued_prefill_tokens: load.queued_prefill_tokens.load(Relaxed),
+            leases: self.inner.leases.len() as u32,
+            draining: self.inner.draining.load(Ordering::Relaxed),
+        }
+    }
+}
+
+fn sanitize(s: &str) -> String {
+    s.chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '-' {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect()
+}
+
+#[tonic::async_trait]
+impl DecodeService for DecodeWorker {
+    type GenerateStream = tokio_stream::wrappers::ReceiverStream<Result<GenerateEvent, Status>>;
+
+    async fn get_info(&self, req: Request<InfoRequest>) -> Result<Response<WorkerInfo>, Status> {
+        let mut info = self.inner.info.clone();
+        if req.into_inner().include_tokenizer {
+            info.tokenizer = Some(tokenizer_spec(&self.inner.tokenizer)?);
+        }
+        Ok(Response::new(info))
+    }
+
+    async fn get_load(&self, _: Request<LoadRequest>) -> Result<Response<LoadReport>, Status> {
+        Ok(Response::new(self.load_report()))
+    }
+
+    async fn generate(
+        &self,
+        req: Request<GenerateRequest>,
+    ) -> Result<Response<Self::GenerateStream>, Status> {
+        if self.inner.draining.load(Ordering::Relaxed) {
+            return Err(Status::unavailable("this decode worker is shutting down"));
+        }
+        crate::generate::start(self.inner.clone(), req.into_inner())
+            .await
+            .map(Response::new)
+    }
+
+    async fn push_kv(&self, req: Request<Streaming<KvMessage>>) -> Result<Response<KvAck>, Status> {
+        let bytes = receive_push_kv(&self.inner.leases, &mut req.into_inner()).await?;
+        Ok(Response::new(KvAck {
+            bytes_received: bytes,
+        }))
+    }
+
+    async fn commit_kv(&self, req: Request<KvCommit>) -> Result<Response<KvAck>, Status> {
+        let bytes = self.inner.leases.commit(&req.into_inner())?;
+        Ok(Response::new(KvAck {
+            bytes_received: bytes,
+        }))
+    }
+}
+
+/// Runs the worker on the given listeners until `shutdown` resolves, then drains.
+pub async fn serve(
+    worker: DecodeWorker,
+    grpc: TcpListener,
+    kv: Option<TcpListener>,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), DecodeError> {
+    let (health, health_service) = tonic_health::server::health_reporter();
+    health
+        .set_serving::<DecodeServiceServer<DecodeWorker>>()
+        .await;
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    if let Some(kv) = kv {
+        let table = worker.inner.leases.clone();
+        let mut rx = stop_rx.clone();
+        tokio::spawn(serve_tcp(kv, table, async move {
+            let _ = rx.changed().await;
+        }));
+    }
+    let drain_worker = worker.clone();
+    let mut grpc_stop = stop_rx.clone();
+    let drain = async move {
+        shutdown.await;
+        tracing::info!("shutting down: draining");
+        drain_worker.inner.draining.store(true, Ordering::Relaxed);
+        health
+            .set_not_serving::<DecodeServiceServer<DecodeWorker>>()
+            .await;
+        let deadline = tokio::time::Instant::now() + drain_worker.inner.config.drain_timeout;
+        loop {
+            let load = drain_worker.load_report();
+            if (load.running == 0 && load.waiting == 0 && load.leases == 0)
+                || tokio::time::Instant::now() >= deadline
+            {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let _ = stop_tx.send(true);
+    };
+    tokio::spawn(drain);
+    let svc = DecodeServiceServer::new(worker).max_decoding_message_size(16 << 20);
+    tonic::transport::Server::builder()
+        .add_service(health_service)
+        .add_service(svc)
+        .serve_with_incoming_shutdown(
+            tokio_stream::wrappers::TcpListenerStream::new(grpc),
+            async move {
+                let _ = grpc_stop.changed().await;
+            },
+        )
+        .await?;
+    Ok(())
+}

@@ -1,0 +1,252 @@
+//! The two worker binaries driven directly over gRPC (as the router drives them): the
+//! disaggregated flow over every transport gives the aggregated tokens; cancellation and
+//! lease expiry return every block.
+
+use std::time::{Duration, Instant};
+
+use tandem_e2e::{Proc, decode_client, prefill_client};
+use tandem_proto::v1::decode_service_client::DecodeServiceClient;
+use tandem_proto::v1::prefill_service_client::PrefillServiceClient;
+use tandem_proto::v1::*;
+use tonic::transport::Channel;
+
+struct Pair {
+    decode: Proc,
+    _prefill: Proc,
+    d: DecodeServiceClient<Channel>,
+    p: PrefillServiceClient<Channel>,
+    info: WorkerInfo,
+}
+
+async fn start_pair() -> Pair {
+    let common = ["--model", "tiny", "--kv-budget-mb", "16", "--threads", "1"];
+    let decode = Proc::start("tandem-decode", &common).unwrap();
+    let prefill = Proc::start("tandem-prefill", &common).unwrap();
+    let (d, info) = decode_client(&decode.endpoint(), Duration::from_secs(60))
+        .await
+        .unwrap();
+    let (p, pinfo) = prefill_client(&prefill.endpoint(), Duration::from_secs(60))
+        .await
+        .unwrap();
+    assert_eq!(
+        info.kv_layout_hash, pinfo.kv_layout_hash,
+        "same model, same layout"
+    );
+    Pair {
+        decode,
+        _prefill: prefill,
+        d,
+        p,
+        info,
+    }
+}
+
+fn request(prompt: Vec<u32>, mode: Mode, max_tokens: u32) -> GenerateRequest {
+    GenerateRequest {
+        request_id: format!("test-{}", prompt.len()),
+        prompt,
+        sampling: Some(SamplingParams::default()),
+        stop: Some(StopParams {
+            max_tokens,
+            ignore_eos: true,
+            ..Default::default()
+        }),
+        mode: mode as i32,
+        lease_ttl_ms: 0,
+    }
+}
+
+fn prompt(i: u32, len: u32) -> Vec<u32> {
+    (0..len).map(|j| 3 + (i * 31 + j * 7) % 250).collect()
+}
+
+/// Collects the token ids of a Generate stream (after the lease, if any).
+async fn tokens(stream: &mut tonic::Streaming<GenerateEvent>) -> (Vec<u32>, Option<Finished>) {
+    let mut out = Vec::new();
+    while let Some(ev) = stream.message().await.unwrap() {
+        match ev.event {
+            Some(generate_event::Event::Token(t)) => out.push(t.id),
+            Some(generate_event::Event::Finished(f)) => return (out, Some(f)),
+            _ => {}
+        }
+    }
+    (out, None)
+}
+
+async fn disaggregated(
+    pair: &mut Pair,
+    prompt: Vec<u32>,
+    transport: Transport,
+    max_tokens: u32,
+) -> (Vec<u32>, Finished, PrefillResponse) {
+    let mut stream = pair
+        .d
+        .generate(request(prompt.clone(), Mode::Disaggregated, max_tokens))
+        .await
+        .unwrap()
+        .into_inner();
+    let Some(generate_event::Event::Lease(lease)) = stream.message().await.unwrap().unwrap().event
+    else {
+        panic!("first event must be the lease");
+    };
+    let dest = KvDestination {
+        transport: transport as i32,
+        decode_endpoint: pair.decode.endpoint(),
+        kv_tcp_addr: format!("127.0.0.1:{}", pair.info.kv_tcp_port),
+        shm_path: pair.info.shm_path.clone(),
+        shm_bytes: pair.info.shm_bytes,
+        lease_id: lease.lease_id,
+        block_ids: lease.block_ids,
+        kv_layout_hash: pair.info.kv_layout_hash.clone(),
+    };
+    let prefill = pair
+        .p
+        .prefill(PrefillRequest {
+            request_id: "p".into(),
+            prompt,
+            sampling: Some(SamplingParams::default()),
+            destination: Some(dest),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let (toks, fin) = tokens(&mut stream).await;
+    (toks, fin.unwrap(), prefill)
+}
+
+async fn used_blocks(d: &mut DecodeServiceClient<Channel>) -> u32 {
+    let l = d.get_load(LoadRequest {}).await.unwrap().into_inner();
+    l.total_blocks - l.free_blocks
+}
+
+async fn wait_blocks_free(d: &mut DecodeServiceClient<Channel>, within: Duration) -> Duration {
+    let start = Instant::now();
+    loop {
+        if used_blocks(d).await == 0 {
+            return start.elapsed();
+        }
+        assert!(
+            start.elapsed() < within,
+            "blocks still in use after {within:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn disaggregated_equals_aggregated_over_every_transport() {
+    let mut pair = start_pair().await;
+    assert!(pair.info.transports.contains(&(Transport::Shm as i32)));
+    assert!(pair.info.tokenizer.is_some());
+    for (i, len) in [1u32, 15, 16, 17, 64, 200].into_iter().enumerate() {
+        let p = prompt(i as u32, len);
+        let mut agg = pair
+            .d
+            .generate(request(p.clone(), Mode::Aggregated, 12))
+            .await
+            .unwrap()
+            .into_inner();
+        let (want, fin) = tokens(&mut agg).await;
+        assert_eq!(want.len(), 12);
+        assert_eq!(fin.unwrap().kv_bytes, 0);
+        for transport in [Transport::Grpc, Transport::Tcp, Transport::Shm] {
+            let (got, fin, pre) = disaggregated(&mut pair, p.clone(), transport, 12).await;
+            assert_eq!(got, want, "prompt of {len} over {transport:?}");
+            assert_eq!(fin.transport, transport as i32);
+            assert!(
+                fin.kv_bytes > 0 && fin.kv_bytes == pre.kv_bytes,
+                "{} vs {}",
+                fin.kv_bytes,
+                pre.kv_bytes
+            );
+            assert_eq!(pre.first_token, want[0]);
+        }
+    }
+    wait_blocks_free(&mut pair.d, Duration::from_secs(2)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancelled_and_expired_leases_return_their_blocks() {
+    let mut pair = start_pair().await;
+    assert_eq!(used_blocks(&mut pair.d).await, 0);
+    // A reservation whose stream is dropped before any KV arrives.
+    let mut stream = pair
+        .d
+        .generate(request(prompt(1, 100), Mode::Disaggregated, 8))
+        .await
+        .unwrap()
+        .into_inner();
+    let _lease = stream.message().await.unwrap().unwrap();
+    assert!(used_blocks(&mut pair.d).await > 0);
+    drop(stream);
+    let took = wait_blocks_free(&mut pair.d, Duration::from_secs(1)).await;
+    eprintln!("cancelled reservation freed in {took:?}");
+
+    // A lease that expires: no prefill ever comes.
+    let mut req = request(prompt(2, 50), Mode::Disaggregated, 8);
+    req.lease_ttl_ms = 300;
+    let mut stream = pair.d.generate(req).await.unwrap().into_inner();
+    let _lease = stream.message().await.unwrap().unwrap();
+    let err = stream.message().await.unwrap_err();
+    assert_eq!(err.code(), tonic::Code::DeadlineExceeded, "{err}");
+    wait_blocks_free(&mut pair.d, Duration::from_secs(1)).await;
+
+    // A running aggregated request cancelled mid-stream.
+    let mut stream = pair
+        .d
+        .generate(request(prompt(3, 30), Mode::Aggregated, 2000))
+        .await
+        .unwrap()
+        .into_inner();
+    for _ in 0..3 {
+        stream.message().await.unwrap().unwrap();
+    }
+    drop(stream);
+    let took = wait_blocks_free(&mut pair.d, Duration::from_secs(1)).await;
+    eprintln!("cancelled stream freed in {took:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_requests_get_precise_codes() {
+    let mut pair = start_pair().await;
+    let cases = [
+        (
+            request(vec![], Mode::Aggregated, 4),
+            tonic::Code::InvalidArgument,
+        ),
+        (
+            request(vec![3, 9999], Mode::Aggregated, 4),
+            tonic::Code::InvalidArgument,
+        ),
+        (
+            request(vec![3; 10], Mode::Aggregated, 0),
+            tonic::Code::InvalidArgument,
+        ),
+        (
+            request(vec![3; 40_000], Mode::Disaggregated, 4_000),
+            tonic::Code::InvalidArgument,
+        ),
+    ];
+    for (req, code) in cases {
+        let err = pair.d.generate(req).await.unwrap_err();
+        assert_eq!(err.code(), code, "{err}");
+    }
+    // A destination with another layout is refused by the prefill worker.
+    let err = pair
+        .p
+        .prefill(PrefillRequest {
+            request_id: "x".into(),
+            prompt: vec![3, 4],
+            sampling: None,
+            destination: Some(KvDestination {
+                transport: Transport::Tcp as i32,
+                kv_layout_hash: "not-this-one".into(),
+                block_ids: vec![0],
+                ..Default::default()
+            }),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), tonic::Code::FailedPrecondition, "{err}");
+    assert_eq!(used_blocks(&mut pair.d).await, 0);
+}

@@ -1,0 +1,61 @@
+//! `tandem-prefill`: parses flags, loads the model, and runs the prefill worker.
+
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::Parser;
+use tandem_prefill::{PrefillConfig, PrefillWorker, serve};
+use tandem_worker::telemetry::{init_tracing, shutdown_signal};
+use tandem_worker::{EngineArgs, ModelArgs, ServerArgs};
+use tokio::net::TcpListener;
+
+/// tandem's prefill worker: runs prompts and ships their KV to decode workers.
+#[derive(Debug, Parser)]
+#[command(version)]
+struct Args {
+    #[command(flatten)]
+    model: ModelArgs,
+    #[command(flatten)]
+    engine: EngineArgs,
+    #[command(flatten)]
+    server: ServerArgs,
+    /// How long shutdown waits for running prefills (s).
+    #[arg(long, env = "TANDEM_DRAIN_TIMEOUT_S", default_value_t = 30)]
+    drain_timeout_s: u64,
+}
+
+fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    init_tracing(args.server.log_json);
+    args.engine.init_threads();
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    runtime.block_on(run(args))
+}
+
+async fn run(args: Args) -> anyhow::Result<()> {
+    let port = args.server.port.unwrap_or(7101);
+    let grpc = TcpListener::bind((args.server.host.as_str(), port))
+        .await
+        .with_context(|| format!("binding {}:{port}", args.server.host))?;
+    let local = grpc.local_addr()?;
+    let config = PrefillConfig {
+        worker_id: args
+            .server
+            .worker_id
+            .clone()
+            .unwrap_or_else(|| format!("prefill@{local}")),
+        drain_timeout: Duration::from_secs(args.drain_timeout_s),
+    };
+    tracing::info!(model = %args.model.model, "loading model");
+    let (model, tokenizer) = args.model.load().context("loading the model")?;
+    let worker = PrefillWorker::new(model, tokenizer, args.engine.engine_config(), config)
+        .context("starting the engine")?;
+    tracing::info!(grpc = %local, "prefill worker ready");
+    serve(worker, grpc, shutdown_signal()).await?;
+    tracing::info!("prefill worker stopped");
+    Ok(())
+}

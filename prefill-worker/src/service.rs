@@ -1,0 +1,300 @@
+//! The `PrefillService` implementation and the worker's assembly.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use tandem_engine::engine::validate_request;
+use tandem_engine::{Engine, EngineConfig, Model, StopParams};
+use tandem_proto::PROTOCOL_VERSION;
+use tandem_proto::v1::prefill_service_server::{PrefillService, PrefillServiceServer};
+use tandem_proto::v1::*;
+use tandem_text::TextTokenizer;
+use tandem_transfer::{Peers, connect, transport_name};
+use tandem_worker::convert::{
+    engine_status, kv_layout_to_proto, sampling_from_proto, tokenizer_spec,
+};
+use tandem_worker::{EngineHandle, SeqEvent, spawn_engine};
+use tokio::net::TcpListener;
+use tokio::sync::mpsc;
+use tonic::{Request, Response, Status};
+use tracing::Instrument;
+
+/// Why the worker could not start or serve.
+#[derive(Debug, thiserror::Error)]
+pub enum PrefillError {
+    #[error("engine: {0}")]
+    Engine(#[from] tandem_engine::EngineError),
+    #[error("I/O: {0}")]
+    Io(#[from] std::io::Error),
+    #[error("gRPC server: {0}")]
+    Server(#[from] tonic::transport::Error),
+}
+
+/// How this worker runs, beyond the engine's sizing.
+#[derive(Debug, Clone)]
+pub struct PrefillConfig {
+    pub worker_id: String,
+    pub drain_timeout: Duration,
+}
+
+impl Default for PrefillConfig {
+    fn default() -> Self {
+        Self {
+            worker_id: "prefill".into(),
+            drain_timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+struct Inner {
+    engine: EngineHandle,
+    model: Arc<Model>,
+    tokenizer: Arc<TextTokenizer>,
+    peers: Peers,
+    info: WorkerInfo,
+    config: PrefillConfig,
+    draining: AtomicBool,
+    in_flight: std::sync::atomic::AtomicUsize,
+}
+
+/// The gRPC face of the worker.
+#[derive(Clone)]
+pub struct PrefillWorker {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for PrefillWorker {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PrefillWorker")
+            .field("id", &self.inner.config.worker_id)
+            .finish()
+    }
+}
+
+impl PrefillWorker {
+    pub fn new(
+        model: Arc<Model>,
+        tokenizer: TextTokenizer,
+        engine_config: EngineConfig,
+        config: PrefillConfig,
+    ) -> Result<Self, PrefillError> {
+        let layout = model.kv_layout();
+        let engine = Engine::new(model.clone(), tokenizer.clone(), engine_config)?;
+        let total_blocks = engine.total_blocks();
+        let cfg = model.config();
+        let info = WorkerInfo {
+            worker_id: config.worker_id.clone(),
+            role: Role::Prefill as i32,
+            model_name: model.name().to_string(),
+            kv_layout_hash: layout.hash(),
+            kv_layout: Some(kv_layout_to_proto(&layout)),
+            context_length: cfg.max_position_embeddings as u32,
+            vocab_size: cfg.vocab_size as u32,
+            tokenizer: None,
+            transports: vec![
+                Transport::Grpc as i32,
+                Transport::Tcp as i32,
+                Transport::Shm as i32,
+            ],
+            shm_path: String::new(),
+            shm_bytes: 0,
+            kv_tcp_port: 0,
+            advertise_host: String::new(),
+            total_blocks: total_blocks as u32,
+            protocol_version: PROTOCOL_VERSION,
+        };
+        Ok(Self {
+            inner: Arc::new(Inner {
+                engine: spawn_engine(engine)?,
+                model,
+                tokenizer: Arc::new(tokenizer),
+                peers: Peers::new(),
+                info,
+                config,
+                draining: AtomicBool::new(false),
+                in_flight: std::sync::atomic::AtomicUsize::new(0),
+            }),
+        })
+    }
+
+    fn load_report(&self) -> LoadReport {
+        use std::sync::atomic::Ordering::Relaxed;
+        let pool = self.inner.engine.pool();
+        let load = self.inner.engine.load();
+        LoadReport {
+            total_blocks: pool.total() as u32,
+            free_blocks: pool.free_count() as u32,
+            running: load.running.load(Relaxed) as u32,
+            waiting: load.waiting.load(Relaxed) as u32,
+            queued_prefill_tokens: load.queued_prefill_tokens.load(Relaxed),
+            leases: 0,
+            draining: self.inner.draining.load(Relaxed),
+        }
+    }
+}
+
+/// Counts a request in flight for the drain.
+struct InFlight<'a>(&'a std::sync::atomic::AtomicUsize);
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+#[tonic::async_trait]
+impl PrefillService for PrefillWorker {
+    async fn get_info(&self, req: Request<InfoRequest>) -> Result<Response<WorkerInfo>, Status> {
+        let mut info = self.inner.info.clone();
+        if req.into_inner().include_tokenizer {
+            info.tokenizer = Some(tokenizer_spec(&self.inner.tokenizer)?);
+        }
+        Ok(Response::new(info))
+    }
+
+    async fn get_load(&self, _: Request<LoadRequest>) -> Result<Response<LoadReport>, Status> {
+        Ok(Response::new(self.load_report()))
+    }
+
+    async fn prefill(
+        &self,
+        req: Request<PrefillRequest>,
+    ) -> Result<Response<PrefillResponse>, Status> {
+        if self.inner.draining.load(Ordering::Relaxed) {
+            return Err(Status::unavailable("this prefill worker is shutting down"));
+        }
+        let req = req.into_inner();
+        let span =
+            tracing::info_span!("prefill", request_id = %req.request_id, tokens = req.prompt.len());
+        self.inner.in_flight.fetch_add(1, Ordering::Relaxed);
+        let _guard = InFlight(&self.inner.in_flight);
+        prefill(&self.inner, req)
+            .instrument(span)
+            .await
+            .map(Response::new)
+    }
+}
+
+/// Runs one prompt. If the caller goes away, this future is dropped with the event receiver,
+/// which stops the transfer before the next layer and aborts the sequence.
+async fn prefill(inner: &Inner, req: PrefillRequest) -> Result<PrefillResponse, Status> {
+    let sampling = sampling_from_proto(req.sampling.as_ref());
+    // One output token (the first), whatever the model says.
+    let stop = StopParams {
+        max_tokens: 1,
+        ignore_eos: true,
+        ..StopParams::default()
+    };
+    validate_request(
+        inner.model.config(),
+        inner.engine.pool().total(),
+        &req.prompt,
+        &sampling,
+        &stop,
+    )
+    .map_err(|e| engine_status(&e))?;
+    let dest = req
+        .destination
+        .ok_or_else(|| Status::invalid_argument("a prefill needs a KV destination"))?;
+    let layout = inner.model.kv_layout();
+    let started = Instant::now();
+    let sender = match connect(
+        &inner.peers,
+        &dest,
+        &layout,
+        &req.request_id,
+        req.prompt.len(),
+    )
+    .await
+    {
+        Ok(s) => s,
+        Err(e) => {
+            inner.peers.forget(&dest);
+            return Err(e.into());
+        }
+    };
+    let (events_tx, mut events) = mpsc::unbounded_channel();
+    inner
+        .engine
+        .add(req.prompt, sampling, stop, Some(sender), events_tx)
+        .await
+        .map_err(|e| engine_status(&e))?;
+    let Some(event) = events.recv().await else {
+        return Err(Status::internal("the engine dropped the request"));
+    };
+    match event {
+        SeqEvent::Prefilled {
+            output,
+            sender,
+            queue_seconds,
+            compute_seconds,
+        } => {
+            let stats = sender
+                .commit(output.token, output.logprob)
+                .await
+                .map_err(|e| {
+                    inner.peers.forget(&dest);
+                    Status::from(e)
+                })?;
+            tracing::debug!(
+                bytes = stats.bytes,
+                transfer_s = stats.seconds,
+                transport = transport_name(stats.transport),
+                total_s = started.elapsed().as_secs_f64(),
+                "prefilled"
+            );
+            Ok(PrefillResponse {
+                first_token: output.token,
+                first_logprob: output.logprob,
+                kv_bytes: stats.bytes,
+                transfer_seconds: stats.seconds,
+                compute_seconds,
+                queue_seconds,
+                transport: stats.transport as i32,
+            })
+        }
+        SeqEvent::Failed(reason) => Err(Status::unavailable(reason)),
+        SeqEvent::Token(_) => Err(Status::internal("a prefill produced a decode token")),
+    }
+}
+
+/// Runs the worker on `grpc` until `shutdown` resolves, then drains.
+pub async fn serve(
+    worker: PrefillWorker,
+    grpc: TcpListener,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), PrefillError> {
+    let (health, health_service) = tonic_health::server::health_reporter();
+    health
+        .set_serving::<PrefillServiceServer<PrefillWorker>>()
+        .await;
+    let (stop_tx, mut stop_rx) = tokio::sync::watch::channel(false);
+    let drain_worker = worker.clone();
+    tokio::spawn(async move {
+        shutdown.await;
+        tracing::info!("shutting down: draining");
+        drain_worker.inner.draining.store(true, Ordering::Relaxed);
+        health
+            .set_not_serving::<PrefillServiceServer<PrefillWorker>>()
+            .await;
+        let deadline = tokio::time::Instant::now() + drain_worker.inner.config.drain_timeout;
+        while drain_worker.inner.in_flight.load(Ordering::Relaxed) > 0
+            && tokio::time::Instant::now() < deadline
+        {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let _ = stop_tx.send(true);
+    });
+    tonic::transport::Server::builder()
+        .add_service(health_service)
+        .add_service(PrefillServiceServer::new(worker))
+        .serve_with_incoming_shutdown(
+            tokio_stream::wrappers::TcpListenerStream::new(grpc),
+            async move {
+                let _ = stop_rx.changed().await;
+            },
+        )
+        .await?;
+    Ok(())
+}

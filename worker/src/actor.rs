@@ -1,0 +1,394 @@
+//! The engine actor: one thread owns the [`Engine`] and runs its steps; request handlers talk
+//! to it through an [`EngineHandle`] (commands in, per-sequence events out).
+//!
+//! Shaped after TGI's queue actor: commands on a channel, the state owned by the loop. A
+//! sequence lives as long as its event channel: when the handler that reads it goes away
+//! (client cancelled, RPC dropped), the actor aborts the sequence before the next step and
+//! its blocks go back to the pool. A prefill sequence may carry a [`KvSender`]: the actor
+//! hands it every layer's blocks from inside the forward pass, and gives it back with the
+//! first token so the handler can commit.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, mpsc};
+use std::time::{Duration, Instant};
+
+use tandem_engine::engine::{ChunkInfo, SharedPool};
+use tandem_engine::kv::KvCache;
+use tandem_engine::{Engine, EngineError, SamplingParams, SeqId, StepOutput, StopParams};
+use tandem_transfer::KvSender;
+use tokio::sync::{mpsc as tmpsc, oneshot};
+
+/// What a sequence's handler receives.
+pub enum SeqEvent {
+    /// A generated token.
+    Token(StepOutput),
+    /// The prompt ran and every layer of its KV went to the sender: commit it.
+    Prefilled {
+        output: StepOutput,
+        sender: Box<dyn KvSender>,
+        /// Time queued before the prompt's first chunk ran.
+        queue_seconds: f64,
+        /// Time from the first chunk to the first token.
+        compute_seconds: f64,
+    },
+    /// The sequence failed (KV transfer, engine error); it is gone from the engine.
+    Failed(String),
+}
+
+impl std::fmt::Debug for SeqEvent {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            SeqEvent::Token(o) => f.debug_tuple("Token").field(o).finish(),
+            SeqEvent::Prefilled { output, .. } => f
+                .debug_struct("Prefilled")
+                .field("output", output)
+                .finish_non_exhaustive(),
+            SeqEvent::Failed(m) => f.debug_tuple("Failed").field(m).finish(),
+        }
+    }
+}
+
+enum Command {
+    Add {
+        prompt: Vec<u32>,
+        sampling: SamplingParams,
+        stop: StopParams,
+        kv: Option<Box<dyn KvSender>>,
+        events: tmpsc::UnboundedSender<SeqEvent>,
+        reply: oneshot::Sender<Result<SeqId, EngineError>>,
+    },
+    AddPrefilled {
+        prompt: Vec<u32>,
+        first_token: u32,
+        first_logprob: f32,
+        blocks: Vec<u32>,
+        sampling: SamplingParams,
+        stop: StopParams,
+        events: tmpsc::UnboundedSender<SeqEvent>,
+        reply: oneshot::Sender<Result<SeqId, EngineError>>,
+    },
+}
+
+/// Load figures the actor publishes after every step, read without a round trip.
+#[derive(Debug, Default)]
+pub struct LoadSnapshot {
+    pub running: AtomicU64,
+    pub waiting: AtomicU64,
+    pub queued_prefill_tokens: AtomicU64,
+    pub steps: AtomicU64,
+    pub preemptions: AtomicU64,
+}
+
+/// A cheap, cloneable way to reach the engine thread.
+#[derive(Clone)]
+pub struct EngineHandle {
+    tx: mpsc::Sender<Command>,
+    pool: SharedPool,
+    load: Arc<LoadSnapshot>,
+}
+
+impl std::fmt::Debug for EngineHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EngineHandle").finish_non_exhaustive()
+    }
+}
+
+fn gone() -> EngineError {
+    EngineError::Unsupported("the engine thread has stopped".into())
+}
+
+impl EngineHandle {
+    /// Queues a whole request (aggregated), or a prompt whose KV goes to `kv` (prefill).
+    pub async fn add(
+        &self,
+        prompt: Vec<u32>,
+        sampling: SamplingParams,
+        stop: StopParams,
+        kv: Option<Box<dyn KvSender>>,
+        events: tmpsc::UnboundedSender<SeqEvent>,
+    ) -> Result<SeqId, EngineError> {
+        let (reply, rx) = oneshot::channel();
+        self.tx
+            .send(Command::Add {
+                prompt,
+                sampling,
+                stop,
+                kv,
+                events,
+                reply,
+            })
+            .map_err(|_| gone())?;
+        rx.await.map_err(|_| gone())?
+    }
+
+    /// Admits a sequence whose prompt KV is already in `blocks`. Its first token was already
+    /// streamed by the caller; events start with the second token.
+    #[allow(clippy::too_many_arguments)]
+    pub async fn add_prefilled(
+        &self,
+        prompt: Vec<u32>,
+        first_token: u32,
+        first_logprob: f32,
+        blocks: Vec<u32>,
+        sampling: SamplingParams,
+        stop: StopParams,
+        events: tmpsc::UnboundedSender<SeqEvent>,
+    ) -> Result<SeqId, EngineError> {
+        let (reply, rx) = oneshot::channel();
+        self.tx
+            .send(Command::AddPrefilled {
+                prompt,
+                first_token,
+                first_logprob,
+                blocks,
+                sampling,
+                stop,
+                events,
+                reply,
+            })
+            .map_err(|_| gone())?;
+        rx.await.map_err(|_| gone())?
+    }
+
+    /// The block pool, for reservations that must not wait for a forward pass.
+    pub fn pool(&self) -> &SharedPool {
+        &self.pool
+    }
+
+    pub fn load(&self) -> &LoadSnapshot {
+        &self.load
+    }
+}
+
+struct Entry {
+    events: tmpsc::UnboundedSender<SeqEvent>,
+    kv: Option<Box<dyn KvSender>>,
+    kv_error: Option<String>,
+    added: Instant,
+    first_run: Option<Instant>,
+}
+
+/// Starts the engine thread. It ends when every handle is dropped.
+pub fn spawn_engine(engine: Engine) -> std::io::Result<EngineHandle> {
+    let (tx, rx) = mpsc::channel();
+    let load = Arc::new(LoadSnapshot::default());
+    let handle = EngineHandle {
+        tx,
+        pool: engine.shared_pool(),
+        load: load.clone(),
+    };
+    std::thread::Builder::new()
+        .name("engine".into())
+        .spawn(move || run(engine, rx, &load))?;
+    Ok(handle)
+}
+
+fn run(mut engine: Engine, rx: mpsc::Receiver<Command>, load: &LoadSnapshot) {
+    let mut entries: HashMap<SeqId, Entry> = HashMap::new();
+    loop {
+        // Block while idle; otherwise take whatever arrived since the last step.
+        if !engine.has_work() {
+            match rx.recv_timeout(Duration::from_millis(200)) {
+                Ok(cmd) => handle_command(&mut engine, &mut entries, cmd),
+                Err(mpsc::RecvTimeoutError::Timeout) => continue,
+                Err(mpsc::RecvTimeoutError::Disconnected) => break,
+            }
+        }
+        while let Ok(cmd) = rx.try_recv() {
+            handle_command(&mut engine, &mut entries, cmd);
+        }
+        // Cancelled requests leave before the step, so their blocks are free for it.
+        let cancelled: Vec<SeqId> = entries
+            .iter()
+            .filter(|(_, e)| e.events.is_closed())
+            .map(|(&id, _)| id)
+            .collect();
+        for id in cancelled {
+            engine.abort(id);
+            entries.remove(&id);
+            tracing::debug!(seq = id, "request went away; aborted");
+        }
+        if !engine.has_work() {
+            publish(&engine, load);
+            continue;
+        }
+        let now = Instant::now();
+        let result =
+            engine.step_with(&mut |layer: usize, cache: &KvCache, chunks: &[ChunkInfo]| {
+                for chunk in chunks {
+                    let Some(entry) = entries.get_mut(&chunk.id) else {
+                        continue;
+                    };
+                    entry.first_run.get_or_insert(now);
+                    // A cancelled request stops writing at once (its lease may already be gone).
+                    if entry.events.is_closed() || entry.kv_error.is_some() {
+                        continue;
+                    }
+                    let Some(kv) = entry.kv.as_mut() else {
+                        continue;
+                    };
+                    let mut pieces = Vec::with_capacity(chunk.logical_blocks().len());
+                    for lb in chunk.logical_blocks() {
+                        match cache.block_layer_bytes(layer, chunk.blocks[lb]) {
+                            Ok(bytes) => pieces.push((lb as u32, bytes)),
+                            Err(e) => {
+                                entry.kv_error = Some(e.to_string());
+                                break;
+                            }
+                        }
+                    }
+                    if entry.kv_error.is_none()
+                        && let Err(e) = kv.send_layer(layer, &pieces)
+                    {
+                        entry.kv_error = Some(e.to_string());
+                    }
+                }
+            });
+        match result {
+            Ok(outputs) => {
+                for out in outputs {
+                    deliver(&mut engine, &mut entries, out);
+                }
+            }
+            Err(e) => {
+                // A failed forward pass fails every sequence in flight rather than the worker.
+                tracing::error!(error = %e, "forward pass failed");
+                for (id, entry) in entries.drain() {
+                    engine.abort(id);
+                    let _ = entry
+                        .events
+                        .send(SeqEvent::Failed(format!("engine error: {e}")));
+                }
+            }
+        }
+        let failed: Vec<SeqId> = entries
+            .iter()
+            .filter(|(_, e)| e.kv_error.is_some())
+            .map(|(&id, _)| id)
+            .collect();
+        for id in failed {
+            engine.abort(id);
+            if let Some(entry) = entries.remove(&id) {
+                let reason = entry.kv_error.unwrap_or_default();
+                tracing::warn!(seq = id, %reason, "KV transfer failed");
+                let _ = entry
+                    .events
+                    .send(SeqEvent::Failed(format!("KV transfer failed: {reason}")));
+            }
+        }
+        publish(&engine, load);
+    }
+}
+
+fn handle_command(engine: &mut Engine, entries: &mut HashMap<SeqId, Entry>, cmd: Command) {
+    match cmd {
+        Command::Add {
+            prompt,
+            sampling,
+            stop,
+            kv,
+            events,
+            reply,
+        } => {
+            let result = engine.add_request(prompt, sampling, stop);
+            if let Ok(id) = result {
+                entries.insert(
+                    id,
+                    Entry {
+                        events,
+                        kv,
+                        kv_error: None,
+                        added: Instant::now(),
+                        first_run: None,
+                    },
+                );
+            }
+            let _ = reply.send(result);
+        }
+        Command::AddPrefilled {
+            prompt,
+            first_token,
+            first_logprob,
+            blocks,
+            sampling,
+            stop,
+            events,
+            reply,
+        } => {
+            let result =
+                engine.add_prefilled(prompt, first_token, first_logprob, blocks, sampling, stop);
+            let result = result.map(|(id, first)| {
+                // The caller streamed the first token already; only a still-running sequence
+                // needs an entry.
+                if first.finish.is_none() {
+                    entries.insert(
+                        id,
+                        Entry {
+                            events,
+                            kv: None,
+                            kv_error: None,
+                            added: Instant::now(),
+                            first_run: None,
+                        },
+                    );
+                }
+                id
+            });
+            let _ = reply.send(result);
+        }
+    }
+}
+
+fn deliver(engine: &mut Engine, entries: &mut HashMap<SeqId, Entry>, out: StepOutput) {
+    let id = out.id;
+    let finished = out.finish.is_some();
+    let Some(entry) = entries.get_mut(&id) else {
+        return;
+    };
+    let event = match entry.kv.take() {
+        Some(sender) => {
+            // A prefill sequence: its one token completes the prompt; the sender commits.
+            let now = Instant::now();
+            let first_run = entry.first_run.unwrap_or(now);
+            if !finished {
+                engine.abort(id);
+            }
+            entries.remove(&id).map(|e| {
+                (
+                    e.events,
+                    SeqEvent::Prefilled {
+                        output: out,
+                        sender,
+                        queue_seconds: first_run.duration_since(e.added).as_secs_f64(),
+                        compute_seconds: now.duration_since(first_run).as_secs_f64(),
+                    },
+                )
+            })
+        }
+        None => {
+            let ev = SeqEvent::Token(out);
+            if finished {
+                entries.remove(&id).map(|e| (e.events, ev))
+            } else {
+                Some((entry.events.clone(), ev))
+            }
+        }
+    };
+    if let Some((events, ev)) = event {
+        // A closed channel is handled before the next step.
+        let _ = events.send(ev);
+    }
+}
+
+fn publish(engine: &Engine, load: &LoadSnapshot) {
+    load.running
+        .store(engine.num_running() as u64, Ordering::Relaxed);
+    load.waiting
+        .store(engine.num_waiting() as u64, Ordering::Relaxed);
+    load.queued_prefill_tokens
+        .store(engine.pending_prefill_tokens() as u64, Ordering::Relaxed);
+    load.steps.store(engine.stats().steps, Ordering::Relaxed);
+    load.preemptions
+        .store(engine.stats().preemptions, Ordering::Relaxed);
+}

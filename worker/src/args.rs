@@ -1,0 +1,101 @@
+//! Flag groups shared by both workers (every flag also reads a `TANDEM_*` variable) and the
+//! loading they drive.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use clap::Args;
+use tandem_engine::{EngineConfig, LoadOptions, Model, ModelSource, WeightDtype, load_model};
+use tandem_text::TextTokenizer;
+
+/// Which model to serve.
+#[derive(Debug, Clone, Args)]
+pub struct ModelArgs {
+    /// `smollm2` (default model, fetched once with pip), `tiny` (built-in test model),
+    /// `dummy:PRESET[:SEED]`, or a path to an HF folder or a GGUF file.
+    #[arg(long, env = "TANDEM_MODEL", default_value = "smollm2")]
+    pub model: String,
+    /// Weight storage type: f32, f16 or bf16 (compute is f32 on the CPU).
+    #[arg(long, env = "TANDEM_DTYPE", default_value = "f32")]
+    pub dtype: String,
+    /// A tokenizer (tokenizer.json, HF folder or GGUF) instead of the model's own.
+    #[arg(long, env = "TANDEM_TOKENIZER")]
+    pub tokenizer: Option<PathBuf>,
+    /// Where the default model is cached (default: the user's cache dir + /tandem).
+    #[arg(long, env = "TANDEM_CACHE")]
+    pub cache_dir: Option<PathBuf>,
+}
+
+impl ModelArgs {
+    /// Loads the model and its tokenizer.
+    pub fn load(&self) -> Result<(Arc<Model>, TextTokenizer), tandem_engine::EngineError> {
+        let source: ModelSource = self.model.parse()?;
+        let dtype: WeightDtype = self.dtype.parse()?;
+        let opts = LoadOptions {
+            dtype,
+            cache_dir: self
+                .cache_dir
+                .clone()
+                .unwrap_or_else(tandem_engine::fetch::default_cache_dir),
+            tokenizer: self.tokenizer.clone(),
+        };
+        let (model, tokenizer) = load_model(&source, &opts)?;
+        Ok((Arc::new(model), tokenizer))
+    }
+}
+
+/// Engine sizing and threads.
+#[derive(Debug, Clone, Args)]
+pub struct EngineArgs {
+    /// MiB of KV cache.
+    #[arg(long, env = "TANDEM_KV_BUDGET_MB", default_value_t = 1024)]
+    pub kv_budget_mb: usize,
+    /// Tokens per forward pass (decode tokens plus prefill chunks).
+    #[arg(long, env = "TANDEM_MAX_BATCH_TOKENS", default_value_t = 2048)]
+    pub max_batch_tokens: usize,
+    /// Sequences running at once.
+    #[arg(long, env = "TANDEM_MAX_RUNNING", default_value_t = 256)]
+    pub max_running: usize,
+    /// Compute threads (default: one per available core).
+    #[arg(long, env = "TANDEM_THREADS")]
+    pub threads: Option<usize>,
+}
+
+impl EngineArgs {
+    pub fn engine_config(&self) -> EngineConfig {
+        EngineConfig {
+            kv_budget_bytes: self.kv_budget_mb << 20,
+            max_batch_tokens: self.max_batch_tokens,
+            max_running: self.max_running,
+        }
+    }
+
+    /// Sizes the global compute pool; call once, before loading.
+    pub fn init_threads(&self) {
+        let mut builder = rayon::ThreadPoolBuilder::new().thread_name(|i| format!("compute-{i}"));
+        if let Some(n) = self.threads {
+            builder = builder.num_threads(n.max(1));
+        }
+        if let Err(e) = builder.build_global() {
+            tracing::warn!(error = %e, "compute pool already initialised");
+        }
+    }
+}
+
+/// Where the gRPC server listens.
+#[derive(Debug, Clone, Args)]
+pub struct ServerArgs {
+    #[arg(long, env = "TANDEM_HOST", default_value = "127.0.0.1")]
+    pub host: String,
+    #[arg(long, env = "TANDEM_PORT")]
+    pub port: Option<u16>,
+    /// Host other machines reach this worker at (for the KV TCP port), if not `host`.
+    #[arg(long, env = "TANDEM_ADVERTISE_HOST")]
+    pub advertise_host: Option<String>,
+    /// Log as JSON lines instead of text.
+    #[arg(long, env = "TANDEM_LOG_JSON")]
+    pub log_json: bool,
+    /// A name for this worker in logs and metrics (default: role@host:port).
+    #[arg(long, env = "TANDEM_WORKER_ID")]
+    pub worker_id: Option<String>,
+}

@@ -1,0 +1,13 @@
+//! What the two worker binaries (`tandem-prefill`, `tandem-decode`) share: their common flag
+//! groups, model loading, the engine actor that owns an [`tandem_engine::Engine`] on its own
+//! thread, conversions between the wire types and the engine's, and telemetry setup.
+//!
+//! Kept in a library so that neither binary depends on the other.
+
+pub mod actor;
+pub mod args;
+pub mod convert;
+pub mod telemetry;
+
+pub use actor::{EngineHandle, LoadSnapshot, SeqEvent, spawn_engine};
+pub use args::{EngineArgs, ModelArgs, ServerArgs};
