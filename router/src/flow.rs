@@ -340,6 +340,7 @@ async fn establish_on(
     let mut decision = routing::decide_mode(
         req.prompt.len(),
         ctx.agg_threshold,
+        !ctx.pool.prefill.is_empty(),
         first_prefill,
         ctx.fallback,
     );
@@ -354,7 +355,9 @@ async fn establish_on(
             }
             ModeDecision::Aggregated { fallback } => {
                 if let Some(reason) = fallback {
-                    tracing::warn!(
+                    // Per request at debug: the counter and the response say it; the worker's
+                    // own state changes are logged at warn by the pool.
+                    tracing::debug!(
                         reason = reason.as_str(),
                         "running aggregated instead of disaggregated"
                     );
@@ -406,8 +409,8 @@ fn grpc_request<T>(message: T, request_id: &str) -> tonic::Request<T> {
 fn decode_failure(decode: &Worker, status: &tonic::Status) -> AttemptError {
     tracing::warn!(decode = %decode.url, code = ?status.code(), message = status.message(), "decode worker call failed");
     let e = ApiError::from_worker_status(status);
+    decode.report_failure(status);
     if status_means_worker_down(status) {
-        decode.mark_unhealthy("a request failed on it");
         AttemptError::DecodeDown(e)
     } else {
         AttemptError::Fatal(e)
@@ -417,7 +420,7 @@ fn decode_failure(decode: &Worker, status: &tonic::Status) -> AttemptError {
 /// A broken exchange (wrong event order, stream ended early): the worker is misbehaving.
 fn decode_protocol_error(decode: &Worker, what: &str) -> AttemptError {
     tracing::error!(decode = %decode.url, "decode worker protocol error: {what}");
-    decode.mark_unhealthy(what);
+    decode.report_protocol_error(what);
     AttemptError::Fatal(ApiError::WorkerFailed)
 }
 
@@ -579,9 +582,7 @@ async fn run_disaggregated(
                 Ok(response) => prefill_answer = Some(response.into_inner()),
                 Err(status) => {
                     tracing::warn!(prefill = %prefill.url, code = ?status.code(), message = status.message(), "prefill failed");
-                    if status_means_worker_down(&status) {
-                        prefill.mark_unhealthy("a prefill call failed");
-                    }
+                    prefill.report_failure(&status);
                     // Returning drops the Generate stream, which cancels the reservation.
                     return Err(DisaggError::Prefill(ApiError::from_worker_status(&status)));
                 }

@@ -94,6 +94,9 @@ pub async fn run(
         transport = config.transport.as_str_name(),
         "router listening"
     );
+    if config.prefill_urls.is_empty() {
+        tracing::info!("no prefill workers configured: every request runs aggregated");
+    }
     let app = api::app(api::AppState::new(config, Arc::clone(&pool), prometheus));
     let server =
         axum::serve(listener, app).with_graceful_shutdown(shutdown.clone().cancelled_owned());

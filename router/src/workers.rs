@@ -73,6 +73,8 @@ pub struct Worker {
     pending_blocks: AtomicU32,
     pending_requests: AtomicU32,
     pending_tokens: AtomicU64,
+    /// Wakes the poll task early, after a request saw this worker fail.
+    probe: tokio::sync::Notify,
 }
 
 impl Worker {
@@ -94,6 +96,7 @@ impl Worker {
             pending_blocks: AtomicU32::new(0),
             pending_requests: AtomicU32::new(0),
             pending_tokens: AtomicU64::new(0),
+            probe: tokio::sync::Notify::new(),
         })
     }
 
@@ -135,6 +138,23 @@ impl Worker {
         self.pending_requests.fetch_add(1, Ordering::Relaxed);
         self.pending_tokens
             .fetch_add(prompt_tokens, Ordering::Relaxed);
+    }
+
+    /// After a request saw this worker fail: a failure of the connection or the process
+    /// marks it unhealthy at once; any failure makes its poll task check it now, so a dead
+    /// worker is routed around within milliseconds while one that failed a single request
+    /// keeps serving the others.
+    pub fn report_failure(&self, status: &tonic::Status) {
+        if status_means_worker_down(status) {
+            self.mark_unhealthy("a request failed on it");
+        }
+        self.probe.notify_one();
+    }
+
+    /// After a broken exchange (events out of order, a stream ended early).
+    pub fn report_protocol_error(&self, what: &str) {
+        self.mark_unhealthy(what);
+        self.probe.notify_one();
     }
 
     /// Marks the worker unhealthy after a failed call; `why` is logged, not shown to clients.
@@ -399,6 +419,7 @@ impl WorkerPool {
                     tokio::select! {
                         _ = shutdown.cancelled() => break,
                         _ = ticker.tick() => {}
+                        _ = worker.probe.notified() => {}
                     }
                     tokio::select! {
                         _ = shutdown.cancelled() => break,
@@ -467,14 +488,12 @@ impl WorkerPool {
     }
 }
 
-/// Whether a failed call means the worker itself is gone or broken (rather than this one
-/// request being refused): such workers are routed around until a poll succeeds again.
+/// Whether a failed call means the worker (or the connection to it) is gone, rather than
+/// this one request having failed: tonic reports refused and broken connections as
+/// Unavailable, and a connection reset mid-stream as Unknown or Cancelled.
 pub fn status_means_worker_down(status: &tonic::Status) -> bool {
     use tonic::Code::*;
-    matches!(
-        status.code(),
-        Unavailable | Unknown | Cancelled | Aborted | DataLoss | Internal
-    )
+    matches!(status.code(), Unavailable | Unknown | Cancelled)
 }
 
 /// `host:port` of a decode worker's KV TCP listener, or "" when it has none.

@@ -105,16 +105,17 @@ pub enum ModeDecision {
     Refuse,
 }
 
-/// The mode of a new request: prompts shorter than `agg_threshold` tokens run aggregated by
-/// design (no fallback); otherwise disaggregated on `prefill` when there is one, else as
-/// `fallback` says.
+/// The mode of a new request: prompts shorter than `agg_threshold` tokens, and every prompt
+/// when no prefill worker is configured at all, run aggregated by design (no fallback);
+/// otherwise disaggregated on `prefill` when there is one, else as `fallback` says.
 pub fn decide_mode(
     prompt_len: usize,
     agg_threshold: u32,
+    prefill_configured: bool,
     prefill: Option<usize>,
     fallback: FallbackPolicy,
 ) -> ModeDecision {
-    if prompt_len < agg_threshold as usize {
+    if prompt_len < agg_threshold as usize || !prefill_configured {
         return ModeDecision::Aggregated { fallback: None };
     }
     match (prefill, fallback) {
@@ -211,25 +212,30 @@ mod tests {
         use FallbackPolicy::*;
         // Below the threshold: aggregated by design, not a fallback.
         assert_eq!(
-            decide_mode(10, 11, Some(0), Aggregated),
+            decide_mode(10, 11, true, Some(0), Aggregated),
             ModeDecision::Aggregated { fallback: None }
         );
         // At the threshold: disaggregated.
         assert_eq!(
-            decide_mode(11, 11, Some(0), Aggregated),
+            decide_mode(11, 11, true, Some(0), Aggregated),
             ModeDecision::Disaggregated { prefill: 0 }
         );
         assert_eq!(
-            decide_mode(5, 0, Some(2), Error),
+            decide_mode(5, 0, true, Some(2), Error),
             ModeDecision::Disaggregated { prefill: 2 }
         );
         assert_eq!(
-            decide_mode(5, 0, None, Aggregated),
+            decide_mode(5, 0, true, None, Aggregated),
             ModeDecision::Aggregated {
                 fallback: Some(FallbackReason::NoPrefillWorker)
             }
         );
-        assert_eq!(decide_mode(5, 0, None, Error), ModeDecision::Refuse);
+        assert_eq!(decide_mode(5, 0, true, None, Error), ModeDecision::Refuse);
+        // No prefill worker configured: an aggregated deployment, whatever the policy.
+        assert_eq!(
+            decide_mode(5, 0, false, None, Error),
+            ModeDecision::Aggregated { fallback: None }
+        );
     }
 
     #[test]
