@@ -1,1 +1,14 @@
-//! The launcher: `tandem up`.
+//! The launcher behind `tandem up`: reads a deployment file (router, prefill and decode
+//! workers, each with its CPU cores or GPU share), starts every process with its flags,
+//! pinning and environment, prefixes their logs, waits until the router reports healthy, and
+//! stops them all cleanly on Ctrl-C or SIGTERM. A process that dies is reported and the
+//! launcher exits non-zero.
+//!
+//! It depends on no other tandem crate: it only runs binaries and sets flags and variables.
+
+pub mod config;
+pub mod launcher;
+pub mod plan;
+
+pub use config::{DeployConfig, WorkerSpec};
+pub use plan::{Plan, ProcessSpec, plan};

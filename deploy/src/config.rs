@@ -1,0 +1,434 @@
+//! The deployment file: a TOML description of one router and its workers, with validation
+//! that catches what would otherwise fail minutes into a start (bad ports, CPUs or GPU shares
+//! that do not exist, an unknown transport).
+
+use std::collections::{BTreeMap, HashSet};
+use std::path::{Path, PathBuf};
+
+use serde::Deserialize;
+
+/// Why a deployment file is refused.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("cannot read {path}: {source}")]
+    Read {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{path}: {source}")]
+    Parse {
+        path: PathBuf,
+        #[source]
+        source: Box<toml::de::Error>,
+    },
+    #[error("{0}")]
+    Invalid(String),
+}
+
+/// The model every worker serves.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct ModelSection {
+    /// `smollm2`, `tiny`, `dummy:PRESET[:SEED]`, or a path (passed to the workers' `--model`).
+    #[serde(default = "default_model")]
+    pub name: String,
+    #[serde(default = "default_dtype")]
+    pub dtype: String,
+    /// A tokenizer to use instead of the model's own.
+    pub tokenizer: Option<String>,
+}
+
+fn default_model() -> String {
+    "smollm2".into()
+}
+
+fn default_dtype() -> String {
+    "f32".into()
+}
+
+impl Default for ModelSection {
+    fn default() -> Self {
+        Self {
+            name: default_model(),
+            dtype: default_dtype(),
+            tokenizer: None,
+        }
+    }
+}
+
+/// The router.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct RouterSection {
+    #[serde(default = "localhost")]
+    pub host: String,
+    #[serde(default = "default_router_port")]
+    pub port: u16,
+    /// KV transport between the workers: shm, tcp or grpc.
+    #[serde(default = "default_transport")]
+    pub transport: String,
+    /// Prompts shorter than this run aggregated on a decode worker (a huge value makes the
+    /// whole deployment aggregated, for A/B runs).
+    #[serde(default)]
+    pub agg_threshold: u64,
+    /// CPU cores for the router process.
+    #[serde(default)]
+    pub cpus: Vec<usize>,
+    #[serde(default)]
+    pub extra_args: Vec<String>,
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
+}
+
+fn localhost() -> String {
+    "127.0.0.1".into()
+}
+
+fn default_router_port() -> u16 {
+    8000
+}
+
+fn default_transport() -> String {
+    "shm".into()
+}
+
+impl Default for RouterSection {
+    fn default() -> Self {
+        Self {
+            host: localhost(),
+            port: default_router_port(),
+            transport: default_transport(),
+            agg_threshold: 0,
+            cpus: Vec::new(),
+            extra_args: Vec::new(),
+            env: BTreeMap::new(),
+        }
+    }
+}
+
+/// One prefill or decode worker.
+#[derive(Debug, Clone, Deserialize, PartialEq, Default)]
+#[serde(deny_unknown_fields)]
+pub struct WorkerSpec {
+    /// A name for logs (default: role and index).
+    pub name: Option<String>,
+    #[serde(default = "localhost")]
+    pub host: String,
+    pub port: u16,
+    /// Decode workers: the raw TCP KV port (default: port + 1).
+    pub kv_tcp_port: Option<u16>,
+    /// CPU cores this worker runs on (empty: no pinning).
+    #[serde(default)]
+    pub cpus: Vec<usize>,
+    /// Compute threads (default: one per pinned core, else all cores).
+    pub threads: Option<usize>,
+    pub kv_budget_mb: Option<usize>,
+    pub max_batch_tokens: Option<usize>,
+    pub max_running: Option<usize>,
+    /// GPU index (`CUDA_VISIBLE_DEVICES`).
+    pub gpu: Option<u32>,
+    /// Share of the GPU's SMs under MPS (`CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`, 1–100).
+    pub mps_thread_percentage: Option<u32>,
+    /// SMs of a green context this worker is confined to (`--green-context-sms`).
+    pub green_context_sms: Option<u32>,
+    #[serde(default)]
+    pub extra_args: Vec<String>,
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
+}
+
+/// GPU facts used to check GPU layouts (an H100 SXM has 132 SMs).
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct GpuSection {
+    /// GPUs on the machine.
+    pub count: u32,
+    /// SMs per GPU.
+    pub sms: u32,
+    /// Whether the workers need an MPS control daemon.
+    #[serde(default)]
+    pub mps: bool,
+}
+
+/// A whole deployment.
+#[derive(Debug, Clone, Deserialize, PartialEq, Default)]
+#[serde(deny_unknown_fields)]
+pub struct DeployConfig {
+    /// Free text shown by `tandem up`.
+    pub description: Option<String>,
+    #[serde(default)]
+    pub model: ModelSection,
+    #[serde(default)]
+    pub router: RouterSection,
+    #[serde(default)]
+    pub prefill: Vec<WorkerSpec>,
+    #[serde(default)]
+    pub decode: Vec<WorkerSpec>,
+    pub gpu: Option<GpuSection>,
+    /// Folder of the tandem binaries (default: beside this launcher, then PATH).
+    pub bin_dir: Option<PathBuf>,
+    /// Write each process's log to `<log_dir>/<name>.log` instead of prefixing it on stderr.
+    pub log_dir: Option<PathBuf>,
+    /// How long to wait for the deployment to become healthy, in seconds (the first run
+    /// downloads the default model).
+    #[serde(default = "default_startup_timeout")]
+    pub startup_timeout_s: u64,
+}
+
+fn default_startup_timeout() -> u64 {
+    600
+}
+
+const TRANSPORTS: [&str; 3] = ["shm", "tcp", "grpc"];
+const PRESETS: [&str; 4] = ["tiny", "smollm2-135m", "llama-3.2-1b", "llama-3.1-8b"];
+
+impl DeployConfig {
+    pub fn from_file(path: &Path) -> Result<Self, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.to_owned(),
+            source,
+        })?;
+        Self::from_toml(&text).map_err(|e| match e {
+            ConfigError::Parse { source, .. } => ConfigError::Parse {
+                path: path.to_owned(),
+                source,
+            },
+            other => other,
+        })
+    }
+
+    pub fn from_toml(text: &str) -> Result<Self, ConfigError> {
+        let cfg: DeployConfig = toml::from_str(text).map_err(|e| ConfigError::Parse {
+            path: PathBuf::from("<config>"),
+            source: Box::new(e),
+        })?;
+        Ok(cfg)
+    }
+
+    /// The deployment `tandem up` runs without a file: one prefill and one decode worker on
+    /// the default model, the machine's cores split between them, router on port 8000.
+    pub fn default_local(cores: usize) -> Self {
+        let (p_cpus, d_cpus): (Vec<usize>, Vec<usize>) = if cores >= 2 {
+            ((0..cores / 2).collect(), (cores / 2..cores).collect())
+        } else {
+            (Vec::new(), Vec::new())
+        };
+        DeployConfig {
+            description: Some(
+                "default: 1 prefill + 1 decode worker on SmolLM2-135M-Instruct".into(),
+            ),
+            prefill: vec![WorkerSpec {
+                port: 7101,
+                host: localhost(),
+                cpus: p_cpus,
+                kv_budget_mb: Some(512),
+                ..WorkerSpec::default()
+            }],
+            decode: vec![WorkerSpec {
+                port: 7201,
+                host: localhost(),
+                cpus: d_cpus,
+                kv_budget_mb: Some(2048),
+                ..WorkerSpec::default()
+            }],
+            startup_timeout_s: default_startup_timeout(),
+            ..DeployConfig::default()
+        }
+    }
+
+    /// Checks everything that can be checked without starting anything. `cores` is the
+    /// number of CPUs of the machine the deployment will run on (CPU lists must exist there).
+    pub fn validate(&self, cores: usize) -> Result<(), ConfigError> {
+        let bad = |m: String| Err(ConfigError::Invalid(m));
+        if self.decode.is_empty() {
+            return bad("a deployment needs at least one [[decode]] worker".into());
+        }
+        if !TRANSPORTS.contains(&self.router.transport.as_str()) {
+            return bad(format!(
+                "router.transport `{}`: use one of {TRANSPORTS:?}",
+                self.router.transport
+            ));
+        }
+        if !["f32", "f16", "bf16"].contains(&self.model.dtype.as_str()) {
+            return bad(format!(
+                "model.dtype `{}`: use f32, f16 or bf16",
+                self.model.dtype
+            ));
+        }
+        let name = self.model.name.as_str();
+        let known = ["smollm2", "default", "smollm2-135m-instruct", "tiny"].contains(&name)
+            || name
+                .strip_prefix("dummy:")
+                .is_some_and(|rest| PRESETS.contains(&rest.split(':').next().unwrap_or("")))
+            || Path::new(name).exists();
+        if !known {
+            return bad(format!(
+                "model.name `{name}` is neither smollm2, tiny, dummy:<{}> nor an existing path",
+                PRESETS.join("|")
+            ));
+        }
+        let mut ports = HashSet::new();
+        let mut claim = |port: u16, what: &str| -> Result<(), ConfigError> {
+            if port == 0 || !ports.insert(port) {
+                return Err(ConfigError::Invalid(format!(
+                    "{what}: port {port} is zero or used twice"
+                )));
+            }
+            Ok(())
+        };
+        claim(self.router.port, "router")?;
+        for (role, workers) in [("prefill", &self.prefill), ("decode", &self.decode)] {
+            for (i, w) in workers.iter().enumerate() {
+                let what = format!("{role}[{i}]");
+                claim(w.port, &what)?;
+                if role == "decode" {
+                    claim(
+                        w.kv_tcp_port.unwrap_or(w.port.wrapping_add(1)),
+                        &format!("{what} kv_tcp_port"),
+                    )?;
+                }
+                if let Some(&c) = w.cpus.iter().find(|&&c| c >= cores) {
+                    return bad(format!(
+                        "{what}: CPU {c} does not exist (this machine has {cores})"
+                    ));
+                }
+                if w.threads == Some(0) {
+                    return bad(format!("{what}: threads must be at least 1"));
+                }
+                self.validate_gpu(&what, w)?;
+            }
+        }
+        if let Some(&c) = self.router.cpus.iter().find(|&&c| c >= cores) {
+            return bad(format!(
+                "router: CPU {c} does not exist (this machine has {cores})"
+            ));
+        }
+        if let Some(gpu) = &self.gpu {
+            // Green contexts on one GPU must fit in its SMs together.
+            for g in 0..gpu.count {
+                let total: u32 = self
+                    .prefill
+                    .iter()
+                    .chain(&self.decode)
+                    .filter(|w| w.gpu.unwrap_or(0) == g)
+                    .filter_map(|w| w.green_context_sms)
+                    .sum();
+                if total > gpu.sms {
+                    return bad(format!(
+                        "GPU {g}: green contexts ask for {total} SMs, it has {}",
+                        gpu.sms
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn validate_gpu(&self, what: &str, w: &WorkerSpec) -> Result<(), ConfigError> {
+        let bad = |m: String| Err(ConfigError::Invalid(m));
+        let uses_gpu =
+            w.gpu.is_some() || w.mps_thread_percentage.is_some() || w.green_context_sms.is_some();
+        let Some(gpu) = &self.gpu else {
+            if uses_gpu {
+                return bad(format!("{what}: GPU settings need a [gpu] section"));
+            }
+            return Ok(());
+        };
+        if let Some(g) = w.gpu
+            && g >= gpu.count
+        {
+            return bad(format!(
+                "{what}: GPU {g} does not exist ([gpu] count = {})",
+                gpu.count
+            ));
+        }
+        if let Some(p) = w.mps_thread_percentage {
+            if !(1..=100).contains(&p) {
+                return bad(format!(
+                    "{what}: mps_thread_percentage {p} is not in 1..=100"
+                ));
+            }
+            if !gpu.mps {
+                return bad(format!(
+                    "{what}: mps_thread_percentage needs `mps = true` in [gpu]"
+                ));
+            }
+        }
+        if let Some(sms) = w.green_context_sms
+            && (sms == 0 || sms > gpu.sms)
+        {
+            return bad(format!(
+                "{what}: green_context_sms {sms} is not in 1..={}",
+                gpu.sms
+            ));
+        }
+        if w.green_context_sms.is_some() && w.mps_thread_percentage.is_some() {
+            return bad(format!("{what}: choose green contexts or MPS, not both"));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn default_splits_the_cores() {
+        let cfg = DeployConfig::default_local(2);
+        cfg.validate(2).unwrap();
+        assert_eq!(cfg.prefill[0].cpus, vec![0]);
+        assert_eq!(cfg.decode[0].cpus, vec![1]);
+        assert!(DeployConfig::default_local(1).prefill[0].cpus.is_empty());
+        assert_eq!(
+            DeployConfig::default_local(8).decode[0].cpus,
+            vec![4, 5, 6, 7]
+        );
+    }
+
+    #[test]
+    fn refuses_what_cannot_run() {
+        let base = "[[decode]]\nport = 7201\n";
+        assert!(DeployConfig::from_toml(base).unwrap().validate(2).is_ok());
+        for (bad, why) in [
+            ("", "at least one [[decode]]"),
+            (
+                "[router]\ntransport = \"rdma\"\n[[decode]]\nport = 7201\n",
+                "router.transport",
+            ),
+            ("[[decode]]\nport = 8000\n", "used twice"),
+            (
+                "[[decode]]\nport = 7201\ncpus = [5]\n",
+                "CPU 5 does not exist",
+            ),
+            ("[[decode]]\nport = 7201\ngpu = 0\n", "need a [gpu] section"),
+            (
+                "[gpu]\ncount = 1\nsms = 132\n[[decode]]\nport = 7201\ngpu = 1\n",
+                "GPU 1 does not exist",
+            ),
+            (
+                "[gpu]\ncount = 1\nsms = 132\n[[decode]]\nport = 7201\nmps_thread_percentage = 50\n",
+                "needs `mps = true`",
+            ),
+            (
+                "[gpu]\ncount = 1\nsms = 132\n[[prefill]]\nport = 7101\ngreen_context_sms = 100\n[[decode]]\nport = 7201\ngreen_context_sms = 64\n",
+                "ask for 164 SMs",
+            ),
+            (
+                "[model]\nname = \"gpt-9\"\n[[decode]]\nport = 7201\n",
+                "model.name",
+            ),
+        ] {
+            let err = DeployConfig::from_toml(bad)
+                .and_then(|c| c.validate(2))
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains(why), "{bad:?} gave {err}");
+        }
+        assert!(
+            DeployConfig::from_toml("[[decode]]\nport = 1\nunknown = 3\n").is_err(),
+            "unknown keys are errors"
+        );
+    }
+}

@@ -1,0 +1,152 @@
+//! `tandem`: the launcher. `tandem up [CONFIG]` runs a deployment; `tandem check CONFIG…`
+//! validates deployment files; `tandem plan [CONFIG]` prints the commands `up` would run.
+
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::{Parser, Subcommand};
+use tandem_deploy::launcher::{LaunchOptions, run};
+use tandem_deploy::{DeployConfig, plan};
+
+/// tandem: disaggregated prefill/decode LLM serving.
+#[derive(Debug, Parser)]
+#[command(version)]
+struct Cli {
+    #[command(subcommand)]
+    command: Cmd,
+}
+
+#[derive(Debug, Subcommand)]
+enum Cmd {
+    /// Start the router and workers of CONFIG (default: 1 prefill + 1 decode worker on
+    /// SmolLM2, router on port 8000) and keep them running until Ctrl-C.
+    Up {
+        config: Option<PathBuf>,
+        /// Folder with tandem-router, tandem-prefill and tandem-decode (default: beside this
+        /// binary).
+        #[arg(long, env = "TANDEM_BIN_DIR")]
+        bin_dir: Option<PathBuf>,
+        /// Write each process's log to DIR/<name>.log.
+        #[arg(long, env = "TANDEM_LOG_DIR")]
+        log_dir: Option<PathBuf>,
+    },
+    /// Validate deployment files without starting anything.
+    Check {
+        #[arg(required = true)]
+        configs: Vec<PathBuf>,
+        /// CPUs of the machine the files target (default: this machine's).
+        #[arg(long)]
+        cores: Option<usize>,
+    },
+    /// Print the processes a deployment would start.
+    Plan { config: Option<PathBuf> },
+}
+
+fn cores() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get())
+}
+
+fn load(config: Option<&Path>) -> anyhow::Result<DeployConfig> {
+    match config {
+        Some(p) => DeployConfig::from_file(p).with_context(|| format!("reading {}", p.display())),
+        None => Ok(DeployConfig::default_local(cores())),
+    }
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Cmd::Up {
+            config,
+            bin_dir,
+            log_dir,
+        } => up(config.as_deref(), bin_dir, log_dir),
+        Cmd::Check { configs, cores: c } => check(&configs, c.unwrap_or_else(cores)),
+        Cmd::Plan { config } => load(config.as_deref()).map(|cfg| {
+            for p in plan(&cfg).processes {
+                println!("{}: {} {}", p.name, p.binary, p.args.join(" "));
+            }
+        }),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("tandem: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn check(configs: &[PathBuf], cores: usize) -> anyhow::Result<()> {
+    let mut failed = 0;
+    for path in configs {
+        match DeployConfig::from_file(path).and_then(|c| c.validate(cores)) {
+            Ok(()) => println!("ok      {}", path.display()),
+            Err(e) => {
+                println!("invalid {}: {e}", path.display());
+                failed += 1;
+            }
+        }
+    }
+    anyhow::ensure!(
+        failed == 0,
+        "{failed} of {} deployment files are invalid",
+        configs.len()
+    );
+    Ok(())
+}
+
+fn up(
+    config: Option<&Path>,
+    bin_dir: Option<PathBuf>,
+    log_dir: Option<PathBuf>,
+) -> anyhow::Result<()> {
+    let cfg = load(config)?;
+    cfg.validate(cores())?;
+    let bin_dir = bin_dir
+        .or_else(|| cfg.bin_dir.clone())
+        .or_else(|| {
+            std::env::current_exe()
+                .ok()
+                .and_then(|e| e.parent().map(Path::to_path_buf))
+        })
+        .context("cannot locate the tandem binaries; pass --bin-dir")?;
+    let opts = LaunchOptions {
+        bin_dir,
+        log_dir: log_dir.or_else(|| cfg.log_dir.clone()),
+        startup_timeout: Duration::from_secs(cfg.startup_timeout_s),
+        stop_timeout: Duration::from_secs(15),
+    };
+    let plan = plan(&cfg);
+    if let Some(d) = &cfg.description {
+        eprintln!("[tandem] {d}");
+    }
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()?;
+    let url = plan.router_url.clone();
+    runtime.block_on(run(&plan, &opts, shutdown_signal(), || {
+        println!("tandem is up: {url}");
+        println!("  curl {url}/v1/completions -H 'Content-Type: application/json' -d '{{\"prompt\": \"The capital of France is\", \"max_tokens\": 16}}'");
+        println!("  OpenAI API at {url}/v1, TGI at {url}/generate_stream, metrics at {url}/metrics. Ctrl-C stops everything.");
+    }))?;
+    Ok(())
+}
+
+async fn shutdown_signal() {
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {},
+        () = term => {},
+    }
+}

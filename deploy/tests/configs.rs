@@ -1,0 +1,72 @@
+//! Every deployment file in `deploy/` parses and validates (GPU layouts against their own
+//! `[gpu]` section, CPU lists against a 4-core machine), through the real `tandem check`.
+
+use std::path::PathBuf;
+use std::process::Command;
+
+fn files(dir: &str) -> Vec<PathBuf> {
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(dir);
+    let mut out: Vec<PathBuf> = std::fs::read_dir(&root)
+        .unwrap()
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|x| x == "toml"))
+        .collect();
+    out.sort();
+    out
+}
+
+#[test]
+fn every_deployment_file_is_valid() {
+    let mut all = files("local");
+    all.extend(files("gpu"));
+    assert!(all.len() >= 7, "{all:?}");
+    let out = Command::new(env!("CARGO_BIN_EXE_tandem"))
+        .arg("check")
+        .arg("--cores")
+        .arg("4")
+        .args(&all)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(
+        stdout.lines().filter(|l| l.starts_with("ok")).count(),
+        all.len()
+    );
+}
+
+#[test]
+fn check_reports_a_bad_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let bad = dir.path().join("bad.toml");
+    std::fs::write(&bad, "[[decode]]\nport = 7201\ncpus = [9]\n").unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_tandem"))
+        .args(["check", "--cores", "2"])
+        .arg(&bad)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stdout).contains("CPU 9 does not exist"));
+}
+
+#[test]
+fn plan_prints_the_default_deployment() {
+    let out = Command::new(env!("CARGO_BIN_EXE_tandem"))
+        .arg("plan")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success());
+    assert!(
+        stdout.contains("prefill-0: tandem-prefill --model smollm2"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("router: tandem-router --host 127.0.0.1 --port 8000"),
+        "{stdout}"
+    );
+}
