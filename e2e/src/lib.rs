@@ -141,3 +141,68 @@ pub async fn prefill_client(
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
+
+/// Waits until `GET url` answers 2xx.
+pub async fn wait_http_ok(url: &str, timeout: Duration) -> anyhow::Result<()> {
+    let client = reqwest::Client::new();
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Ok(r) = client.get(url).send().await
+            && r.status().is_success()
+        {
+            return Ok(());
+        }
+        if Instant::now() > deadline {
+            bail!("{url} did not answer 2xx within {timeout:?}");
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+pub mod kv_stub {
+    //! A decode service that only receives KV (`PushKv`, `CommitKv`) into a lease table: for
+    //! measuring transports without a model.
+
+    use std::pin::Pin;
+    use std::sync::Arc;
+
+    use tandem_proto::v1::decode_service_server::DecodeService;
+    use tandem_proto::v1::*;
+    use tandem_transfer::{LeaseTable, receive_push_kv};
+    use tonic::{Request, Response, Status, Streaming};
+
+    pub struct KvOnlyDecode {
+        pub table: Arc<LeaseTable>,
+    }
+
+    type Events = Pin<Box<dyn futures::Stream<Item = Result<GenerateEvent, Status>> + Send>>;
+
+    #[tonic::async_trait]
+    impl DecodeService for KvOnlyDecode {
+        type GenerateStream = Events;
+        async fn get_info(&self, _: Request<InfoRequest>) -> Result<Response<WorkerInfo>, Status> {
+            Err(Status::unimplemented("KV only"))
+        }
+        async fn get_load(&self, _: Request<LoadRequest>) -> Result<Response<LoadReport>, Status> {
+            Err(Status::unimplemented("KV only"))
+        }
+        async fn generate(&self, _: Request<GenerateRequest>) -> Result<Response<Events>, Status> {
+            Err(Status::unimplemented("KV only"))
+        }
+        async fn push_kv(
+            &self,
+            req: Request<Streaming<KvMessage>>,
+        ) -> Result<Response<KvAck>, Status> {
+            let bytes = receive_push_kv(&self.table, &mut req.into_inner()).await?;
+            Ok(Response::new(KvAck {
+                bytes_received: bytes,
+            }))
+        }
+        async fn commit_kv(&self, req: Request<KvCommit>) -> Result<Response<KvAck>, Status> {
+            let bytes = self.table.commit(&req.into_inner())?;
+            Ok(Response::new(KvAck {
+                bytes_received: bytes,
+            }))
+        }
+    }
+}

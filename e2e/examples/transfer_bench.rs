@@ -1,0 +1,327 @@
+//! KV transfer benchmark (issue 3), in one run:
+//! 1. memory-copy rate (the floor: one copy of the KV bytes),
+//! 2. throughput of each transport moving a 2048-token SmolLM2 prompt's KV (94 MB, 30 layers
+//!    sent layer by layer as the engine does) into a decode-side lease table,
+//! 3. TTFT of a 2048-token prompt through the router, disaggregated vs aggregated, at low load,
+//! 4. the router's added latency: time to first token through router + decode worker vs the
+//!    decode worker alone over gRPC.
+//!
+//! Run by `scripts/bench-transfer`, which builds the release binaries first. Prints a table,
+//! then one JSON line.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use futures::StreamExt;
+use tandem_e2e::kv_stub::KvOnlyDecode;
+use tandem_e2e::{Proc, decode_client, prefill_client, wait_http_ok};
+use tandem_engine::kv::{KvCache, KvDtype, KvLayout, KvStorage};
+use tandem_proto::v1::decode_service_server::DecodeServiceServer;
+use tandem_proto::v1::*;
+use tandem_transfer::{KvSender, LeaseTable, OwnerTags, Peers, connect, serve_tcp, tags_path};
+use tokio::net::TcpListener;
+
+const TOKENS: usize = 2048;
+const REPEATS: usize = 5;
+
+fn smollm2_layout() -> KvLayout {
+    KvLayout {
+        num_layers: 30,
+        num_kv_heads: 3,
+        head_dim: 64,
+        block_size: 16,
+        dtype: KvDtype::F32,
+        model_fingerprint: "transfer-bench".into(),
+    }
+}
+
+/// Best-of-N rate of copying `bytes` bytes between two buffers (bytes copied per second).
+fn memcpy_rate(bytes: usize) -> f64 {
+    let src = vec![7u8; bytes];
+    let mut dst = vec![0u8; bytes];
+    let mut best = f64::MAX;
+    for _ in 0..REPEATS {
+        let t = Instant::now();
+        dst.copy_from_slice(&src);
+        best = best.min(t.elapsed().as_secs_f64());
+        std::hint::black_box(&dst);
+    }
+    bytes as f64 / best
+}
+
+struct Sink {
+    table: Arc<LeaseTable>,
+    endpoint: String,
+    kv_tcp_addr: String,
+    shm_path: String,
+    shm_bytes: u64,
+    _cache: KvCache,
+}
+
+async fn sink(layout: &KvLayout, blocks: usize) -> anyhow::Result<Sink> {
+    let dir = std::path::Path::new("/dev/shm");
+    let dir = if dir.is_dir() {
+        dir.to_path_buf()
+    } else {
+        std::env::temp_dir()
+    };
+    let path = dir.join(format!("tandem-transfer-bench-{}", std::process::id()));
+    let bytes = blocks * layout.block_bytes();
+    let cache = KvCache::new(
+        layout.clone(),
+        blocks,
+        KvStorage::create_shared(&path, bytes)?,
+    )?;
+    let tags = OwnerTags::create(&tags_path(&path), blocks)?;
+    let table = Arc::new(LeaseTable::new(
+        cache.block_writer(),
+        layout.hash(),
+        Some(tags),
+    ));
+    let grpc = TcpListener::bind("127.0.0.1:0").await?;
+    let endpoint = format!("http://{}", grpc.local_addr()?);
+    let svc = DecodeServiceServer::new(KvOnlyDecode {
+        table: table.clone(),
+    })
+    .max_decoding_message_size(16 << 20);
+    tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(svc)
+            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(grpc)),
+    );
+    let kv = TcpListener::bind("127.0.0.1:0").await?;
+    let kv_tcp_addr = kv.local_addr()?.to_string();
+    tokio::spawn(serve_tcp(kv, table.clone(), std::future::pending()));
+    Ok(Sink {
+        table,
+        endpoint,
+        kv_tcp_addr,
+        shm_path: path.to_string_lossy().into(),
+        shm_bytes: bytes as u64,
+        _cache: cache,
+    })
+}
+
+/// Moves one prompt's KV over `transport`; returns (bytes, seconds from the first layer
+/// handed over to the commit's acknowledgement).
+async fn transfer_once(
+    sink: &Sink,
+    source: &Arc<KvCache>,
+    transport: Transport,
+    peers: &Peers,
+) -> anyhow::Result<(u64, f64)> {
+    let layout = source.layout().clone();
+    let nblocks = TOKENS / layout.block_size;
+    let blocks: Vec<u32> = (0..nblocks as u32).collect();
+    let (lease, done) = sink.table.create(blocks.clone(), TOKENS, "bench");
+    let dest = KvDestination {
+        transport: transport as i32,
+        decode_endpoint: sink.endpoint.clone(),
+        kv_tcp_addr: sink.kv_tcp_addr.clone(),
+        shm_path: sink.shm_path.clone(),
+        shm_bytes: sink.shm_bytes,
+        lease_id: lease.id,
+        block_ids: blocks,
+        kv_layout_hash: layout.hash(),
+    };
+    let sender = connect(peers, &dest, &layout, "bench", TOKENS).await?;
+    let source = source.clone();
+    let started = Instant::now();
+    let sender: Box<dyn KvSender> =
+        tokio::task::spawn_blocking(move || -> anyhow::Result<Box<dyn KvSender>> {
+            let mut sender = sender;
+            for layer in 0..layout.num_layers {
+                let pieces: Vec<(u32, &[u8])> = (0..nblocks as u32)
+                    .map(|b| source.block_layer_bytes(layer, b).map(|bytes| (b, bytes)))
+                    .collect::<Result<_, _>>()?;
+                sender.send_layer(layer, &pieces)?;
+            }
+            Ok(sender)
+        })
+        .await??;
+    let stats = sender.commit(1, 0.0).await?;
+    let secs = started.elapsed().as_secs_f64();
+    done.await?.map_err(|e| anyhow::anyhow!(e))?;
+    Ok((stats.bytes, secs))
+}
+
+/// Time to the first streamed token of a completion through the router.
+async fn router_ttft(client: &reqwest::Client, url: &str, prompt: &[u32]) -> anyhow::Result<f64> {
+    let body = serde_json::json!({"model": "tandem", "prompt": prompt, "max_tokens": 2, "stream": true, "temperature": 0.0, "ignore_eos": true});
+    let t = Instant::now();
+    let resp = client.post(url).json(&body).send().await?;
+    anyhow::ensure!(
+        resp.status().is_success(),
+        "router answered {}",
+        resp.status()
+    );
+    let mut stream = resp.bytes_stream();
+    while let Some(chunk) = stream.next().await {
+        if String::from_utf8_lossy(&chunk?).contains("\"text\"") {
+            return Ok(t.elapsed().as_secs_f64());
+        }
+    }
+    anyhow::bail!("no token in the stream")
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+async fn main() -> anyhow::Result<()> {
+    // 1-2: transports in process.
+    let layout = smollm2_layout();
+    let nblocks = TOKENS / layout.block_size;
+    let kv_bytes = nblocks * layout.block_bytes();
+    let memcpy = memcpy_rate(kv_bytes);
+    let mut source = KvCache::with_budget(layout.clone(), kv_bytes)?;
+    for layer in 0..layout.num_layers {
+        for b in 0..nblocks as u32 {
+            let fill: Vec<u8> = (0..layout.block_layer_bytes())
+                .map(|i| ((i + layer + b as usize) % 251) as u8)
+                .collect();
+            source.write_block_layer_bytes(layer, b, &fill)?;
+        }
+    }
+    let source = Arc::new(source);
+    let sink = sink(&layout, nblocks).await?;
+    let peers = Peers::new();
+    let mut rates = Vec::new();
+    for transport in [Transport::Shm, Transport::Tcp, Transport::Grpc] {
+        let mut best = f64::MAX;
+        let mut bytes = 0;
+        for _ in 0..REPEATS {
+            let (b, s) = transfer_once(&sink, &source, transport, &peers).await?;
+            bytes = b;
+            best = best.min(s);
+        }
+        rates.push((transport, bytes, best, bytes as f64 / best));
+    }
+    let rate = |t: Transport| rates.iter().find(|r| r.0 == t).map_or(0.0, |r| r.3);
+
+    // 3-4: the real binaries on SmolLM2.
+    let model_args = ["--model", "smollm2", "--kv-budget-mb", "512"];
+    let decode = Proc::start("tandem-decode", &model_args)?;
+    let prefill = Proc::start("tandem-prefill", &model_args)?;
+    let (mut dclient, _) = decode_client(&decode.endpoint(), Duration::from_secs(300)).await?;
+    prefill_client(&prefill.endpoint(), Duration::from_secs(300)).await?;
+    let workers = [
+        "--prefill",
+        &prefill.endpoint(),
+        "--decode",
+        &decode.endpoint(),
+        "--transport",
+        "shm",
+    ];
+    let disagg = Proc::start("tandem-router", &workers)?;
+    let mut agg_args = workers.to_vec();
+    agg_args.extend(["--agg-threshold", "1000000"]);
+    let agg = Proc::start("tandem-router", &agg_args)?;
+    let client = reqwest::Client::new();
+    for r in [&disagg, &agg] {
+        wait_http_ok(
+            &format!("http://127.0.0.1:{}/health", r.port),
+            Duration::from_secs(120),
+        )
+        .await?;
+    }
+    let long: Vec<u32> = (0..TOKENS as u32)
+        .map(|i| 100 + (i * 7919) % 40_000)
+        .collect();
+    let url = |p: &Proc| format!("http://127.0.0.1:{}/v1/completions", p.port);
+    router_ttft(&client, &url(&disagg), &long[..64]).await?; // warm-up
+    let mut ttft_disagg = Vec::new();
+    let mut ttft_agg = Vec::new();
+    for _ in 0..3 {
+        ttft_disagg.push(router_ttft(&client, &url(&disagg), &long).await?);
+        ttft_agg.push(router_ttft(&client, &url(&agg), &long).await?);
+    }
+    let (td, ta) = (median(ttft_disagg), median(ttft_agg));
+
+    // Router overhead: a short aggregated request via the router vs straight to the worker.
+    let short: Vec<u32> = long[..16].to_vec();
+    let mut via_router = Vec::new();
+    let mut direct = Vec::new();
+    for _ in 0..20 {
+        via_router.push(router_ttft(&client, &url(&agg), &short).await?);
+        let t = Instant::now();
+        let mut stream = dclient
+            .generate(GenerateRequest {
+                request_id: "bench".into(),
+                prompt: short.clone(),
+                sampling: Some(SamplingParams::default()),
+                stop: Some(StopParams {
+                    max_tokens: 2,
+                    ignore_eos: true,
+                    ..Default::default()
+                }),
+                mode: Mode::Aggregated as i32,
+                lease_ttl_ms: 0,
+            })
+            .await?
+            .into_inner();
+        while let Some(ev) = stream.message().await? {
+            if matches!(ev.event, Some(generate_event::Event::Token(_))) {
+                direct.push(t.elapsed().as_secs_f64());
+                break;
+            }
+        }
+        while stream.message().await?.is_some() {}
+    }
+    let (vr, di) = (median(via_router), median(direct));
+
+    println!("| measure | value |");
+    println!("|---|---|");
+    println!(
+        "| memcpy of {:.1} MB | {:.2} GB/s |",
+        kv_bytes as f64 / 1e6,
+        memcpy / 1e9
+    );
+    for (t, bytes, secs, r) in &rates {
+        println!(
+            "| {} transfer of a {TOKENS}-token SmolLM2 prompt ({:.1} MB) | {:.1} ms, {:.2} GB/s ({:.2} of memcpy) |",
+            tandem_transfer::transport_name(*t),
+            *bytes as f64 / 1e6,
+            secs * 1e3,
+            r / 1e9,
+            r / memcpy
+        );
+    }
+    println!(
+        "| TTFT, {TOKENS}-token prompt, disaggregated (shm) | {:.0} ms |",
+        td * 1e3
+    );
+    println!(
+        "| TTFT, {TOKENS}-token prompt, aggregated | {:.0} ms |",
+        ta * 1e3
+    );
+    println!(
+        "| first token of a 16-token prompt: router + decode worker | {:.2} ms |",
+        vr * 1e3
+    );
+    println!(
+        "| first token of a 16-token prompt: decode worker over gRPC | {:.2} ms |",
+        di * 1e3
+    );
+    let json = serde_json::json!({
+        "kv_bytes": kv_bytes,
+        "memcpy_gb_s": memcpy / 1e9,
+        "shm_gb_s": rate(Transport::Shm) / 1e9,
+        "tcp_gb_s": rate(Transport::Tcp) / 1e9,
+        "grpc_gb_s": rate(Transport::Grpc) / 1e9,
+        "shm_vs_memcpy": rate(Transport::Shm) / memcpy,
+        "tcp_vs_memcpy": rate(Transport::Tcp) / memcpy,
+        "grpc_vs_memcpy": rate(Transport::Grpc) / memcpy,
+        "ttft_disagg_ms": td * 1e3,
+        "ttft_agg_ms": ta * 1e3,
+        "ttft_disagg_vs_agg": td / ta,
+        "router_added_ms": (vr - di) * 1e3,
+    });
+    println!("{json}");
+    drop((disagg, agg, prefill, decode));
+    let _ = std::fs::remove_file(&sink.shm_path);
+    let _ = std::fs::remove_file(tags_path(std::path::Path::new(&sink.shm_path)));
+    Ok(())
+}
