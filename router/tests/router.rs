@@ -504,6 +504,23 @@ async fn models_health_and_metrics() {
     assert_eq!(health["status"], "ok");
     assert_eq!(health["decode_workers_healthy"], 1);
     assert_eq!(health["prefill_workers_healthy"], 1);
+    let r = client()
+        .get(format!("{}/v1/completions", router.url))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 405);
+    let err: Value = r.json().await.unwrap();
+    assert!(err["error"]["message"].is_string());
+    let r = client()
+        .get(format!("{}/nope", router.url))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 404);
+    assert!(r.headers().get("x-request-id").is_some());
+    let err: Value = r.json().await.unwrap();
+    assert!(err["error"]["message"].is_string());
     let r = post(
         &router.url,
         "/v1/completions",
