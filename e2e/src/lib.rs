@@ -206,3 +206,144 @@ pub mod kv_stub {
         }
     }
 }
+
+/// A router and its workers, all real binaries on loopback.
+#[derive(Debug)]
+pub struct Deployment {
+    pub prefill: Vec<Proc>,
+    pub decode: Vec<Proc>,
+    pub router: Proc,
+    pub model: String,
+}
+
+/// What to start.
+#[derive(Debug, Clone)]
+pub struct DeploymentSpec {
+    pub model: String,
+    pub transport: String,
+    pub prefill: usize,
+    pub decode: usize,
+    pub kv_budget_mb: usize,
+    pub router_args: Vec<String>,
+    pub worker_args: Vec<String>,
+}
+
+impl Default for DeploymentSpec {
+    fn default() -> Self {
+        Self {
+            model: "tiny".into(),
+            transport: "shm".into(),
+            prefill: 1,
+            decode: 1,
+            kv_budget_mb: 32,
+            router_args: Vec::new(),
+            worker_args: Vec::new(),
+        }
+    }
+}
+
+impl Deployment {
+    /// Starts the workers, then the router, and waits until the router is healthy.
+    pub async fn start(spec: &DeploymentSpec) -> anyhow::Result<Self> {
+        let budget = spec.kv_budget_mb.to_string();
+        let mut args: Vec<&str> = vec![
+            "--model",
+            &spec.model,
+            "--kv-budget-mb",
+            &budget,
+            "--threads",
+            "1",
+        ];
+        args.extend(spec.worker_args.iter().map(String::as_str));
+        let prefill = (0..spec.prefill)
+            .map(|_| Proc::start("tandem-prefill", &args))
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        let decode = (0..spec.decode)
+            .map(|_| Proc::start("tandem-decode", &args))
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        for d in &decode {
+            decode_client(&d.endpoint(), Duration::from_secs(300)).await?;
+        }
+        for p in &prefill {
+            prefill_client(&p.endpoint(), Duration::from_secs(300)).await?;
+        }
+        let router = Self::router_for(&prefill, &decode, &spec.transport, &spec.router_args)?;
+        wait_http_ok(
+            &format!("http://127.0.0.1:{}/health", router.port),
+            Duration::from_secs(60),
+        )
+        .await?;
+        Ok(Self {
+            prefill,
+            decode,
+            router,
+            model: spec.model.clone(),
+        })
+    }
+
+    /// Starts a router over `prefill` and `decode` workers.
+    pub fn router_for(
+        prefill: &[Proc],
+        decode: &[Proc],
+        transport: &str,
+        extra: &[String],
+    ) -> anyhow::Result<Proc> {
+        let join = |ps: &[Proc]| ps.iter().map(Proc::endpoint).collect::<Vec<_>>().join(",");
+        let decode_urls = join(decode);
+        let prefill_urls = join(prefill);
+        let mut args: Vec<&str> = vec![
+            "--decode",
+            &decode_urls,
+            "--transport",
+            transport,
+            "--health-interval-ms",
+            "200",
+            "--served-model-name",
+            "tandem",
+        ];
+        if !prefill.is_empty() {
+            args.extend(["--prefill", &prefill_urls]);
+        }
+        args.extend(extra.iter().map(String::as_str));
+        Proc::start("tandem-router", &args)
+    }
+
+    /// A second router over the same workers that runs everything aggregated.
+    pub async fn aggregated_router(&self) -> anyhow::Result<Proc> {
+        let r = Self::router_for(
+            &self.prefill,
+            &self.decode,
+            "shm",
+            &["--agg-threshold".into(), "1000000000".into()],
+        )?;
+        wait_http_ok(
+            &format!("http://127.0.0.1:{}/health", r.port),
+            Duration::from_secs(60),
+        )
+        .await?;
+        Ok(r)
+    }
+
+    pub fn url(&self, path: &str) -> String {
+        format!("http://127.0.0.1:{}{path}", self.router.port)
+    }
+}
+
+/// KV blocks in use on a worker (decode or prefill), from its `GetLoad`.
+pub async fn blocks_in_use(endpoint: &str, decode: bool) -> anyhow::Result<u32> {
+    use tandem_proto::v1::LoadRequest;
+    let load = if decode {
+        DecodeServiceClient::connect(endpoint.to_string())
+            .await?
+            .get_load(LoadRequest {})
+            .await?
+            .into_inner()
+    } else {
+        PrefillServiceClient::connect(endpoint.to_string())
+            .await?
+            .get_load(LoadRequest {})
+            .await?
+            .into_inner()
+    };
+    Ok(load.total_blocks - load.free_blocks + load.leases)
+}

@@ -1,0 +1,366 @@
+//! The whole system through the router: the correctness gate (disaggregated output equals
+//! aggregated output token for token, for every transport, at concurrency 1 and 16, on the
+//! tiny model and on SmolLM2), cancellation, a decode worker dying mid-stream, and bad input
+//! on a real deployment.
+
+use std::time::{Duration, Instant};
+
+use futures::StreamExt;
+use serde_json::{Value, json};
+use tandem_e2e::{Deployment, DeploymentSpec, Proc, blocks_in_use};
+
+/// Mixed prompt lengths (1 to `max_len` tokens) as token-id arrays, so lengths are exact.
+fn prompts(n: usize, max_len: u32, vocab: u32) -> Vec<Vec<u32>> {
+    (0..n as u32)
+        .map(|i| {
+            let len = 1 + (i * 37 + i * i * 11) % max_len;
+            (0..len)
+                .map(|j| 3 + (i * 131 + j * 17) % (vocab - 3))
+                .collect()
+        })
+        .collect()
+}
+
+async fn complete(
+    client: &reqwest::Client,
+    base: &str,
+    prompt: &[u32],
+    max_tokens: u32,
+) -> (String, Value, String) {
+    let body = json!({"model": "tandem", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": true});
+    let resp = client
+        .post(format!("{base}/v1/completions"))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(
+        resp.status(),
+        200,
+        "{}",
+        resp.text().await.unwrap_or_default()
+    );
+    let mode = resp
+        .headers()
+        .get("x-tandem-mode")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("")
+        .to_string();
+    let v: Value = resp.json().await.unwrap();
+    (
+        v["choices"][0]["text"]
+            .as_str()
+            .unwrap_or_default()
+            .to_string(),
+        v["usage"].clone(),
+        mode,
+    )
+}
+
+/// Runs every prompt through `base` with `concurrency` requests in flight.
+async fn run_all(
+    base: &str,
+    prompts: &[Vec<u32>],
+    max_tokens: u32,
+    concurrency: usize,
+) -> Vec<(String, Value, String)> {
+    let client = reqwest::Client::new();
+    futures::stream::iter(
+        prompts
+            .iter()
+            .map(|p| complete(&client, base, p, max_tokens)),
+    )
+    .buffered(concurrency)
+    .collect()
+    .await
+}
+
+async fn correctness_gate(model: &str, n: usize, max_len: u32, vocab: u32, max_tokens: u32) {
+    let spec = DeploymentSpec {
+        model: model.into(),
+        kv_budget_mb: if model == "tiny" { 32 } else { 512 },
+        ..DeploymentSpec::default()
+    };
+    let dep = Deployment::start(&spec).await.unwrap();
+    let agg = dep.aggregated_router().await.unwrap();
+    let agg_base = format!("http://127.0.0.1:{}", agg.port);
+    let prompts = prompts(n, max_len, vocab);
+    let reference = run_all(&agg_base, &prompts, max_tokens, 1).await;
+    for (_, usage, mode) in &reference {
+        assert_eq!(mode, "aggregated");
+        assert_eq!(usage["tandem"]["kv_bytes"], 0);
+    }
+    for transport in ["shm", "tcp", "grpc"] {
+        let router = Deployment::router_for(&dep.prefill, &dep.decode, transport, &[]).unwrap();
+        let base = format!("http://127.0.0.1:{}", router.port);
+        tandem_e2e::wait_http_ok(&format!("{base}/health"), Duration::from_secs(60))
+            .await
+            .unwrap();
+        for concurrency in [1, 16] {
+            let got = run_all(&base, &prompts, max_tokens, concurrency).await;
+            for (i, ((text, usage, mode), (want, want_usage, _))) in
+                got.iter().zip(&reference).enumerate()
+            {
+                assert_eq!(mode, "disaggregated", "{transport} prompt {i}");
+                assert_eq!(usage["tandem"]["transport"], transport);
+                assert!(usage["tandem"]["kv_bytes"].as_u64().unwrap_or(0) > 0);
+                assert_eq!(usage["completion_tokens"], want_usage["completion_tokens"]);
+                assert_eq!(
+                    text,
+                    want,
+                    "{model}: prompt {i} ({} tokens) over {transport} at concurrency {concurrency}",
+                    prompts[i].len()
+                );
+            }
+        }
+    }
+    for d in &dep.decode {
+        assert_eq!(
+            blocks_in_use(&d.endpoint(), true).await.unwrap(),
+            0,
+            "decode blocks back to baseline"
+        );
+    }
+    for p in &dep.prefill {
+        assert_eq!(
+            blocks_in_use(&p.endpoint(), false).await.unwrap(),
+            0,
+            "prefill blocks back to baseline"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn correctness_gate_tiny() {
+    correctness_gate("tiny", 50, 300, 259, 16).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn correctness_gate_smollm2() {
+    correctness_gate("smollm2", 50, 120, 49152, 8).await;
+}
+
+async fn wait_baseline(dep: &Deployment, within: Duration) -> Duration {
+    let start = Instant::now();
+    loop {
+        let mut used = 0;
+        for d in &dep.decode {
+            used += blocks_in_use(&d.endpoint(), true).await.unwrap_or(0);
+        }
+        for p in &dep.prefill {
+            used += blocks_in_use(&p.endpoint(), false).await.unwrap_or(0);
+        }
+        if used == 0 {
+            return start.elapsed();
+        }
+        assert!(
+            start.elapsed() < within,
+            "{used} blocks still in use after {within:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn client_disconnects_free_blocks_on_both_workers() {
+    let dep = Deployment::start(&DeploymentSpec::default()).await.unwrap();
+    let client = reqwest::Client::new();
+    // Mid-stream: read a few chunks of a long generation, then hang up.
+    let body = json!({"model": "tandem", "prompt": "hello there, tell me a long story", "max_tokens": 3000, "stream": true, "ignore_eos": true});
+    let resp = client
+        .post(dep.url("/v1/completions"))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    let mut stream = resp.bytes_stream();
+    for _ in 0..3 {
+        stream.next().await.unwrap().unwrap();
+    }
+    assert!(
+        blocks_in_use(&dep.decode[0].endpoint(), true)
+            .await
+            .unwrap()
+            > 0
+    );
+    drop(stream);
+    let took = wait_baseline(&dep, Duration::from_secs(1)).await;
+    eprintln!("mid-stream disconnect: blocks back in {took:?}");
+
+    // During a long prefill: hang up before the first token.
+    let long: Vec<u32> = (0..8000u32).map(|i| 3 + i % 250).collect();
+    let body = json!({"model": "tandem", "prompt": long, "max_tokens": 4, "stream": true});
+    let pending = tokio::spawn({
+        let client = client.clone();
+        let url = dep.url("/v1/completions");
+        async move { client.post(url).json(&body).send().await }
+    });
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    pending.abort();
+    let took = wait_baseline(&dep, Duration::from_secs(2)).await;
+    eprintln!("disconnect during prefill: blocks back in {took:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killing_a_decode_worker_ends_its_streams_with_an_error_and_routes_around_it() {
+    let spec = DeploymentSpec {
+        decode: 2,
+        ..DeploymentSpec::default()
+    };
+    let mut dep = Deployment::start(&spec).await.unwrap();
+    let client = reqwest::Client::new();
+    let body = json!({"model": "tandem", "prompt": "stream for a while", "max_tokens": 20000, "stream": true, "ignore_eos": true});
+    // Two long streams: the router spreads them over both decode workers.
+    let mut streams = Vec::new();
+    for _ in 0..2 {
+        let resp = client
+            .post(dep.url("/v1/completions"))
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 200);
+        let mut s = resp.bytes_stream();
+        s.next().await.unwrap().unwrap();
+        streams.push(s);
+    }
+    let victim_running = |d: &Proc| d.endpoint();
+    let victim = victim_running(&dep.decode[0]);
+    assert!(
+        blocks_in_use(&victim, true).await.unwrap() > 0,
+        "both workers should hold a stream"
+    );
+    dep.decode[0].kill();
+    let killed_at = Instant::now();
+    // One stream must end with an explicit error event within 2 s; the other keeps going.
+    let mut errored = 0;
+    for mut s in streams {
+        let deadline = killed_at + Duration::from_secs(2);
+        let mut text = String::new();
+        while Instant::now() < deadline {
+            match tokio::time::timeout(deadline - Instant::now(), s.next()).await {
+                Ok(Some(Ok(chunk))) => {
+                    text.push_str(&String::from_utf8_lossy(&chunk));
+                    if text.contains("\"error\"") {
+                        break;
+                    }
+                }
+                Ok(Some(Err(_))) | Ok(None) => break,
+                Err(_) => break,
+            }
+        }
+        if text.contains("\"error\"") {
+            errored += 1;
+            assert!(
+                text.contains("[DONE]") || text.trim_end().ends_with('}'),
+                "{text}"
+            );
+        }
+    }
+    assert_eq!(
+        errored, 1,
+        "exactly the stream on the dead worker ends with an error event"
+    );
+    // The next requests succeed on the survivor.
+    for _ in 0..5 {
+        let resp = client
+            .post(dep.url("/v1/completions"))
+            .json(&json!({"model": "tandem", "prompt": "after the crash", "max_tokens": 4}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(
+            resp.status(),
+            200,
+            "{}",
+            resp.text().await.unwrap_or_default()
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_input_on_a_real_deployment() {
+    let dep = Deployment::start(&DeploymentSpec::default()).await.unwrap();
+    let client = reqwest::Client::new();
+    let post = |path: &str, body: Vec<u8>, ct: &str| {
+        client
+            .post(dep.url(path))
+            .header("content-type", ct.to_string())
+            .body(body)
+            .send()
+    };
+    let j = |v: Value| serde_json::to_vec(&v).unwrap_or_default();
+    let cases: Vec<(&str, Vec<u8>, u16)> = vec![
+        (
+            "/v1/completions",
+            j(json!({"model": "tandem", "prompt": ""})),
+            400,
+        ),
+        (
+            "/v1/completions",
+            j(json!({"model": "tandem", "prompt": "x", "max_tokens": 1_000_000})),
+            400,
+        ),
+        (
+            "/v1/completions",
+            j(json!({"model": "tandem", "prompt": "x", "temperature": -1})),
+            400,
+        ),
+        (
+            "/v1/completions",
+            j(json!({"model": "tandem", "prompt": "x", "top_p": 1.5})),
+            400,
+        ),
+        (
+            "/v1/completions",
+            j(json!({"model": "nope", "prompt": "x"})),
+            404,
+        ),
+        ("/v1/completions", b"{not json".to_vec(), 400),
+        (
+            "/v1/completions",
+            j(json!({"model": "tandem", "prompt": 42})),
+            400,
+        ),
+        ("/v1/completions", vec![0xff, 0xfe, 0x00], 400),
+        (
+            "/v1/chat/completions",
+            j(json!({"model": "tandem", "messages": []})),
+            400,
+        ),
+        (
+            "/generate",
+            j(json!({"inputs": "", "parameters": {"max_new_tokens": 4}})),
+            422,
+        ),
+        (
+            "/generate_stream",
+            j(json!({"inputs": "x", "parameters": {"max_new_tokens": 0}})),
+            422,
+        ),
+        ("/v1/completions", vec![b' '; 3 << 20], 413),
+    ];
+    for (path, body, status) in cases {
+        let resp = post(path, body, "application/json").await.unwrap();
+        assert_eq!(resp.status().as_u16(), status, "{path}");
+        let v: Value = resp.json().await.unwrap_or(Value::Null);
+        assert!(v.get("error").is_some(), "{path}: error body {v}");
+    }
+    // Nothing reached a worker.
+    assert_eq!(
+        blocks_in_use(&dep.decode[0].endpoint(), true)
+            .await
+            .unwrap(),
+        0
+    );
+    let metrics = client
+        .get(dep.url("/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(metrics.contains("tandem_"), "{metrics}");
+}
