@@ -289,10 +289,14 @@ pub async fn serve(
     tokio::spawn(drain);
     let svc = DecodeServiceServer::new(worker).max_decoding_message_size(16 << 20);
     tonic::transport::Server::builder()
+        .initial_stream_window_size(tandem_transfer::GRPC_STREAM_WINDOW)
+        .initial_connection_window_size(tandem_transfer::GRPC_CONNECTION_WINDOW)
         .add_service(health_service)
         .add_service(svc)
         .serve_with_incoming_shutdown(
-            tokio_stream::wrappers::TcpListenerStream::new(grpc),
+            // Token events are small writes: without TCP_NODELAY each waits on Nagle and the
+            // peer's delayed ACK (~40 ms per hop, measured).
+            tonic::transport::server::TcpIncoming::from(grpc).with_nodelay(Some(true)),
             async move {
                 let _ = grpc_stop.changed().await;
             },

@@ -49,6 +49,40 @@ fn memcpy_rate(bytes: usize) -> f64 {
     bytes as f64 / best
 }
 
+/// Raw loopback TCP: one blocking stream, 4 MiB reads; the ceiling for the tcp transport.
+fn loopback_tcp_rate(bytes: usize) -> anyhow::Result<f64> {
+    use std::io::{Read, Write};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
+    let addr = listener.local_addr()?;
+    let reader = std::thread::spawn(move || -> std::io::Result<()> {
+        let (mut s, _) = listener.accept()?;
+        let mut buf = vec![0u8; 4 << 20];
+        for _ in 0..REPEATS {
+            let mut got = 0;
+            while got < bytes {
+                got += s.read(&mut buf)?;
+            }
+            s.write_all(&[1])?;
+        }
+        Ok(())
+    });
+    let mut s = std::net::TcpStream::connect(addr)?;
+    s.set_nodelay(true)?;
+    let data = vec![7u8; bytes];
+    let mut best = f64::MAX;
+    for _ in 0..REPEATS {
+        let t = Instant::now();
+        s.write_all(&data)?;
+        let mut ack = [0u8];
+        s.read_exact(&mut ack)?;
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    reader
+        .join()
+        .map_err(|_| anyhow::anyhow!("reader thread panicked"))??;
+    Ok(bytes as f64 / best)
+}
+
 struct Sink {
     table: Arc<LeaseTable>,
     endpoint: String,
@@ -86,8 +120,12 @@ async fn sink(layout: &KvLayout, blocks: usize) -> anyhow::Result<Sink> {
     .max_decoding_message_size(16 << 20);
     tokio::spawn(
         tonic::transport::Server::builder()
+            .initial_stream_window_size(tandem_transfer::GRPC_STREAM_WINDOW)
+            .initial_connection_window_size(tandem_transfer::GRPC_CONNECTION_WINDOW)
             .add_service(svc)
-            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(grpc)),
+            .serve_with_incoming(
+                tonic::transport::server::TcpIncoming::from(grpc).with_nodelay(Some(true)),
+            ),
     );
     let kv = TcpListener::bind("127.0.0.1:0").await?;
     let kv_tcp_addr = kv.local_addr()?.to_string();
@@ -147,7 +185,7 @@ async fn transfer_once(
 
 /// Time to the first streamed token of a completion through the router.
 async fn router_ttft(client: &reqwest::Client, url: &str, prompt: &[u32]) -> anyhow::Result<f64> {
-    let body = serde_json::json!({"model": "tandem", "prompt": prompt, "max_tokens": 2, "stream": true, "temperature": 0.0, "ignore_eos": true});
+    let body = serde_json::json!({"prompt": prompt, "max_tokens": 2, "stream": true, "temperature": 0.0, "ignore_eos": true});
     let t = Instant::now();
     let resp = client.post(url).json(&body).send().await?;
     anyhow::ensure!(
@@ -164,6 +202,48 @@ async fn router_ttft(client: &reqwest::Client, url: &str, prompt: &[u32]) -> any
     anyhow::bail!("no token in the stream")
 }
 
+/// Time to the first token of `prompt` through a router (`url`) and straight from its
+/// decode worker over gRPC, `n` times each, interleaved.
+async fn router_overhead(
+    client: &reqwest::Client,
+    url: &str,
+    dclient: &mut tandem_proto::v1::decode_service_client::DecodeServiceClient<
+        tonic::transport::Channel,
+    >,
+    prompt: &[u32],
+    n: usize,
+) -> anyhow::Result<(Vec<f64>, Vec<f64>)> {
+    let mut via_router = Vec::new();
+    let mut direct = Vec::new();
+    for _ in 0..n {
+        via_router.push(router_ttft(client, url, prompt).await?);
+        let t = Instant::now();
+        let mut stream = dclient
+            .generate(GenerateRequest {
+                request_id: "bench".into(),
+                prompt: prompt.to_vec(),
+                sampling: Some(SamplingParams::default()),
+                stop: Some(StopParams {
+                    max_tokens: 2,
+                    ignore_eos: true,
+                    ..Default::default()
+                }),
+                mode: Mode::Aggregated as i32,
+                lease_ttl_ms: 0,
+            })
+            .await?
+            .into_inner();
+        while let Some(ev) = stream.message().await? {
+            if matches!(ev.event, Some(generate_event::Event::Token(_))) {
+                direct.push(t.elapsed().as_secs_f64());
+                break;
+            }
+        }
+        while stream.message().await?.is_some() {}
+    }
+    Ok((via_router, direct))
+}
+
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
     v[v.len() / 2]
@@ -176,6 +256,7 @@ async fn main() -> anyhow::Result<()> {
     let nblocks = TOKENS / layout.block_size;
     let kv_bytes = nblocks * layout.block_bytes();
     let memcpy = memcpy_rate(kv_bytes);
+    let loopback = loopback_tcp_rate(kv_bytes)?;
     let mut source = KvCache::with_budget(layout.clone(), kv_bytes)?;
     for layer in 0..layout.num_layers {
         for b in 0..nblocks as u32 {
@@ -200,6 +281,18 @@ async fn main() -> anyhow::Result<()> {
         rates.push((transport, bytes, best, bytes as f64 / best));
     }
     let rate = |t: Transport| rates.iter().find(|r| r.0 == t).map_or(0.0, |r| r.3);
+    if std::env::args().any(|a| a == "--transports-only") {
+        for (t, bytes, secs, r) in &rates {
+            println!(
+                "{}: {:.1} ms for {bytes} bytes, {:.2} GB/s ({:.2} of memcpy)",
+                tandem_transfer::transport_name(*t),
+                secs * 1e3,
+                r / 1e9,
+                r / memcpy
+            );
+        }
+        return Ok(());
+    }
 
     // 3-4: the real binaries on SmolLM2.
     let model_args = ["--model", "smollm2", "--kv-budget-mb", "512"];
@@ -240,36 +333,35 @@ async fn main() -> anyhow::Result<()> {
     }
     let (td, ta) = (median(ttft_disagg), median(ttft_agg));
 
-    // Router overhead: a short aggregated request via the router vs straight to the worker.
+    // Router overhead: a short aggregated request via the router vs straight to the worker,
+    // on SmolLM2 (realistic, but the forward pass's noise is in both) and on the tiny model
+    // (forward pass ~1 ms, so the difference is the router's path).
     let short: Vec<u32> = long[..16].to_vec();
-    let mut via_router = Vec::new();
-    let mut direct = Vec::new();
-    for _ in 0..20 {
-        via_router.push(router_ttft(&client, &url(&agg), &short).await?);
-        let t = Instant::now();
-        let mut stream = dclient
-            .generate(GenerateRequest {
-                request_id: "bench".into(),
-                prompt: short.clone(),
-                sampling: Some(SamplingParams::default()),
-                stop: Some(StopParams {
-                    max_tokens: 2,
-                    ignore_eos: true,
-                    ..Default::default()
-                }),
-                mode: Mode::Aggregated as i32,
-                lease_ttl_ms: 0,
-            })
-            .await?
-            .into_inner();
-        while let Some(ev) = stream.message().await? {
-            if matches!(ev.event, Some(generate_event::Event::Token(_))) {
-                direct.push(t.elapsed().as_secs_f64());
-                break;
-            }
-        }
-        while stream.message().await?.is_some() {}
-    }
+    let (via_router, direct) =
+        router_overhead(&client, &url(&agg), &mut dclient, &short, 40).await?;
+    drop((disagg, agg, prefill, decode));
+    let tiny_decode = Proc::start(
+        "tandem-decode",
+        &["--model", "tiny", "--kv-budget-mb", "16"],
+    )?;
+    let (mut tiny_client, _) =
+        decode_client(&tiny_decode.endpoint(), Duration::from_secs(60)).await?;
+    let tiny_router = Proc::start("tandem-router", &["--decode", &tiny_decode.endpoint()])?;
+    wait_http_ok(
+        &format!("http://127.0.0.1:{}/health", tiny_router.port),
+        Duration::from_secs(60),
+    )
+    .await?;
+    let tiny_prompt: Vec<u32> = (3..19).collect();
+    let (tiny_via, tiny_direct) = router_overhead(
+        &client,
+        &url(&tiny_router),
+        &mut tiny_client,
+        &tiny_prompt,
+        100,
+    )
+    .await?;
+    let (tv, td_) = (median(tiny_via), median(tiny_direct));
     let (vr, di) = (median(via_router), median(direct));
 
     println!("| measure | value |");
@@ -278,6 +370,11 @@ async fn main() -> anyhow::Result<()> {
         "| memcpy of {:.1} MB | {:.2} GB/s |",
         kv_bytes as f64 / 1e6,
         memcpy / 1e9
+    );
+    println!(
+        "| raw loopback TCP, one stream | {:.2} GB/s ({:.2} of memcpy) |",
+        loopback / 1e9,
+        loopback / memcpy
     );
     for (t, bytes, secs, r) in &rates {
         println!(
@@ -305,9 +402,19 @@ async fn main() -> anyhow::Result<()> {
         "| first token of a 16-token prompt: decode worker over gRPC | {:.2} ms |",
         di * 1e3
     );
+    println!(
+        "| same on the tiny model: router + decode worker | {:.2} ms |",
+        tv * 1e3
+    );
+    println!(
+        "| same on the tiny model: decode worker over gRPC | {:.2} ms |",
+        td_ * 1e3
+    );
     let json = serde_json::json!({
         "kv_bytes": kv_bytes,
         "memcpy_gb_s": memcpy / 1e9,
+        "loopback_tcp_gb_s": loopback / 1e9,
+        "tcp_vs_loopback": rate(Transport::Tcp) / loopback,
         "shm_gb_s": rate(Transport::Shm) / 1e9,
         "tcp_gb_s": rate(Transport::Tcp) / 1e9,
         "grpc_gb_s": rate(Transport::Grpc) / 1e9,
@@ -317,10 +424,11 @@ async fn main() -> anyhow::Result<()> {
         "ttft_disagg_ms": td * 1e3,
         "ttft_agg_ms": ta * 1e3,
         "ttft_disagg_vs_agg": td / ta,
-        "router_added_ms": (vr - di) * 1e3,
+        "router_added_ms": (tv - td_) * 1e3,
+        "router_added_ms_smollm2": (vr - di) * 1e3,
     });
     println!("{json}");
-    drop((disagg, agg, prefill, decode));
+    drop((tiny_router, tiny_decode));
     let _ = std::fs::remove_file(&sink.shm_path);
     let _ = std::fs::remove_file(tags_path(std::path::Path::new(&sink.shm_path)));
     Ok(())

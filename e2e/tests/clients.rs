@@ -10,14 +10,22 @@ use tandem_e2e::{Deployment, DeploymentSpec};
 /// The tools virtual environment's python (made by `scripts/tools-venv`, which `.ci/run`
 /// calls). Outside CI a missing venv skips the test with a note.
 fn tools_python() -> Option<PathBuf> {
-    let path = std::env::var_os("TANDEM_TOOLS_PYTHON").map(PathBuf::from).unwrap_or_else(|| {
-        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.cache/tools-venv/bin/python")
-    });
-    let ok = Command::new(&path).args(["-c", "import openai"]).status().is_ok_and(|s| s.success());
+    let path = std::env::var_os("TANDEM_TOOLS_PYTHON")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.cache/tools-venv/bin/python")
+        });
+    let ok = Command::new(&path)
+        .args(["-c", "import openai"])
+        .status()
+        .is_ok_and(|s| s.success());
     if ok {
         return Some(path);
     }
-    assert!(std::env::var_os("CI").is_none(), "CI must provide the openai package: run scripts/tools-venv");
+    assert!(
+        std::env::var_os("CI").is_none(),
+        "CI must provide the openai package: run scripts/tools-venv"
+    );
     eprintln!("skipping: no python with the openai package (run scripts/tools-venv)");
     None
 }
@@ -48,17 +56,28 @@ async fn openai_python_client_streams_chat_and_completions() {
     let Some(python) = tools_python() else { return };
     let dep = Deployment::start(&DeploymentSpec::default()).await.unwrap();
     let base = dep.url("");
-    let out = tokio::task::spawn_blocking(move || Command::new(python).args(["-c", OPENAI_SCRIPT, &base]).output())
-        .await
-        .unwrap()
-        .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let out = tokio::task::spawn_blocking(move || {
+        Command::new(python)
+            .args(["-c", OPENAI_SCRIPT, &base])
+            .output()
+    })
+    .await
+    .unwrap()
+    .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let v: Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(v["models"], serde_json::json!(["tandem"]));
     assert_eq!(v["usage"], 12, "{v}");
     assert_eq!(v["finish"], "length");
     assert_eq!(v["whole_tokens"], 8);
-    assert_eq!(v["completion"], v["whole"], "streamed and whole completions agree (greedy)");
+    assert_eq!(
+        v["completion"], v["whole"],
+        "streamed and whole completions agree (greedy)"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -69,12 +88,28 @@ async fn curl_drives_generate_stream() {
         let body = body.to_string();
         tokio::task::spawn_blocking(move || {
             Command::new("curl")
-                .args(["-sS", "-N", "--max-time", "30", "-X", "POST", "-H", "Content-Type: application/json", "-d", &body, &path])
+                .args([
+                    "-sS",
+                    "-N",
+                    "--max-time",
+                    "30",
+                    "-X",
+                    "POST",
+                    "-H",
+                    "Content-Type: application/json",
+                    "-d",
+                    &body,
+                    &path,
+                ])
                 .output()
         })
     };
     let out = curl(dep.url("/generate_stream")).await.unwrap().unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let text = String::from_utf8_lossy(&out.stdout);
     let events: Vec<Value> = text
         .lines()
@@ -83,18 +118,28 @@ async fn curl_drives_generate_stream() {
         .collect();
     assert_eq!(events.len(), 5, "{text}");
     for (i, e) in events.iter().enumerate() {
-        assert!(e["token"]["id"].is_u64() && e["token"]["text"].is_string(), "{e}");
+        assert!(
+            e["token"]["id"].is_u64() && e["token"]["text"].is_string(),
+            "{e}"
+        );
         assert_eq!(e["token"]["special"], false);
         if i + 1 < events.len() {
             assert!(e["generated_text"].is_null());
         }
     }
     let last = events.last().unwrap();
-    let joined: String = events.iter().map(|e| e["token"]["text"].as_str().unwrap_or_default()).collect();
+    let joined: String = events
+        .iter()
+        .map(|e| e["token"]["text"].as_str().unwrap_or_default())
+        .collect();
     assert_eq!(last["generated_text"], joined.as_str());
     assert_eq!(last["details"]["generated_tokens"], 5);
 
     let out = curl(dep.url("/generate")).await.unwrap().unwrap();
     let v: Value = serde_json::from_slice(&out.stdout).unwrap();
-    assert_eq!(v["generated_text"], joined.as_str(), "non-streaming TGI answer matches");
+    assert_eq!(
+        v["generated_text"],
+        joined.as_str(),
+        "non-streaming TGI answer matches"
+    );
 }

@@ -290,7 +290,9 @@ pub async fn serve(
         .add_service(health_service)
         .add_service(PrefillServiceServer::new(worker))
         .serve_with_incoming_shutdown(
-            tokio_stream::wrappers::TcpListenerStream::new(grpc),
+            // Token events are small writes: without TCP_NODELAY each waits on Nagle and the
+            // peer's delayed ACK (~40 ms per hop, measured).
+            tonic::transport::server::TcpIncoming::from(grpc).with_nodelay(Some(true)),
             async move {
                 let _ = stop_rx.changed().await;
             },

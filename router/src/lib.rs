@@ -98,6 +98,13 @@ pub async fn run(
         tracing::info!("no prefill workers configured: every request runs aggregated");
     }
     let app = api::app(api::AppState::new(config, Arc::clone(&pool), prometheus));
+    // Token streams are many small writes: without TCP_NODELAY, Nagle's algorithm and the
+    // client's delayed ACKs hold each SSE chunk back by up to tens of milliseconds.
+    let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
+        if let Err(e) = tcp.set_nodelay(true) {
+            tracing::warn!(error = %e, "cannot set TCP_NODELAY on a client connection");
+        }
+    });
     let server =
         axum::serve(listener, app).with_graceful_shutdown(shutdown.clone().cancelled_owned());
     let startup = wait_for_model(&pool, startup_timeout);

@@ -15,6 +15,7 @@
 //! transfer is checked: the layout hash at the start, sizes and a checksum per block-layer,
 //! completeness at commit. A bad transfer fails its request; it never produces wrong tokens.
 
+mod bufpool;
 mod checksum;
 mod error;
 mod frame;
@@ -28,6 +29,9 @@ pub use checksum::crc32;
 pub use error::TransferError;
 pub use grpc::receive_push_kv;
 pub use lease::{Commit, Lease, LeaseTable, Progress};
-pub use sender::{KvSender, Peers, SendFuture, SendStats, connect, transport_name};
+pub use sender::{
+    GRPC_CONNECTION_WINDOW, GRPC_STREAM_WINDOW, KvSender, Peers, SendFuture, SendStats, connect,
+    transport_name,
+};
 pub use shm::{OwnerTags, tags_path};
 pub use tcp::serve_tcp;

@@ -14,6 +14,10 @@ use crate::grpc::GrpcSender;
 use crate::shm::{ShmPeers, ShmSender};
 use crate::tcp::TcpSender;
 
+/// HTTP/2 flow-control windows for KV streams (client and server side).
+pub const GRPC_STREAM_WINDOW: u32 = 8 << 20;
+pub const GRPC_CONNECTION_WINDOW: u32 = 32 << 20;
+
 /// What a finished transfer cost.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct SendStats {
@@ -62,6 +66,10 @@ impl Peers {
         let channel = Endpoint::from_shared(endpoint.to_string())
             .map_err(|e| TransferError::Connect(format!("bad endpoint {endpoint}: {e}")))?
             .tcp_nodelay(true)
+            // KV moves in megabyte messages: HTTP/2's default 64 KiB windows would stall
+            // every stream on flow-control round trips.
+            .initial_stream_window_size(GRPC_STREAM_WINDOW)
+            .initial_connection_window_size(GRPC_CONNECTION_WINDOW)
             .connect_lazy();
         channels.insert(endpoint.to_string(), channel.clone());
         Ok(channel)

@@ -14,6 +14,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 
+use crate::bufpool;
 use crate::checksum::crc32;
 use crate::error::TransferError;
 use crate::frame::{self, HeaderReader, HeaderWriter, Kind};
@@ -58,6 +59,7 @@ impl TcpSender {
             use tokio::io::AsyncWriteExt;
             while let Some(buf) = rx.recv().await {
                 write_half.write_all(&buf).await?;
+                bufpool::give(buf);
             }
             write_half.flush().await?;
             Ok(())
@@ -87,7 +89,9 @@ impl KvSender for TcpSender {
                 header.u32(lb).u32(crc32(bytes));
             }
             let payload_len: usize = group.iter().map(|(_, b)| b.len()).sum();
-            let mut buf = frame::encode(Kind::Blocks, &header.0, &[]);
+            let header_frame = frame::encode(Kind::Blocks, &header.0, &[]);
+            let mut buf = bufpool::take(header_frame.len() + payload_len);
+            buf.extend_from_slice(&header_frame);
             // Patch the payload length into the prefix, then append the blocks: one copy.
             buf[12..20].copy_from_slice(&(payload_len as u64).to_le_bytes());
             buf.reserve(payload_len);
@@ -213,16 +217,41 @@ async fn receive(reader: &mut OwnedReadHalf, table: &LeaseTable) -> Result<u64, 
     let layout_hash = h.str()?;
     let request_id = h.str()?;
     let lease = table.check_header(lease_id, &layout_hash)?;
+    let mut payload = bufpool::take(0);
+    let result = receive_frames(
+        reader,
+        table,
+        &lease,
+        lease_id,
+        layout_hash,
+        request_id,
+        &mut payload,
+    )
+    .await;
+    bufpool::give(payload);
+    result
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn receive_frames(
+    reader: &mut OwnedReadHalf,
+    table: &LeaseTable,
+    lease: &crate::lease::Lease,
+    lease_id: u64,
+    layout_hash: String,
+    request_id: String,
+    payload: &mut Vec<u8>,
+) -> Result<u64, TransferError> {
     loop {
-        let f = frame::read(reader).await?.ok_or_else(|| {
+        let (kind, header) = frame::read_into(reader, payload).await?.ok_or_else(|| {
             TransferError::Incomplete(format!("lease {lease_id}: connection closed before commit"))
         })?;
-        let mut h = HeaderReader(&f.header);
-        match f.kind {
+        let mut h = HeaderReader(&header);
+        match kind {
             Kind::Blocks => {
                 let layer = h.u32()? as usize;
                 let count = h.u32()? as usize;
-                if count > f.header.len() / 8 {
+                if count > header.len() / 8 {
                     return Err(TransferError::Protocol(
                         "block count exceeds the header".into(),
                     ));
@@ -233,7 +262,7 @@ async fn receive(reader: &mut OwnedReadHalf, table: &LeaseTable) -> Result<u64, 
                     logical.push(h.u32()?);
                     checksums.push(h.u32()?);
                 }
-                table.write_blocks(&lease, layer, &logical, &checksums, &f.payload)?;
+                table.write_blocks(lease, layer, &logical, &checksums, payload)?;
             }
             Kind::Commit => {
                 let commit = KvCommit {

@@ -91,7 +91,9 @@ async fn decode_side(blocks: usize) -> DecodeSide {
     tokio::spawn(
         tonic::transport::Server::builder()
             .add_service(svc)
-            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(grpc)),
+            .serve_with_incoming(
+                tonic::transport::server::TcpIncoming::from(grpc).with_nodelay(Some(true)),
+            ),
     );
     let kv = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let kv_tcp_addr = kv.local_addr().unwrap().to_string();
