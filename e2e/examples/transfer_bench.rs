@@ -194,12 +194,14 @@ async fn router_ttft(client: &reqwest::Client, url: &str, prompt: &[u32]) -> any
         resp.status()
     );
     let mut stream = resp.bytes_stream();
+    let mut first = None;
     while let Some(chunk) = stream.next().await {
-        if String::from_utf8_lossy(&chunk?).contains("\"text\"") {
-            return Ok(t.elapsed().as_secs_f64());
+        if first.is_none() && String::from_utf8_lossy(&chunk?).contains("\"text\"") {
+            first = Some(t.elapsed().as_secs_f64());
         }
     }
-    anyhow::bail!("no token in the stream")
+    // Read to the end so the next measurement starts on an idle worker.
+    first.ok_or_else(|| anyhow::anyhow!("no token in the stream"))
 }
 
 /// Time to the first token of `prompt` through a router (`url`) and straight from its
