@@ -113,6 +113,7 @@ fn up(
                 .and_then(|e| e.parent().map(Path::to_path_buf))
         })
         .context("cannot locate the tandem binaries; pass --bin-dir")?;
+    ensure_binaries(&bin_dir)?;
     let opts = LaunchOptions {
         bin_dir,
         log_dir: log_dir.or_else(|| cfg.log_dir.clone()),
@@ -133,6 +134,27 @@ fn up(
         println!("  curl {url}/v1/completions -H 'Content-Type: application/json' -d '{{\"prompt\": \"The capital of France is\", \"max_tokens\": 16}}'");
         println!("  OpenAI API at {url}/v1, TGI at {url}/generate_stream, metrics at {url}/metrics. Ctrl-C stops everything.");
     }))?;
+    Ok(())
+}
+
+/// Under `cargo run` (CARGO is set), builds the serving binaries beside this one when they are
+/// missing, so `cargo run --release -p tandem-deploy -- up` is all a new user types.
+fn ensure_binaries(bin_dir: &Path) -> anyhow::Result<()> {
+    let names = ["tandem-router", "tandem-prefill", "tandem-decode"];
+    if names.iter().all(|n| bin_dir.join(n).exists()) {
+        return Ok(());
+    }
+    let Some(cargo) = std::env::var_os("CARGO") else {
+        return Ok(()); // the launcher reports the missing binary with a hint
+    };
+    eprintln!("[tandem] building tandem-router, tandem-prefill and tandem-decode (once)");
+    let mut cmd = std::process::Command::new(cargo);
+    cmd.args(["build", "-p", "tandem-router", "-p", "tandem-prefill", "-p", "tandem-decode", "--bins"]);
+    if bin_dir.ends_with("release") {
+        cmd.arg("--release");
+    }
+    let status = cmd.status().context("running cargo build")?;
+    anyhow::ensure!(status.success(), "building the serving binaries failed");
     Ok(())
 }
 
