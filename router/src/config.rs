@@ -11,6 +11,7 @@ use serde::Deserialize;
 use tandem_proto::v1::Transport;
 
 use crate::auth::ApiKey;
+use crate::discovery::WorkerEntry;
 
 /// What to do with a request meant for disaggregation when no healthy, compatible prefill
 /// worker exists.
@@ -66,11 +67,13 @@ pub struct RouterArgs {
     /// Port to listen on [default: 8000].
     #[arg(long, env = "TANDEM_ROUTER_PORT")]
     pub port: Option<u16>,
-    /// Prefill workers' gRPC URLs, comma-separated (e.g. http://127.0.0.1:7101).
+    /// Prefill workers, comma-separated: gRPC URLs (http://127.0.0.1:7101), or
+    /// dns://NAME:PORT for every address NAME resolves to, re-resolved periodically.
     #[arg(long, env = "TANDEM_ROUTER_PREFILL", value_delimiter = ',')]
     #[serde(default)]
     pub prefill: Vec<String>,
-    /// Decode workers' gRPC URLs, comma-separated (e.g. http://127.0.0.1:7201).
+    /// Decode workers, comma-separated: gRPC URLs (http://127.0.0.1:7201), or
+    /// dns://NAME:PORT for every address NAME resolves to, re-resolved periodically.
     #[arg(long, env = "TANDEM_ROUTER_DECODE", value_delimiter = ',')]
     #[serde(default)]
     pub decode: Vec<String>,
@@ -102,6 +105,10 @@ pub struct RouterArgs {
     /// Period of the workers' load and health poll [default: 1000].
     #[arg(long, env = "TANDEM_ROUTER_HEALTH_INTERVAL_MS")]
     pub health_interval_ms: Option<u64>,
+    /// How often dns:// entries are resolved again to find workers that came or went
+    /// [default: 5000].
+    #[arg(long, env = "TANDEM_ROUTER_DNS_REFRESH_MS")]
+    pub dns_refresh_ms: Option<u64>,
     /// Whole-request deadline, queueing included; 0 disables [default: 600].
     #[arg(long, env = "TANDEM_ROUTER_REQUEST_TIMEOUT_S")]
     pub request_timeout_s: Option<u64>,
@@ -145,7 +152,8 @@ pub enum ConfigError {
 pub struct RouterConfig {
     pub host: String,
     pub port: u16,
-    /// Normalised worker URLs (no trailing slash).
+    /// Normalised worker entries: `http(s)://HOST:PORT` (no trailing slash) or
+    /// `dns://NAME:PORT` (see `discovery::WorkerEntry`).
     pub prefill_urls: Vec<String>,
     pub decode_urls: Vec<String>,
     pub transport: Transport,
@@ -157,6 +165,8 @@ pub struct RouterConfig {
     pub body_limit_bytes: usize,
     pub lease_ttl_ms: u32,
     pub health_interval: Duration,
+    /// Period of re-resolving `dns://` entries.
+    pub dns_refresh: Duration,
     pub request_timeout: Option<Duration>,
     pub startup_timeout: Duration,
     pub shutdown_grace: Duration,
@@ -181,6 +191,7 @@ impl RouterConfig {
             body_limit_bytes: 2_000_000,
             lease_ttl_ms: 30_000,
             health_interval: Duration::from_millis(1000),
+            dns_refresh: Duration::from_millis(5000),
             request_timeout: Some(Duration::from_secs(600)),
             startup_timeout: Duration::from_secs(120),
             shutdown_grace: Duration::from_secs(30),
@@ -234,6 +245,10 @@ impl RouterConfig {
                 .health_interval_ms
                 .or(file.health_interval_ms)
                 .map_or(defaults.health_interval, Duration::from_millis),
+            dns_refresh: args
+                .dns_refresh_ms
+                .or(file.dns_refresh_ms)
+                .map_or(defaults.dns_refresh, Duration::from_millis),
             request_timeout: match args.request_timeout_s.or(file.request_timeout_s) {
                 Some(0) => None,
                 Some(s) => Some(Duration::from_secs(s)),
@@ -268,6 +283,15 @@ impl RouterConfig {
         if self.decode_urls.is_empty() {
             return invalid("at least one decode worker is required (--decode URL[,URL...])");
         }
+        for (role, entries) in [
+            ("prefill", &self.prefill_urls),
+            ("decode", &self.decode_urls),
+        ] {
+            for entry in entries {
+                WorkerEntry::parse(entry)
+                    .map_err(|e| ConfigError::Invalid(format!("{role} worker entry {e}")))?;
+            }
+        }
         if self.max_concurrent_requests == 0 {
             return invalid("--max-concurrent-requests must be at least 1");
         }
@@ -279,6 +303,9 @@ impl RouterConfig {
         }
         if self.health_interval < Duration::from_millis(10) {
             return invalid("--health-interval-ms must be at least 10");
+        }
+        if self.dns_refresh < Duration::from_millis(10) {
+            return invalid("--dns-refresh-ms must be at least 10");
         }
         if self.startup_timeout.is_zero() {
             return invalid("--startup-timeout-s must be at least 1");
@@ -301,30 +328,23 @@ fn read_file(path: &Path) -> Result<RouterArgs, ConfigError> {
     })
 }
 
-/// Trims, drops a trailing slash, and checks each URL is `http(s)://host[:port]`.
+/// Trims, drops a trailing slash, and checks each entry is `http(s)://HOST[:PORT]` or
+/// `dns://NAME:PORT`, listed once.
 fn normalise_urls(role: &str, urls: Vec<String>) -> Result<Vec<String>, ConfigError> {
     let mut out: Vec<String> = Vec::with_capacity(urls.len());
     for raw in urls {
-        let url = raw.trim().trim_end_matches('/').to_string();
-        if url.is_empty() {
+        if raw.trim().is_empty() {
             continue;
         }
-        let uri: axum::http::Uri = url.parse().map_err(|_| {
-            ConfigError::Invalid(format!("{role} worker URL `{url}` is not a valid URL"))
-        })?;
-        let scheme_ok = matches!(uri.scheme_str(), Some("http" | "https"));
-        let path_ok = matches!(uri.path(), "" | "/");
-        if !scheme_ok || uri.host().is_none() || !path_ok {
+        let entry = WorkerEntry::parse(&raw)
+            .map_err(|e| ConfigError::Invalid(format!("{role} worker entry {e}")))?
+            .to_text();
+        if out.contains(&entry) {
             return Err(ConfigError::Invalid(format!(
-                "{role} worker URL `{url}` must look like http://HOST:PORT"
+                "{role} worker entry `{entry}` is listed twice"
             )));
         }
-        if out.contains(&url) {
-            return Err(ConfigError::Invalid(format!(
-                "{role} worker URL `{url}` is listed twice"
-            )));
-        }
-        out.push(url);
+        out.push(entry);
     }
     Ok(out)
 }
@@ -366,6 +386,54 @@ mod tests {
         assert_eq!(c.body_limit_bytes, 2_000_000);
         assert_eq!(c.lease_ttl_ms, 30_000);
         assert_eq!(c.port, 8000);
+        assert_eq!(c.dns_refresh, Duration::from_millis(5000));
+    }
+
+    #[test]
+    fn dns_entries_in_flags_and_file() {
+        let c = parse(&[
+            "--decode",
+            "dns://tandem-decode.tandem.svc.cluster.local:7201/,http://10.0.0.9:7201",
+            "--prefill",
+            "dns://tandem-prefill:7101",
+            "--dns-refresh-ms",
+            "250",
+        ])
+        .unwrap();
+        assert_eq!(
+            c.decode_urls,
+            [
+                "dns://tandem-decode.tandem.svc.cluster.local:7201",
+                "http://10.0.0.9:7201"
+            ]
+        );
+        assert_eq!(c.prefill_urls, ["dns://tandem-prefill:7101"]);
+        assert_eq!(c.dns_refresh, Duration::from_millis(250));
+        let dir = std::env::temp_dir().join(format!("tandem-router-dns-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("router.toml");
+        std::fs::write(
+            &path,
+            "decode = [\"dns://decode.test:7201\"]\ndns_refresh_ms = 1000\n",
+        )
+        .unwrap();
+        let c = parse(&["--config", path.to_str().unwrap()]).unwrap();
+        assert_eq!(c.decode_urls, ["dns://decode.test:7201"]);
+        assert_eq!(c.dns_refresh, Duration::from_millis(1000));
+        let _ = std::fs::remove_dir_all(&dir);
+        assert!(
+            parse(&["--decode", "dns://decode.test"]).is_err(),
+            "no port"
+        );
+        assert!(
+            parse(&["--decode", "dns://d:1,dns://d:1/"]).is_err(),
+            "twice"
+        );
+        assert!(parse(&["--decode", "dns://d:1", "--dns-refresh-ms", "0"]).is_err());
+        let mut embedded = RouterConfig::new(Vec::new(), vec!["dns://d".into()]);
+        assert!(embedded.validate().is_err(), "validate checks entries too");
+        embedded.decode_urls = vec!["dns://d:7201".into()];
+        assert!(embedded.validate().is_ok());
     }
 
     #[test]

@@ -16,12 +16,13 @@
 
 use std::collections::VecDeque;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use tandem_proto::v1::generate_event::Event;
 use tandem_proto::v1::{
     FinishReason, Finished, GenerateEvent, GenerateRequest, KvDestination, Mode, PrefillRequest,
     SamplingParams, StopParams, TokenEvent, Transport,
+    RenewLeaseRequest,
 };
 use tokio::sync::{mpsc, oneshot};
 use tonic::Streaming;
@@ -32,7 +33,7 @@ use crate::api::error::ApiError;
 use crate::config::FallbackPolicy;
 use crate::metrics as m;
 use crate::routing::{self, FallbackReason, ModeDecision};
-use crate::workers::{Worker, WorkerPool, kv_tcp_addr, status_means_worker_down};
+use crate::workers::{Worker, WorkerPool, WorkerRole, kv_tcp_addr, status_means_worker_down};
 
 /// Events buffered between the request task and a slow client.
 const EVENT_BUFFER: usize = 64;
@@ -308,20 +309,27 @@ async fn establish(
     timing: &mut Timing,
 ) -> Result<Live, ApiError> {
     let mut tried_decode: Vec<usize> = Vec::new();
+    // Workers that left the pool between the candidate list and the lookup: skipped, not
+    // counted as a retry.
+    let mut skipped: Vec<usize> = Vec::new();
     loop {
-        let candidates = ctx.pool.decode_candidates(&tried_decode);
-        let Some(index) = routing::pick_decode(&candidates) else {
+        let exclude = [tried_decode.as_slice(), skipped.as_slice()].concat();
+        let candidates = ctx.pool.decode_candidates(&exclude);
+        let Some(id) = routing::pick_decode(&candidates) else {
             return Err(match tried_decode.is_empty() {
                 true => ApiError::NoDecodeWorker,
                 false => ApiError::WorkerUnavailable,
             });
         };
-        let decode = Arc::clone(&ctx.pool.decode[index]);
+        let Some(decode) = ctx.pool.worker(WorkerRole::Decode, id) else {
+            skipped.push(id);
+            continue;
+        };
         match establish_on(ctx, req, &decode, timing).await {
             Ok(live) => return Ok(live),
             Err(AttemptError::DecodeDown(e)) if tried_decode.is_empty() => {
                 tracing::warn!(decode = %decode.url, "decode worker down before the first token; trying another");
-                tried_decode.push(index);
+                tried_decode.push(id);
                 let _ = e;
             }
             Err(e) => return Err(e.into_api()),
@@ -340,7 +348,7 @@ async fn establish_on(
     let mut decision = routing::decide_mode(
         req.prompt.len(),
         ctx.agg_threshold,
-        !ctx.pool.prefill.is_empty(),
+        ctx.pool.prefill_configured(),
         first_prefill,
         ctx.fallback,
     );
@@ -366,8 +374,14 @@ async fn establish_on(
                 return run_aggregated(ctx, req, decode, fallback, timing).await;
             }
             ModeDecision::Disaggregated { prefill } => {
-                let prefill_worker = Arc::clone(&ctx.pool.prefill[prefill]);
-                match run_disaggregated(ctx, req, decode, &prefill_worker, timing).await {
+                let attempt = match ctx.pool.worker(WorkerRole::Prefill, prefill) {
+                    Some(prefill_worker) => {
+                        run_disaggregated(ctx, req, decode, &prefill_worker, timing).await
+                    }
+                    // It left the pool since the candidate list: fail over like a failure.
+                    None => Err(DisaggError::Prefill(ApiError::WorkerUnavailable)),
+                };
+                match attempt {
                     Ok(live) => return Ok(live),
                     Err(DisaggError::Decode(e)) => return Err(e),
                     Err(DisaggError::Prefill(ApiError::WorkerRejected)) => {
@@ -387,7 +401,12 @@ async fn establish_on(
                             ctx.fallback,
                         );
                         if let ModeDecision::Disaggregated { prefill: next } = decision {
-                            tracing::warn!(failed = %prefill_worker.url, next = %ctx.pool.prefill[next].url, "prefill failed; retrying on another prefill worker");
+                            let url = |id| {
+                                ctx.pool
+                                    .worker(WorkerRole::Prefill, id)
+                                    .map_or_else(String::new, |w| w.url.clone())
+                            };
+                            tracing::warn!(failed = %url(prefill), next = %url(next), "prefill failed; retrying on another prefill worker");
                             metrics::counter!(m::PREFILL_RETRIES_TOTAL).increment(1);
                         }
                     }
@@ -574,6 +593,12 @@ async fn run_disaggregated(
     tokio::pin!(prefill_call);
     let mut prefill_answer = None;
     let mut early = VecDeque::new();
+    // While the prompt waits in the prefill worker's queue no KV moves, so the decode worker
+    // would expire the reservation: renew it a few times per lease period until the prefill
+    // answers. (If this router dies, the Generate stream closes and frees it anyway.)
+    let renew_every = Duration::from_millis(u64::from(ctx.lease_ttl_ms.max(300)) / 3);
+    let mut renew = tokio::time::interval_at(tokio::time::Instant::now() + renew_every, renew_every);
+    let lease_id = lease.lease_id;
     // Both the prefill's answer (for the KV accounting in the head) and the first token are
     // needed before the head goes out; the decode stream stays open meanwhile.
     while prefill_answer.is_none() || early.is_empty() {
@@ -590,6 +615,15 @@ async fn run_disaggregated(
             item = next_item(&mut stream, decode), if early.is_empty() => {
                 early.push_back(item.map_err(DisaggError::Decode)?);
                 timing.on_token(RunMode::Disaggregated);
+            }
+            _ = renew.tick(), if prefill_answer.is_none() => {
+                let mut renewer = client.clone();
+                let request = grpc_request(RenewLeaseRequest { lease_id }, &req.request_id);
+                tokio::spawn(async move {
+                    if let Err(status) = renewer.renew_lease(request).await {
+                        tracing::debug!(code = ?status.code(), "lease renewal failed");
+                    }
+                });
             }
         }
     }

@@ -7,13 +7,15 @@
 //! comes over the wire (`GetInfo`, `GetLoad`, `Generate`, `Prefill`).
 //!
 //! Modules: `config` (flags → `RouterConfig`), `api` (HTTP), `flow` (one request across the
-//! workers), `routing` (pure policy), `workers` (pool and health), `admission` (concurrency
-//! and queue bounds), `model` (tokenizer, template), `auth`, `metrics`.
+//! workers), `routing` (pure policy), `workers` (pool and health), `discovery` (`dns://`
+//! entries, re-resolved), `admission` (concurrency and queue bounds), `model` (tokenizer,
+//! template), `auth`, `metrics`.
 
 pub mod admission;
 pub mod api;
 pub mod auth;
 pub mod config;
+pub mod discovery;
 pub mod flow;
 pub mod metrics;
 pub mod model;
@@ -27,6 +29,7 @@ use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
 pub use config::{ConfigError, FallbackPolicy, RouterArgs, RouterConfig};
+pub use discovery::{Resolve, ResolveError, SystemResolver};
 
 /// Why the router stopped with an error.
 #[derive(Debug, thiserror::Error)]
@@ -48,12 +51,23 @@ const METRICS_UPKEEP_INTERVAL: Duration = Duration::from_secs(5);
 ///
 /// Answers HTTP at once (`/health` is 503 and generation routes 503 + `Retry-After` until a
 /// decode worker has handed over its tokenizer); fails with `RouterError::Startup` if none
-/// has within `startup_timeout`. On shutdown it stops accepting, lets running requests finish
-/// for up to `shutdown_grace`, then returns.
+/// has within `startup_timeout`, unless decode workers are found through DNS (they may
+/// appear at any time: the router warns and keeps waiting). On shutdown it stops accepting,
+/// lets running requests finish for up to `shutdown_grace`, then returns.
 pub async fn run(
     config: RouterConfig,
     listener: TcpListener,
     shutdown: CancellationToken,
+) -> Result<(), RouterError> {
+    run_with_resolver(config, listener, shutdown, Arc::new(SystemResolver)).await
+}
+
+/// [`run`], resolving `dns://` entries with `resolver` instead of the system's.
+pub async fn run_with_resolver(
+    config: RouterConfig,
+    listener: TcpListener,
+    shutdown: CancellationToken,
+    resolver: Arc<dyn Resolve>,
 ) -> Result<(), RouterError> {
     config.validate()?;
     let prometheus = metrics::prometheus();
@@ -71,6 +85,7 @@ pub async fn run(
     let background = shutdown.child_token();
     let _stop_background = background.clone().drop_guard();
     pool.spawn_health_tasks(config.health_interval, &background);
+    discovery::spawn_discovery(&pool, resolver, config.dns_refresh, &background);
     {
         let prometheus = prometheus.clone();
         let background = background.clone();
@@ -107,7 +122,7 @@ pub async fn run(
     });
     let server =
         axum::serve(listener, app).with_graceful_shutdown(shutdown.clone().cancelled_owned());
-    let startup = wait_for_model(&pool, startup_timeout);
+    let startup = wait_for_model(&pool, startup_timeout, pool.discovers_decode_workers());
     let drain_limit = async {
         shutdown.cancelled().await;
         tracing::info!("shutting down: no new connections; running requests may finish");
@@ -122,20 +137,34 @@ pub async fn run(
     Ok(())
 }
 
-/// Resolves only with an error: when no decode worker handed over the model in time.
-async fn wait_for_model(pool: &workers::WorkerPool, timeout: Duration) -> RouterError {
-    let started = Instant::now();
+/// Resolves only with an error: when no decode worker handed over the model in time. With
+/// `patient` (decode workers come from DNS, and a Deployment may scale up after its router
+/// starts) it warns once per `timeout` instead and never fails.
+async fn wait_for_model(
+    pool: &workers::WorkerPool,
+    timeout: Duration,
+    patient: bool,
+) -> RouterError {
+    let mut started = Instant::now();
     let mut ticker = tokio::time::interval(Duration::from_millis(50));
     loop {
         ticker.tick().await;
         if pool.model().is_some() {
             return std::future::pending().await;
         }
-        if started.elapsed() >= timeout {
+        if started.elapsed() < timeout {
+            continue;
+        }
+        if !patient {
             return RouterError::Startup(format!(
                 "no decode worker answered GetInfo with a usable tokenizer within {} s",
                 timeout.as_secs()
             ));
         }
+        tracing::warn!(
+            waited_s = timeout.as_secs(),
+            "no discovered decode worker has handed over the model yet; still waiting"
+        );
+        started = Instant::now();
     }
 }

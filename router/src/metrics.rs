@@ -40,6 +40,9 @@ pub const WORKER_KV_BLOCKS_IN_USE: &str = "tandem_router_worker_kv_blocks_in_use
 pub const WORKER_KV_BLOCKS_TOTAL: &str = "tandem_router_worker_kv_blocks_total";
 /// Prompt tokens queued on a prefill worker, by `worker` (from GetLoad).
 pub const WORKER_QUEUED_PREFILL_TOKENS: &str = "tandem_router_worker_queued_prefill_tokens";
+/// Workers in the pool, by `role`: listed URLs plus the addresses DNS entries resolve to
+/// now, each distinct URL counted once, healthy or not.
+pub const DISCOVERED_WORKERS: &str = "tandem_router_discovered_workers";
 /// Prompt and completion tokens of finished requests, by `kind`.
 pub const TOKENS_TOTAL: &str = "tandem_router_tokens_total";
 
@@ -100,6 +103,10 @@ fn describe() {
     describe_gauge!(
         WORKER_QUEUED_PREFILL_TOKENS,
         "Prompt tokens queued on the worker"
+    );
+    describe_gauge!(
+        DISCOVERED_WORKERS,
+        "Workers in the pool (listed or found through DNS), by role"
     );
     describe_counter!(TOKENS_TOTAL, "Tokens of finished requests by kind");
 }

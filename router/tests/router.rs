@@ -1,6 +1,7 @@
 //! The router against scripted fake workers: the disaggregated flow end to end, modes and
-//! fallbacks, streaming formats, cancellation, failures, overload, bad input, API keys, and
-//! the binary itself. Everything listens on 127.0.0.1; every wait is bounded.
+//! fallbacks, streaming formats, cancellation, failures, overload, bad input, API keys,
+//! workers found through DNS, and the binary itself. Everything listens on loopback
+//! (127.0.0.1, and 127.0.0.2-3 for DNS names with several addresses); every wait is bounded.
 
 mod common;
 
@@ -699,3 +700,6 @@ mod validation;
 
 #[path = "cases/failures.rs"]
 mod failures;
+
+#[path = "cases/discovery.rs"]
+mod discovery;

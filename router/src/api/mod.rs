@@ -197,14 +197,15 @@ async fn require_api_key(State(state): State<AppState>, req: Request, next: Next
 /// else 503 with what is missing. Open, no API key.
 async fn health(State(state): State<AppState>) -> Response {
     let (decode, prefill) = state.pool().healthy_counts();
+    let (decode_total, prefill_total) = state.pool().worker_counts();
     let ready = state.pool().model().is_some() && decode > 0;
     let body = json!({
         "status": if ready { "ok" } else { "unavailable" },
         "model_ready": state.pool().model().is_some(),
         "decode_workers_healthy": decode,
-        "decode_workers": state.pool().decode.len(),
+        "decode_workers": decode_total,
         "prefill_workers_healthy": prefill,
-        "prefill_workers": state.pool().prefill.len(),
+        "prefill_workers": prefill_total,
     });
     let status = if ready {
         StatusCode::OK

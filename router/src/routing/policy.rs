@@ -10,7 +10,7 @@ use crate::config::FallbackPolicy;
 /// A healthy, compatible decode worker as routing sees it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct DecodeCandidate {
-    /// The worker's index in the pool.
+    /// The worker's id in the pool (`Worker::id`).
     pub id: usize,
     /// Free KV blocks in its last load report.
     pub free_blocks: u32,
@@ -35,6 +35,7 @@ impl DecodeCandidate {
 /// A healthy prefill worker as routing sees it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PrefillCandidate {
+    /// The worker's id in the pool (`Worker::id`).
     pub id: usize,
     /// Prompt tokens queued or running in its last load report.
     pub queued_prefill_tokens: u64,
@@ -50,7 +51,7 @@ impl PrefillCandidate {
 }
 
 /// The decode worker with the most free KV blocks; ties go to the fewest running sequences,
-/// then to the lowest index (deterministic, so tests can rely on it).
+/// then to the lowest id, the oldest worker (deterministic, so tests can rely on it).
 pub fn pick_decode(candidates: &[DecodeCandidate]) -> Option<usize> {
     candidates
         .iter()
@@ -65,7 +66,7 @@ pub fn pick_decode(candidates: &[DecodeCandidate]) -> Option<usize> {
 }
 
 /// The prefill worker with the fewest queued prefill tokens, skipping `exclude` (workers
-/// that already failed this request); ties go to the lowest index.
+/// that already failed this request); ties go to the lowest id.
 pub fn pick_prefill(candidates: &[PrefillCandidate], exclude: &[usize]) -> Option<usize> {
     candidates
         .iter()

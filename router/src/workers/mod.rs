@@ -1,5 +1,6 @@
-//! The worker pool: one gRPC channel per prefill and decode worker, what each said about
-//! itself (`GetInfo`), its last load (`GetLoad`), and whether it is healthy.
+//! The workers as the router sees them: one gRPC channel per prefill and decode worker, what
+//! each said about itself (`GetInfo`), its last load (`GetLoad`), and whether it is healthy;
+//! and the pool that holds them (`pool`).
 //!
 //! One poll task per worker asks for info until it gets it (so the router can start before
 //! its workers), then for load every `--health-interval-ms`. A failed poll marks the worker
@@ -7,19 +8,25 @@
 //! (re-reading its info, since a restarted worker may have a new layout or shm file). Workers
 //! speaking another protocol version, or in the wrong role, are refused for good; prefill and
 //! decode workers whose KV layouts differ are never paired (`pair_incompatibility`).
+//!
+//! Workers found through DNS (`discovery`) come and go: one that leaves the pool is
+//! `retire`d — its poll task stops, its metric series drop to zero, routing stops seeing it —
+//! while requests already running on it keep their `Arc<Worker>` and end as they would.
+
+mod pool;
+
+pub use pool::{WorkerPool, WorkerSource};
 
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use tandem_proto::v1::decode_service_client::DecodeServiceClient;
 use tandem_proto::v1::prefill_service_client::PrefillServiceClient;
-use tandem_proto::v1::{InfoRequest, LoadReport, LoadRequest, Role, Transport, WorkerInfo};
-use tokio_util::sync::CancellationToken;
+use tandem_proto::v1::{LoadReport, Role, Transport, WorkerInfo};
 use tonic::transport::{Channel, Endpoint};
 
 use crate::metrics as m;
-use crate::model::ServedModel;
 use crate::routing::{DecodeCandidate, PrefillCandidate};
 
 /// Largest gRPC message the router accepts (a `tokenizer.json` can be several MiB).
@@ -57,15 +64,28 @@ struct WorkerState {
     healthy: bool,
     /// Set when the worker can never be used (protocol version or role mismatch).
     refused: Option<String>,
+    /// Set when the worker left the pool: it gets no new requests and publishes no metrics.
+    retired: bool,
+}
+
+impl WorkerState {
+    fn routable(&self) -> bool {
+        self.healthy
+            && !self.retired
+            && self.refused.is_none()
+            && self.info.is_some()
+            && !self.load.as_ref().is_some_and(|l| l.draining)
+    }
 }
 
 /// One worker and the router's view of it.
 #[derive(Debug)]
 pub struct Worker {
     pub role: WorkerRole,
-    /// Index within its role's list.
-    pub index: usize,
-    /// The gRPC URL it was configured with (also its `worker` metric label).
+    /// Unique within the pool for the router's lifetime (a worker that leaves and comes back
+    /// gets a new one); routing breaks ties by it, so older workers come first.
+    pub id: usize,
+    /// Its gRPC URL, configured or discovered (also its `worker` metric label).
     pub url: String,
     channel: Channel,
     state: Mutex<WorkerState>,
@@ -78,7 +98,7 @@ pub struct Worker {
 }
 
 impl Worker {
-    fn new(role: WorkerRole, index: usize, url: &str) -> Result<Self, String> {
+    fn new(role: WorkerRole, id: usize, url: &str) -> Result<Self, String> {
         let endpoint = Endpoint::from_shared(url.to_string())
             .map_err(|e| format!("{} worker URL `{url}`: {e}", role.as_str()))?
             .connect_timeout(Duration::from_secs(2))
@@ -89,7 +109,7 @@ impl Worker {
             .keep_alive_while_idle(true);
         Ok(Self {
             role,
-            index,
+            id,
             url: url.to_string(),
             channel: endpoint.connect_lazy(),
             state: Mutex::new(WorkerState::default()),
@@ -119,17 +139,18 @@ impl Worker {
         self.state().info.clone()
     }
 
-    /// Healthy, answered GetInfo, not refused, not draining.
+    /// Healthy, answered GetInfo, not refused, not draining, still in the pool.
     pub fn is_routable(&self) -> bool {
-        let s = self.state();
-        s.healthy
-            && s.refused.is_none()
-            && s.info.is_some()
-            && !s.load.as_ref().is_some_and(|l| l.draining)
+        self.state().routable()
     }
 
     pub fn is_healthy(&self) -> bool {
         self.state().healthy
+    }
+
+    /// Whether the worker has left the pool.
+    pub fn is_retired(&self) -> bool {
+        self.state().retired
     }
 
     /// Records a request sent to this worker, until the next load report accounts for it.
@@ -166,30 +187,45 @@ impl Worker {
         self.publish_health();
     }
 
+    fn metric_labels(&self) -> [(&'static str, String); 2] {
+        [
+            ("worker", self.url.clone()),
+            ("role", self.role.as_str().to_string()),
+        ]
+    }
+
+    /// Sets the health gauge. The gauges are written under the state lock, so that a poll
+    /// finishing while the worker is retired cannot bring a zeroed series back.
     fn publish_health(&self) {
-        let routable = self.is_routable();
-        metrics::gauge!(m::WORKER_HEALTHY, "worker" => self.url.clone(), "role" => self.role.as_str())
-            .set(if routable { 1.0 } else { 0.0 });
+        let s = self.state();
+        if s.retired {
+            return;
+        }
+        metrics::gauge!(m::WORKER_HEALTHY, &self.metric_labels()).set(if s.routable() {
+            1.0
+        } else {
+            0.0
+        });
     }
 
     fn set_load(&self, load: LoadReport) {
-        self.pending_blocks.store(0, Ordering::Relaxed);
-        self.pending_requests.store(0, Ordering::Relaxed);
-        self.pending_tokens.store(0, Ordering::Relaxed);
-        let labels = [
-            ("worker", self.url.clone()),
-            ("role", self.role.as_str().to_string()),
-        ];
-        metrics::gauge!(m::WORKER_KV_BLOCKS_TOTAL, &labels).set(f64::from(load.total_blocks));
-        metrics::gauge!(m::WORKER_KV_BLOCKS_IN_USE, &labels).set(f64::from(
-            load.total_blocks.saturating_sub(load.free_blocks),
-        ));
-        if self.role == WorkerRole::Prefill {
-            metrics::gauge!(m::WORKER_QUEUED_PREFILL_TOKENS, &labels)
-                .set(load.queued_prefill_tokens as f64);
-        }
         let was = {
             let mut s = self.state();
+            if s.retired {
+                return;
+            }
+            self.pending_blocks.store(0, Ordering::Relaxed);
+            self.pending_requests.store(0, Ordering::Relaxed);
+            self.pending_tokens.store(0, Ordering::Relaxed);
+            let labels = self.metric_labels();
+            metrics::gauge!(m::WORKER_KV_BLOCKS_TOTAL, &labels).set(f64::from(load.total_blocks));
+            metrics::gauge!(m::WORKER_KV_BLOCKS_IN_USE, &labels).set(f64::from(
+                load.total_blocks.saturating_sub(load.free_blocks),
+            ));
+            if self.role == WorkerRole::Prefill {
+                metrics::gauge!(m::WORKER_QUEUED_PREFILL_TOKENS, &labels)
+                    .set(load.queued_prefill_tokens as f64);
+            }
             s.load = Some(load);
             std::mem::replace(&mut s.healthy, true)
         };
@@ -199,13 +235,31 @@ impl Worker {
         self.publish_health();
     }
 
-    fn decode_candidate(&self) -> Option<DecodeCandidate> {
-        if !self.is_routable() {
-            return None;
+    /// Takes the worker out of service for good: no new requests, no more metrics, and its
+    /// series zeroed (the `metrics` crate cannot delete a series; a zero says "nothing here").
+    fn retire(&self) {
+        let mut s = self.state();
+        s.retired = true;
+        s.healthy = false;
+        let labels = self.metric_labels();
+        metrics::gauge!(m::WORKER_HEALTHY, &labels).set(0.0);
+        metrics::gauge!(m::WORKER_KV_BLOCKS_TOTAL, &labels).set(0.0);
+        metrics::gauge!(m::WORKER_KV_BLOCKS_IN_USE, &labels).set(0.0);
+        if self.role == WorkerRole::Prefill {
+            metrics::gauge!(m::WORKER_QUEUED_PREFILL_TOKENS, &labels).set(0.0);
         }
-        let load = self.state().load.unwrap_or_default();
+    }
+
+    fn decode_candidate(&self) -> Option<DecodeCandidate> {
+        let load = {
+            let s = self.state();
+            if !s.routable() {
+                return None;
+            }
+            s.load.unwrap_or_default()
+        };
         Some(DecodeCandidate {
-            id: self.index,
+            id: self.id,
             free_blocks: load.free_blocks,
             running: load.running.saturating_add(load.waiting),
             pending_blocks: self.pending_blocks.load(Ordering::Relaxed),
@@ -214,12 +268,15 @@ impl Worker {
     }
 
     fn prefill_candidate(&self) -> Option<PrefillCandidate> {
-        if !self.is_routable() {
-            return None;
-        }
-        let load = self.state().load.unwrap_or_default();
+        let load = {
+            let s = self.state();
+            if !s.routable() {
+                return None;
+            }
+            s.load.unwrap_or_default()
+        };
         Some(PrefillCandidate {
-            id: self.index,
+            id: self.id,
             queued_prefill_tokens: load.queued_prefill_tokens,
             pending_tokens: self.pending_tokens.load(Ordering::Relaxed),
         })
@@ -271,221 +328,6 @@ pub fn info_refusal(info: &WorkerInfo, role: WorkerRole) -> Option<String> {
         ));
     }
     None
-}
-
-/// All workers, and the model learned from them.
-#[derive(Debug)]
-pub struct WorkerPool {
-    pub decode: Vec<Arc<Worker>>,
-    pub prefill: Vec<Arc<Worker>>,
-    transport: Transport,
-    served_model_name: Option<String>,
-    model: OnceLock<Arc<ServedModel>>,
-}
-
-impl WorkerPool {
-    pub fn new(
-        prefill_urls: &[String],
-        decode_urls: &[String],
-        transport: Transport,
-        served_model_name: Option<String>,
-    ) -> Result<Self, String> {
-        let build = |role, urls: &[String]| -> Result<Vec<Arc<Worker>>, String> {
-            urls.iter()
-                .enumerate()
-                .map(|(i, u)| Worker::new(role, i, u).map(Arc::new))
-                .collect()
-        };
-        let pool = Self {
-            decode: build(WorkerRole::Decode, decode_urls)?,
-            prefill: build(WorkerRole::Prefill, prefill_urls)?,
-            transport,
-            served_model_name,
-            model: OnceLock::new(),
-        };
-        for w in pool.all() {
-            w.publish_health();
-        }
-        Ok(pool)
-    }
-
-    fn all(&self) -> impl Iterator<Item = &Arc<Worker>> {
-        self.decode.iter().chain(self.prefill.iter())
-    }
-
-    /// The served model, once a decode worker has handed over its tokenizer.
-    pub fn model(&self) -> Option<Arc<ServedModel>> {
-        self.model.get().cloned()
-    }
-
-    /// The KV transport requests ask for.
-    pub fn transport(&self) -> Transport {
-        self.transport
-    }
-
-    pub fn healthy_counts(&self) -> (usize, usize) {
-        let count = |ws: &[Arc<Worker>]| ws.iter().filter(|w| w.is_routable()).count();
-        (count(&self.decode), count(&self.prefill))
-    }
-
-    /// Routable decode workers, minus `exclude`.
-    pub fn decode_candidates(&self, exclude: &[usize]) -> Vec<DecodeCandidate> {
-        self.decode
-            .iter()
-            .filter(|w| !exclude.contains(&w.index))
-            .filter_map(|w| w.decode_candidate())
-            .collect()
-    }
-
-    /// Routable prefill workers that can send KV to `decode`.
-    pub fn prefill_candidates_for(&self, decode: &Worker) -> Vec<PrefillCandidate> {
-        let Some(decode_info) = decode.info() else {
-            return Vec::new();
-        };
-        self.prefill
-            .iter()
-            .filter(|p| {
-                p.info().is_some_and(|pi| {
-                    pair_incompatibility(&pi, &decode_info, self.transport).is_none()
-                })
-            })
-            .filter_map(|p| p.prefill_candidate())
-            .collect()
-    }
-
-    /// Stores a worker's info after checking it; logs every refusal and layout mismatch.
-    fn accept_info(&self, worker: &Worker, info: WorkerInfo) {
-        if let Some(why) = info_refusal(&info, worker.role) {
-            let mut s = worker.state();
-            if s.refused.is_none() {
-                tracing::error!(worker = %worker.url, role = worker.role.as_str(), "worker refused: {why}; it will not be used");
-            }
-            s.refused = Some(why);
-            s.healthy = false;
-            return;
-        }
-        if worker.role == WorkerRole::Decode
-            && info.tokenizer.is_some()
-            && self.model.get().is_none()
-        {
-            match ServedModel::from_worker_info(&info, self.served_model_name.as_deref()) {
-                Ok(model) => {
-                    tracing::info!(worker = %worker.url, model = %model.name, context_length = model.context_length, "serving model");
-                    let _ = self.model.set(Arc::new(model));
-                }
-                Err(e) => {
-                    tracing::error!(worker = %worker.url, "cannot use the worker's tokenizer: {e}")
-                }
-            }
-        }
-        // Tokenizers are large: keep the info without it.
-        let info = Arc::new(WorkerInfo {
-            tokenizer: None,
-            ..info
-        });
-        let counterparts = match worker.role {
-            WorkerRole::Decode => &self.prefill,
-            WorkerRole::Prefill => &self.decode,
-        };
-        for other in counterparts {
-            let Some(other_info) = other.info() else {
-                continue;
-            };
-            let (p, d) = match worker.role {
-                WorkerRole::Decode => (&other_info, &info),
-                WorkerRole::Prefill => (&info, &other_info),
-            };
-            if let Some(why) = pair_incompatibility(p, d, self.transport) {
-                let (pu, du) = match worker.role {
-                    WorkerRole::Decode => (&other.url, &worker.url),
-                    WorkerRole::Prefill => (&worker.url, &other.url),
-                };
-                tracing::error!(prefill = %pu, decode = %du, "workers will not be paired: {why}");
-            }
-        }
-        worker.state().info = Some(info);
-    }
-
-    /// Spawns one poll task per worker; they stop when `shutdown` is cancelled.
-    pub fn spawn_health_tasks(self: &Arc<Self>, interval: Duration, shutdown: &CancellationToken) {
-        for worker in self.all() {
-            let pool = Arc::clone(self);
-            let worker = Arc::clone(worker);
-            let shutdown = shutdown.clone();
-            tokio::spawn(async move {
-                let mut ticker = tokio::time::interval(interval);
-                ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-                loop {
-                    tokio::select! {
-                        _ = shutdown.cancelled() => break,
-                        _ = ticker.tick() => {}
-                        _ = worker.probe.notified() => {}
-                    }
-                    tokio::select! {
-                        _ = shutdown.cancelled() => break,
-                        _ = pool.poll(&worker, interval) => {}
-                    }
-                }
-            });
-        }
-    }
-
-    /// One health round for `worker`: info if needed, then load.
-    async fn poll(&self, worker: &Worker, interval: Duration) {
-        let (needs_info, refused) = {
-            let s = worker.state();
-            (s.info.is_none() || !s.healthy, s.refused.is_some())
-        };
-        if refused {
-            return;
-        }
-        if needs_info {
-            let include_tokenizer = worker.role == WorkerRole::Decode && self.model.get().is_none();
-            let request = InfoRequest { include_tokenizer };
-            let answer = match worker.role {
-                WorkerRole::Decode => {
-                    let mut c = worker.decode_client();
-                    tokio::time::timeout(INFO_TIMEOUT, c.get_info(request)).await
-                }
-                WorkerRole::Prefill => {
-                    let mut c = worker.prefill_client();
-                    tokio::time::timeout(INFO_TIMEOUT, c.get_info(request)).await
-                }
-            };
-            match answer {
-                Ok(Ok(info)) => self.accept_info(worker, info.into_inner()),
-                Ok(Err(status)) => {
-                    tracing::debug!(worker = %worker.url, %status, "GetInfo failed");
-                    return worker.mark_unhealthy("GetInfo failed");
-                }
-                Err(_) => return worker.mark_unhealthy("GetInfo timed out"),
-            }
-            if worker.state().refused.is_some() {
-                return worker.publish_health();
-            }
-        }
-        // Long enough for a busy worker, short enough that a dead one is noticed within about
-        // two intervals.
-        let load_timeout = (interval * 2).clamp(Duration::from_millis(250), Duration::from_secs(5));
-        let answer = match worker.role {
-            WorkerRole::Decode => {
-                let mut c = worker.decode_client();
-                tokio::time::timeout(load_timeout, c.get_load(LoadRequest {})).await
-            }
-            WorkerRole::Prefill => {
-                let mut c = worker.prefill_client();
-                tokio::time::timeout(load_timeout, c.get_load(LoadRequest {})).await
-            }
-        };
-        match answer {
-            Ok(Ok(load)) => worker.set_load(load.into_inner()),
-            Ok(Err(status)) => {
-                tracing::debug!(worker = %worker.url, %status, "GetLoad failed");
-                worker.mark_unhealthy("GetLoad failed");
-            }
-            Err(_) => worker.mark_unhealthy("GetLoad timed out"),
-        }
-    }
 }
 
 /// Whether a failed call means the worker (or the connection to it) is gone, rather than

@@ -1,0 +1,311 @@
+//! Workers found through `dns://` entries: an in-process router with a scripted resolver
+//! over fake workers listening on several loopback addresses (127.0.0.1-3, one port, as the
+//! pods behind a headless Service would), and the binary resolving `localhost` for real.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+
+use futures::future::BoxFuture;
+use tandem_router::{Resolve, ResolveError};
+
+use super::*;
+
+/// A resolver answering from a table the test edits.
+#[derive(Debug, Default)]
+struct ScriptedResolver {
+    answers: Mutex<HashMap<String, Result<Vec<&'static str>, ()>>>,
+}
+
+impl ScriptedResolver {
+    fn answer(&self, name: &str, ips: &[&'static str]) {
+        lock(&self.answers).insert(name.into(), Ok(ips.to_vec()));
+    }
+
+    fn fail(&self, name: &str) {
+        lock(&self.answers).insert(name.into(), Err(()));
+    }
+}
+
+impl Resolve for ScriptedResolver {
+    fn resolve<'a>(
+        &'a self,
+        name: &'a str,
+        port: u16,
+    ) -> BoxFuture<'a, Result<Vec<SocketAddr>, ResolveError>> {
+        let answer = lock(&self.answers).get(name).cloned();
+        Box::pin(async move {
+            match answer {
+                Some(Ok(ips)) => Ok(ips
+                    .iter()
+                    .map(|ip| SocketAddr::new(ip.parse().unwrap(), port))
+                    .collect()),
+                _ => Err(ResolveError {
+                    name: name.into(),
+                    source: std::io::Error::other("scripted SERVFAIL"),
+                }),
+            }
+        })
+    }
+}
+
+/// Listeners on one port at each of `hosts` (loopback addresses), like pods of one Service.
+fn listeners_on_one_port(hosts: &[&str]) -> (u16, Vec<std::net::TcpListener>) {
+    for _ in 0..50 {
+        let first = std::net::TcpListener::bind((hosts[0], 0)).unwrap();
+        let port = first.local_addr().unwrap().port();
+        let rest: Result<Vec<_>, _> = hosts[1..]
+            .iter()
+            .map(|h| std::net::TcpListener::bind((*h, port)))
+            .collect();
+        if let Ok(mut rest) = rest {
+            rest.insert(0, first);
+            return (port, rest);
+        }
+    }
+    panic!("no port free on all of {hosts:?}");
+}
+
+async fn health(router: &TestRouter) -> Value {
+    client()
+        .get(format!("{}/health", router.url))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap()
+}
+
+/// Waits (10 s at most) until `/health` counts `decode` and `prefill` workers in the pool.
+async fn wait_pool_size(router: &TestRouter, decode: u64, prefill: u64) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let h = health(router).await;
+        if h["decode_workers"] == decode && h["prefill_workers"] == prefill {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "pool never reached {decode}/{prefill}: {h}"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// The value of one series in `/metrics`, or None when the series is absent.
+async fn series(router: &TestRouter, name: &str) -> Option<f64> {
+    let text = client()
+        .get(format!("{}/metrics", router.url))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    text.lines()
+        .find_map(|l| l.strip_prefix(name).and_then(|v| v.trim().parse().ok()))
+}
+
+async fn complete(router: &TestRouter, max_tokens: u32) -> reqwest::Response {
+    post(
+        &router.url,
+        "/v1/completions",
+        json!({"prompt": "Hello", "max_tokens": max_tokens}),
+    )
+    .await
+}
+
+#[tokio::test]
+async fn workers_behind_a_name_join_serve_and_leave() {
+    let (port, decode_listeners) = listeners_on_one_port(&["127.0.0.1", "127.0.0.2", "127.0.0.3"]);
+    let decodes: Vec<FakeDecode> = (0..3)
+        .map(|i| FakeDecode::new(&format!("decode-{i}")))
+        .collect();
+    let _decode_servers: Vec<FakeServer> = decode_listeners
+        .into_iter()
+        .zip(&decodes)
+        .map(|(l, d)| FakeServer::start_on(l, Service::Decode(d.clone())))
+        .collect();
+    let prefill = FakePrefill::new("prefill-0");
+    let ps = FakeServer::start(Service::Prefill(prefill.clone()));
+    let resolver = Arc::new(ScriptedResolver::default());
+    resolver.answer("decode.test", &["127.0.0.1", "127.0.0.2", "127.0.0.1"]);
+    resolver.answer("prefill.test", &["127.0.0.1"]);
+    let mut c = config(&[], &[]);
+    c.decode_urls = vec![format!("dns://decode.test:{port}")];
+    c.prefill_urls = vec![format!("dns://prefill.test:{}", ps.addr.port())];
+    c.dns_refresh = Duration::from_millis(20);
+    let router = TestRouter::start_with_resolver(c, resolver.clone()).await;
+    router.wait_healthy(2, 1).await;
+    assert_eq!(
+        health(&router).await["decode_workers"],
+        2,
+        "duplicates count once"
+    );
+
+    let r = complete(&router, 4).await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(header(&r, "x-tandem-mode"), "disaggregated");
+    assert_eq!(prefill.calls().len(), 1);
+    let served: usize = decodes[..2].iter().map(|d| d.generate_calls().len()).sum();
+    assert_eq!(served, 1);
+
+    // A third pod appears, with the most free KV blocks: it joins, is polled, and takes
+    // the next request.
+    lock(&decodes[2].0.load).free_blocks = 1_000;
+    resolver.answer("decode.test", &["127.0.0.1", "127.0.0.2", "127.0.0.3"]);
+    router.wait_healthy(3, 1).await;
+    let third = format!("http://127.0.0.3:{port}");
+    let healthy = format!("tandem_router_worker_healthy{{worker=\"{third}\",role=\"decode\"}}");
+    assert_eq!(series(&router, &healthy).await, Some(1.0));
+    assert!(
+        series(&router, "tandem_router_discovered_workers{role=\"decode\"}")
+            .await
+            .is_some()
+    );
+    decodes[2].set_script(DecodeScript {
+        token_delay: Duration::from_millis(100),
+        ..Default::default()
+    });
+    let slow = {
+        let url = router.url.clone();
+        tokio::spawn(async move {
+            let r = post(
+                &url,
+                "/v1/completions",
+                json!({"prompt": "Hello", "max_tokens": 10}),
+            )
+            .await;
+            (r.status(), r.json::<Value>().await.unwrap())
+        })
+    };
+    assert!(
+        eventually(Duration::from_secs(5), || decodes[2].generate_calls().len()
+            == 1)
+        .await
+    );
+
+    // It goes away while that request runs: nothing new is routed to it, the request ends
+    // normally, and its series drops to zero.
+    resolver.answer("decode.test", &["127.0.0.1", "127.0.0.2"]);
+    wait_pool_size(&router, 2, 1).await;
+    assert!(
+        !slow.is_finished(),
+        "the slow request outlived its worker's membership"
+    );
+    for _ in 0..3 {
+        assert_eq!(complete(&router, 2).await.status(), 200);
+    }
+    let (status, body) = slow.await.unwrap();
+    assert_eq!(status, 200);
+    assert_eq!(body["choices"][0]["text"], "Hello from");
+    assert_eq!(decodes[2].generate_calls().len(), 1);
+    assert_eq!(series(&router, &healthy).await, Some(0.0));
+
+    // A failing lookup keeps the last known workers.
+    resolver.fail("decode.test");
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    assert_eq!(health(&router).await["decode_workers_healthy"], 2);
+    assert_eq!(complete(&router, 2).await.status(), 200);
+
+    // An empty answer empties the pool: 503 until workers come back.
+    resolver.answer("decode.test", &[]);
+    wait_pool_size(&router, 0, 1).await;
+    let r = complete(&router, 2).await;
+    assert_eq!(r.status(), 503);
+    assert_eq!(header(&r, "retry-after"), "1");
+    resolver.answer("decode.test", &["127.0.0.2"]);
+    router.wait_healthy(1, 1).await;
+    assert_eq!(complete(&router, 2).await.status(), 200);
+    router.stop().await;
+}
+
+#[tokio::test]
+async fn a_name_with_no_workers_yet_answers_503_without_stopping_the_router() {
+    let resolver = Arc::new(ScriptedResolver::default());
+    resolver.fail("decode.test");
+    let (port, mut listeners) = listeners_on_one_port(&["127.0.0.1"]);
+    let mut c = config(&[], &[]);
+    c.decode_urls = vec![format!("dns://decode.test:{port}")];
+    c.dns_refresh = Duration::from_millis(20);
+    // Past this a router with listed workers gives up; one that discovers them waits.
+    c.startup_timeout = Duration::from_millis(300);
+    let router = TestRouter::start_with_resolver(c, resolver.clone()).await;
+    for _ in 0..3 {
+        let r = complete(&router, 2).await;
+        assert_eq!(r.status(), 503);
+        assert_eq!(header(&r, "retry-after"), "1");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    resolver.answer("decode.test", &[]);
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(complete(&router, 2).await.status(), 503);
+
+    let decode = FakeDecode::new("late");
+    let _server = FakeServer::start_on(listeners.remove(0), Service::Decode(decode.clone()));
+    resolver.answer("decode.test", &["127.0.0.1"]);
+    router.wait_healthy(1, 0).await;
+    let r = complete(&router, 2).await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(header(&r, "x-tandem-mode"), "aggregated");
+    assert_eq!(decode.generate_calls().len(), 1);
+    // stop() checks that the router ran cleanly, i.e. the startup timeout did not end it.
+    router.stop().await;
+}
+
+#[tokio::test]
+async fn the_binary_resolves_dns_entries_with_the_system_resolver() {
+    let localhost: Vec<SocketAddr> = tokio::net::lookup_host(("localhost", 1))
+        .await
+        .map(Iterator::collect)
+        .unwrap_or_default();
+    if !localhost
+        .iter()
+        .any(|a| a.ip() == std::net::Ipv4Addr::LOCALHOST)
+    {
+        eprintln!("skipped: `localhost` does not resolve to 127.0.0.1 here ({localhost:?})");
+        return;
+    }
+    let decode = FakeDecode::new("decode-0");
+    let ds = FakeServer::start(Service::Decode(decode.clone()));
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_tandem-router"))
+        .args(["--host", "127.0.0.1", "--port", &port.to_string()])
+        .args(["--decode", &format!("dns://localhost:{}", ds.addr.port())])
+        .args(["--health-interval-ms", "50", "--dns-refresh-ms", "100"])
+        .env_remove("TANDEM_API_KEY")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let url = format!("http://127.0.0.1:{port}");
+    let mut health = Value::Null;
+    for _ in 0..200 {
+        if let Ok(r) = client().get(format!("{url}/health")).send().await
+            && r.status() == 200
+        {
+            health = r.json().await.unwrap();
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    let completion = post(
+        &url,
+        "/v1/completions",
+        json!({"prompt": "Hi", "max_tokens": 2}),
+    )
+    .await;
+    let _ = child.kill();
+    let _ = child.wait();
+    assert_eq!(health["status"], "ok", "the binary never became healthy");
+    // One worker per distinct address of `localhost` (127.0.0.1, maybe ::1 as well).
+    let distinct: std::collections::BTreeSet<_> = localhost.iter().map(|a| a.ip()).collect();
+    assert_eq!(health["decode_workers"], distinct.len());
+    assert_eq!(completion.status(), 200);
+    assert_eq!(decode.generate_calls().len(), 1);
+}
