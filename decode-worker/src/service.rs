@@ -244,6 +244,14 @@ impl DecodeService for DecodeWorker {
             bytes_received: bytes,
         }))
     }
+
+    async fn renew_lease(
+        &self,
+        req: Request<RenewLeaseRequest>,
+    ) -> Result<Response<RenewLeaseResponse>, Status> {
+        let open = self.inner.leases.renew(req.into_inner().lease_id);
+        Ok(Response::new(RenewLeaseResponse { open }))
+    }
 }
 
 /// Runs the worker on the given listeners until `shutdown` resolves, then drains.

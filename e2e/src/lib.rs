@@ -4,6 +4,10 @@
 //!
 //! The binaries are found next to the test executable's `target/<profile>` folder; `cargo test
 //! --workspace` builds them before any test runs. A missing binary is a clear error.
+//!
+//! `netns`: several hosts on one machine (network namespaces) for multi-host tests.
+
+pub mod netns;
 
 use std::net::TcpListener;
 use std::path::PathBuf;
@@ -203,6 +207,14 @@ pub mod kv_stub {
             Ok(Response::new(KvAck {
                 bytes_received: bytes,
             }))
+        }
+
+        async fn renew_lease(
+            &self,
+            req: Request<RenewLeaseRequest>,
+        ) -> Result<Response<RenewLeaseResponse>, Status> {
+            let open = self.table.renew(req.into_inner().lease_id);
+            Ok(Response::new(RenewLeaseResponse { open }))
         }
     }
 }

@@ -364,3 +364,30 @@ async fn bad_input_on_a_real_deployment() {
         .unwrap();
     assert!(metrics.contains("tandem_"), "{metrics}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reservations_survive_a_long_prefill_queue() {
+    // A lease much shorter than the queue: without the router's renewals the decode worker
+    // would expire the reservations of prompts still waiting at the prefill worker.
+    let spec = DeploymentSpec {
+        router_args: vec!["--lease-ttl-ms".into(), "400".into()],
+        ..DeploymentSpec::default()
+    };
+    let dep = Deployment::start(&spec).await.unwrap();
+    let client = reqwest::Client::new();
+    let started = Instant::now();
+    let requests = (0..6u32).map(|i| {
+        let prompt: Vec<u32> = (0..6000u32).map(|j| 3 + (i * 7 + j) % 250).collect();
+        let body = json!({"model": "tandem", "prompt": prompt, "max_tokens": 2, "ignore_eos": true});
+        client.post(dep.url("/v1/completions")).json(&body).send()
+    });
+    let responses = futures::future::join_all(requests).await;
+    let waited = started.elapsed();
+    for r in responses {
+        let r = r.unwrap();
+        assert_eq!(r.status(), 200, "{}", r.text().await.unwrap_or_default());
+        assert_eq!(r.headers()["x-tandem-mode"], "disaggregated");
+    }
+    assert!(waited > Duration::from_millis(800), "the queue should outlast the lease ({waited:?})");
+    wait_baseline(&dep, Duration::from_secs(2)).await;
+}

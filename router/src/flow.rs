@@ -16,12 +16,12 @@
 
 use std::collections::VecDeque;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use tandem_proto::v1::generate_event::Event;
 use tandem_proto::v1::{
     FinishReason, Finished, GenerateEvent, GenerateRequest, KvDestination, Mode, PrefillRequest,
-    SamplingParams, StopParams, TokenEvent, Transport,
+    RenewLeaseRequest, SamplingParams, StopParams, TokenEvent, Transport,
 };
 use tokio::sync::{mpsc, oneshot};
 use tonic::Streaming;
@@ -592,6 +592,13 @@ async fn run_disaggregated(
     tokio::pin!(prefill_call);
     let mut prefill_answer = None;
     let mut early = VecDeque::new();
+    // While the prompt waits in the prefill worker's queue no KV moves, so the decode worker
+    // would expire the reservation: renew it a few times per lease period until the prefill
+    // answers. (If this router dies, the Generate stream closes and frees it anyway.)
+    let renew_every = Duration::from_millis(u64::from(ctx.lease_ttl_ms.max(300)) / 3);
+    let mut renew =
+        tokio::time::interval_at(tokio::time::Instant::now() + renew_every, renew_every);
+    let lease_id = lease.lease_id;
     // Both the prefill's answer (for the KV accounting in the head) and the first token are
     // needed before the head goes out; the decode stream stays open meanwhile.
     while prefill_answer.is_none() || early.is_empty() {
@@ -608,6 +615,15 @@ async fn run_disaggregated(
             item = next_item(&mut stream, decode), if early.is_empty() => {
                 early.push_back(item.map_err(DisaggError::Decode)?);
                 timing.on_token(RunMode::Disaggregated);
+            }
+            _ = renew.tick(), if prefill_answer.is_none() => {
+                let mut renewer = client.clone();
+                let request = grpc_request(RenewLeaseRequest { lease_id }, &req.request_id);
+                tokio::spawn(async move {
+                    if let Err(status) = renewer.renew_lease(request).await {
+                        tracing::debug!(code = ?status.code(), "lease renewal failed");
+                    }
+                });
             }
         }
     }

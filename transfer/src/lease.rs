@@ -356,6 +356,16 @@ impl LeaseTable {
         }
     }
 
+    /// Counts as progress on an open lease (its prompt is queued at a live prefill worker).
+    /// Returns whether the lease is still open.
+    pub fn renew(&self, lease_id: u64) -> bool {
+        let Some(lease) = self.map().get(&lease_id).cloned() else {
+            return false;
+        };
+        lease.touch();
+        true
+    }
+
     /// Ends an open lease (request cancelled, lease expired, transfer failed). Returns its
     /// blocks for the caller to release, or `None` if it had already committed or ended.
     pub fn cancel(&self, lease_id: u64) -> Option<Vec<u32>> {

@@ -58,6 +58,14 @@ impl DecodeService for Decode {
             bytes_received: bytes,
         }))
     }
+
+    async fn renew_lease(
+        &self,
+        req: Request<RenewLeaseRequest>,
+    ) -> Result<Response<RenewLeaseResponse>, Status> {
+        let open = self.table.renew(req.into_inner().lease_id);
+        Ok(Response::new(RenewLeaseResponse { open }))
+    }
 }
 
 struct DecodeSide {

@@ -82,6 +82,8 @@ pub struct DecodeState {
     pub generate_calls: Mutex<Vec<GenerateRequest>>,
     pub leases: Mutex<Vec<Lease>>,
     pub commits: Mutex<Vec<KvCommit>>,
+    /// Lease ids the router renewed while its prefill was pending.
+    pub renewals: Mutex<Vec<u64>>,
     /// When a Generate stream was closed by the router before it finished.
     pub closed_early: Mutex<Vec<Instant>>,
     pub info_calls: AtomicU64,
@@ -142,6 +144,7 @@ impl FakeDecode {
             generate_calls: Mutex::default(),
             leases: Mutex::default(),
             commits: Mutex::default(),
+            renewals: Mutex::default(),
             closed_early: Mutex::default(),
             info_calls: AtomicU64::new(0),
             waiting: Mutex::default(),
@@ -228,6 +231,16 @@ impl DecodeService for FakeDecode {
             }
             None => Err(Status::not_found("no such lease")),
         }
+    }
+
+    async fn renew_lease(
+        &self,
+        req: Request<RenewLeaseRequest>,
+    ) -> Result<Response<RenewLeaseResponse>, Status> {
+        let id = req.into_inner().lease_id;
+        lock(&self.0.renewals).push(id);
+        let open = lock(&self.0.waiting).contains_key(&id);
+        Ok(Response::new(RenewLeaseResponse { open }))
     }
 }
 
