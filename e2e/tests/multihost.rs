@@ -1,0 +1,251 @@
+//! tandem across machines, on one machine: the router, a decode worker and a prefill worker
+//! each in its own network namespace (`tandem_e2e::netns`), so every hop — router to
+//! workers, prefill to decode's KV TCP port — crosses a real network between hosts that
+//! share no loopback and no /dev/shm. Checks that requests run disaggregated over TCP, give
+//! the same greedy output as aggregated serving, and survive concurrency; and that a router
+//! finding its workers through `dns://` names (from its host's name table) does the same.
+//!
+//! Needs root and `ip`; without them the test prints why and passes, unless `CI` and
+//! `TANDEM_REQUIRE_NETNS` are both set.
+
+use std::time::{Duration, Instant};
+
+use serde_json::{Value, json};
+use tandem_e2e::netns::Network;
+use tandem_e2e::{Proc, decode_client, prefill_client, wait_http_ok};
+
+const DECODE_PORT: u16 = 7201;
+const KV_TCP_PORT: u16 = 7301;
+const PREFILL_PORT: u16 = 7101;
+const MAX_TOKENS: u32 = 8;
+
+/// What one completion came back with.
+#[derive(Debug)]
+struct Completion {
+    text: String,
+    mode: String,
+    transport: String,
+    kv_bytes: u64,
+}
+
+fn header(r: &reqwest::Response, name: &str) -> String {
+    r.headers()
+        .get(name)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("")
+        .to_string()
+}
+
+async fn complete(client: &reqwest::Client, base: &str, prompt: &[u32]) -> Completion {
+    let body = json!({"model": "tandem", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0, "ignore_eos": true});
+    let r = client
+        .post(format!("{base}/v1/completions"))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200, "{base}");
+    let (mode, transport) = (
+        header(&r, "x-tandem-mode"),
+        header(&r, "x-tandem-transport"),
+    );
+    let kv_bytes = header(&r, "x-tandem-kv-bytes").parse().unwrap_or(0);
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(v["usage"]["completion_tokens"], MAX_TOKENS);
+    Completion {
+        text: v["choices"][0]["text"].as_str().unwrap().to_string(),
+        mode,
+        transport,
+        kv_bytes,
+    }
+}
+
+/// Prompts of 1 to 61 tokens (byte-level ids of the tiny model), so that some span several
+/// KV blocks.
+fn prompts() -> Vec<Vec<u32>> {
+    [1u32, 7, 23, 61]
+        .iter()
+        .enumerate()
+        .map(|(i, &len)| {
+            (0..len)
+                .map(|j| 3 + (j * 31 + i as u32 * 7) % 250)
+                .collect()
+        })
+        .collect()
+}
+
+fn assert_disaggregated_tcp(got: &Completion, want: &str, what: &str) {
+    assert_eq!(got.mode, "disaggregated", "{what}");
+    assert_eq!(got.transport, "tcp", "{what}");
+    assert!(got.kv_bytes > 0, "{what}: no KV bytes moved");
+    assert_eq!(
+        got.text, want,
+        "{what}: output differs from aggregated serving"
+    );
+}
+
+/// Waits (60 s at most) until the router at `base` is ready with its decode and its prefill
+/// worker healthy: `/health` is 200 as soon as a decode worker is, and a request sent before
+/// the prefill worker is polled would fall back to aggregated.
+async fn wait_for_both_workers(client: &reqwest::Client, base: &str) {
+    wait_http_ok(&format!("{base}/health"), Duration::from_secs(60))
+        .await
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let health: Value = client
+            .get(format!("{base}/health"))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        if health["decode_workers_healthy"] == 1 && health["prefill_workers_healthy"] == 1 {
+            return;
+        }
+        assert!(Instant::now() < deadline, "{base}: {health}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// A router in host `router` on `port`, with `args` after the common ones.
+fn start_router(net: &Network, port: u16, args: &[&str]) -> Proc {
+    let host = net.host("router").unwrap().addr.to_string();
+    let mut all = vec![
+        "--host",
+        &host,
+        "--transport",
+        "tcp",
+        "--served-model-name",
+        "tandem",
+        "--health-interval-ms",
+        "200",
+        "--request-timeout-s",
+        "60",
+    ];
+    all.extend_from_slice(args);
+    net.start("router", "tandem-router", port, &all).unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn disaggregated_across_three_network_namespaces() {
+    let Some(mut net) = Network::create_or_skip(&["router", "decode", "prefill"]) else {
+        return;
+    };
+    let decode_addr = net.host("decode").unwrap().addr;
+    let prefill_addr = net.host("prefill").unwrap().addr;
+    net.set_hosts_file(
+        "router",
+        &[
+            (decode_addr, "decode.tandem.test"),
+            (prefill_addr, "prefill.tandem.test"),
+        ],
+    )
+    .unwrap();
+    let worker_args = ["--model", "tiny", "--kv-budget-mb", "32", "--threads", "1"];
+    let (decode_host, prefill_host) = (decode_addr.to_string(), prefill_addr.to_string());
+    let kv_port = KV_TCP_PORT.to_string();
+    let mut decode_args = worker_args.to_vec();
+    decode_args.extend([
+        "--host",
+        &decode_host,
+        "--advertise-host",
+        &decode_host,
+        "--kv-tcp-port",
+        &kv_port,
+        "--no-shm",
+    ]);
+    let mut prefill_args = worker_args.to_vec();
+    prefill_args.extend(["--host", &prefill_host]);
+    // Declared after `net`, so dropped (killed) before the namespaces are deleted.
+    let _decode = net
+        .start("decode", "tandem-decode", DECODE_PORT, &decode_args)
+        .unwrap();
+    let _prefill = net
+        .start("prefill", "tandem-prefill", PREFILL_PORT, &prefill_args)
+        .unwrap();
+    let decode_url = net.url("decode", DECODE_PORT).unwrap();
+    let prefill_url = net.url("prefill", PREFILL_PORT).unwrap();
+    let (_, info) = decode_client(&decode_url, Duration::from_secs(120))
+        .await
+        .unwrap();
+    assert_eq!(info.advertise_host, decode_host);
+    assert_eq!(info.kv_tcp_port, u32::from(KV_TCP_PORT));
+    assert!(
+        info.shm_path.is_empty(),
+        "shm must be off: the hosts share no memory"
+    );
+    prefill_client(&prefill_url, Duration::from_secs(120))
+        .await
+        .unwrap();
+
+    let listed = ["--prefill", &prefill_url, "--decode", &decode_url];
+    let _static_router = start_router(&net, 8000, &listed);
+    let mut aggregated_args = listed.to_vec();
+    aggregated_args.extend(["--agg-threshold", "1000000000"]);
+    let _aggregated_router = start_router(&net, 8001, &aggregated_args);
+    let prefill_name = format!("dns://prefill.tandem.test:{PREFILL_PORT}");
+    let decode_name = format!("dns://decode.tandem.test:{DECODE_PORT}");
+    let _dns_router = start_router(
+        &net,
+        8002,
+        &[
+            "--prefill",
+            &prefill_name,
+            "--decode",
+            &decode_name,
+            "--dns-refresh-ms",
+            "500",
+        ],
+    );
+    let [static_base, aggregated_base, dns_base] =
+        [8000, 8001, 8002].map(|port| net.url("router", port).unwrap());
+    let client = reqwest::Client::builder()
+        .timeout(Duration::from_secs(60))
+        .build()
+        .unwrap();
+    for base in [&static_base, &aggregated_base, &dns_base] {
+        wait_for_both_workers(&client, base).await;
+    }
+
+    let prompts = prompts();
+    let mut reference = Vec::new();
+    for p in &prompts {
+        let got = complete(&client, &aggregated_base, p).await;
+        assert_eq!(got.mode, "aggregated");
+        assert_eq!(got.kv_bytes, 0);
+        reference.push(got.text);
+    }
+    for (base, router) in [(&static_base, "listed"), (&dns_base, "dns")] {
+        for (i, p) in prompts.iter().enumerate() {
+            let got = complete(&client, base, p).await;
+            let what = format!("{router} router, prompt {i} ({} tokens)", p.len());
+            assert_disaggregated_tcp(&got, &reference[i], &what);
+        }
+        // All prompts at once, twice over.
+        let concurrent = prompts
+            .iter()
+            .chain(&prompts)
+            .map(|p| complete(&client, base, p));
+        let results = futures::future::join_all(concurrent).await;
+        for (i, got) in results.iter().enumerate() {
+            let what = format!("{router} router, concurrent request {i}");
+            assert_disaggregated_tcp(got, &reference[i % prompts.len()], &what);
+        }
+    }
+    let metrics = client
+        .get(format!("{dns_base}/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let discovered =
+        format!("tandem_router_worker_healthy{{worker=\"{decode_url}\",role=\"decode\"}} 1");
+    assert!(
+        metrics.contains(&discovered),
+        "{discovered} not in the metrics"
+    );
+}
