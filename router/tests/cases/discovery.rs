@@ -165,7 +165,7 @@ async fn workers_behind_a_name_join_serve_and_leave() {
             .is_some()
     );
     decodes[2].set_script(DecodeScript {
-        token_delay: Duration::from_millis(100),
+        token_delay: Duration::from_millis(150),
         ..Default::default()
     });
     let slow = {
