@@ -149,7 +149,16 @@ fn ensure_binaries(bin_dir: &Path) -> anyhow::Result<()> {
     };
     eprintln!("[tandem] building tandem-router, tandem-prefill and tandem-decode (once)");
     let mut cmd = std::process::Command::new(cargo);
-    cmd.args(["build", "-p", "tandem-router", "-p", "tandem-prefill", "-p", "tandem-decode", "--bins"]);
+    cmd.args([
+        "build",
+        "-p",
+        "tandem-router",
+        "-p",
+        "tandem-prefill",
+        "-p",
+        "tandem-decode",
+        "--bins",
+    ]);
     if bin_dir.ends_with("release") {
         cmd.arg("--release");
     }

@@ -19,7 +19,8 @@ fn files(dir: &str) -> Vec<PathBuf> {
 fn every_deployment_file_is_valid() {
     let mut all = files("local");
     all.extend(files("gpu"));
-    assert!(all.len() >= 7, "{all:?}");
+    all.extend(files("experiments/configs"));
+    assert!(all.len() >= 12, "{all:?}");
     let out = Command::new(env!("CARGO_BIN_EXE_tandem"))
         .arg("check")
         .arg("--cores")

@@ -378,7 +378,8 @@ async fn reservations_survive_a_long_prefill_queue() {
     let started = Instant::now();
     let requests = (0..6u32).map(|i| {
         let prompt: Vec<u32> = (0..6000u32).map(|j| 3 + (i * 7 + j) % 250).collect();
-        let body = json!({"model": "tandem", "prompt": prompt, "max_tokens": 2, "ignore_eos": true});
+        let body =
+            json!({"model": "tandem", "prompt": prompt, "max_tokens": 2, "ignore_eos": true});
         client.post(dep.url("/v1/completions")).json(&body).send()
     });
     let responses = futures::future::join_all(requests).await;
@@ -388,6 +389,9 @@ async fn reservations_survive_a_long_prefill_queue() {
         assert_eq!(r.status(), 200, "{}", r.text().await.unwrap_or_default());
         assert_eq!(r.headers()["x-tandem-mode"], "disaggregated");
     }
-    assert!(waited > Duration::from_millis(800), "the queue should outlast the lease ({waited:?})");
+    assert!(
+        waited > Duration::from_millis(800),
+        "the queue should outlast the lease ({waited:?})"
+    );
     wait_baseline(&dep, Duration::from_secs(2)).await;
 }
