@@ -61,7 +61,9 @@ fn start() -> Launcher {
             }
         }
     });
-    let banner = up_rx.recv_timeout(Duration::from_secs(90)).expect("tandem up prints its banner");
+    let banner = up_rx
+        .recv_timeout(Duration::from_secs(90))
+        .expect("tandem up prints its banner");
     assert!(banner.contains(&format!("127.0.0.1:{router}")), "{banner}");
     Launcher {
         child,
@@ -82,14 +84,19 @@ fn pid_of(l: &Launcher, name: &str, seen: &mut Vec<String>) -> u32 {
             let rest = &line[prefix.len()..];
             return rest[..rest.find(')').unwrap()].parse().unwrap();
         }
-        assert!(Instant::now() < deadline, "no start line for {name}: {seen:?}");
+        assert!(
+            Instant::now() < deadline,
+            "no start line for {name}: {seen:?}"
+        );
         std::thread::sleep(Duration::from_millis(50));
     }
 }
 
 fn alive(pid: u32) -> bool {
     std::path::Path::new(&format!("/proc/{pid}")).exists()
-        && !std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default().contains(") Z ")
+        && !std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .unwrap_or_default()
+            .contains(") Z ")
 }
 
 fn wait_exit(child: &mut Child, within: Duration) -> std::process::ExitStatus {
@@ -98,7 +105,10 @@ fn wait_exit(child: &mut Child, within: Duration) -> std::process::ExitStatus {
         if let Some(status) = child.try_wait().unwrap() {
             return status;
         }
-        assert!(Instant::now() < deadline, "launcher still running after {within:?}");
+        assert!(
+            Instant::now() < deadline,
+            "launcher still running after {within:?}"
+        );
         std::thread::sleep(Duration::from_millis(50));
     }
 }
@@ -107,7 +117,10 @@ fn wait_exit(child: &mut Child, within: Duration) -> std::process::ExitStatus {
 async fn up_serves_and_stops_cleanly_on_sigterm() {
     let mut l = start();
     let mut seen = Vec::new();
-    let pids: Vec<u32> = ["prefill-0", "decode-0", "router"].iter().map(|n| pid_of(&l, n, &mut seen)).collect();
+    let pids: Vec<u32> = ["prefill-0", "decode-0", "router"]
+        .iter()
+        .map(|n| pid_of(&l, n, &mut seen))
+        .collect();
     let resp = reqwest::Client::new()
         .post(format!("http://127.0.0.1:{}/v1/completions", l.router))
         .json(&serde_json::json!({"prompt": "hello", "max_tokens": 4}))
@@ -116,7 +129,10 @@ async fn up_serves_and_stops_cleanly_on_sigterm() {
         .unwrap();
     assert_eq!(resp.status(), 200);
     assert_eq!(resp.headers()["x-tandem-mode"], "disaggregated");
-    let status = Command::new("kill").args(["-TERM", &l.child.id().to_string()]).status().unwrap();
+    let status = Command::new("kill")
+        .args(["-TERM", &l.child.id().to_string()])
+        .status()
+        .unwrap();
     assert!(status.success());
     let status = wait_exit(&mut l.child, Duration::from_secs(30));
     assert!(status.success(), "clean stop exits 0, got {status}");
@@ -130,14 +146,24 @@ async fn a_dying_worker_is_reported_and_fails_the_launcher() {
     let mut l = start();
     let mut seen = Vec::new();
     let decode = pid_of(&l, "decode-0", &mut seen);
-    let others = [pid_of(&l, "prefill-0", &mut seen), pid_of(&l, "router", &mut seen)];
-    Command::new("kill").args(["-KILL", &decode.to_string()]).status().unwrap();
+    let others = [
+        pid_of(&l, "prefill-0", &mut seen),
+        pid_of(&l, "router", &mut seen),
+    ];
+    Command::new("kill")
+        .args(["-KILL", &decode.to_string()])
+        .status()
+        .unwrap();
     let status = wait_exit(&mut l.child, Duration::from_secs(30));
     assert!(!status.success(), "a dead worker must fail the launcher");
     while let Ok(line) = l.stderr.try_recv() {
         seen.push(line);
     }
-    assert!(seen.iter().any(|s| s.contains("decode-0 exited unexpectedly")), "{seen:?}");
+    assert!(
+        seen.iter()
+            .any(|s| s.contains("decode-0 exited unexpectedly")),
+        "{seen:?}"
+    );
     for pid in others {
         assert!(!alive(pid), "process {pid} outlived the launcher");
     }

@@ -3,18 +3,38 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use tandem_engine::{Engine, EngineConfig, LoadOptions, ModelSource, SamplingParams, StopParams, load_model};
+use tandem_engine::{
+    Engine, EngineConfig, LoadOptions, ModelSource, SamplingParams, StopParams, load_model,
+};
 
 fn main() -> anyhow::Result<()> {
     let batch: usize = std::env::args().nth(1).map_or(Ok(32), |s| s.parse())?;
-    let cache = std::env::var_os("TANDEM_CACHE").map_or_else(tandem_engine::fetch::default_cache_dir, Into::into);
-    let opts = LoadOptions { cache_dir: cache, ..Default::default() };
+    let cache = std::env::var_os("TANDEM_CACHE")
+        .map_or_else(tandem_engine::fetch::default_cache_dir, Into::into);
+    let opts = LoadOptions {
+        cache_dir: cache,
+        ..Default::default()
+    };
     let (model, tok) = load_model(&ModelSource::DefaultSmolLm2, &opts)?;
-    let config = EngineConfig { kv_budget_bytes: 2 << 30, max_batch_tokens: 8192, max_running: 256 };
+    let config = EngineConfig {
+        kv_budget_bytes: 2 << 30,
+        max_batch_tokens: 8192,
+        max_running: 256,
+    };
     let mut e = Engine::new(Arc::new(model), tok, config)?;
     for i in 0..batch as u32 {
-        let p: Vec<u32> = (0..128u32).map(|j| 3 + (j * 7919 + i * 104_729) % 49_000).collect();
-        e.add_request(p, SamplingParams::greedy(), StopParams { max_tokens: 60, ignore_eos: true, ..Default::default() })?;
+        let p: Vec<u32> = (0..128u32)
+            .map(|j| 3 + (j * 7919 + i * 104_729) % 49_000)
+            .collect();
+        e.add_request(
+            p,
+            SamplingParams::greedy(),
+            StopParams {
+                max_tokens: 60,
+                ignore_eos: true,
+                ..Default::default()
+            },
+        )?;
     }
     e.step()?;
     e.step()?;
@@ -22,6 +42,9 @@ fn main() -> anyhow::Result<()> {
     for _ in 0..50 {
         e.step()?;
     }
-    println!("batch {batch}: {:.1} ms/step", t.elapsed().as_secs_f64() * 1e3 / 50.0);
+    println!(
+        "batch {batch}: {:.1} ms/step",
+        t.elapsed().as_secs_f64() * 1e3 / 50.0
+    );
     Ok(())
 }
