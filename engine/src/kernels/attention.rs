@@ -118,16 +118,17 @@ unsafe fn run_task(
 ) {
     match isa {
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 => unsafe { task_avx512(g, q, s, group, r0, rows, out) },
+        Isa::Avx512 => unsafe { task_avx512(isa, g, q, s, group, r0, rows, out) },
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 => unsafe { task_avx2(g, q, s, group, r0, rows, out) },
-        _ => unsafe { task_body(g, q, s, group, r0, rows, out) },
+        Isa::Avx2 => unsafe { task_avx2(isa, g, q, s, group, r0, rows, out) },
+        _ => unsafe { task_body(isa, g, q, s, group, r0, rows, out) },
     }
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
 unsafe fn task_avx512(
+    isa: Isa,
     g: &Geometry,
     q: &[f32],
     s: &AttnSeq<'_>,
@@ -136,12 +137,13 @@ unsafe fn task_avx512(
     rows: usize,
     out: SharedMut,
 ) {
-    unsafe { task_body(g, q, s, group, r0, rows, out) }
+    unsafe { task_body(isa, g, q, s, group, r0, rows, out) }
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn task_avx2(
+    isa: Isa,
     g: &Geometry,
     q: &[f32],
     s: &AttnSeq<'_>,
@@ -150,7 +152,7 @@ unsafe fn task_avx2(
     rows: usize,
     out: SharedMut,
 ) {
-    unsafe { task_body(g, q, s, group, r0, rows, out) }
+    unsafe { task_body(isa, g, q, s, group, r0, rows, out) }
 }
 
 /// Online-softmax state of one (row, head).
@@ -162,6 +164,7 @@ struct RowState {
 /// The kernel body, compiled once per instruction set through the wrappers above.
 #[inline(always)]
 unsafe fn task_body(
+    isa: Isa,
     g: &Geometry,
     q: &[f32],
     s: &AttnSeq<'_>,
@@ -195,6 +198,7 @@ unsafe fn task_body(
             }
         }
     }
+    let mut scores = vec![[0f32; BLOCK_SIZE]; lanes];
     let last_pos = s.start_pos + r0 + rows - 1;
     let blocks = last_pos / BLOCK_SIZE + 1;
     let k_off = group * d * BLOCK_SIZE;
@@ -205,52 +209,49 @@ unsafe fn task_body(
         let kt = unsafe { std::slice::from_raw_parts(base.add(k_off), d * BLOCK_SIZE) };
         let vb = unsafe { std::slice::from_raw_parts(base.add(v_off), BLOCK_SIZE * d) };
         let first_key = b * BLOCK_SIZE;
-        for r in 0..rows {
-            let pos = s.start_pos + r0 + r;
-            if first_key > pos {
-                continue;
-            }
+        // Lanes (row, head) that see at least one key of this block: the causal mask only
+        // drops rows from the front of the task, so they are a suffix.
+        let first_lane = first_key.saturating_sub(s.start_pos + r0).min(rows) * n_rep;
+        // SAFETY: `kt` holds d rows of 16; `qs` and `scores` hold `lanes` lanes.
+        unsafe { block_scores(isa, kt, &qs, first_lane, lanes, d, &mut scores) };
+        for lane in first_lane..lanes {
+            let pos = s.start_pos + r0 + lane / n_rep;
             let valid = (pos - first_key + 1).min(BLOCK_SIZE);
-            for h in 0..n_rep {
-                let lane = r * n_rep + h;
-                let qv = &qs[lane * d..(lane + 1) * d];
-                let mut scores = [0f32; BLOCK_SIZE];
-                for (i, &qd) in qv.iter().enumerate() {
-                    let krow = &kt[i * BLOCK_SIZE..(i + 1) * BLOCK_SIZE];
-                    for j in 0..BLOCK_SIZE {
-                        scores[j] = qd.mul_add(krow[j], scores[j]);
-                    }
+            let lane_scores = &scores[lane];
+            let mut block_max = f32::NEG_INFINITY;
+            for &sc in &lane_scores[..valid] {
+                block_max = block_max.max(sc);
+            }
+            let st = &mut states[lane];
+            let new_max = st.max.max(block_max);
+            let mut p = *lane_scores;
+            for v in p.iter_mut() {
+                *v -= new_max;
+            }
+            exp16(&mut p);
+            let mut psum = 0f32;
+            for (j, v) in p.iter_mut().enumerate() {
+                if j >= valid {
+                    *v = 0.0;
                 }
-                let mut block_max = f32::NEG_INFINITY;
-                for &sc in &scores[..valid] {
-                    block_max = block_max.max(sc);
-                }
-                let st = &mut states[lane];
-                let new_max = st.max.max(block_max);
+                psum += *v;
+            }
+            let a = &mut acc[lane * d..(lane + 1) * d];
+            // Rescale only when the running maximum moved (x·1 is exact, so skipping it
+            // changes no bit of the result).
+            if new_max != st.max {
                 let correction = (st.max - new_max).exp();
-                let mut p = scores;
-                for v in p.iter_mut() {
-                    *v -= new_max;
-                }
-                exp16(&mut p);
-                let mut psum = 0f32;
-                for (j, v) in p.iter_mut().enumerate() {
-                    if j >= valid {
-                        *v = 0.0;
-                    }
-                    psum += *v;
-                }
-                st.sum = st.sum * correction + psum;
-                st.max = new_max;
-                let a = &mut acc[lane * d..(lane + 1) * d];
+                st.sum *= correction;
                 for x in a.iter_mut() {
                     *x *= correction;
                 }
-                for (j, &pj) in p[..valid].iter().enumerate() {
-                    let vrow = &vb[j * d..(j + 1) * d];
-                    for (x, &vv) in a.iter_mut().zip(vrow) {
-                        *x = pj.mul_add(vv, *x);
-                    }
+            }
+            st.sum += psum;
+            st.max = new_max;
+            for (j, &pj) in p[..valid].iter().enumerate() {
+                let vrow = &vb[j * d..(j + 1) * d];
+                for (x, &vv) in a.iter_mut().zip(vrow) {
+                    *x = pj.mul_add(vv, *x);
                 }
             }
         }
@@ -266,6 +267,85 @@ unsafe fn task_body(
                 unsafe { *out.0.add(row * g.width + head * d + i) = acc[lane * d + i] * inv };
             }
         }
+    }
+}
+
+/// `scores[l] = Σ_i qs[l][i] · kt[i][0..16]` for lanes `from..to` of one block (K is stored
+/// transposed: `kt[i]` holds dimension `i` of the block's 16 keys).
+///
+/// With AVX-512 up to six lanes run at once in registers, so the FMA units are not waiting on
+/// one 64-long dependency chain. Every lane's sum runs over `i` in order with fused
+/// multiply-adds on every path, so a lane's scores do not depend on which lanes share its
+/// group nor on the instruction set: batch invariance holds.
+#[inline(always)]
+unsafe fn block_scores(
+    isa: Isa,
+    kt: &[f32],
+    qs: &[f32],
+    from: usize,
+    to: usize,
+    d: usize,
+    scores: &mut [[f32; BLOCK_SIZE]],
+) {
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx512 {
+        let mut l = from;
+        while l < to {
+            let n = (to - l).min(6);
+            // SAFETY: the caller's slices hold `to` lanes of `d` floats and `d` rows of 16.
+            unsafe {
+                match n {
+                    6 => scores_avx512::<6>(kt, qs, l, d, scores),
+                    5 => scores_avx512::<5>(kt, qs, l, d, scores),
+                    4 => scores_avx512::<4>(kt, qs, l, d, scores),
+                    3 => scores_avx512::<3>(kt, qs, l, d, scores),
+                    2 => scores_avx512::<2>(kt, qs, l, d, scores),
+                    _ => scores_avx512::<1>(kt, qs, l, d, scores),
+                }
+            }
+            l += n;
+        }
+        return;
+    }
+    let _ = isa;
+    for l in from..to {
+        let q = &qs[l * d..(l + 1) * d];
+        let out = &mut scores[l];
+        *out = [0.0; BLOCK_SIZE];
+        for (i, &qd) in q.iter().enumerate() {
+            let krow = &kt[i * BLOCK_SIZE..(i + 1) * BLOCK_SIZE];
+            for j in 0..BLOCK_SIZE {
+                out[j] = qd.mul_add(krow[j], out[j]);
+            }
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn scores_avx512<const N: usize>(
+    kt: &[f32],
+    qs: &[f32],
+    from: usize,
+    d: usize,
+    scores: &mut [[f32; BLOCK_SIZE]],
+) {
+    use std::arch::x86_64::*;
+    debug_assert!(
+        kt.len() >= d * BLOCK_SIZE && qs.len() >= (from + N) * d && scores.len() >= from + N
+    );
+    let mut acc = [_mm512_setzero_ps(); N];
+    for i in 0..d {
+        // SAFETY: i < d, so row i's 16 floats are inside `kt`; lanes are below from + N.
+        let k = unsafe { _mm512_loadu_ps(kt.as_ptr().add(i * BLOCK_SIZE)) };
+        for (l, a) in acc.iter_mut().enumerate() {
+            let q = unsafe { *qs.get_unchecked((from + l) * d + i) };
+            *a = _mm512_fmadd_ps(_mm512_set1_ps(q), k, *a);
+        }
+    }
+    for (l, a) in acc.iter().enumerate() {
+        // SAFETY: `scores[from + l]` holds 16 floats.
+        unsafe { _mm512_storeu_ps(scores[from + l].as_mut_ptr(), *a) };
     }
 }
 
