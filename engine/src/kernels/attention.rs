@@ -84,7 +84,7 @@ pub fn paged_attention(
         let rows = (s.q_len - r0).min(ROWS_PER_TASK);
         // SAFETY: block ids were checked against the cache above; each task writes only the
         // rows [r0, r0 + rows) of its sequence and the heads of its KV group.
-        unsafe { run_task(isa, &geom, q, s, g, r0, rows, out_ptr) }
+        unsafe { run_task(isa, &geom, q, s, TaskSpan { group: g, r0, rows }, out_ptr) }
     };
     if tasks.len() == 1 {
         run(&tasks[0]);
@@ -106,22 +106,28 @@ struct Geometry {
 unsafe impl Sync for Geometry {}
 
 #[allow(clippy::too_many_arguments)]
+/// One task's share: query rows `r0..r0 + rows` of a sequence, heads of KV group `group`.
+#[derive(Debug, Clone, Copy)]
+struct TaskSpan {
+    group: usize,
+    r0: usize,
+    rows: usize,
+}
+
 unsafe fn run_task(
     isa: Isa,
     g: &Geometry,
     q: &[f32],
     s: &AttnSeq<'_>,
-    group: usize,
-    r0: usize,
-    rows: usize,
+    span: TaskSpan,
     out: SharedMut,
 ) {
     match isa {
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 => unsafe { task_avx512(isa, g, q, s, group, r0, rows, out) },
+        Isa::Avx512 => unsafe { task_avx512(isa, g, q, s, span, out) },
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 => unsafe { task_avx2(isa, g, q, s, group, r0, rows, out) },
-        _ => unsafe { task_body(isa, g, q, s, group, r0, rows, out) },
+        Isa::Avx2 => unsafe { task_avx2(isa, g, q, s, span, out) },
+        _ => unsafe { task_body(isa, g, q, s, span, out) },
     }
 }
 
@@ -132,12 +138,10 @@ unsafe fn task_avx512(
     g: &Geometry,
     q: &[f32],
     s: &AttnSeq<'_>,
-    group: usize,
-    r0: usize,
-    rows: usize,
+    span: TaskSpan,
     out: SharedMut,
 ) {
-    unsafe { task_body(isa, g, q, s, group, r0, rows, out) }
+    unsafe { task_body(isa, g, q, s, span, out) }
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -147,12 +151,10 @@ unsafe fn task_avx2(
     g: &Geometry,
     q: &[f32],
     s: &AttnSeq<'_>,
-    group: usize,
-    r0: usize,
-    rows: usize,
+    span: TaskSpan,
     out: SharedMut,
 ) {
-    unsafe { task_body(isa, g, q, s, group, r0, rows, out) }
+    unsafe { task_body(isa, g, q, s, span, out) }
 }
 
 /// Online-softmax state of one (row, head).
@@ -168,11 +170,10 @@ unsafe fn task_body(
     g: &Geometry,
     q: &[f32],
     s: &AttnSeq<'_>,
-    group: usize,
-    r0: usize,
-    rows: usize,
+    span: TaskSpan,
     out: SharedMut,
 ) {
+    let TaskSpan { group, r0, rows } = span;
     let d = g.d;
     let n_rep = g.n_rep;
     let lanes = rows * n_rep;
@@ -199,6 +200,7 @@ unsafe fn task_body(
         }
     }
     let mut scores = vec![[0f32; BLOCK_SIZE]; lanes];
+    let mut probs = vec![[0f32; BLOCK_SIZE]; lanes];
     let last_pos = s.start_pos + r0 + rows - 1;
     let blocks = last_pos / BLOCK_SIZE + 1;
     let k_off = group * d * BLOCK_SIZE;
@@ -214,6 +216,7 @@ unsafe fn task_body(
         let first_lane = first_key.saturating_sub(s.start_pos + r0).min(rows) * n_rep;
         // SAFETY: `kt` holds d rows of 16; `qs` and `scores` hold `lanes` lanes.
         unsafe { block_scores(isa, kt, &qs, first_lane, lanes, d, &mut scores) };
+        let mut full = true;
         for lane in first_lane..lanes {
             let pos = s.start_pos + r0 + lane / n_rep;
             let valid = (pos - first_key + 1).min(BLOCK_SIZE);
@@ -248,13 +251,28 @@ unsafe fn task_body(
             }
             st.sum += psum;
             st.max = new_max;
-            for (j, &pj) in p[..valid].iter().enumerate() {
-                let vrow = &vb[j * d..(j + 1) * d];
-                for (x, &vv) in a.iter_mut().zip(vrow) {
-                    *x = pj.mul_add(vv, *x);
+            probs[lane] = p;
+            full &= valid == BLOCK_SIZE;
+            if valid < BLOCK_SIZE {
+                // The diagonal block: only `valid` keys exist (the rest of the block may
+                // hold stale data, never to be multiplied, even by zero).
+                for (j, &pj) in p[..valid].iter().enumerate() {
+                    let vrow = &vb[j * d..(j + 1) * d];
+                    for (x, &vv) in a.iter_mut().zip(vrow) {
+                        *x = pj.mul_add(vv, *x);
+                    }
                 }
             }
         }
+        // Lanes that see the whole block accumulate P·V together (see `accumulate_v`).
+        let first_full = if full {
+            first_lane
+        } else {
+            (first_lane..lanes)
+                .find(|&l| s.start_pos + r0 + l / n_rep >= first_key + BLOCK_SIZE - 1)
+                .unwrap_or(lanes)
+        };
+        unsafe { accumulate_v(isa, vb, &probs, first_full, lanes, d, &mut acc) };
     }
     for r in 0..rows {
         let row = s.q_row + r0 + r;
@@ -346,6 +364,85 @@ unsafe fn scores_avx512<const N: usize>(
     for (l, a) in acc.iter().enumerate() {
         // SAFETY: `scores[from + l]` holds 16 floats.
         unsafe { _mm512_storeu_ps(scores[from + l].as_mut_ptr(), *a) };
+    }
+}
+
+/// `acc[l] += Σ_j probs[l][j] · vb[j]` for lanes `from..to`, all of which see the block's 16
+/// keys. With AVX-512 each 16-float slice of a V row is loaded once and applied to up to six
+/// lanes. Every element still sums over `j` in order with fused multiply-adds, as the
+/// one-lane path does, so the grouping changes no bit.
+#[inline(always)]
+unsafe fn accumulate_v(
+    isa: Isa,
+    vb: &[f32],
+    probs: &[[f32; BLOCK_SIZE]],
+    from: usize,
+    to: usize,
+    d: usize,
+    acc: &mut [f32],
+) {
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx512 && d.is_multiple_of(16) {
+        let mut l = from;
+        while l < to {
+            let n = (to - l).min(6);
+            // SAFETY: `vb` holds 16 rows of d, `probs` and `acc` hold `to` lanes.
+            unsafe {
+                match n {
+                    6 => accumulate_avx512::<6>(vb, probs, l, d, acc),
+                    5 => accumulate_avx512::<5>(vb, probs, l, d, acc),
+                    4 => accumulate_avx512::<4>(vb, probs, l, d, acc),
+                    3 => accumulate_avx512::<3>(vb, probs, l, d, acc),
+                    2 => accumulate_avx512::<2>(vb, probs, l, d, acc),
+                    _ => accumulate_avx512::<1>(vb, probs, l, d, acc),
+                }
+            }
+            l += n;
+        }
+        return;
+    }
+    let _ = isa;
+    for l in from..to {
+        let a = &mut acc[l * d..(l + 1) * d];
+        for (j, &pj) in probs[l].iter().enumerate() {
+            let vrow = &vb[j * d..(j + 1) * d];
+            for (x, &vv) in a.iter_mut().zip(vrow) {
+                *x = pj.mul_add(vv, *x);
+            }
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn accumulate_avx512<const N: usize>(
+    vb: &[f32],
+    probs: &[[f32; BLOCK_SIZE]],
+    from: usize,
+    d: usize,
+    acc: &mut [f32],
+) {
+    use std::arch::x86_64::*;
+    debug_assert!(
+        vb.len() >= BLOCK_SIZE * d && probs.len() >= from + N && acc.len() >= (from + N) * d
+    );
+    for c in (0..d).step_by(16) {
+        let mut regs = [_mm512_setzero_ps(); N];
+        for (l, r) in regs.iter_mut().enumerate() {
+            // SAFETY: lane from + l has d floats in `acc`; c + 16 <= d.
+            *r = unsafe { _mm512_loadu_ps(acc.as_ptr().add((from + l) * d + c)) };
+        }
+        for (j, vrow) in vb.chunks_exact(d).take(BLOCK_SIZE).enumerate() {
+            // SAFETY: columns c..c + 16 <= d of row j.
+            let v = unsafe { _mm512_loadu_ps(vrow.as_ptr().add(c)) };
+            for (l, r) in regs.iter_mut().enumerate() {
+                *r = _mm512_fmadd_ps(_mm512_set1_ps(probs[from + l][j]), v, *r);
+            }
+        }
+        for (l, r) in regs.iter().enumerate() {
+            // SAFETY: as for the loads.
+            unsafe { _mm512_storeu_ps(acc.as_mut_ptr().add((from + l) * d + c), *r) };
+        }
     }
 }
 
