@@ -70,8 +70,12 @@ impl EngineArgs {
         }
     }
 
-    /// Sizes the global compute pool; call once, before loading.
+    /// Sizes the compute threads (the kernels' team and rayon's pool); call once, before
+    /// loading.
     pub fn init_threads(&self) {
+        if let Some(n) = self.threads {
+            tandem_engine::kernels::team::set_threads(n);
+        }
         let mut builder = rayon::ThreadPoolBuilder::new().thread_name(|i| format!("compute-{i}"));
         if let Some(n) = self.threads {
             builder = builder.num_threads(n.max(1));

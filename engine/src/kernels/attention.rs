@@ -7,8 +7,6 @@
 //! its position and the cache, in a fixed block order: the output is the same whether the row
 //! ran in a batch of one or sixty-four, in one chunk or several.
 
-use rayon::prelude::*;
-
 use super::{Isa, SharedMut, isa};
 use crate::kv::{BLOCK_SIZE, KvCache};
 
@@ -86,11 +84,7 @@ pub fn paged_attention(
         // rows [r0, r0 + rows) of its sequence and the heads of its KV group.
         unsafe { run_task(isa, &geom, q, s, TaskSpan { group: g, r0, rows }, out_ptr) }
     };
-    if tasks.len() == 1 {
-        run(&tasks[0]);
-    } else {
-        tasks.par_iter().for_each(run);
-    }
+    super::team::parallel_for(tasks.len(), &|i| run(&tasks[i]));
 }
 
 struct Geometry {

@@ -7,7 +7,6 @@
 //! does not change the order of a sum either.
 
 use half::{bf16, f16};
-use rayon::prelude::*;
 
 use super::{Isa, SharedMut, isa};
 
@@ -124,7 +123,7 @@ pub fn linear(x: &[f32], m: usize, w: &Matrix, out: &mut [f32]) {
     if m == 0 || n == 0 {
         return;
     }
-    let threads = rayon::current_num_threads().max(1);
+    let threads = super::team::threads();
     // Enough tasks to balance, each a multiple of NR columns and at least 16 of them.
     let per_task = (n.div_ceil(threads * 4)).next_multiple_of(NR).max(16);
     let tasks = n.div_ceil(per_task);
@@ -137,11 +136,7 @@ pub fn linear(x: &[f32], m: usize, w: &Matrix, out: &mut [f32]) {
         // within the bounds asserted above.
         unsafe { column_block(isa, x, m, k, &w.data, j0, j1, out_ptr, n) }
     };
-    if tasks == 1 {
-        run(0);
-    } else {
-        (0..tasks).into_par_iter().for_each(run);
-    }
+    super::team::parallel_for(tasks, &run);
 }
 
 #[allow(clippy::too_many_arguments)]

@@ -12,6 +12,7 @@
 pub mod attention;
 pub mod matmul;
 mod ops;
+pub mod team;
 
 pub use matmul::{Matrix, WeightData, linear};
 pub use ops::{RopeTable, add_in_place, rms_norm, silu_mul};
