@@ -39,7 +39,9 @@ impl std::fmt::Debug for ReferenceModel<'_> {
 }
 
 fn matrix(m: &Matrix) -> Result<Tensor> {
-    let values: Vec<f32> = (0..m.data.len()).map(|i| m.data.get(i)).collect();
+    let values: Vec<f32> = (0..m.rows)
+        .flat_map(|r| (0..m.cols).map(move |c| m.get(r, c)))
+        .collect();
     Ok(Tensor::from_vec(values, (m.rows, m.cols), &Device::Cpu)?)
 }
 

@@ -1,16 +1,30 @@
-//! `linear`: `out[m×n] = x[m×k] · Wᵀ` with W stored row-major as `n×k` (the layout of every
-//! Llama projection), f32 activations and f32/f16/bf16 weights.
+//! `linear`: `out[m×n] = x[m×k] · Wᵀ` for a weight matrix W of `n` output features by `k`
+//! input features (every Llama projection), f32 activations, f32/f16/bf16 weights.
 //!
-//! Batch invariance is the point: each output element is one accumulator vector running over
-//! k in a fixed order, then one horizontal sum, in every tile shape. Tiles of up to 4 rows of
-//! x by 4 rows of W share loads; columns are split across threads (never k), so threading
-//! does not change the order of a sum either.
+//! W is repacked at load into panels of 16 output features: panel `p` holds, for every input
+//! feature `i`, the 16 weights `W[16p..16p+16][i]` side by side (zero-padded past `n`). The
+//! kernel then broadcasts one activation and multiplies it into 16 outputs at once, the
+//! classic BLIS micro-kernel shape, with no horizontal sums.
+//!
+//! Batch invariance is the point: every output element is one accumulator lane that runs
+//! over `i = 0..k` in order with fused multiply-adds, on every tile shape and on the scalar
+//! path. Tiles differ only in how many rows and panels share the loads; columns are split
+//! across threads, never `k`. So a row's result never depends on the batch around it.
 
 use half::{bf16, f16};
 
 use super::{Isa, SharedMut, isa};
 
-/// Weight storage of one matrix.
+/// Output features per panel: one AVX-512 vector of f32.
+pub const PANEL: usize = 16;
+/// Rows of x per micro-tile.
+const MR: usize = 6;
+/// Panels per micro-tile (64 outputs).
+const NP: usize = 4;
+/// Rows of x per cache block.
+const ROW_BLOCK: usize = 96;
+
+/// Weight storage in panel order (see the module docs).
 #[derive(Debug, Clone)]
 pub enum WeightData {
     F32(Vec<f32>),
@@ -48,70 +62,75 @@ impl WeightData {
         }
     }
 
-    /// Copies row `r` (of `cols` elements) into `out` as f32.
-    pub fn row_into(&self, r: usize, cols: usize, out: &mut [f32]) {
-        let range = r * cols..(r + 1) * cols;
+    fn zeros_like(&self, n: usize) -> WeightData {
         match self {
-            WeightData::F32(v) => out.copy_from_slice(&v[range]),
-            WeightData::F16(v) => {
-                half::slice::HalfFloatSliceExt::convert_to_f32_slice(&v[range], out)
-            }
-            WeightData::Bf16(v) => {
-                half::slice::HalfFloatSliceExt::convert_to_f32_slice(&v[range], out)
-            }
+            WeightData::F32(_) => WeightData::F32(vec![0.0; n]),
+            WeightData::F16(_) => WeightData::F16(vec![f16::ZERO; n]),
+            WeightData::Bf16(_) => WeightData::Bf16(vec![bf16::ZERO; n]),
+        }
+    }
+
+    fn copy_from(&mut self, dst: usize, src: &WeightData, i: usize) {
+        match (self, src) {
+            (WeightData::F32(d), WeightData::F32(s)) => d[dst] = s[i],
+            (WeightData::F16(d), WeightData::F16(s)) => d[dst] = s[i],
+            (WeightData::Bf16(d), WeightData::Bf16(s)) => d[dst] = s[i],
+            (WeightData::F32(d), s) => d[dst] = s.get(i),
+            (WeightData::F16(d), s) => d[dst] = f16::from_f32(s.get(i)),
+            (WeightData::Bf16(d), s) => d[dst] = bf16::from_f32(s.get(i)),
         }
     }
 }
 
-/// A weight matrix of `rows` output features by `cols` input features.
+/// A weight matrix of `rows` output features by `cols` input features, stored in panels.
 #[derive(Debug, Clone)]
 pub struct Matrix {
     pub rows: usize,
     pub cols: usize,
-    pub data: WeightData,
+    data: WeightData,
 }
 
 impl Matrix {
-    pub fn new(rows: usize, cols: usize, data: WeightData) -> Self {
-        debug_assert_eq!(rows * cols, data.len());
+    /// Packs a row-major `rows × cols` matrix into panels.
+    pub fn new(rows: usize, cols: usize, row_major: WeightData) -> Self {
+        assert_eq!(
+            row_major.len(),
+            rows * cols,
+            "matrix data does not match its shape"
+        );
+        let panels = rows.div_ceil(PANEL);
+        let mut data = row_major.zeros_like(panels * PANEL * cols);
+        for r in 0..rows {
+            let (p, lane) = (r / PANEL, r % PANEL);
+            for c in 0..cols {
+                data.copy_from((p * cols + c) * PANEL + lane, &row_major, r * cols + c);
+            }
+        }
         Self { rows, cols, data }
     }
 
-    /// Stacks matrices with the same `cols` on top of each other (fused QKV, gate/up).
-    pub fn concat_rows(parts: &[Matrix]) -> Matrix {
-        let cols = parts[0].cols;
-        let rows = parts.iter().map(|p| p.rows).sum();
-        let data = match &parts[0].data {
-            WeightData::F32(_) => WeightData::F32(
-                parts
-                    .iter()
-                    .flat_map(|p| match &p.data {
-                        WeightData::F32(v) => v.clone(),
-                        other => (0..other.len()).map(|i| other.get(i)).collect(),
-                    })
-                    .collect(),
-            ),
-            WeightData::F16(_) => WeightData::F16(
-                parts
-                    .iter()
-                    .flat_map(|p| (0..p.data.len()).map(|i| f16::from_f32(p.data.get(i))))
-                    .collect(),
-            ),
-            WeightData::Bf16(_) => WeightData::Bf16(
-                parts
-                    .iter()
-                    .flat_map(|p| (0..p.data.len()).map(|i| bf16::from_f32(p.data.get(i))))
-                    .collect(),
-            ),
-        };
-        Matrix { rows, cols, data }
+    /// Element `(r, c)` widened to f32.
+    pub fn get(&self, r: usize, c: usize) -> f32 {
+        self.data
+            .get(((r / PANEL) * self.cols + c) * PANEL + r % PANEL)
+    }
+
+    /// Copies row `r` into `out` as f32 (embedding lookups).
+    pub fn row_into(&self, r: usize, out: &mut [f32]) {
+        for (c, o) in out.iter_mut().enumerate().take(self.cols) {
+            *o = self.get(r, c);
+        }
+    }
+
+    /// Bytes of storage (padding included).
+    pub fn size_in_bytes(&self) -> usize {
+        self.data.size_in_bytes()
+    }
+
+    pub fn data(&self) -> &WeightData {
+        &self.data
     }
 }
-
-/// Rows of x per cache block: a block of x stays in L2 while W streams past it.
-const ROW_BLOCK: usize = 64;
-const MR: usize = 4;
-const NR: usize = 4;
 
 /// `out[m×w.rows] = x[m×w.cols] · Wᵀ`, batch-invariant (see the module docs).
 pub fn linear(x: &[f32], m: usize, w: &Matrix, out: &mut [f32]) {
@@ -123,67 +142,87 @@ pub fn linear(x: &[f32], m: usize, w: &Matrix, out: &mut [f32]) {
     if m == 0 || n == 0 {
         return;
     }
+    let panels = n.div_ceil(PANEL);
     let threads = super::team::threads();
-    // Enough tasks to balance, each a multiple of NR columns and at least 16 of them.
-    let per_task = (n.div_ceil(threads * 4)).next_multiple_of(NR).max(16);
-    let tasks = n.div_ceil(per_task);
+    // Enough tasks to balance, each a whole number of micro-tile column groups.
+    let per_task = panels.div_ceil(threads * 4).next_multiple_of(NP).max(NP);
+    let tasks = panels.div_ceil(per_task);
     let out_ptr = SharedMut(out.as_mut_ptr());
     let isa = isa();
     let run = |t: usize| {
-        let j0 = t * per_task;
-        let j1 = (j0 + per_task).min(n);
-        // SAFETY: tasks own disjoint column ranges [j0, j1) of `out`; all pointer offsets stay
-        // within the bounds asserted above.
-        unsafe { column_block(isa, x, m, k, &w.data, j0, j1, out_ptr, n) }
+        let p0 = t * per_task;
+        let p1 = (p0 + per_task).min(panels);
+        // SAFETY: tasks own disjoint panel ranges, i.e. disjoint output columns; every
+        // offset stays inside the buffers checked above and the packed weights.
+        unsafe { panel_block(isa, x, m, k, n, &w.data, p0, p1, out_ptr) }
     };
     super::team::parallel_for(tasks, &run);
 }
 
 #[allow(clippy::too_many_arguments)]
-unsafe fn column_block(
+unsafe fn panel_block(
     isa: Isa,
     x: &[f32],
     m: usize,
     k: usize,
+    n: usize,
     w: &WeightData,
-    j0: usize,
-    j1: usize,
+    p0: usize,
+    p1: usize,
     out: SharedMut,
-    ldo: usize,
 ) {
     let mut i0 = 0;
     while i0 < m {
         let i1 = (i0 + ROW_BLOCK).min(m);
-        let mut j = j0;
-        while j < j1 {
-            let nr = (j1 - j).min(NR);
+        let mut p = p0;
+        while p < p1 {
+            let np = (p1 - p).min(NP);
             let mut i = i0;
             while i < i1 {
                 let mr = (i1 - i).min(MR);
-                let xp = unsafe { x.as_ptr().add(i * k) };
-                let op = unsafe { out.0.add(i * ldo + j) };
+                let tile = Tile {
+                    x: unsafe { x.as_ptr().add(i * k) },
+                    k,
+                    out: unsafe { out.0.add(i * n + p * PANEL) },
+                    ldo: n,
+                    // Output columns this tile may write (the last panel can be partial).
+                    cols: (n - p * PANEL).min(np * PANEL),
+                };
                 unsafe {
                     match w {
                         WeightData::F32(v) => {
-                            tile_f32(isa, mr, nr, xp, k, v.as_ptr().add(j * k), op, ldo)
+                            tile_f32(isa, mr, np, tile, v.as_ptr().add(p * k * PANEL))
                         }
                         WeightData::F16(v) => {
-                            tile_f16(isa, mr, nr, xp, k, v.as_ptr().add(j * k), op, ldo)
+                            tile_f16(isa, mr, np, tile, v.as_ptr().add(p * k * PANEL))
                         }
                         WeightData::Bf16(v) => {
-                            tile_bf16(isa, mr, nr, xp, k, v.as_ptr().add(j * k), op, ldo)
+                            tile_bf16(isa, mr, np, tile, v.as_ptr().add(p * k * PANEL))
                         }
                     }
                 }
                 i += mr;
             }
-            j += nr;
+            p += np;
         }
         i0 = i1;
     }
 }
 
-/// Scalar widening used by the k tails and the scalar kernels.
+/// Where one micro-tile reads and writes.
+#[derive(Clone, Copy)]
+struct Tile {
+    /// First row of x (rows are `k` apart).
+    x: *const f32,
+    k: usize,
+    /// First output element (rows are `ldo` apart).
+    out: *mut f32,
+    ldo: usize,
+    /// Columns to store, counted from the tile's first panel.
+    cols: usize,
+}
+
+/// Scalar widening for the portable kernel.
 trait Widen: Copy {
     fn widen(self) -> f32;
 }
@@ -206,32 +245,26 @@ impl Widen for bf16 {
     }
 }
 
-/// The portable kernel: 8 partial sums per element over k, then a fixed-order reduction.
-unsafe fn tile_scalar<W: Widen, const R: usize, const C: usize>(
-    x: *const f32,
-    k: usize,
-    w: *const W,
-    out: *mut f32,
-    ldo: usize,
-) {
-    for i in 0..R {
-        for j in 0..C {
-            let mut acc = [0f32; 8];
-            for p in 0..k {
-                let xv = unsafe { *x.add(i * k + p) };
-                let wv = unsafe { (*w.add(j * k + p)).widen() };
-                acc[p % 8] = xv.mul_add(wv, acc[p % 8]);
+/// The portable kernel: the same per-element order (one fused multiply-add per `i`).
+unsafe fn tile_scalar<W: Widen>(mr: usize, np: usize, t: Tile, w: *const W) {
+    for r in 0..mr {
+        for c in 0..t.cols.min(np * PANEL) {
+            let (p, lane) = (c / PANEL, c % PANEL);
+            let panel = unsafe { w.add(p * t.k * PANEL) };
+            let mut acc = 0f32;
+            for i in 0..t.k {
+                let xv = unsafe { *t.x.add(r * t.k + i) };
+                let wv = unsafe { (*panel.add(i * PANEL + lane)).widen() };
+                acc = xv.mul_add(wv, acc);
             }
-            let s =
-                ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
-            unsafe { *out.add(i * ldo + j) = s };
+            unsafe { *t.out.add(r * t.ldo + c) = acc };
         }
     }
 }
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use super::Widen;
+    use super::{PANEL, Tile};
     use std::arch::x86_64::*;
 
     macro_rules! load16 {
@@ -264,115 +297,74 @@ mod x86 {
 
     macro_rules! tiles {
         ($avx512:ident, $avx2:ident, $ty:ty, $kind:tt) => {
-            /// AVX-512 tile: R×C accumulators of 16 lanes.
+            /// AVX-512: R rows × C panels of accumulators, one broadcast per row and input.
             #[target_feature(enable = "avx512f,avx512bw,avx512vl,f16c,fma")]
-            pub(super) unsafe fn $avx512<const R: usize, const C: usize>(
-                x: *const f32,
-                k: usize,
-                w: *const $ty,
-                out: *mut f32,
-                ldo: usize,
-            ) {
+            pub(super) unsafe fn $avx512<const R: usize, const C: usize>(t: Tile, w: *const $ty) {
                 let mut acc = [[_mm512_setzero_ps(); C]; R];
-                let full = k / 16 * 16;
-                let mut p = 0;
-                while p < full {
+                let panel_stride = t.k * PANEL;
+                for i in 0..t.k {
                     let mut wv = [_mm512_setzero_ps(); C];
-                    for j in 0..C {
-                        wv[j] = unsafe { load16!($kind, w.add(j * k + p)) };
-                        // The next tile's rows follow these in memory: fetch them while this
-                        // tile computes, so small batches stream weights at full bandwidth.
-                        _mm_prefetch::<_MM_HINT_T0>(w.wrapping_add((C + j) * k + p) as *const i8);
+                    for (c, v) in wv.iter_mut().enumerate() {
+                        *v = unsafe { load16!($kind, w.add(c * panel_stride + i * PANEL)) };
                     }
-                    for i in 0..R {
-                        let xv = unsafe { _mm512_loadu_ps(x.add(i * k + p)) };
-                        for j in 0..C {
-                            acc[i][j] = _mm512_fmadd_ps(xv, wv[j], acc[i][j]);
-                        }
-                    }
-                    p += 16;
-                }
-                if p < k {
-                    // The tail goes through zero-padded copies: 0·0 adds nothing, and every
-                    // element of every tile takes this same path for a given k.
-                    let mut wt = [[0f32; 16]; C];
-                    for j in 0..C {
-                        for q in p..k {
-                            wt[j][q - p] = unsafe { (*w.add(j * k + q)).widen() };
-                        }
-                    }
-                    for i in 0..R {
-                        let mut xt = [0f32; 16];
-                        for q in p..k {
-                            xt[q - p] = unsafe { *x.add(i * k + q) };
-                        }
-                        let xv = unsafe { _mm512_loadu_ps(xt.as_ptr()) };
-                        for j in 0..C {
-                            let wv = unsafe { _mm512_loadu_ps(wt[j].as_ptr()) };
-                            acc[i][j] = _mm512_fmadd_ps(xv, wv, acc[i][j]);
+                    for (r, row) in acc.iter_mut().enumerate() {
+                        let xv = _mm512_set1_ps(unsafe { *t.x.add(r * t.k + i) });
+                        for (a, v) in row.iter_mut().zip(&wv) {
+                            *a = _mm512_fmadd_ps(xv, *v, *a);
                         }
                     }
                 }
-                for i in 0..R {
-                    for j in 0..C {
-                        unsafe { *out.add(i * ldo + j) = _mm512_reduce_add_ps(acc[i][j]) };
+                for (r, row) in acc.iter().enumerate() {
+                    for (c, a) in row.iter().enumerate() {
+                        let col = c * PANEL;
+                        if col >= t.cols {
+                            break;
+                        }
+                        let dst = unsafe { t.out.add(r * t.ldo + col) };
+                        let valid = (t.cols - col).min(PANEL);
+                        if valid == PANEL {
+                            unsafe { _mm512_storeu_ps(dst, *a) };
+                        } else {
+                            let mask: __mmask16 = ((1u32 << valid) - 1) as __mmask16;
+                            unsafe { _mm512_mask_storeu_ps(dst, mask, *a) };
+                        }
                     }
                 }
             }
 
-            /// AVX2 tile: R×C accumulators of 8 lanes.
+            /// AVX2: each 16-wide panel as two 8-wide halves.
             #[target_feature(enable = "avx2,f16c,fma")]
-            pub(super) unsafe fn $avx2<const R: usize, const C: usize>(
-                x: *const f32,
-                k: usize,
-                w: *const $ty,
-                out: *mut f32,
-                ldo: usize,
-            ) {
-                let mut acc = [[_mm256_setzero_ps(); C]; R];
-                let full = k / 8 * 8;
-                let mut p = 0;
-                while p < full {
-                    let mut wv = [_mm256_setzero_ps(); C];
-                    for j in 0..C {
-                        wv[j] = unsafe { load8!($kind, w.add(j * k + p)) };
-                        _mm_prefetch::<_MM_HINT_T0>(w.wrapping_add((C + j) * k + p) as *const i8);
+            pub(super) unsafe fn $avx2<const R: usize, const C: usize>(t: Tile, w: *const $ty) {
+                let mut acc = [[[_mm256_setzero_ps(); 2]; C]; R];
+                let panel_stride = t.k * PANEL;
+                for i in 0..t.k {
+                    let mut wv = [[_mm256_setzero_ps(); 2]; C];
+                    for (c, v) in wv.iter_mut().enumerate() {
+                        let base = unsafe { w.add(c * panel_stride + i * PANEL) };
+                        v[0] = unsafe { load8!($kind, base) };
+                        v[1] = unsafe { load8!($kind, base.add(8)) };
                     }
-                    for i in 0..R {
-                        let xv = unsafe { _mm256_loadu_ps(x.add(i * k + p)) };
-                        for j in 0..C {
-                            acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]);
-                        }
-                    }
-                    p += 8;
-                }
-                if p < k {
-                    let mut wt = [[0f32; 8]; C];
-                    for j in 0..C {
-                        for q in p..k {
-                            wt[j][q - p] = unsafe { (*w.add(j * k + q)).widen() };
-                        }
-                    }
-                    for i in 0..R {
-                        let mut xt = [0f32; 8];
-                        for q in p..k {
-                            xt[q - p] = unsafe { *x.add(i * k + q) };
-                        }
-                        let xv = unsafe { _mm256_loadu_ps(xt.as_ptr()) };
-                        for j in 0..C {
-                            let wv = unsafe { _mm256_loadu_ps(wt[j].as_ptr()) };
-                            acc[i][j] = _mm256_fmadd_ps(xv, wv, acc[i][j]);
+                    for (r, row) in acc.iter_mut().enumerate() {
+                        let xv = _mm256_set1_ps(unsafe { *t.x.add(r * t.k + i) });
+                        for (a, v) in row.iter_mut().zip(&wv) {
+                            a[0] = _mm256_fmadd_ps(xv, v[0], a[0]);
+                            a[1] = _mm256_fmadd_ps(xv, v[1], a[1]);
                         }
                     }
                 }
-                for i in 0..R {
-                    for j in 0..C {
-                        let v = acc[i][j];
-                        let hi = _mm256_extractf128_ps::<1>(v);
-                        let s4 = _mm_add_ps(_mm256_castps256_ps128(v), hi);
-                        let s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-                        let s1 = _mm_add_ss(s2, _mm_shuffle_ps::<1>(s2, s2));
-                        unsafe { *out.add(i * ldo + j) = _mm_cvtss_f32(s1) };
+                for (r, row) in acc.iter().enumerate() {
+                    for (c, a) in row.iter().enumerate() {
+                        let mut lanes = [0f32; PANEL];
+                        unsafe {
+                            _mm256_storeu_ps(lanes.as_mut_ptr(), a[0]);
+                            _mm256_storeu_ps(lanes.as_mut_ptr().add(8), a[1]);
+                        }
+                        for (j, &v) in lanes.iter().enumerate() {
+                            let col = c * PANEL + j;
+                            if col < t.cols {
+                                unsafe { *t.out.add(r * t.ldo + col) = v };
+                            }
+                        }
                     }
                 }
             }
@@ -384,48 +376,46 @@ mod x86 {
     tiles!(tile_avx512_bf16, tile_avx2_bf16, half::bf16, bf16);
 }
 
-/// Dispatches one tile of `mr`×`nr` (each 1..=4) to the kernel of the detected ISA.
+/// Dispatches a tile of `mr` (1..=6) rows by `np` (1..=4) panels to the detected ISA.
 macro_rules! dispatch_tile {
     ($fn_name:ident, $ty:ty, $avx512:ident, $avx2:ident) => {
-        #[allow(clippy::too_many_arguments)]
-        unsafe fn $fn_name(
-            isa: Isa,
-            mr: usize,
-            nr: usize,
-            x: *const f32,
-            k: usize,
-            w: *const $ty,
-            out: *mut f32,
-            ldo: usize,
-        ) {
+        unsafe fn $fn_name(isa: Isa, mr: usize, np: usize, t: Tile, w: *const $ty) {
             macro_rules! call {
                 ($r:literal, $c:literal) => {
                     match isa {
                         #[cfg(target_arch = "x86_64")]
-                        Isa::Avx512 => unsafe { x86::$avx512::<$r, $c>(x, k, w, out, ldo) },
+                        Isa::Avx512 => unsafe { x86::$avx512::<$r, $c>(t, w) },
                         #[cfg(target_arch = "x86_64")]
-                        Isa::Avx2 => unsafe { x86::$avx2::<$r, $c>(x, k, w, out, ldo) },
-                        _ => unsafe { tile_scalar::<$ty, $r, $c>(x, k, w, out, ldo) },
+                        Isa::Avx2 => unsafe { x86::$avx2::<$r, $c>(t, w) },
+                        _ => unsafe { tile_scalar::<$ty>($r, $c, t, w) },
                     }
                 };
             }
-            match (mr, nr) {
+            match (mr, np) {
+                (6, 4) => call!(6, 4),
+                (6, 3) => call!(6, 3),
+                (6, 2) => call!(6, 2),
+                (6, _) => call!(6, 1),
+                (5, 4) => call!(5, 4),
+                (5, 3) => call!(5, 3),
+                (5, 2) => call!(5, 2),
+                (5, _) => call!(5, 1),
                 (4, 4) => call!(4, 4),
                 (4, 3) => call!(4, 3),
                 (4, 2) => call!(4, 2),
-                (4, 1) => call!(4, 1),
+                (4, _) => call!(4, 1),
                 (3, 4) => call!(3, 4),
                 (3, 3) => call!(3, 3),
                 (3, 2) => call!(3, 2),
-                (3, 1) => call!(3, 1),
+                (3, _) => call!(3, 1),
                 (2, 4) => call!(2, 4),
                 (2, 3) => call!(2, 3),
                 (2, 2) => call!(2, 2),
-                (2, 1) => call!(2, 1),
-                (1, 4) => call!(1, 4),
-                (1, 3) => call!(1, 3),
-                (1, 2) => call!(1, 2),
-                _ => call!(1, 1),
+                (2, _) => call!(2, 1),
+                (_, 4) => call!(1, 4),
+                (_, 3) => call!(1, 3),
+                (_, 2) => call!(1, 2),
+                (_, _) => call!(1, 1),
             }
         }
     };
@@ -451,12 +441,26 @@ mod tests {
             for j in 0..w.rows {
                 let mut s = 0f64;
                 for p in 0..w.cols {
-                    s += f64::from(x[i * w.cols + p]) * f64::from(w.data.get(j * w.cols + p));
+                    s += f64::from(x[i * w.cols + p]) * f64::from(w.get(j, p));
                 }
                 out[i * w.rows + j] = s as f32;
             }
         }
         out
+    }
+
+    #[test]
+    fn packing_keeps_every_element() {
+        let vals = random(37 * 5, 9);
+        let w = Matrix::new(37, 5, WeightData::F32(vals.clone()));
+        for r in 0..37 {
+            for c in 0..5 {
+                assert_eq!(w.get(r, c), vals[r * 5 + c]);
+            }
+        }
+        let mut row = vec![0f32; 5];
+        w.row_into(20, &mut row);
+        assert_eq!(row, vals[100..105]);
     }
 
     #[test]
@@ -468,6 +472,7 @@ mod tests {
             (70, 37, 100),
             (1, 64, 576),
             (9, 130, 17),
+            (13, 200, 64),
         ] {
             let x = random(m * k, 1);
             let wf = random(n * k, 2);
@@ -477,7 +482,7 @@ mod tests {
                 WeightData::Bf16(wf.iter().map(|&v| bf16::from_f32(v)).collect()),
             ] {
                 let w = Matrix::new(n, k, data);
-                let mut out = vec![0f32; m * n];
+                let mut out = vec![f32::NAN; m * n + 3];
                 linear(&x, m, &w, &mut out);
                 let want = naive(&x, m, &w);
                 for (a, b) in out.iter().zip(&want) {
@@ -486,6 +491,10 @@ mod tests {
                         "{m}x{n}x{k}: {a} vs {b}"
                     );
                 }
+                assert!(
+                    out[m * n..].iter().all(|v| v.is_nan()),
+                    "wrote past the output"
+                );
             }
         }
     }
@@ -509,30 +518,26 @@ mod tests {
     }
 
     #[test]
-    fn scalar_kernel_agrees() {
-        let (m, n, k) = (3, 6, 45);
+    fn scalar_kernel_is_bit_identical_to_the_simd_one() {
+        let (m, n, k) = (5, 40, 45);
         let x = random(m * k, 5);
         let w = Matrix::new(n, k, WeightData::F32(random(n * k, 6)));
-        let mut out = vec![0f32; m * n];
+        let mut simd = vec![0f32; m * n];
+        linear(&x, m, &w, &mut simd);
+        let mut scalar = vec![0f32; m * n];
         let WeightData::F32(wd) = &w.data else {
             unreachable!()
         };
-        for i in 0..m {
-            for j in 0..n {
-                unsafe {
-                    tile_scalar::<f32, 1, 1>(
-                        x.as_ptr().add(i * k),
-                        k,
-                        wd.as_ptr().add(j * k),
-                        out.as_mut_ptr().add(i * n + j),
-                        n,
-                    )
-                };
-            }
+        for p in 0..n.div_ceil(PANEL) {
+            let t = Tile {
+                x: x.as_ptr(),
+                k,
+                out: unsafe { scalar.as_mut_ptr().add(p * PANEL) },
+                ldo: n,
+                cols: (n - p * PANEL).min(PANEL),
+            };
+            unsafe { tile_scalar::<f32>(m, 1, t, wd.as_ptr().add(p * k * PANEL)) };
         }
-        let want = naive(&x, m, &w);
-        for (a, b) in out.iter().zip(&want) {
-            assert!((a - b).abs() <= 1e-4 * (1.0 + b.abs()));
-        }
+        assert_eq!(scalar, simd);
     }
 }

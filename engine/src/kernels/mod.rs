@@ -14,7 +14,7 @@ pub mod matmul;
 mod ops;
 pub mod team;
 
-pub use matmul::{Matrix, WeightData, linear};
+pub use matmul::{Matrix, PANEL, WeightData, linear};
 pub use ops::{RopeTable, add_in_place, rms_norm, silu_mul};
 
 use std::sync::OnceLock;

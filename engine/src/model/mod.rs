@@ -161,7 +161,7 @@ impl Model {
         let mut x = vec![0f32; t * h];
         let tokens = seqs.iter().flat_map(|s| s.tokens.iter());
         for (row, &tok) in x.chunks_exact_mut(h).zip(tokens) {
-            self.weights.embed.data.row_into(tok as usize, h, row);
+            self.weights.embed.row_into(tok as usize, row);
         }
         let mut normed = vec![0f32; t * h];
         let mut qkv = vec![0f32; t * qkv_w];

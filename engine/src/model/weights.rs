@@ -37,7 +37,7 @@ impl Weights {
 
     /// Bytes of all matrices and vectors (tied embeddings once).
     pub fn size_in_bytes(&self) -> usize {
-        let m = |x: &Matrix| x.data.size_in_bytes();
+        let m = |x: &Matrix| x.size_in_bytes();
         let layers: usize = self
             .layers
             .iter()
@@ -56,12 +56,10 @@ impl Weights {
     pub fn validate(&self, cfg: &ModelConfig) -> Result<()> {
         let h = cfg.hidden_size;
         let check = |name: &str, m: &Matrix, rows: usize, cols: usize| {
-            if m.rows != rows || m.cols != cols || m.data.len() != rows * cols {
+            if m.rows != rows || m.cols != cols {
                 return Err(EngineError::Config(format!(
-                    "{name}: shape {}x{} (len {}), expected {rows}x{cols}",
-                    m.rows,
-                    m.cols,
-                    m.data.len()
+                    "{name}: shape {}x{}, expected {rows}x{cols}",
+                    m.rows, m.cols
                 )));
             }
             Ok(())
