@@ -271,7 +271,7 @@ pub fn argmax(logits: &[f32]) -> u32 {
 
 fn log_softmax_at(logits: &[f32], i: usize) -> f32 {
     let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let sum: f32 = logits.iter().map(|&l| (l - max).exp()).sum();
+    let sum = crate::kernels::sum_exp(logits, max);
     logits[i] - max - sum.ln()
 }
 

@@ -445,18 +445,7 @@ unsafe fn accumulate_avx512<const N: usize>(
 #[inline(always)]
 fn exp16(x: &mut [f32; BLOCK_SIZE]) {
     for v in x.iter_mut() {
-        let xc = v.clamp(-87.3, 88.3);
-        let fx = (xc * std::f32::consts::LOG2_E + 0.5).floor();
-        let r = xc - fx * 0.693_359_4 - fx * -2.121_944_4e-4;
-        let mut y = 1.987_569_1e-4f32;
-        y = y.mul_add(r, 1.398_199_9e-3);
-        y = y.mul_add(r, 8.333_452e-3);
-        y = y.mul_add(r, 4.166_579_6e-2);
-        y = y.mul_add(r, 1.666_666_5e-1);
-        y = y.mul_add(r, 0.5);
-        y = y.mul_add(r * r, r + 1.0);
-        let pow2 = f32::from_bits(((fx as i32 + 127) << 23) as u32);
-        *v = y * pow2;
+        *v = super::ops::exp_poly(*v);
     }
 }
 

@@ -11,11 +11,11 @@
 
 pub mod attention;
 pub mod matmul;
-mod ops;
+pub(crate) mod ops;
 pub mod team;
 
 pub use matmul::{Matrix, PANEL, WeightData, linear};
-pub use ops::{RopeTable, add_in_place, rms_norm, silu_mul};
+pub use ops::{RopeTable, add_in_place, rms_norm, silu_mul, sum_exp};
 
 use std::sync::OnceLock;
 

@@ -21,14 +21,93 @@ pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
 }
 
 /// SwiGLU on a fused gate/up projection: each input row is `[gate(f), up(f)]`, each output
-/// row `silu(gate) * up`.
+/// row `silu(gate) * up`. Compiled per instruction set so the exponential vectorizes (a libm
+/// `expf` per element was 3 % of a decode step).
 pub fn silu_mul(gate_up: &[f32], f: usize, out: &mut [f32]) {
+    match super::isa() {
+        #[cfg(target_arch = "x86_64")]
+        super::Isa::Avx512 => unsafe { silu_mul_avx512(gate_up, f, out) },
+        #[cfg(target_arch = "x86_64")]
+        super::Isa::Avx2 => unsafe { silu_mul_avx2(gate_up, f, out) },
+        _ => silu_mul_body(gate_up, f, out),
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
+unsafe fn silu_mul_avx512(gate_up: &[f32], f: usize, out: &mut [f32]) {
+    silu_mul_body(gate_up, f, out)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn silu_mul_avx2(gate_up: &[f32], f: usize, out: &mut [f32]) {
+    silu_mul_body(gate_up, f, out)
+}
+
+#[inline(always)]
+fn silu_mul_body(gate_up: &[f32], f: usize, out: &mut [f32]) {
     for (row, o) in gate_up.chunks_exact(2 * f).zip(out.chunks_exact_mut(f)) {
         let (gate, up) = row.split_at(f);
         for ((o, &g), &u) in o.iter_mut().zip(gate).zip(up) {
-            *o = g / (1.0 + (-g).exp()) * u;
+            *o = g / (1.0 + exp_poly(-g)) * u;
         }
     }
+}
+
+/// `Σ exp(x - max)` over a row of logits (the log-softmax denominator), vectorized like
+/// `silu_mul`.
+pub fn sum_exp(x: &[f32], max: f32) -> f32 {
+    match super::isa() {
+        #[cfg(target_arch = "x86_64")]
+        super::Isa::Avx512 => unsafe { sum_exp_avx512(x, max) },
+        #[cfg(target_arch = "x86_64")]
+        super::Isa::Avx2 => unsafe { sum_exp_avx2(x, max) },
+        _ => sum_exp_body(x, max),
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
+unsafe fn sum_exp_avx512(x: &[f32], max: f32) -> f32 {
+    sum_exp_body(x, max)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn sum_exp_avx2(x: &[f32], max: f32) -> f32 {
+    sum_exp_body(x, max)
+}
+
+#[inline(always)]
+fn sum_exp_body(x: &[f32], max: f32) -> f32 {
+    let mut acc = [0f32; 16];
+    let mut chunks = x.chunks_exact(16);
+    for c in &mut chunks {
+        for (a, &v) in acc.iter_mut().zip(c) {
+            *a += exp_poly(v - max);
+        }
+    }
+    let tail: f32 = chunks.remainder().iter().map(|&v| exp_poly(v - max)).sum();
+    acc.iter().sum::<f32>() + tail
+}
+
+/// `e^x`: Cephes' polynomial, written to vectorize inside target-feature code (relative error
+/// ~1e-7; inputs below -87 give ~1e-38 rather than 0, which callers mask where it matters).
+#[inline(always)]
+pub(crate) fn exp_poly(v: f32) -> f32 {
+    let xc = v.clamp(-87.3, 88.3);
+    let fx = (xc * std::f32::consts::LOG2_E + 0.5).floor();
+    let r = xc - fx * 0.693_359_4 - fx * -2.121_944_4e-4;
+    let mut y = 1.987_569_1e-4f32;
+    y = y.mul_add(r, 1.398_199_9e-3);
+    y = y.mul_add(r, 8.333_452e-3);
+    y = y.mul_add(r, 4.166_579_6e-2);
+    y = y.mul_add(r, 1.666_666_5e-1);
+    y = y.mul_add(r, 0.5);
+    y = y.mul_add(r * r, r + 1.0);
+    let pow2 = f32::from_bits(((fx as i32 + 127) << 23) as u32);
+    y * pow2
 }
 
 /// `x += y`.
@@ -173,5 +252,8 @@ mod tests {
         let silu = |g: f32| g / (1.0 + (-g).exp());
         assert!((out[0] - silu(1.0) * 3.0).abs() < 1e-6);
         assert!((out[1] - silu(-2.0) * 0.5).abs() < 1e-6);
+        let logits: Vec<f32> = (0..100).map(|i| (i as f32 * 0.37).sin() * 5.0).collect();
+        let want: f32 = logits.iter().map(|&l| (l - 5.0).exp()).sum();
+        assert!((sum_exp(&logits, 5.0) - want).abs() < 1e-5 * want);
     }
 }

@@ -104,6 +104,7 @@ fn member(parked: Arc<AtomicBool>) {
     };
     let mut seen = 0u64;
     let mut idle_since = Instant::now();
+    let mut spins = 0u32;
     loop {
         let epoch = team.epoch.load(Ordering::Acquire);
         if epoch != seen {
@@ -115,7 +116,9 @@ fn member(parked: Arc<AtomicBool>) {
             idle_since = Instant::now();
             continue;
         }
-        if idle_since.elapsed() < SPIN {
+        // Reading the clock costs more than a spin: look at it every 256 spins.
+        spins = spins.wrapping_add(1);
+        if spins % 256 != 0 || idle_since.elapsed() < SPIN {
             std::hint::spin_loop();
             continue;
         }
