@@ -118,7 +118,7 @@ fn member(parked: Arc<AtomicBool>) {
         }
         // Reading the clock costs more than a spin: look at it every 256 spins.
         spins = spins.wrapping_add(1);
-        if spins % 256 != 0 || idle_since.elapsed() < SPIN {
+        if !spins.is_multiple_of(256) || idle_since.elapsed() < SPIN {
             std::hint::spin_loop();
             continue;
         }
