@@ -8,6 +8,8 @@ pub mod config;
 pub mod engine;
 pub mod error;
 pub mod fetch;
+#[cfg(feature = "cuda")]
+pub mod gpu;
 pub mod kernels;
 pub mod kv;
 pub mod model;

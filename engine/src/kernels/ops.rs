@@ -139,6 +139,11 @@ impl RopeTable {
         }
     }
 
+    /// The inverse frequency of each rotated pair (the GPU kernels compute angles from them).
+    pub fn inv_freq(&self) -> &[f32] {
+        &self.inv_freq
+    }
+
     /// `(cos, sin)` tables of `positions.len() × head_dim/2`.
     pub fn cos_sin(&self, positions: &[usize]) -> (Vec<f32>, Vec<f32>) {
         let half = self.head_dim / 2;

@@ -1,0 +1,199 @@
+//! The CUDA path (cargo feature `cuda`): the Llama forward pass with bf16 weights and a paged
+//! bf16 KV cache in GPU memory, cuBLAS for the projections and NVRTC-compiled kernels for the
+//! rest, plus the pieces a GPU deployment needs: green contexts (a fixed SM share per worker)
+//! and CUDA IPC handles for moving KV between processes on one node.
+//!
+//! Everything loads CUDA at run time (cudarc's dynamic loading): building needs no toolkit,
+//! and a binary with this feature still starts, and reports it, on a machine without a GPU.
+//! [`available`] says whether a device can be used.
+
+mod forward;
+pub mod green;
+pub mod ipc;
+
+pub use forward::{GpuKvCache, GpuModel};
+
+use std::sync::{Arc, OnceLock};
+
+use cudarc::cublas::CudaBlas;
+use cudarc::driver::{CudaContext, CudaFunction, CudaStream};
+use cudarc::nvrtc::{CompileOptions, compile_ptx_with_opts};
+
+use crate::error::{EngineError, Result};
+
+/// The kernels' CUDA C source (compiled at run time by NVRTC).
+pub const KERNELS_SRC: &str = include_str!("kernels.cu");
+
+/// Names of every kernel in [`KERNELS_SRC`].
+pub const KERNEL_NAMES: [&str; 9] = [
+    "embed_rows",
+    "rms_norm_bf16",
+    "rope_qk",
+    "kv_write",
+    "paged_attention",
+    "silu_mul_bf16",
+    "add_in_place",
+    "gather_rows",
+    "fill_uniform_bf16",
+];
+
+pub(crate) fn cuda_err(what: &str, e: impl std::fmt::Display) -> EngineError {
+    EngineError::Unsupported(format!("CUDA {what}: {e}"))
+}
+
+/// Whether the CUDA driver library can be loaded and reports at least one device.
+pub fn available() -> bool {
+    static AVAILABLE: OnceLock<bool> = OnceLock::new();
+    *AVAILABLE.get_or_init(|| {
+        // SAFETY: only probes whether the shared library can be opened.
+        let present = unsafe { cudarc::driver::sys::is_culib_present() };
+        present && CudaContext::device_count().is_ok_and(|n| n > 0)
+    })
+}
+
+/// Whether NVRTC can be loaded (kernels compile without a GPU).
+pub fn nvrtc_available() -> bool {
+    // SAFETY: only probes whether the shared library can be opened.
+    unsafe { cudarc::nvrtc::sys::is_culib_present() }
+}
+
+/// Compiles the kernels to PTX (for `arch`, e.g. `compute_90`; `None` lets NVRTC choose).
+pub fn compile_kernels(arch: Option<&'static str>) -> Result<cudarc::nvrtc::Ptx> {
+    let opts = CompileOptions {
+        arch,
+        // Exact division and square roots keep the GPU close to the CPU reference.
+        prec_div: Some(true),
+        prec_sqrt: Some(true),
+        ..CompileOptions::default()
+    };
+    compile_ptx_with_opts(KERNELS_SRC, opts).map_err(|e| cuda_err("kernel compilation", e))
+}
+
+/// The compiled kernels of one context.
+pub(crate) struct Kernels {
+    pub embed_rows: CudaFunction,
+    pub rms_norm_bf16: CudaFunction,
+    pub rope_qk: CudaFunction,
+    pub kv_write: CudaFunction,
+    pub paged_attention: CudaFunction,
+    pub silu_mul_bf16: CudaFunction,
+    pub add_in_place: CudaFunction,
+    pub gather_rows: CudaFunction,
+    pub fill_uniform_bf16: CudaFunction,
+}
+
+/// A device, the stream the forward pass runs on, cuBLAS and the kernels.
+pub struct GpuContext {
+    pub ctx: Arc<CudaContext>,
+    pub stream: Arc<CudaStream>,
+    pub(crate) blas: CudaBlas,
+    pub(crate) kernels: Kernels,
+    /// Streaming multiprocessors this context computes on (all of them, or a green share).
+    pub sms: u32,
+}
+
+impl std::fmt::Debug for GpuContext {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GpuContext")
+            .field("sms", &self.sms)
+            .finish_non_exhaustive()
+    }
+}
+
+impl GpuContext {
+    /// Opens device `ordinal`. With `green_sms`, work is confined to a green context of that
+    /// many SMs (see [`green`]); otherwise the whole device (or the MPS share the environment
+    /// sets) is used.
+    pub fn new(ordinal: usize, green_sms: Option<u32>) -> Result<Self> {
+        if !available() {
+            return Err(EngineError::Unsupported(
+                "no CUDA device (or no CUDA driver library) on this machine".into(),
+            ));
+        }
+        let ctx = CudaContext::new(ordinal).map_err(|e| cuda_err("context", e))?;
+        let total_sms = ctx
+            .attribute(
+                cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+            )
+            .map_err(|e| cuda_err("device attribute", e))? as u32;
+        let (stream, sms) = match green_sms {
+            Some(n) => (green::stream_with_sms(&ctx, n)?, n.min(total_sms)),
+            None => (ctx.default_stream(), total_sms),
+        };
+        let major = ctx
+            .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)
+            .map_err(|e| cuda_err("device attribute", e))?;
+        let arch = match major {
+            9 => Some("compute_90"),
+            8 => Some("compute_80"),
+            10 => Some("compute_100"),
+            _ => None,
+        };
+        let module = ctx
+            .load_module(compile_kernels(arch)?)
+            .map_err(|e| cuda_err("module load", e))?;
+        let f = |name: &str| {
+            module
+                .load_function(name)
+                .map_err(|e| cuda_err(&format!("kernel {name}"), e))
+        };
+        let kernels = Kernels {
+            embed_rows: f("embed_rows")?,
+            rms_norm_bf16: f("rms_norm_bf16")?,
+            rope_qk: f("rope_qk")?,
+            kv_write: f("kv_write")?,
+            paged_attention: f("paged_attention")?,
+            silu_mul_bf16: f("silu_mul_bf16")?,
+            add_in_place: f("add_in_place")?,
+            gather_rows: f("gather_rows")?,
+            fill_uniform_bf16: f("fill_uniform_bf16")?,
+        };
+        let blas = CudaBlas::new(stream.clone()).map_err(|e| cuda_err("cuBLAS", e))?;
+        Ok(Self {
+            ctx,
+            stream,
+            blas,
+            kernels,
+            sms,
+        })
+    }
+
+    /// Waits for all queued work.
+    pub fn synchronize(&self) -> Result<()> {
+        self.stream
+            .synchronize()
+            .map_err(|e| cuda_err("synchronize", e))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The kernels compile wherever NVRTC can be loaded, GPU or not (skips otherwise).
+    #[test]
+    fn kernels_compile_with_nvrtc() {
+        if !nvrtc_available() {
+            assert!(
+                std::env::var_os("TANDEM_REQUIRE_NVRTC").is_none(),
+                "TANDEM_REQUIRE_NVRTC is set but libnvrtc cannot be loaded"
+            );
+            eprintln!("skipping: libnvrtc not found (set LD_LIBRARY_PATH to a CUDA 13 lib folder)");
+            return;
+        }
+        let ptx = compile_kernels(Some("compute_90")).expect("kernels compile");
+        let text = ptx.to_src();
+        for name in KERNEL_NAMES {
+            assert!(text.contains(name), "{name} missing from the PTX");
+        }
+    }
+
+    #[test]
+    fn no_device_is_a_clear_error() {
+        if available() {
+            return;
+        }
+        let err = GpuContext::new(0, None).unwrap_err().to_string();
+        assert!(err.contains("no CUDA device"), "{err}");
+    }
+}
