@@ -2,8 +2,11 @@
 //! `tandem-decode`, `tandem-router`) on free loopback ports, wait until they answer, and
 //! stop them when the test ends (also on panic).
 //!
-//! The binaries are found next to the test executable's `target/<profile>` folder; `cargo test
-//! --workspace` builds them before any test runs. A missing binary is a clear error.
+//! The binaries live next to the test executable's `target/<profile>` folder. `cargo test`
+//! only builds the binaries of a package that has integration tests of its own, so the first
+//! lookup in a test process runs `cargo build --workspace --bins` for the same profile: the
+//! binaries are then never missing nor stale (a no-op when they are fresh).
+//! `TANDEM_E2E_NO_BUILD=1` skips that build (the binaries must then exist).
 //!
 //! `netns`: several hosts on one machine (network namespaces) for multi-host tests.
 
@@ -12,6 +15,7 @@ pub mod netns;
 use std::net::TcpListener;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
+use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
@@ -20,7 +24,7 @@ use tandem_proto::v1::prefill_service_client::PrefillServiceClient;
 use tandem_proto::v1::{InfoRequest, WorkerInfo};
 use tonic::transport::Channel;
 
-/// Path of a workspace binary built beside the tests.
+/// Path of a workspace binary built beside the tests (built first if missing or stale).
 pub fn binary(name: &str) -> anyhow::Result<PathBuf> {
     let exe = std::env::current_exe()?;
     // target/<profile>/deps/<test> → target/<profile>/<name>
@@ -28,14 +32,58 @@ pub fn binary(name: &str) -> anyhow::Result<PathBuf> {
         .parent()
         .and_then(|d| d.parent())
         .context("test executable has no parent")?;
+    build_binaries_once(dir)?;
     let path = dir.join(name);
     if !path.exists() {
         bail!(
-            "{} not found: run `cargo build --workspace` (or `cargo test --workspace`) first",
+            "{} not found: run `cargo build --workspace --bins` first",
             path.display()
         );
     }
     Ok(path)
+}
+
+/// Runs `cargo build --workspace --bins` once per test process, for the profile whose output
+/// folder is `profile_dir`. Later calls return the first outcome.
+fn build_binaries_once(profile_dir: &std::path::Path) -> anyhow::Result<()> {
+    static OUTCOME: OnceLock<Result<(), String>> = OnceLock::new();
+    let outcome = OUTCOME.get_or_init(|| {
+        if std::env::var_os("TANDEM_E2E_NO_BUILD").is_some_and(|v| v == "1") {
+            return Ok(());
+        }
+        let profile = profile_dir
+            .file_name()
+            .and_then(|n| n.to_str())
+            .unwrap_or("debug")
+            .to_string();
+        let workspace = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .parent()
+            .map(PathBuf::from)
+            .unwrap_or_else(|| PathBuf::from("."));
+        let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+        let mut cmd = Command::new(cargo);
+        cmd.current_dir(&workspace)
+            .args(["build", "--workspace", "--bins", "--quiet"]);
+        match profile.as_str() {
+            "debug" => {}
+            "release" => {
+                cmd.arg("--release");
+            }
+            other => {
+                cmd.args(["--profile", other]);
+            }
+        }
+        // The binaries go where the tests look, even under a custom target folder.
+        if let Some(target) = profile_dir.parent() {
+            cmd.arg("--target-dir").arg(target);
+        }
+        match cmd.status() {
+            Ok(s) if s.success() => Ok(()),
+            Ok(s) => Err(format!("`cargo build --workspace --bins` failed ({s})")),
+            Err(e) => Err(format!("could not run cargo to build the binaries: {e}")),
+        }
+    });
+    outcome.clone().map_err(anyhow::Error::msg)
 }
 
 /// A free TCP port on 127.0.0.1 (the listener is closed right away, so a race is possible
