@@ -308,13 +308,13 @@ mod tests {
         let e = ApiError::invalid("max_tokens", "max_tokens must be at least 1, got 0");
         assert_eq!(
             e.openai_body().to_string(),
-            r#"{"error":{"code":400,"message":"max_tokens must be at least 1, got 0","param":"max_tokens","type":"invalid_request_error"}}"#
+            r#"{"error":{"message":"max_tokens must be at least 1, got 0","type":"invalid_request_error","param":"max_tokens","code":400}}"#
         );
         assert_eq!(
             ApiError::ModelNotFound("x".into())
                 .openai_body()
                 .to_string(),
-            r#"{"error":{"code":"model_not_found","message":"The model `x` does not exist.","param":"model","type":"invalid_request_error"}}"#
+            r#"{"error":{"message":"The model `x` does not exist.","type":"invalid_request_error","param":"model","code":"model_not_found"}}"#
         );
     }
 

@@ -123,7 +123,7 @@ fn full_responses_golden() {
     );
     assert_eq!(
         body.to_string(),
-        r#"{"choices":[{"finish_reason":"length","index":0,"logprobs":null,"text":"Hello"}],"created":1700000000,"id":"cmpl-ID","model":"m","object":"text_completion","usage":{"completion_tokens":2,"prompt_tokens":5,"tandem":{"fallback_reason":null,"kv_bytes":4096,"mode":"disaggregated","transport":"shm"},"total_tokens":7}}"#
+        r#"{"id":"cmpl-ID","object":"text_completion","created":1700000000,"model":"m","choices":[{"index":0,"text":"Hello","logprobs":null,"finish_reason":"length"}],"usage":{"prompt_tokens":5,"completion_tokens":2,"total_tokens":7,"tandem":{"mode":"disaggregated","kv_bytes":4096,"transport":"shm","fallback_reason":null}}}"#
     );
     let mut chat = formatter(Kind::Chat, false, RunMode::Aggregated);
     chat.id = "chatcmpl-ID".into();
@@ -145,7 +145,7 @@ fn stream_error_golden() {
     assert!(done);
     assert_eq!(
         out,
-        "data: {\"error\":{\"code\":503,\"message\":\"a worker became unavailable while serving this request; retry later\",\"param\":null,\"type\":\"service_unavailable_error\"}}\n\ndata: [DONE]\n\n"
+        "data: {\"error\":{\"message\":\"a worker became unavailable while serving this request; retry later\",\"type\":\"service_unavailable_error\",\"param\":null,\"code\":503}}\n\ndata: [DONE]\n\n"
     );
     assert!(f.broken().ends_with("data: [DONE]\n\n"));
 }
