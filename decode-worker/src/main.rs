@@ -43,6 +43,7 @@ struct Args {
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     init_tracing(args.server.log_json);
+    args.engine.ensure_supported().map_err(anyhow::Error::msg)?;
     args.engine.init_threads();
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)

@@ -168,3 +168,37 @@ async fn a_dying_worker_is_reported_and_fails_the_launcher() {
         assert!(!alive(pid), "process {pid} outlived the launcher");
     }
 }
+
+/// A GPU deployment is refused up front (nothing is started) rather than run on the CPU
+/// engine with its GPU settings ignored; each committed GPU file is still a valid file.
+#[test]
+fn gpu_deployments_are_refused_not_silently_run_on_the_cpu() {
+    let bin = binary("tandem").unwrap();
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    for file in [
+        "deploy/gpu/mps-1gpu.toml",
+        "deploy/gpu/green-ctx-1gpu.toml",
+        "deploy/gpu/two-gpus.toml",
+    ] {
+        let path = root.join(file);
+        let check = Command::new(&bin)
+            .args(["check", "--cores", "16"])
+            .arg(&path)
+            .output()
+            .unwrap();
+        assert!(check.status.success(), "{file}: {check:?}");
+        let up = Command::new(&bin)
+            .arg("up")
+            .arg(&path)
+            .arg("--bin-dir")
+            .arg(bin.parent().unwrap())
+            .output()
+            .unwrap();
+        assert!(!up.status.success(), "{file}: up must fail");
+        let stderr = String::from_utf8_lossy(&up.stderr);
+        assert!(
+            stderr.contains("run the engine on the CPU") && !stderr.contains("is up"),
+            "{file}: {stderr}"
+        );
+    }
+}

@@ -59,6 +59,10 @@ pub struct EngineArgs {
     /// Compute threads (default: one per available core).
     #[arg(long, env = "TANDEM_THREADS")]
     pub threads: Option<usize>,
+    /// SMs of a green context to confine a GPU engine to (set by `tandem up` from a GPU
+    /// deployment). This build's workers run on the CPU, so a value is refused, not ignored.
+    #[arg(long, env = "TANDEM_GREEN_CONTEXT_SMS")]
+    pub green_context_sms: Option<u32>,
 }
 
 impl EngineArgs {
@@ -67,6 +71,17 @@ impl EngineArgs {
             kv_budget_bytes: self.kv_budget_mb << 20,
             max_batch_tokens: self.max_batch_tokens,
             max_running: self.max_running,
+        }
+    }
+
+    /// Refuses settings this worker cannot honour: GPU placement on the CPU engine.
+    pub fn ensure_supported(&self) -> Result<(), String> {
+        match self.green_context_sms {
+            Some(sms) => Err(format!(
+                "--green-context-sms {sms} needs the GPU engine, and this worker runs the \
+                 engine on the CPU (the GPU engine is not wired into the workers yet)"
+            )),
+            None => Ok(()),
         }
     }
 
@@ -102,4 +117,25 @@ pub struct ServerArgs {
     /// A name for this worker in logs and metrics (default: role@host:port).
     #[arg(long, env = "TANDEM_WORKER_ID")]
     pub worker_id: Option<String>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Flags {
+        #[command(flatten)]
+        engine: EngineArgs,
+    }
+
+    #[test]
+    fn gpu_placement_is_refused_by_the_cpu_engine() {
+        let flags = Flags::try_parse_from(["worker", "--green-context-sms", "64"]).unwrap();
+        let err = flags.engine.ensure_supported().unwrap_err();
+        assert!(err.contains("runs the engine on the CPU"), "{err}");
+        let flags = Flags::try_parse_from(["worker"]).unwrap();
+        assert!(flags.engine.ensure_supported().is_ok());
+    }
 }
