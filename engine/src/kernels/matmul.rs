@@ -171,15 +171,42 @@ unsafe fn panel_block(
     p1: usize,
     out: SharedMut,
 ) {
+    let (w_base, w_size) = match w {
+        WeightData::F32(v) => (v.as_ptr() as *const u8, 4),
+        WeightData::F16(v) => (v.as_ptr() as *const u8, 2),
+        WeightData::Bf16(v) => (v.as_ptr() as *const u8, 2),
+    };
     let mut i0 = 0;
     while i0 < m {
         let i1 = (i0 + ROW_BLOCK).min(m);
         let mut p = p0;
         while p < p1 {
             let np = (p1 - p).min(NP);
+            // The first row tile of a column group streams its weights from memory; the later
+            // ones find them in L2. While those compute, each fetches one `k × 64`-byte slice of
+            // the next group into L2, so the next first tile does not wait on memory (decode at
+            // batch 8-64 is otherwise memory time plus compute time, not the larger of the two).
+            let next_group = (p + np < p1).then(|| {
+                let next_np = (p1 - p - np).min(NP);
+                let start = (p + np) * k * PANEL * w_size;
+                (start, next_np * k * PANEL * w_size)
+            });
             let mut i = i0;
+            let mut tile_index = 0usize;
             while i < i1 {
                 let mr = (i1 - i).min(MR);
+                let prefetch = match next_group {
+                    Some((start, len)) if tile_index > 0 => {
+                        let offset = (tile_index - 1) * k * PREFETCH_LINE;
+                        if offset < len {
+                            // SAFETY: inside the packed weights (offset < the group's length).
+                            unsafe { w_base.add(start + offset) }
+                        } else {
+                            std::ptr::null()
+                        }
+                    }
+                    _ => std::ptr::null(),
+                };
                 let tile = Tile {
                     x: unsafe { x.as_ptr().add(i * k) },
                     k,
@@ -187,6 +214,7 @@ unsafe fn panel_block(
                     ldo: n,
                     // Output columns this tile may write (the last panel can be partial).
                     cols: (n - p * PANEL).min(np * PANEL),
+                    prefetch,
                 };
                 unsafe {
                     match w {
@@ -202,6 +230,7 @@ unsafe fn panel_block(
                     }
                 }
                 i += mr;
+                tile_index += 1;
             }
             p += np;
         }
@@ -220,7 +249,13 @@ struct Tile {
     ldo: usize,
     /// Columns to store, counted from the tile's first panel.
     cols: usize,
+    /// Null, or `k` cache lines (one per input feature, `PREFETCH_LINE` apart) to pull into L2
+    /// during this tile: a slice of the next column group's weights.
+    prefetch: *const u8,
 }
+
+/// Bytes prefetched per input feature by a tile (one cache line).
+const PREFETCH_LINE: usize = 64;
 
 /// Scalar widening for the portable kernel.
 trait Widen: Copy {
@@ -303,6 +338,12 @@ mod x86 {
                 let mut acc = [[_mm512_setzero_ps(); C]; R];
                 let panel_stride = t.k * PANEL;
                 for i in 0..t.k {
+                    if !t.prefetch.is_null() {
+                        // A hint only: prefetches never fault, and the line is in bounds.
+                        _mm_prefetch::<_MM_HINT_T1>(
+                            t.prefetch.wrapping_add(i * super::PREFETCH_LINE) as *const i8,
+                        );
+                    }
                     let mut wv = [_mm512_setzero_ps(); C];
                     for (c, v) in wv.iter_mut().enumerate() {
                         *v = unsafe { load16!($kind, w.add(c * panel_stride + i * PANEL)) };
@@ -473,6 +514,8 @@ mod tests {
             (1, 64, 576),
             (9, 130, 17),
             (13, 200, 64),
+            // Several column groups per task and several row tiles: the prefetching path.
+            (20, 1100, 40),
         ] {
             let x = random(m * k, 1);
             let wf = random(n * k, 2);
@@ -535,6 +578,7 @@ mod tests {
                 out: unsafe { scalar.as_mut_ptr().add(p * PANEL) },
                 ldo: n,
                 cols: (n - p * PANEL).min(PANEL),
+                prefetch: std::ptr::null(),
             };
             unsafe { tile_scalar::<f32>(m, 1, t, wd.as_ptr().add(p * k * PANEL)) };
         }
