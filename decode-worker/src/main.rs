@@ -94,7 +94,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
     let worker = DecodeWorker::new(
         model,
         tokenizer,
-        args.engine.engine_config(),
+        args.engine.engine_config().map_err(anyhow::Error::msg)?,
         config,
         kv_port,
     )

@@ -237,21 +237,6 @@ impl DeployConfig {
         }
     }
 
-    /// Whether the workers of this build can run the deployment. The workers run the engine on
-    /// the CPU; the GPU engine is not wired into them yet, so a deployment with a `[gpu]`
-    /// section is refused rather than run on the CPU with GPU settings silently ignored.
-    pub fn ensure_runnable(&self) -> Result<(), ConfigError> {
-        if self.gpu.is_some() {
-            return Err(ConfigError::Invalid(
-                "this deployment asks for GPUs ([gpu] section), but tandem's workers run the \
-                 engine on the CPU in this build (the GPU engine is not wired into the workers \
-                 yet); `tandem check` validates the file, `tandem up` cannot run it"
-                    .into(),
-            ));
-        }
-        Ok(())
-    }
-
     /// Checks everything that can be checked without starting anything. `cores` is the
     /// number of CPUs of the machine the deployment will run on (CPU lists must exist there).
     pub fn validate(&self, cores: usize) -> Result<(), ConfigError> {
@@ -441,14 +426,6 @@ mod tests {
                 .to_string();
             assert!(err.contains(why), "{bad:?} gave {err}");
         }
-        let gpu = DeployConfig::from_toml(
-            "[gpu]\ncount = 1\nsms = 132\n[[decode]]\nport = 7201\ngreen_context_sms = 64\n",
-        )
-        .unwrap();
-        assert!(gpu.validate(2).is_ok());
-        let err = gpu.ensure_runnable().unwrap_err().to_string();
-        assert!(err.contains("run the engine on the CPU"), "{err}");
-        assert!(DeployConfig::default_local(2).ensure_runnable().is_ok());
         assert!(
             DeployConfig::from_toml("[[decode]]\nport = 1\nunknown = 3\n").is_err(),
             "unknown keys are errors"

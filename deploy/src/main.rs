@@ -105,7 +105,6 @@ fn up(
 ) -> anyhow::Result<()> {
     let cfg = load(config)?;
     cfg.validate(cores())?;
-    cfg.ensure_runnable()?;
     let bin_dir = bin_dir
         .or_else(|| cfg.bin_dir.clone())
         .or_else(|| {

@@ -76,6 +76,11 @@ fn worker(cfg: &DeployConfig, role: Role, index: usize, w: &WorkerSpec) -> Proce
         ]);
     }
     args.extend(w.extra_args.iter().cloned());
+    // Any GPU setting puts the worker's engine on the GPU (device 0 of what
+    // CUDA_VISIBLE_DEVICES leaves it).
+    if w.gpu.is_some() || w.mps_thread_percentage.is_some() || w.green_context_sms.is_some() {
+        args.extend(["--device".into(), "cuda".into()]);
+    }
     let mut env = w.env.clone();
     if let Some(g) = w.gpu {
         env.insert("CUDA_VISIBLE_DEVICES".into(), g.to_string());
@@ -181,5 +186,17 @@ mod tests {
         );
         assert_eq!(p.processes[1].env["CUDA_VISIBLE_DEVICES"], "1");
         assert_eq!(p.processes[1].env["TANDEM_GREEN_CONTEXT_SMS"], "64");
+        for worker in &p.processes[..2] {
+            assert!(
+                worker.args.join(" ").contains("--device cuda"),
+                "{worker:?}"
+            );
+        }
+        let cpu = plan(&DeployConfig::default_local(2));
+        assert!(
+            cpu.processes
+                .iter()
+                .all(|p| !p.args.contains(&"--device".into()))
+        );
     }
 }

@@ -169,10 +169,11 @@ async fn a_dying_worker_is_reported_and_fails_the_launcher() {
     }
 }
 
-/// A GPU deployment is refused up front (nothing is started) rather than run on the CPU
-/// engine with its GPU settings ignored; each committed GPU file is still a valid file.
+/// A GPU deployment on binaries built without the `cuda` feature fails loudly (the workers
+/// refuse `--device cuda`, the launcher reports them and exits non-zero) instead of running on
+/// the CPU with its GPU settings ignored; each committed GPU file is still a valid file.
 #[test]
-fn gpu_deployments_are_refused_not_silently_run_on_the_cpu() {
+fn gpu_deployments_fail_loudly_without_cuda_support() {
     let bin = binary("tandem").unwrap();
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
     for file in [
@@ -187,18 +188,22 @@ fn gpu_deployments_are_refused_not_silently_run_on_the_cpu() {
             .output()
             .unwrap();
         assert!(check.status.success(), "{file}: {check:?}");
-        let up = Command::new(&bin)
+        if tandem_engine::CUDA_SUPPORT {
+            continue;
+        }
+        let mut up = Command::new(&bin)
             .arg("up")
             .arg(&path)
             .arg("--bin-dir")
             .arg(bin.parent().unwrap())
-            .output()
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
             .unwrap();
-        assert!(!up.status.success(), "{file}: up must fail");
-        let stderr = String::from_utf8_lossy(&up.stderr);
-        assert!(
-            stderr.contains("run the engine on the CPU") && !stderr.contains("is up"),
-            "{file}: {stderr}"
-        );
+        let status = wait_exit(&mut up, Duration::from_secs(60));
+        let mut stderr = String::new();
+        std::io::Read::read_to_string(&mut up.stderr.take().unwrap(), &mut stderr).unwrap();
+        assert!(!status.success(), "{file}: up must fail\n{stderr}");
+        assert!(stderr.contains("without CUDA support"), "{file}: {stderr}");
     }
 }

@@ -20,6 +20,7 @@ fn main() -> anyhow::Result<()> {
         kv_budget_bytes: 2 << 30,
         max_batch_tokens: 8192,
         max_running: 256,
+        ..Default::default()
     };
     let mut e = Engine::new(Arc::new(model), tok, config)?;
     for i in 0..batch as u32 {

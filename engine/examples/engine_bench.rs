@@ -149,6 +149,7 @@ fn main() -> anyhow::Result<()> {
         kv_budget_bytes: 2 << 30,
         max_batch_tokens: 4096,
         max_running: 256,
+        ..Default::default()
     };
     let prompt = |seed: u32, len: usize| -> Vec<u32> {
         (0..len as u32)

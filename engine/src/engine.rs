@@ -16,6 +16,7 @@ use std::sync::Arc;
 use serde::{Deserialize, Serialize};
 use tandem_text::TextTokenizer;
 
+use crate::device::Device;
 use crate::error::{EngineError, Result};
 use crate::kv::{BLOCK_SIZE, BlockPool, KvCache, blocks_for};
 use crate::model::{Model, SeqInput};
@@ -68,6 +69,9 @@ pub struct EngineConfig {
     pub max_batch_tokens: usize,
     /// Sequences running at once.
     pub max_running: usize,
+    /// Where the forward pass runs.
+    #[serde(default)]
+    pub device: Device,
 }
 
 impl Default for EngineConfig {
@@ -76,6 +80,7 @@ impl Default for EngineConfig {
             kv_budget_bytes: 1 << 30,
             max_batch_tokens: 2048,
             max_running: 256,
+            device: Device::Cpu,
         }
     }
 }
@@ -186,6 +191,9 @@ pub struct Engine {
     next_id: SeqId,
     eos: Vec<u32>,
     stats: EngineStats,
+    /// The device compute with `Device::Cuda`; `cache` is then host staging.
+    #[cfg(feature = "cuda")]
+    gpu: Option<crate::gpu::GpuBackend>,
 }
 
 impl std::fmt::Debug for Engine {
@@ -219,7 +227,7 @@ impl Engine {
             return Err(EngineError::LayoutMismatch(why));
         }
         let eos = tokenizer.info().eos_token_ids.clone();
-        Ok(Self {
+        let mut engine = Self {
             pool: SharedPool::new(cache.num_blocks()),
             model,
             tokenizer,
@@ -231,7 +239,37 @@ impl Engine {
             next_id: 1,
             eos,
             stats: EngineStats::default(),
-        })
+            #[cfg(feature = "cuda")]
+            gpu: None,
+        };
+        engine.attach_device()?;
+        Ok(engine)
+    }
+
+    /// Moves the compute to the configured device (nothing to do on the CPU).
+    fn attach_device(&mut self) -> Result<()> {
+        match self.config.device {
+            Device::Cpu => Ok(()),
+            #[cfg(feature = "cuda")]
+            Device::Cuda {
+                ordinal,
+                green_context_sms,
+            } => {
+                let gpu =
+                    std::sync::Arc::new(crate::gpu::GpuContext::new(ordinal, green_context_sms)?);
+                let backend =
+                    crate::gpu::GpuBackend::new(gpu, &self.model, self.cache.num_blocks())?;
+                tracing::info!(?backend, "engine on the GPU");
+                self.gpu = Some(backend);
+                Ok(())
+            }
+            #[cfg(not(feature = "cuda"))]
+            Device::Cuda { .. } => Err(EngineError::Unsupported(
+                "this build has no CUDA support: build with the `cuda` feature \
+                 (scripts/build-gpu builds the GPU binaries)"
+                    .into(),
+            )),
+        }
     }
 
     pub fn model(&self) -> &Arc<Model> {
@@ -395,6 +433,11 @@ impl Engine {
                 "blocks do not cover the prompt or are not reserved".into(),
             ));
         }
+        // On a GPU the received KV sits in the host staging cache: move it to the device.
+        #[cfg(feature = "cuda")]
+        if let Some(gpu) = self.gpu.as_mut() {
+            gpu.upload_blocks(&self.cache, &blocks)?;
+        }
         let id = self.allocate_id();
         let sampler = Sampler::resumed(&sampling, 1);
         let mut seq = Sequence::new(id, prompt, sampling, stop, &self.eos, sampler);
@@ -454,6 +497,22 @@ impl Engine {
                 }
             })
             .collect();
+        #[cfg(feature = "cuda")]
+        let logits = match self.gpu.as_mut() {
+            Some(gpu) => {
+                // Copy KV back to the host only for prompt work (what transports send).
+                let prompt_work = plan
+                    .iter()
+                    .any(|(id, start, _)| *start < self.seqs[id].prompt_len);
+                gpu.forward(&mut self.cache, &inputs, &chunks, prompt_work, on_layer)?
+            }
+            None => self
+                .model
+                .forward(&mut self.cache, &inputs, &mut |layer, cache| {
+                    on_layer(layer, cache, &chunks)
+                })?,
+        };
+        #[cfg(not(feature = "cuda"))]
         let logits = self
             .model
             .forward(&mut self.cache, &inputs, &mut |layer, cache| {

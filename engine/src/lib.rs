@@ -5,6 +5,7 @@
 //! It knows nothing of networks or RPC: workers drive an [`Engine`] from their own threads.
 
 pub mod config;
+pub mod device;
 pub mod engine;
 pub mod error;
 pub mod fetch;
@@ -18,6 +19,10 @@ pub mod sampling;
 mod sequence;
 
 pub use config::{ModelConfig, WeightDtype};
+pub use device::Device;
+
+/// Whether this build has the CUDA engine (the `cuda` feature).
+pub const CUDA_SUPPORT: bool = cfg!(feature = "cuda");
 pub use engine::{Engine, EngineConfig, FinishReason, SeqId, StepOutput};
 pub use error::{EngineError, Result};
 pub use model::{LoadOptions, Model, ModelSource, SeqInput, load_model};

@@ -30,6 +30,7 @@ fn engine(model: &Arc<Model>, blocks: usize) -> Engine {
         kv_budget_bytes: bytes,
         max_batch_tokens: 256,
         max_running: 64,
+        ..Default::default()
     };
     Engine::new(model.clone(), TextTokenizer::byte_level(), config).unwrap()
 }
@@ -401,4 +402,30 @@ fn abort_frees_blocks_anywhere() {
     assert!(!e.abort(b));
     assert_eq!(e.used_blocks(), 0);
     assert!(!e.has_work());
+}
+
+/// Asking for a GPU where none can be used is a typed error at construction, never a silent
+/// fall back to the CPU: without the `cuda` feature it says so; with it, on a machine without
+/// a device, the CUDA context says so. (On a GPU machine this test has nothing to check.)
+#[test]
+fn a_gpu_engine_without_a_gpu_is_a_clear_error() {
+    let model = model();
+    let config = EngineConfig {
+        kv_budget_bytes: 64 * model.kv_layout().block_bytes(),
+        max_batch_tokens: 256,
+        max_running: 64,
+        device: "cuda".parse().unwrap(),
+    };
+    match Engine::new(model.clone(), TextTokenizer::byte_level(), config) {
+        Err(EngineError::Unsupported(why)) => assert!(
+            why.contains("no CUDA support") || why.contains("no CUDA device"),
+            "{why}"
+        ),
+        Err(other) => panic!("unexpected error: {other}"),
+        Ok(_) => {
+            if !tandem_engine::CUDA_SUPPORT {
+                panic!("a CPU-only build built a GPU engine");
+            }
+        }
+    }
 }

@@ -53,7 +53,8 @@ async fn run(args: Args) -> anyhow::Result<()> {
     };
     tracing::info!(model = %args.model.model, "loading model");
     let (model, tokenizer) = args.model.load().context("loading the model")?;
-    let worker = PrefillWorker::new(model, tokenizer, args.engine.engine_config(), config)
+    let engine_config = args.engine.engine_config().map_err(anyhow::Error::msg)?;
+    let worker = PrefillWorker::new(model, tokenizer, engine_config, config)
         .context("starting the engine")?;
     tracing::info!(grpc = %local, "prefill worker ready");
     serve(worker, grpc, shutdown_signal()).await?;

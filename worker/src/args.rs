@@ -5,7 +5,9 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use clap::Args;
-use tandem_engine::{EngineConfig, LoadOptions, Model, ModelSource, WeightDtype, load_model};
+use tandem_engine::{
+    Device, EngineConfig, EngineError, LoadOptions, Model, ModelSource, WeightDtype, load_model,
+};
 use tandem_text::TextTokenizer;
 
 /// Which model to serve.
@@ -59,30 +61,55 @@ pub struct EngineArgs {
     /// Compute threads (default: one per available core).
     #[arg(long, env = "TANDEM_THREADS")]
     pub threads: Option<usize>,
-    /// SMs of a green context to confine a GPU engine to (set by `tandem up` from a GPU
-    /// deployment). This build's workers run on the CPU, so a value is refused, not ignored.
+    /// Where the engine computes: `cpu`, `cuda` or `cuda:N` (binaries built with the `cuda`
+    /// feature, see scripts/build-gpu).
+    #[arg(long, env = "TANDEM_DEVICE", default_value = "cpu")]
+    pub device: String,
+    /// Confine the GPU engine to a green context of this many SMs (set by `tandem up` from a
+    /// GPU deployment). Refused with `--device cpu`, never ignored.
     #[arg(long, env = "TANDEM_GREEN_CONTEXT_SMS")]
     pub green_context_sms: Option<u32>,
 }
 
 impl EngineArgs {
-    pub fn engine_config(&self) -> EngineConfig {
-        EngineConfig {
+    /// The engine's configuration, or why these flags cannot run in this build.
+    pub fn engine_config(&self) -> Result<EngineConfig, String> {
+        let mut device: Device = self
+            .device
+            .parse()
+            .map_err(|e: EngineError| e.to_string())?;
+        match (&mut device, self.green_context_sms) {
+            (Device::Cpu, Some(sms)) => {
+                return Err(format!(
+                    "--green-context-sms {sms} confines a GPU engine: it needs --device cuda"
+                ));
+            }
+            (Device::Cpu, None) => {}
+            (Device::Cuda { .. }, _) if !tandem_engine::CUDA_SUPPORT => {
+                return Err(format!(
+                    "--device {}: this binary was built without CUDA support; build the \
+                     workers with the `cuda` feature (scripts/build-gpu)",
+                    self.device
+                ));
+            }
+            (
+                Device::Cuda {
+                    green_context_sms, ..
+                },
+                sms,
+            ) => *green_context_sms = sms,
+        }
+        Ok(EngineConfig {
             kv_budget_bytes: self.kv_budget_mb << 20,
             max_batch_tokens: self.max_batch_tokens,
             max_running: self.max_running,
-        }
+            device,
+        })
     }
 
-    /// Refuses settings this worker cannot honour: GPU placement on the CPU engine.
+    /// Checks the flags before anything starts (see [`EngineArgs::engine_config`]).
     pub fn ensure_supported(&self) -> Result<(), String> {
-        match self.green_context_sms {
-            Some(sms) => Err(format!(
-                "--green-context-sms {sms} needs the GPU engine, and this worker runs the \
-                 engine on the CPU (the GPU engine is not wired into the workers yet)"
-            )),
-            None => Ok(()),
-        }
+        self.engine_config().map(|_| ())
     }
 
     /// Sizes the compute threads (the kernels' team and rayon's pool); call once, before
@@ -130,12 +157,32 @@ mod tests {
         engine: EngineArgs,
     }
 
+    fn parse(args: &[&str]) -> EngineArgs {
+        Flags::try_parse_from(std::iter::once("worker").chain(args.iter().copied()))
+            .unwrap()
+            .engine
+    }
+
     #[test]
-    fn gpu_placement_is_refused_by_the_cpu_engine() {
-        let flags = Flags::try_parse_from(["worker", "--green-context-sms", "64"]).unwrap();
-        let err = flags.engine.ensure_supported().unwrap_err();
-        assert!(err.contains("runs the engine on the CPU"), "{err}");
-        let flags = Flags::try_parse_from(["worker"]).unwrap();
-        assert!(flags.engine.ensure_supported().is_ok());
+    fn devices_and_gpu_placement() {
+        assert_eq!(parse(&[]).engine_config().unwrap().device, Device::Cpu);
+        let err = parse(&["--green-context-sms", "64"])
+            .ensure_supported()
+            .unwrap_err();
+        assert!(err.contains("needs --device cuda"), "{err}");
+        assert!(parse(&["--device", "tpu"]).ensure_supported().is_err());
+        let gpu = parse(&["--device", "cuda:1", "--green-context-sms", "64"]).engine_config();
+        if tandem_engine::CUDA_SUPPORT {
+            assert_eq!(
+                gpu.unwrap().device,
+                Device::Cuda {
+                    ordinal: 1,
+                    green_context_sms: Some(64)
+                }
+            );
+        } else {
+            let err = gpu.unwrap_err();
+            assert!(err.contains("without CUDA support"), "{err}");
+        }
     }
 }

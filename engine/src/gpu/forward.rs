@@ -70,6 +70,12 @@ impl GpuKvCache {
                 "a GPU KV budget of {budget_bytes} bytes holds no block"
             )));
         }
+        Self::with_blocks(gpu, cfg, num_blocks)
+    }
+
+    /// A cache of exactly `num_blocks` blocks.
+    pub fn with_blocks(gpu: &GpuContext, cfg: &ModelConfig, num_blocks: usize) -> Result<Self> {
+        let per_block = cfg.num_hidden_layers * 2 * cfg.kv_width() * BLOCK_SIZE * 2;
         let data = gpu
             .stream
             .alloc_zeros::<bf16>(num_blocks * per_block / 2)

@@ -7,10 +7,12 @@
 //! and a binary with this feature still starts, and reports it, on a machine without a GPU.
 //! [`available`] says whether a device can be used.
 
+mod backend;
 mod forward;
 pub mod green;
 pub mod ipc;
 
+pub use backend::GpuBackend;
 pub use forward::{GpuKvCache, GpuModel};
 
 use std::sync::{Arc, OnceLock};

@@ -8,6 +8,7 @@
 mod cache;
 mod layout;
 mod pool;
+pub mod staging;
 
 pub use cache::{KvBlockWriter, KvCache, KvStorage};
 pub use layout::{KvDtype, KvLayout};

@@ -1,0 +1,119 @@
+//! The GPU engine's compute: the forward pass on the device, with the CPU cache kept as host
+//! staging so that every KV transport works unchanged. After a forward pass that did prompt
+//! work, the blocks it wrote are copied to the host cache layer by layer and the per-layer hook
+//! runs (the prefill worker sends from there); a sequence admitted with KV received from a
+//! peer has its blocks copied to the device before its first decode step.
+//!
+//! One copy per (layer, block) for now: simple and correct; a gather kernel would batch them.
+
+use std::sync::Arc;
+
+use half::bf16;
+
+use super::{GpuContext, GpuKvCache, GpuModel, cuda_err};
+use crate::engine::ChunkInfo;
+use crate::error::Result;
+use crate::kv::staging::{from_device_layout, to_device_layout};
+use crate::kv::{BLOCK_SIZE, KvCache};
+use crate::model::{Model, SeqInput};
+
+/// A model's weights and KV cache on one device.
+pub struct GpuBackend {
+    gpu: Arc<GpuContext>,
+    model: GpuModel,
+    cache: GpuKvCache,
+}
+
+impl std::fmt::Debug for GpuBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GpuBackend")
+            .field("sms", &self.gpu.sms)
+            .field("blocks", &self.cache.num_blocks)
+            .finish_non_exhaustive()
+    }
+}
+
+impl GpuBackend {
+    /// Uploads `model` and allocates `num_blocks` KV blocks (the host cache's count, so block
+    /// ids mean the same on both sides).
+    pub fn new(gpu: Arc<GpuContext>, model: &Model, num_blocks: usize) -> Result<Self> {
+        let cache = GpuKvCache::with_blocks(&gpu, model.config(), num_blocks)?;
+        let model = GpuModel::upload(gpu.clone(), model)?;
+        Ok(Self { gpu, model, cache })
+    }
+
+    /// One forward pass on the device. With `export`, the KV the batch wrote is copied to
+    /// `host` and `on_layer` runs for every layer, as the CPU forward does.
+    pub fn forward(
+        &mut self,
+        host: &mut KvCache,
+        seqs: &[SeqInput<'_>],
+        chunks: &[ChunkInfo],
+        export: bool,
+        on_layer: &mut dyn FnMut(usize, &KvCache, &[ChunkInfo]),
+    ) -> Result<Vec<Vec<f32>>> {
+        let logits = self.model.forward(&mut self.cache, seqs)?;
+        if export {
+            let blocks = written_blocks(chunks);
+            for layer in 0..self.cache.num_layers {
+                self.download(host, layer, &blocks)?;
+                on_layer(layer, host, chunks);
+            }
+        }
+        Ok(logits)
+    }
+
+    /// Copies `blocks` of every layer from `host` to the device.
+    pub fn upload_blocks(&mut self, host: &KvCache, blocks: &[u32]) -> Result<()> {
+        let layout = host.layout().clone();
+        let n = layout.block_layer_elems();
+        let mut staging = vec![bf16::ZERO; n * blocks.len()];
+        for layer in 0..self.cache.num_layers {
+            for (&block, buf) in blocks.iter().zip(staging.chunks_mut(n)) {
+                to_device_layout(&layout, host.block_layer(layer, block)?, buf)?;
+                let off = self.cache.block_offset(layer, block);
+                let mut dst = self.cache.data.slice_mut(off..off + n);
+                self.gpu
+                    .stream
+                    .memcpy_htod(&buf[..], &mut dst)
+                    .map_err(|e| cuda_err("KV upload", e))?;
+            }
+            // The staging buffer is reused for the next layer: wait for these copies.
+            self.gpu.synchronize()?;
+        }
+        Ok(())
+    }
+
+    fn download(&self, host: &mut KvCache, layer: usize, blocks: &[u32]) -> Result<()> {
+        let layout = host.layout().clone();
+        let n = layout.block_layer_elems();
+        let mut staging = vec![bf16::ZERO; n * blocks.len()];
+        for (&block, buf) in blocks.iter().zip(staging.chunks_mut(n)) {
+            let off = self.cache.block_offset(layer, block);
+            let src = self.cache.data.slice(off..off + n);
+            self.gpu
+                .stream
+                .memcpy_dtoh(&src, buf)
+                .map_err(|e| cuda_err("KV download", e))?;
+        }
+        self.gpu.synchronize()?;
+        for (&block, buf) in blocks.iter().zip(staging.chunks(n)) {
+            from_device_layout(&layout, buf, host.block_layer_mut(layer, block)?)?;
+        }
+        Ok(())
+    }
+}
+
+/// The physical blocks that hold the positions the chunks computed.
+fn written_blocks(chunks: &[ChunkInfo]) -> Vec<u32> {
+    let mut out = Vec::new();
+    for c in chunks {
+        if c.len == 0 {
+            continue;
+        }
+        let first = c.start_pos / BLOCK_SIZE;
+        let last = (c.start_pos + c.len - 1) / BLOCK_SIZE;
+        out.extend(c.blocks.iter().skip(first).take(last + 1 - first));
+    }
+    out
+}
