@@ -12,7 +12,7 @@ use tandem_proto::PROTOCOL_VERSION;
 use tandem_proto::v1::decode_service_server::{DecodeService, DecodeServiceServer};
 use tandem_proto::v1::*;
 use tandem_text::TextTokenizer;
-use tandem_transfer::{LeaseTable, OwnerTags, receive_push_kv, serve_tcp, tags_path};
+use tandem_transfer::{LeaseTable, OwnerTags, kv_rpcs, serve_tcp, tags_path};
 use tandem_worker::convert::{kv_layout_to_proto, tokenizer_spec};
 use tandem_worker::{EngineHandle, spawn_engine};
 use tokio::net::TcpListener;
@@ -232,25 +232,18 @@ impl DecodeService for DecodeWorker {
     }
 
     async fn push_kv(&self, req: Request<Streaming<KvMessage>>) -> Result<Response<KvAck>, Status> {
-        let bytes = receive_push_kv(&self.inner.leases, &mut req.into_inner()).await?;
-        Ok(Response::new(KvAck {
-            bytes_received: bytes,
-        }))
+        kv_rpcs::push_kv(&self.inner.leases, req).await
     }
 
     async fn commit_kv(&self, req: Request<KvCommit>) -> Result<Response<KvAck>, Status> {
-        let bytes = self.inner.leases.commit(&req.into_inner())?;
-        Ok(Response::new(KvAck {
-            bytes_received: bytes,
-        }))
+        kv_rpcs::commit_kv(&self.inner.leases, req)
     }
 
     async fn renew_lease(
         &self,
         req: Request<RenewLeaseRequest>,
     ) -> Result<Response<RenewLeaseResponse>, Status> {
-        let open = self.inner.leases.renew(req.into_inner().lease_id);
-        Ok(Response::new(RenewLeaseResponse { open }))
+        Ok(kv_rpcs::renew_lease(&self.inner.leases, req))
     }
 }
 

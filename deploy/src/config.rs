@@ -138,6 +138,15 @@ pub struct WorkerSpec {
     pub env: BTreeMap<String, String>,
 }
 
+impl WorkerSpec {
+    /// Whether any GPU setting is present: such a worker runs its engine on the GPU.
+    pub fn uses_gpu(&self) -> bool {
+        self.gpu.is_some()
+            || self.mps_thread_percentage.is_some()
+            || self.green_context_sms.is_some()
+    }
+}
+
 /// GPU facts used to check GPU layouts (an H100 SXM has 132 SMs).
 #[derive(Debug, Clone, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
@@ -327,10 +336,8 @@ impl DeployConfig {
 
     fn validate_gpu(&self, what: &str, w: &WorkerSpec) -> Result<(), ConfigError> {
         let bad = |m: String| Err(ConfigError::Invalid(m));
-        let uses_gpu =
-            w.gpu.is_some() || w.mps_thread_percentage.is_some() || w.green_context_sms.is_some();
         let Some(gpu) = &self.gpu else {
-            if uses_gpu {
+            if w.uses_gpu() {
                 return bad(format!("{what}: GPU settings need a [gpu] section"));
             }
             return Ok(());

@@ -78,7 +78,7 @@ fn worker(cfg: &DeployConfig, role: Role, index: usize, w: &WorkerSpec) -> Proce
     args.extend(w.extra_args.iter().cloned());
     // Any GPU setting puts the worker's engine on the GPU (device 0 of what
     // CUDA_VISIBLE_DEVICES leaves it).
-    if w.gpu.is_some() || w.mps_thread_percentage.is_some() || w.green_context_sms.is_some() {
+    if w.uses_gpu() {
         args.extend(["--device".into(), "cuda".into()]);
     }
     let mut env = w.env.clone();

@@ -13,12 +13,13 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
-use tandem_e2e::kv_stub::KvOnlyDecode;
 use tandem_e2e::{Proc, decode_client, prefill_client, wait_http_ok};
 use tandem_engine::kv::{KvCache, KvDtype, KvLayout, KvStorage};
 use tandem_proto::v1::decode_service_server::DecodeServiceServer;
 use tandem_proto::v1::*;
-use tandem_transfer::{KvSender, LeaseTable, OwnerTags, Peers, connect, serve_tcp, tags_path};
+use tandem_transfer::{
+    KvOnlyDecode, KvSender, LeaseTable, OwnerTags, Peers, connect, serve_tcp, tags_path,
+};
 use tokio::net::TcpListener;
 
 const TOKENS: usize = 2048;

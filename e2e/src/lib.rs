@@ -211,60 +211,61 @@ pub async fn wait_http_ok(url: &str, timeout: Duration) -> anyhow::Result<()> {
     }
 }
 
-pub mod kv_stub {
-    //! A decode service that only receives KV (`PushKv`, `CommitKv`) into a lease table: for
-    //! measuring transports without a model.
+/// What one greedy `/v1/completions` call came back with.
+#[derive(Debug, Clone)]
+pub struct Completion {
+    pub text: String,
+    pub usage: serde_json::Value,
+    /// The `x-tandem-mode`, `x-tandem-transport` and `x-tandem-kv-bytes` headers.
+    pub mode: String,
+    pub transport: String,
+    pub kv_bytes: u64,
+}
 
-    use std::pin::Pin;
-    use std::sync::Arc;
-
-    use tandem_proto::v1::decode_service_server::DecodeService;
-    use tandem_proto::v1::*;
-    use tandem_transfer::{LeaseTable, receive_push_kv};
-    use tonic::{Request, Response, Status, Streaming};
-
-    pub struct KvOnlyDecode {
-        pub table: Arc<LeaseTable>,
+/// A greedy completion of `prompt` (token ids) through the router at `base`, exactly
+/// `max_tokens` long (`ignore_eos`). A status other than 200 is an error with the body.
+pub async fn greedy_completion(
+    client: &reqwest::Client,
+    base: &str,
+    prompt: &[u32],
+    max_tokens: u32,
+) -> anyhow::Result<Completion> {
+    let body = serde_json::json!({
+        "model": "tandem", "prompt": prompt, "max_tokens": max_tokens,
+        "temperature": 0.0, "ignore_eos": true,
+    });
+    let resp = client
+        .post(format!("{base}/v1/completions"))
+        .json(&body)
+        .send()
+        .await?;
+    let status = resp.status();
+    if status != reqwest::StatusCode::OK {
+        bail!(
+            "{base}: {status}: {}",
+            resp.text().await.unwrap_or_default()
+        );
     }
-
-    type Events = Pin<Box<dyn futures::Stream<Item = Result<GenerateEvent, Status>> + Send>>;
-
-    #[tonic::async_trait]
-    impl DecodeService for KvOnlyDecode {
-        type GenerateStream = Events;
-        async fn get_info(&self, _: Request<InfoRequest>) -> Result<Response<WorkerInfo>, Status> {
-            Err(Status::unimplemented("KV only"))
-        }
-        async fn get_load(&self, _: Request<LoadRequest>) -> Result<Response<LoadReport>, Status> {
-            Err(Status::unimplemented("KV only"))
-        }
-        async fn generate(&self, _: Request<GenerateRequest>) -> Result<Response<Events>, Status> {
-            Err(Status::unimplemented("KV only"))
-        }
-        async fn push_kv(
-            &self,
-            req: Request<Streaming<KvMessage>>,
-        ) -> Result<Response<KvAck>, Status> {
-            let bytes = receive_push_kv(&self.table, &mut req.into_inner()).await?;
-            Ok(Response::new(KvAck {
-                bytes_received: bytes,
-            }))
-        }
-        async fn commit_kv(&self, req: Request<KvCommit>) -> Result<Response<KvAck>, Status> {
-            let bytes = self.table.commit(&req.into_inner())?;
-            Ok(Response::new(KvAck {
-                bytes_received: bytes,
-            }))
-        }
-
-        async fn renew_lease(
-            &self,
-            req: Request<RenewLeaseRequest>,
-        ) -> Result<Response<RenewLeaseResponse>, Status> {
-            let open = self.table.renew(req.into_inner().lease_id);
-            Ok(Response::new(RenewLeaseResponse { open }))
-        }
-    }
+    let header = |name: &str| {
+        resp.headers()
+            .get(name)
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("")
+            .to_string()
+    };
+    let (mode, transport) = (header("x-tandem-mode"), header("x-tandem-transport"));
+    let kv_bytes = header("x-tandem-kv-bytes").parse().unwrap_or(0);
+    let v: serde_json::Value = resp.json().await?;
+    Ok(Completion {
+        text: v["choices"][0]["text"]
+            .as_str()
+            .unwrap_or_default()
+            .to_string(),
+        usage: v["usage"].clone(),
+        mode,
+        transport,
+        kv_bytes,
+    })
 }
 
 /// A router and its workers, all real binaries on loopback.

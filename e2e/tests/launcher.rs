@@ -23,6 +23,20 @@ impl Drop for Launcher {
     }
 }
 
+/// `tandem up CONFIG` with the workspace's binaries, stdout and stderr piped.
+fn spawn_up(config: &std::path::Path) -> Child {
+    let bin = binary("tandem").unwrap();
+    Command::new(&bin)
+        .arg("up")
+        .arg(config)
+        .arg("--bin-dir")
+        .arg(bin.parent().unwrap())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap()
+}
+
 fn start() -> Launcher {
     let dir = tempfile::tempdir().unwrap();
     let (router, prefill, decode) = (free_port(), free_port(), free_port());
@@ -34,16 +48,7 @@ fn start() -> Launcher {
     );
     let path = dir.path().join("tiny.toml");
     std::fs::write(&path, config).unwrap();
-    let bin = binary("tandem").unwrap();
-    let mut child = Command::new(&bin)
-        .arg("up")
-        .arg(&path)
-        .arg("--bin-dir")
-        .arg(bin.parent().unwrap())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+    let mut child = spawn_up(&path);
     let (tx, stderr) = mpsc::channel();
     let err = child.stderr.take().unwrap();
     std::thread::spawn(move || {
@@ -191,15 +196,7 @@ fn gpu_deployments_fail_loudly_without_cuda_support() {
         if tandem_engine::CUDA_SUPPORT {
             continue;
         }
-        let mut up = Command::new(&bin)
-            .arg("up")
-            .arg(&path)
-            .arg("--bin-dir")
-            .arg(bin.parent().unwrap())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
+        let mut up = spawn_up(&path);
         let status = wait_exit(&mut up, Duration::from_secs(60));
         let mut stderr = String::new();
         std::io::Read::read_to_string(&mut up.stderr.take().unwrap(), &mut stderr).unwrap();

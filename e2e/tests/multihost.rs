@@ -10,54 +10,23 @@
 
 use std::time::{Duration, Instant};
 
-use serde_json::{Value, json};
+use serde_json::Value;
 use tandem_e2e::netns::Network;
-use tandem_e2e::{Proc, decode_client, prefill_client, wait_http_ok};
+use tandem_e2e::{
+    Completion, Proc, decode_client, greedy_completion, prefill_client, wait_http_ok,
+};
 
 const DECODE_PORT: u16 = 7201;
 const KV_TCP_PORT: u16 = 7301;
 const PREFILL_PORT: u16 = 7101;
 const MAX_TOKENS: u32 = 8;
 
-/// What one completion came back with.
-#[derive(Debug)]
-struct Completion {
-    text: String,
-    mode: String,
-    transport: String,
-    kv_bytes: u64,
-}
-
-fn header(r: &reqwest::Response, name: &str) -> String {
-    r.headers()
-        .get(name)
-        .and_then(|v| v.to_str().ok())
-        .unwrap_or("")
-        .to_string()
-}
-
 async fn complete(client: &reqwest::Client, base: &str, prompt: &[u32]) -> Completion {
-    let body = json!({"model": "tandem", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0, "ignore_eos": true});
-    let r = client
-        .post(format!("{base}/v1/completions"))
-        .json(&body)
-        .send()
+    let got = greedy_completion(client, base, prompt, MAX_TOKENS)
         .await
         .unwrap();
-    assert_eq!(r.status(), 200, "{base}");
-    let (mode, transport) = (
-        header(&r, "x-tandem-mode"),
-        header(&r, "x-tandem-transport"),
-    );
-    let kv_bytes = header(&r, "x-tandem-kv-bytes").parse().unwrap_or(0);
-    let v: Value = r.json().await.unwrap();
-    assert_eq!(v["usage"]["completion_tokens"], MAX_TOKENS);
-    Completion {
-        text: v["choices"][0]["text"].as_str().unwrap().to_string(),
-        mode,
-        transport,
-        kv_bytes,
-    }
+    assert_eq!(got.usage["completion_tokens"], MAX_TOKENS);
+    got
 }
 
 /// Prompts of 1 to 61 tokens (byte-level ids of the tiny model), so that some span several

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 use serde_json::{Value, json};
-use tandem_e2e::{Deployment, DeploymentSpec, Proc, blocks_in_use};
+use tandem_e2e::{Completion, Deployment, DeploymentSpec, Proc, blocks_in_use, greedy_completion};
 
 /// Mixed prompt lengths (1 to `max_len` tokens) as token-id arrays, so lengths are exact.
 fn prompts(n: usize, max_len: u32, vocab: u32) -> Vec<Vec<u32>> {
@@ -21,55 +21,19 @@ fn prompts(n: usize, max_len: u32, vocab: u32) -> Vec<Vec<u32>> {
         .collect()
 }
 
-async fn complete(
-    client: &reqwest::Client,
-    base: &str,
-    prompt: &[u32],
-    max_tokens: u32,
-) -> (String, Value, String) {
-    let body = json!({"model": "tandem", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": true});
-    let resp = client
-        .post(format!("{base}/v1/completions"))
-        .json(&body)
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(
-        resp.status(),
-        200,
-        "{}",
-        resp.text().await.unwrap_or_default()
-    );
-    let mode = resp
-        .headers()
-        .get("x-tandem-mode")
-        .and_then(|v| v.to_str().ok())
-        .unwrap_or("")
-        .to_string();
-    let v: Value = resp.json().await.unwrap();
-    (
-        v["choices"][0]["text"]
-            .as_str()
-            .unwrap_or_default()
-            .to_string(),
-        v["usage"].clone(),
-        mode,
-    )
-}
-
 /// Runs every prompt through `base` with `concurrency` requests in flight.
 async fn run_all(
     base: &str,
     prompts: &[Vec<u32>],
     max_tokens: u32,
     concurrency: usize,
-) -> Vec<(String, Value, String)> {
+) -> Vec<Completion> {
     let client = reqwest::Client::new();
-    futures::stream::iter(
-        prompts
-            .iter()
-            .map(|p| complete(&client, base, p, max_tokens)),
-    )
+    futures::stream::iter(prompts.iter().map(|p| async {
+        greedy_completion(&client, base, p, max_tokens)
+            .await
+            .unwrap()
+    }))
     .buffered(concurrency)
     .collect()
     .await
@@ -86,9 +50,9 @@ async fn correctness_gate(model: &str, n: usize, max_len: u32, vocab: u32, max_t
     let agg_base = format!("http://127.0.0.1:{}", agg.port);
     let prompts = prompts(n, max_len, vocab);
     let reference = run_all(&agg_base, &prompts, max_tokens, 1).await;
-    for (_, usage, mode) in &reference {
-        assert_eq!(mode, "aggregated");
-        assert_eq!(usage["tandem"]["kv_bytes"], 0);
+    for r in &reference {
+        assert_eq!(r.mode, "aggregated");
+        assert_eq!(r.usage["tandem"]["kv_bytes"], 0);
     }
     for transport in ["shm", "tcp", "grpc"] {
         let router = Deployment::router_for(&dep.prefill, &dep.decode, transport, &[]).unwrap();
@@ -98,16 +62,17 @@ async fn correctness_gate(model: &str, n: usize, max_len: u32, vocab: u32, max_t
             .unwrap();
         for concurrency in [1, 16] {
             let got = run_all(&base, &prompts, max_tokens, concurrency).await;
-            for (i, ((text, usage, mode), (want, want_usage, _))) in
-                got.iter().zip(&reference).enumerate()
-            {
-                assert_eq!(mode, "disaggregated", "{transport} prompt {i}");
-                assert_eq!(usage["tandem"]["transport"], transport);
-                assert!(usage["tandem"]["kv_bytes"].as_u64().unwrap_or(0) > 0);
-                assert_eq!(usage["completion_tokens"], want_usage["completion_tokens"]);
+            for (i, (got, want)) in got.iter().zip(&reference).enumerate() {
+                assert_eq!(got.mode, "disaggregated", "{transport} prompt {i}");
+                assert_eq!(got.usage["tandem"]["transport"], transport);
+                assert!(got.usage["tandem"]["kv_bytes"].as_u64().unwrap_or(0) > 0);
                 assert_eq!(
-                    text,
-                    want,
+                    got.usage["completion_tokens"],
+                    want.usage["completion_tokens"]
+                );
+                assert_eq!(
+                    got.text,
+                    want.text,
                     "{model}: prompt {i} ({} tokens) over {transport} at concurrency {concurrency}",
                     prompts[i].len()
                 );

@@ -20,6 +20,21 @@ pub enum Device {
     },
 }
 
+impl Device {
+    /// Whether this build can compute on the device: the CPU always, CUDA only with the
+    /// `cuda` feature. Callers check early (before loading a model) with this same error.
+    pub fn ensure_supported(&self) -> Result<(), EngineError> {
+        match self {
+            Device::Cuda { .. } if !crate::CUDA_SUPPORT => Err(EngineError::Unsupported(
+                "this binary was built without CUDA support: build it with the `cuda` feature \
+                 (scripts/build-gpu builds the GPU binaries)"
+                    .into(),
+            )),
+            _ => Ok(()),
+        }
+    }
+}
+
 impl FromStr for Device {
     type Err = EngineError;
 

@@ -248,28 +248,19 @@ impl Engine {
 
     /// Moves the compute to the configured device (nothing to do on the CPU).
     fn attach_device(&mut self) -> Result<()> {
-        match self.config.device {
-            Device::Cpu => Ok(()),
-            #[cfg(feature = "cuda")]
-            Device::Cuda {
-                ordinal,
-                green_context_sms,
-            } => {
-                let gpu =
-                    std::sync::Arc::new(crate::gpu::GpuContext::new(ordinal, green_context_sms)?);
-                let backend =
-                    crate::gpu::GpuBackend::new(gpu, &self.model, self.cache.num_blocks())?;
-                tracing::info!(?backend, "engine on the GPU");
-                self.gpu = Some(backend);
-                Ok(())
-            }
-            #[cfg(not(feature = "cuda"))]
-            Device::Cuda { .. } => Err(EngineError::Unsupported(
-                "this build has no CUDA support: build with the `cuda` feature \
-                 (scripts/build-gpu builds the GPU binaries)"
-                    .into(),
-            )),
+        self.config.device.ensure_supported()?;
+        #[cfg(feature = "cuda")]
+        if let Device::Cuda {
+            ordinal,
+            green_context_sms,
+        } = self.config.device
+        {
+            let gpu = std::sync::Arc::new(crate::gpu::GpuContext::new(ordinal, green_context_sms)?);
+            let backend = crate::gpu::GpuBackend::new(gpu, &self.model, self.cache.num_blocks())?;
+            tracing::info!(?backend, "engine on the GPU");
+            self.gpu = Some(backend);
         }
+        Ok(())
     }
 
     pub fn model(&self) -> &Arc<Model> {
@@ -498,26 +489,26 @@ impl Engine {
             })
             .collect();
         #[cfg(feature = "cuda")]
-        let logits = match self.gpu.as_mut() {
+        let device_logits = match self.gpu.as_mut() {
             Some(gpu) => {
                 // Copy KV back to the host only for prompt work (what transports send).
                 let prompt_work = plan
                     .iter()
                     .any(|(id, start, _)| *start < self.seqs[id].prompt_len);
-                gpu.forward(&mut self.cache, &inputs, &chunks, prompt_work, on_layer)?
+                Some(gpu.forward(&mut self.cache, &inputs, &chunks, prompt_work, on_layer)?)
             }
+            None => None,
+        };
+        #[cfg(not(feature = "cuda"))]
+        let device_logits: Option<Vec<Vec<f32>>> = None;
+        let logits = match device_logits {
+            Some(logits) => logits,
             None => self
                 .model
                 .forward(&mut self.cache, &inputs, &mut |layer, cache| {
                     on_layer(layer, cache, &chunks)
                 })?,
         };
-        #[cfg(not(feature = "cuda"))]
-        let logits = self
-            .model
-            .forward(&mut self.cache, &inputs, &mut |layer, cache| {
-                on_layer(layer, cache, &chunks)
-            })?;
         self.stats.steps += 1;
 
         let mut outputs = Vec::new();

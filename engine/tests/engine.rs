@@ -418,7 +418,7 @@ fn a_gpu_engine_without_a_gpu_is_a_clear_error() {
     };
     match Engine::new(model.clone(), TextTokenizer::byte_level(), config) {
         Err(EngineError::Unsupported(why)) => assert!(
-            why.contains("no CUDA support") || why.contains("no CUDA device"),
+            why.contains("without CUDA support") || why.contains("no CUDA device"),
             "{why}"
         ),
         Err(other) => panic!("unexpected error: {other}"),

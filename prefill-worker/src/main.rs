@@ -4,6 +4,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::Parser;
+use tandem_engine::EngineConfig;
 use tandem_prefill::{PrefillConfig, PrefillWorker, serve};
 use tandem_worker::telemetry::{init_tracing, shutdown_signal};
 use tandem_worker::{EngineArgs, ModelArgs, ServerArgs};
@@ -27,17 +28,18 @@ struct Args {
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     init_tracing(args.server.log_json);
-    args.engine.ensure_supported().map_err(anyhow::Error::msg)?;
+    // Bad engine flags fail here, before the runtime starts or a model loads.
+    let engine_config = args.engine.engine_config().map_err(anyhow::Error::msg)?;
     args.engine.init_threads();
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()
         .context("starting the async runtime")?;
-    runtime.block_on(run(args))
+    runtime.block_on(run(args, engine_config))
 }
 
-async fn run(args: Args) -> anyhow::Result<()> {
+async fn run(args: Args, engine_config: EngineConfig) -> anyhow::Result<()> {
     let port = args.server.port.unwrap_or(7101);
     let grpc = TcpListener::bind((args.server.host.as_str(), port))
         .await
@@ -53,7 +55,6 @@ async fn run(args: Args) -> anyhow::Result<()> {
     };
     tracing::info!(model = %args.model.model, "loading model");
     let (model, tokenizer) = args.model.load().context("loading the model")?;
-    let engine_config = args.engine.engine_config().map_err(anyhow::Error::msg)?;
     let worker = PrefillWorker::new(model, tokenizer, engine_config, config)
         .context("starting the engine")?;
     tracing::info!(grpc = %local, "prefill worker ready");

@@ -291,7 +291,8 @@ async fn short_prompts_run_aggregated_below_the_threshold() {
     router.stop().await;
 }
 
-async fn metric_value(router_url: &str, series: &str) -> f64 {
+/// The value of one series in the router's `/metrics`, or None when the series is absent.
+async fn series(router_url: &str, name: &str) -> Option<f64> {
     let text = client()
         .get(format!("{router_url}/metrics"))
         .send()
@@ -301,8 +302,12 @@ async fn metric_value(router_url: &str, series: &str) -> f64 {
         .await
         .unwrap();
     text.lines()
-        .find_map(|l| l.strip_prefix(series).and_then(|v| v.trim().parse().ok()))
-        .unwrap_or(0.0)
+        .find_map(|l| l.strip_prefix(name).and_then(|v| v.trim().parse().ok()))
+}
+
+/// A counter's value (0 before its first increment).
+async fn metric_value(router_url: &str, name: &str) -> f64 {
+    series(router_url, name).await.unwrap_or(0.0)
 }
 
 #[tokio::test]

@@ -22,6 +22,7 @@ mod frame;
 mod grpc;
 mod lease;
 mod sender;
+mod service;
 mod shm;
 mod tcp;
 
@@ -33,5 +34,6 @@ pub use sender::{
     GRPC_CONNECTION_WINDOW, GRPC_STREAM_WINDOW, KvSender, Peers, SendFuture, SendStats, connect,
     transport_name,
 };
+pub use service::{KvOnlyDecode, kv_rpcs};
 pub use shm::{OwnerTags, tags_path};
 pub use tcp::serve_tcp;

@@ -3,18 +3,15 @@
 //! bytes checked where they land; and the failures: layout mismatch, corrupt or incomplete
 //! data, a lease cancelled mid-transfer.
 
-use std::pin::Pin;
 use std::sync::Arc;
 
-use futures::Stream;
 use tandem_engine::kv::{KvCache, KvDtype, KvLayout, KvStorage};
-use tandem_proto::v1::decode_service_server::{DecodeService, DecodeServiceServer};
+use tandem_proto::v1::decode_service_server::DecodeServiceServer;
 use tandem_proto::v1::*;
 use tandem_transfer::{
-    LeaseTable, OwnerTags, Peers, TransferError, connect, receive_push_kv, serve_tcp, tags_path,
+    KvOnlyDecode, LeaseTable, OwnerTags, Peers, TransferError, connect, serve_tcp, tags_path,
 };
 use tokio::net::TcpListener;
-use tonic::{Request, Response, Status, Streaming};
 
 fn layout(fingerprint: &str) -> KvLayout {
     KvLayout {
@@ -24,47 +21,6 @@ fn layout(fingerprint: &str) -> KvLayout {
         block_size: 16,
         dtype: KvDtype::F32,
         model_fingerprint: fingerprint.into(),
-    }
-}
-
-struct Decode {
-    table: Arc<LeaseTable>,
-}
-
-#[tonic::async_trait]
-impl DecodeService for Decode {
-    type GenerateStream = Pin<Box<dyn Stream<Item = Result<GenerateEvent, Status>> + Send>>;
-    async fn get_info(&self, _: Request<InfoRequest>) -> Result<Response<WorkerInfo>, Status> {
-        Err(Status::unimplemented("test"))
-    }
-    async fn get_load(&self, _: Request<LoadRequest>) -> Result<Response<LoadReport>, Status> {
-        Err(Status::unimplemented("test"))
-    }
-    async fn generate(
-        &self,
-        _: Request<GenerateRequest>,
-    ) -> Result<Response<Self::GenerateStream>, Status> {
-        Err(Status::unimplemented("test"))
-    }
-    async fn push_kv(&self, req: Request<Streaming<KvMessage>>) -> Result<Response<KvAck>, Status> {
-        let bytes = receive_push_kv(&self.table, &mut req.into_inner()).await?;
-        Ok(Response::new(KvAck {
-            bytes_received: bytes,
-        }))
-    }
-    async fn commit_kv(&self, req: Request<KvCommit>) -> Result<Response<KvAck>, Status> {
-        let bytes = self.table.commit(&req.into_inner())?;
-        Ok(Response::new(KvAck {
-            bytes_received: bytes,
-        }))
-    }
-
-    async fn renew_lease(
-        &self,
-        req: Request<RenewLeaseRequest>,
-    ) -> Result<Response<RenewLeaseResponse>, Status> {
-        let open = self.table.renew(req.into_inner().lease_id);
-        Ok(Response::new(RenewLeaseResponse { open }))
     }
 }
 
@@ -93,7 +49,7 @@ async fn decode_side(blocks: usize) -> DecodeSide {
     let table = Arc::new(LeaseTable::new(cache.block_writer(), l.hash(), Some(tags)));
     let grpc = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let endpoint = format!("http://{}", grpc.local_addr().unwrap());
-    let svc = DecodeServiceServer::new(Decode {
+    let svc = DecodeServiceServer::new(KvOnlyDecode {
         table: table.clone(),
     });
     tokio::spawn(

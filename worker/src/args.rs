@@ -78,6 +78,9 @@ impl EngineArgs {
             .device
             .parse()
             .map_err(|e: EngineError| e.to_string())?;
+        device
+            .ensure_supported()
+            .map_err(|e| format!("--device {}: {e}", self.device))?;
         match (&mut device, self.green_context_sms) {
             (Device::Cpu, Some(sms)) => {
                 return Err(format!(
@@ -85,13 +88,6 @@ impl EngineArgs {
                 ));
             }
             (Device::Cpu, None) => {}
-            (Device::Cuda { .. }, _) if !tandem_engine::CUDA_SUPPORT => {
-                return Err(format!(
-                    "--device {}: this binary was built without CUDA support; build the \
-                     workers with the `cuda` feature (scripts/build-gpu)",
-                    self.device
-                ));
-            }
             (
                 Device::Cuda {
                     green_context_sms, ..
@@ -105,11 +101,6 @@ impl EngineArgs {
             max_running: self.max_running,
             device,
         })
-    }
-
-    /// Checks the flags before anything starts (see [`EngineArgs::engine_config`]).
-    pub fn ensure_supported(&self) -> Result<(), String> {
-        self.engine_config().map(|_| ())
     }
 
     /// Sizes the compute threads (the kernels' team and rayon's pool); call once, before
@@ -167,10 +158,10 @@ mod tests {
     fn devices_and_gpu_placement() {
         assert_eq!(parse(&[]).engine_config().unwrap().device, Device::Cpu);
         let err = parse(&["--green-context-sms", "64"])
-            .ensure_supported()
+            .engine_config()
             .unwrap_err();
         assert!(err.contains("needs --device cuda"), "{err}");
-        assert!(parse(&["--device", "tpu"]).ensure_supported().is_err());
+        assert!(parse(&["--device", "tpu"]).engine_config().is_err());
         let gpu = parse(&["--device", "cuda:1", "--green-context-sms", "64"]).engine_config();
         if tandem_engine::CUDA_SUPPORT {
             assert_eq!(

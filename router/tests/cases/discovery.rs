@@ -93,20 +93,6 @@ async fn wait_pool_size(router: &TestRouter, decode: u64, prefill: u64) {
     }
 }
 
-/// The value of one series in `/metrics`, or None when the series is absent.
-async fn series(router: &TestRouter, name: &str) -> Option<f64> {
-    let text = client()
-        .get(format!("{}/metrics", router.url))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
-    text.lines()
-        .find_map(|l| l.strip_prefix(name).and_then(|v| v.trim().parse().ok()))
-}
-
 async fn complete(router: &TestRouter, max_tokens: u32) -> reqwest::Response {
     post(
         &router.url,
@@ -158,11 +144,14 @@ async fn workers_behind_a_name_join_serve_and_leave() {
     router.wait_healthy(3, 1).await;
     let third = format!("http://127.0.0.3:{port}");
     let healthy = format!("tandem_router_worker_healthy{{worker=\"{third}\",role=\"decode\"}}");
-    assert_eq!(series(&router, &healthy).await, Some(1.0));
+    assert_eq!(series(&router.url, &healthy).await, Some(1.0));
     assert!(
-        series(&router, "tandem_router_discovered_workers{role=\"decode\"}")
-            .await
-            .is_some()
+        series(
+            &router.url,
+            "tandem_router_discovered_workers{role=\"decode\"}"
+        )
+        .await
+        .is_some()
     );
     decodes[2].set_script(DecodeScript {
         token_delay: Duration::from_millis(150),
@@ -201,7 +190,7 @@ async fn workers_behind_a_name_join_serve_and_leave() {
     assert_eq!(status, 200);
     assert_eq!(body["choices"][0]["text"], "Hello from");
     assert_eq!(decodes[2].generate_calls().len(), 1);
-    assert_eq!(series(&router, &healthy).await, Some(0.0));
+    assert_eq!(series(&router.url, &healthy).await, Some(0.0));
 
     // A failing lookup keeps the last known workers.
     resolver.fail("decode.test");
