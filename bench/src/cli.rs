@@ -66,7 +66,8 @@ pub struct BenchArgs {
     /// Name sent in the `model` field, if it differs from --model.
     #[arg(long)]
     pub served_model_name: Option<String>,
-    /// A tokenizer.json, an HF folder, or a GGUF file (defaults to --model as a path).
+    /// A tokenizer.json, an HF folder, a GGUF file, or `byte-level` (the tokenizer of tandem's
+    /// `dummy:` models); defaults to --model as a path.
     #[arg(long)]
     pub tokenizer: Option<PathBuf>,
     /// Label for the result file name and JSON (defaults to the backend).

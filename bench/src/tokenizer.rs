@@ -43,14 +43,23 @@ impl std::fmt::Debug for BenchTokenizer {
     }
 }
 
+/// The name that selects the byte-level tokenizer of tandem's `dummy:` models (no file
+/// needed: benchmarks of dummy-model deployments run where nothing can be downloaded).
+pub const BYTE_LEVEL: &str = "byte-level";
+
 /// Loads a tokenizer from a `tokenizer.json` file, an HF folder holding one, or a GGUF file,
-/// with the folder's chat template when it has one.
+/// with the folder's chat template when it has one; [`BYTE_LEVEL`] (when no such file
+/// exists) is the dummy models' tokenizer.
 pub fn load_tokenizer(path: &Path) -> Result<BenchTokenizer, TokenizerError> {
     let load_error = |message: String| TokenizerError::Load {
         path: path.to_path_buf(),
         message,
     };
-    let text = TextTokenizer::from_path(path).map_err(|e| load_error(e.to_string()))?;
+    let text = if path == Path::new(BYTE_LEVEL) && !path.exists() {
+        TextTokenizer::byte_level()
+    } else {
+        TextTokenizer::from_path(path).map_err(|e| load_error(e.to_string()))?
+    };
     let info = text.info();
     let chat_template = match &info.chat_template {
         Some(source) => Some(Arc::new(
@@ -221,6 +230,8 @@ mod tests {
         );
         let empty = tempfile::tempdir().unwrap();
         assert!(load_tokenizer(empty.path()).is_err());
+        let bytes = load_tokenizer(Path::new(BYTE_LEVEL)).unwrap();
+        assert_eq!(bytes.vocab_size(), 259);
         assert!(load_tokenizer(&empty.path().join("missing.gguf")).is_err());
     }
 }

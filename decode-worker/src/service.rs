@@ -126,7 +126,8 @@ impl DecodeWorker {
             None => (KvStorage::anonymous(bytes)?, None, String::new()),
         };
         let cache = KvCache::new(layout.clone(), num_blocks, storage)?;
-        let leases = Arc::new(LeaseTable::new(cache.block_writer(), layout.hash(), tags));
+        let writer = cache.block_writer();
+        let engine = Engine::with_cache(model.clone(), tokenizer.clone(), engine_config, cache)?;
         let mut transports = vec![Transport::Grpc as i32];
         if kv_tcp_port != 0 {
             transports.push(Transport::Tcp as i32);
@@ -134,6 +135,24 @@ impl DecodeWorker {
         if !shm_path.is_empty() {
             transports.push(Transport::Shm as i32);
         }
+        // On a GPU the device pool is exported for cuda-ipc; its writes are fenced by the
+        // owner tags, so it needs the shared-memory folder too.
+        let device_pool = match (&tags, engine.export_device_kv()?) {
+            (Some(_), Some(export)) => {
+                transports.push(Transport::CudaIpc as i32);
+                Some(export)
+            }
+            (None, Some(_)) => {
+                tracing::warn!("no shared-memory folder: cuda-ipc is off for this GPU worker");
+                None
+            }
+            _ => None,
+        };
+        let mut leases = LeaseTable::new(writer, layout.hash(), tags);
+        if let Some(export) = &device_pool {
+            leases = leases.with_device_pool(export.block_layer_bytes);
+        }
+        let leases = Arc::new(leases);
         let cfg = model.config();
         let info = WorkerInfo {
             worker_id: config.worker_id.clone(),
@@ -155,8 +174,12 @@ impl DecodeWorker {
             advertise_host: config.advertise_host.clone(),
             total_blocks: num_blocks as u32,
             protocol_version: PROTOCOL_VERSION,
+            cuda_ipc_handle: device_pool
+                .as_ref()
+                .map(|e| e.ipc_handle.clone())
+                .unwrap_or_default(),
+            cuda_pool_blocks: device_pool.as_ref().map_or(0, |e| e.num_blocks as u32),
         };
-        let engine = Engine::with_cache(model.clone(), tokenizer.clone(), engine_config, cache)?;
         let handle = spawn_engine(engine)?;
         Ok(Self {
             inner: Arc::new(Inner {

@@ -4,10 +4,14 @@
 //! stops them all cleanly on Ctrl-C or SIGTERM. A process that dies is reported and the
 //! launcher exits non-zero.
 //!
+//! Deployments that split a GPU under MPS get the MPS control daemon started (and stopped)
+//! around them ([`mps`]).
+//!
 //! It depends on no other tandem crate: it only runs binaries and sets flags and variables.
 
 pub mod config;
 pub mod launcher;
+pub mod mps;
 pub mod plan;
 
 pub use config::{DeployConfig, WorkerSpec};

@@ -8,6 +8,7 @@ use std::time::Duration;
 use anyhow::Context;
 use clap::{Parser, Subcommand};
 use tandem_deploy::launcher::{LaunchOptions, run};
+use tandem_deploy::mps::{self, MpsDaemon};
 use tandem_deploy::{DeployConfig, plan};
 
 /// tandem: disaggregated prefill/decode LLM serving.
@@ -124,6 +125,18 @@ fn up(
     if let Some(d) = &cfg.description {
         eprintln!("[tandem] {d}");
     }
+    // Under MPS the daemon must run before the workers initialise CUDA; one started here is
+    // stopped when this function returns, however the deployment ended.
+    let _mps = match &cfg.gpu {
+        Some(gpu) if gpu.mps => {
+            let daemon = MpsDaemon::ensure(&mps::control_program())?;
+            if daemon.started_here() {
+                eprintln!("[tandem] started the MPS control daemon");
+            }
+            Some(daemon)
+        }
+        _ => None,
+    };
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
         .enable_all()

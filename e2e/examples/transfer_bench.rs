@@ -162,6 +162,7 @@ async fn transfer_once(
         lease_id: lease.id,
         block_ids: blocks,
         kv_layout_hash: layout.hash(),
+        ..KvDestination::default()
     };
     let sender = connect(peers, &dest, &layout, "bench", TOKENS).await?;
     let source = source.clone();

@@ -25,8 +25,13 @@ impl Drop for Launcher {
 
 /// `tandem up CONFIG` with the workspace's binaries, stdout and stderr piped.
 fn spawn_up(config: &std::path::Path) -> Child {
+    spawn_up_with(config, &[])
+}
+
+fn spawn_up_with(config: &std::path::Path, env: &[(&str, &std::path::Path)]) -> Child {
     let bin = binary("tandem").unwrap();
     Command::new(&bin)
+        .envs(env.iter().copied())
         .arg("up")
         .arg(config)
         .arg("--bin-dir")
@@ -196,11 +201,35 @@ fn gpu_deployments_fail_loudly_without_cuda_support() {
         if tandem_engine::CUDA_SUPPORT {
             continue;
         }
-        let mut up = spawn_up(&path);
+        // MPS files get the control daemon first: a stand-in records that it was started,
+        // and that the launcher stopped it again when the workers refused to start.
+        let mps = tempfile::tempdir().unwrap();
+        let daemon = mps.path().join("running");
+        let control = mps.path().join("mps-control");
+        std::fs::write(
+            &control,
+            format!(
+                "#!/bin/sh\nif [ \"$1\" = -d ]; then touch {d}; echo started >> {d}.log; exit 0; fi\nread cmd\n[ -e {d} ] || exit 1\n[ \"$cmd\" = quit ] && rm {d}\nexit 0\n",
+                d = daemon.display()
+            ),
+        )
+        .unwrap();
+        std::fs::set_permissions(
+            &control,
+            std::os::unix::fs::PermissionsExt::from_mode(0o755),
+        )
+        .unwrap();
+        let mut up = spawn_up_with(&path, &[("TANDEM_MPS_CONTROL", &control)]);
         let status = wait_exit(&mut up, Duration::from_secs(60));
         let mut stderr = String::new();
         std::io::Read::read_to_string(&mut up.stderr.take().unwrap(), &mut stderr).unwrap();
         assert!(!status.success(), "{file}: up must fail\n{stderr}");
         assert!(stderr.contains("without CUDA support"), "{file}: {stderr}");
+        let started = mps.path().join("running.log").exists();
+        assert_eq!(started, file.contains("mps"), "{file}: MPS daemon started?");
+        assert!(
+            !daemon.exists(),
+            "{file}: the daemon tandem started was stopped"
+        );
     }
 }

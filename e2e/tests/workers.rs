@@ -98,6 +98,8 @@ async fn disaggregated(
         lease_id: lease.lease_id,
         block_ids: lease.block_ids,
         kv_layout_hash: pair.info.kv_layout_hash.clone(),
+        cuda_ipc_handle: pair.info.cuda_ipc_handle.clone(),
+        cuda_pool_blocks: pair.info.cuda_pool_blocks,
     };
     let prefill = pair
         .p

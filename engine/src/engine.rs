@@ -24,6 +24,10 @@ use crate::sampling::{Sampler, SamplingParams, StopParams};
 use crate::sequence::Sequence;
 use std::sync::{Mutex, MutexGuard};
 
+mod device_side;
+
+pub use device_side::{KvLocation, ReceivedKv};
+
 /// Identifies a sequence inside one engine.
 pub type SeqId = u64;
 
@@ -194,6 +198,9 @@ pub struct Engine {
     /// The device compute with `Device::Cuda`; `cache` is then host staging.
     #[cfg(feature = "cuda")]
     gpu: Option<crate::gpu::GpuBackend>,
+    /// Whether prompt KV is copied to the host cache after a GPU forward pass (off while
+    /// every sequence sending KV copies device to device).
+    host_kv_export: bool,
 }
 
 impl std::fmt::Debug for Engine {
@@ -241,26 +248,10 @@ impl Engine {
             stats: EngineStats::default(),
             #[cfg(feature = "cuda")]
             gpu: None,
+            host_kv_export: true,
         };
         engine.attach_device()?;
         Ok(engine)
-    }
-
-    /// Moves the compute to the configured device (nothing to do on the CPU).
-    fn attach_device(&mut self) -> Result<()> {
-        self.config.device.ensure_supported()?;
-        #[cfg(feature = "cuda")]
-        if let Device::Cuda {
-            ordinal,
-            green_context_sms,
-        } = self.config.device
-        {
-            let gpu = std::sync::Arc::new(crate::gpu::GpuContext::new(ordinal, green_context_sms)?);
-            let backend = crate::gpu::GpuBackend::new(gpu, &self.model, self.cache.num_blocks())?;
-            tracing::info!(?backend, "engine on the GPU");
-            self.gpu = Some(backend);
-        }
-        Ok(())
     }
 
     pub fn model(&self) -> &Arc<Model> {
@@ -397,18 +388,19 @@ impl Engine {
         &mut self.cache
     }
 
-    /// Admits a sequence whose prompt KV already sits in `blocks` and whose first token was
-    /// sampled elsewhere. Returns its id and the output for that first token (which may
+    /// Admits a sequence whose prompt KV already sits in `kv.blocks` (of the host cache, or
+    /// of the device pool) and whose first token was sampled elsewhere. Returns its id and the output for that first token (which may
     /// already finish it, freeing the blocks).
     pub fn add_prefilled(
         &mut self,
         prompt: Vec<u32>,
         first_token: u32,
         first_logprob: f32,
-        blocks: Vec<u32>,
+        kv: ReceivedKv,
         sampling: SamplingParams,
         stop: StopParams,
     ) -> Result<(SeqId, StepOutput)> {
+        let ReceivedKv { blocks, location } = kv;
         self.validate_request(&prompt, &sampling, &stop)?;
         if first_token as usize >= self.model.config().vocab_size {
             return Err(EngineError::UnknownToken {
@@ -424,11 +416,7 @@ impl Engine {
                 "blocks do not cover the prompt or are not reserved".into(),
             ));
         }
-        // On a GPU the received KV sits in the host staging cache: move it to the device.
-        #[cfg(feature = "cuda")]
-        if let Some(gpu) = self.gpu.as_mut() {
-            gpu.upload_blocks(&self.cache, &blocks)?;
-        }
+        self.place_received_kv(&blocks, location)?;
         let id = self.allocate_id();
         let sampler = Sampler::resumed(&sampling, 1);
         let mut seq = Sequence::new(id, prompt, sampling, stop, &self.eos, sampler);
@@ -495,7 +483,14 @@ impl Engine {
                 let prompt_work = plan
                     .iter()
                     .any(|(id, start, _)| *start < self.seqs[id].prompt_len);
-                Some(gpu.forward(&mut self.cache, &inputs, &chunks, prompt_work, on_layer)?)
+                Some(gpu.forward(
+                    &mut self.cache,
+                    &inputs,
+                    &chunks,
+                    prompt_work,
+                    self.host_kv_export,
+                    on_layer,
+                )?)
             }
             None => None,
         };

@@ -23,7 +23,7 @@ pub use device::Device;
 
 /// Whether this build has the CUDA engine (the `cuda` feature).
 pub const CUDA_SUPPORT: bool = cfg!(feature = "cuda");
-pub use engine::{Engine, EngineConfig, FinishReason, SeqId, StepOutput};
+pub use engine::{Engine, EngineConfig, FinishReason, KvLocation, ReceivedKv, SeqId, StepOutput};
 pub use error::{EngineError, Result};
 pub use model::{LoadOptions, Model, ModelSource, SeqInput, load_model};
 pub use sampling::{SamplingParams, StopParams};

@@ -5,7 +5,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use tandem_engine::config::{ModelConfig, WeightDtype};
-use tandem_engine::engine::EngineStats;
+use tandem_engine::engine::{EngineStats, KvLocation, ReceivedKv};
 use tandem_engine::model::dummy_model;
 use tandem_engine::{
     Engine, EngineConfig, EngineError, FinishReason, Model, SamplingParams, StepOutput, StopParams,
@@ -176,7 +176,14 @@ fn exported_kv_continues_identically_in_another_engine() {
         }
         let (s, st) = greedy(20);
         let (id, out0) = decode
-            .add_prefilled(p.clone(), first.token, first.logprob, blocks, s, st)
+            .add_prefilled(
+                p.clone(),
+                first.token,
+                first.logprob,
+                ReceivedKv::host(blocks),
+                s,
+                st,
+            )
             .unwrap();
         let mut got = vec![out0.token];
         got.extend(
@@ -370,17 +377,39 @@ fn bad_inputs_are_typed_errors() {
             vec![3; 20],
             9999,
             0.0,
-            blocks.clone(),
+            ReceivedKv::host(blocks.clone()),
             ok.clone(),
             stop.clone()
         )
         .is_err()
     );
     assert!(
-        e.add_prefilled(vec![3; 40], 5, 0.0, blocks.clone(), ok, stop)
-            .is_err(),
+        e.add_prefilled(
+            vec![3; 40],
+            5,
+            0.0,
+            ReceivedKv::host(blocks.clone()),
+            ok.clone(),
+            stop.clone()
+        )
+        .is_err(),
         "blocks do not cover the prompt"
     );
+    let err = e
+        .add_prefilled(
+            vec![3; 20],
+            5,
+            0.0,
+            ReceivedKv {
+                blocks: blocks.clone(),
+                location: KvLocation::Device,
+            },
+            ok,
+            stop,
+        )
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("device memory"), "{err}");
     e.release(&blocks).unwrap();
     assert!(e.release(&blocks).is_err());
     assert_eq!(e.used_blocks(), 0);

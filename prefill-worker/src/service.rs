@@ -82,6 +82,15 @@ impl PrefillWorker {
         let layout = model.kv_layout();
         let engine = Engine::new(model.clone(), tokenizer.clone(), engine_config)?;
         let total_blocks = engine.total_blocks();
+        let mut transports = vec![
+            Transport::Grpc as i32,
+            Transport::Tcp as i32,
+            Transport::Shm as i32,
+        ];
+        // Device-to-device copies need this engine's KV on a GPU.
+        if engine.device_kv().is_some() {
+            transports.push(Transport::CudaIpc as i32);
+        }
         let cfg = model.config();
         let info = WorkerInfo {
             worker_id: config.worker_id.clone(),
@@ -92,17 +101,10 @@ impl PrefillWorker {
             context_length: cfg.max_position_embeddings as u32,
             vocab_size: cfg.vocab_size as u32,
             tokenizer: None,
-            transports: vec![
-                Transport::Grpc as i32,
-                Transport::Tcp as i32,
-                Transport::Shm as i32,
-            ],
-            shm_path: String::new(),
-            shm_bytes: 0,
-            kv_tcp_port: 0,
-            advertise_host: String::new(),
+            transports,
             total_blocks: total_blocks as u32,
             protocol_version: PROTOCOL_VERSION,
+            ..WorkerInfo::default()
         };
         Ok(Self {
             inner: Arc::new(Inner {

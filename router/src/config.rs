@@ -31,6 +31,9 @@ pub enum TransportArg {
     Shm,
     Tcp,
     Grpc,
+    /// GPU workers on one node: device-to-device copies into the decode worker's pool.
+    #[serde(rename = "cuda-ipc")]
+    CudaIpc,
 }
 
 impl From<TransportArg> for Transport {
@@ -39,6 +42,7 @@ impl From<TransportArg> for Transport {
             TransportArg::Shm => Transport::Shm,
             TransportArg::Tcp => Transport::Tcp,
             TransportArg::Grpc => Transport::Grpc,
+            TransportArg::CudaIpc => Transport::CudaIpc,
         }
     }
 }

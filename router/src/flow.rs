@@ -91,12 +91,14 @@ pub struct Head {
     pub fallback: Option<FallbackReason>,
 }
 
-/// The name of a transport in headers and usage (`shm`, `tcp`, `grpc`, or `none`).
+/// The name of a transport in headers and usage (`shm`, `tcp`, `grpc`, `cuda-ipc`, or
+/// `none`).
 pub fn transport_name(t: Option<Transport>) -> &'static str {
     match t {
         Some(Transport::Shm) => "shm",
         Some(Transport::Tcp) => "tcp",
         Some(Transport::Grpc) => "grpc",
+        Some(Transport::CudaIpc) => "cuda-ipc",
         Some(Transport::Unspecified) | None => "none",
     }
 }
@@ -574,6 +576,8 @@ async fn run_disaggregated(
         kv_tcp_addr: kv_tcp_addr(&decode.url, &decode_info),
         shm_path: decode_info.shm_path.clone(),
         shm_bytes: decode_info.shm_bytes,
+        cuda_ipc_handle: decode_info.cuda_ipc_handle.clone(),
+        cuda_pool_blocks: decode_info.cuda_pool_blocks,
         lease_id: lease.lease_id,
         block_ids: lease.block_ids,
         kv_layout_hash: decode_info.kv_layout_hash.clone(),

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Runs on the GPU machine (carried in .gpu-build/): points the dynamic loader at the CUDA 13
-# libraries of the machine's Python environment, then runs the correctness check, tandem's GPU
-# benchmark, and the same shapes through PyTorch/transformers for comparison.
+# Runs on the GPU machine (carried in .gpu-build/, from the repository root): points the
+# dynamic loader at the CUDA 13 libraries of the machine's Python environment, then runs the
+# correctness check, the cuda-ipc check (two processes), tandem's GPU benchmark, the same
+# shapes through PyTorch/transformers, and a 1P1D deployment on one GPU (green contexts,
+# KV over cuda-ipc) under tandem-bench. STEPS picks a subset, e.g. STEPS="ipc serve".
 set -uo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 libs=$(python3 - <<'PY'
@@ -17,7 +19,32 @@ PY
 )
 export LD_LIBRARY_PATH="${libs}:/usr/local/cuda/lib64:/usr/local/nvidia/lib64:${LD_LIBRARY_PATH:-}"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv || true
-echo "== gpu_check (tiny)"; "$here/gpu_check" --model tiny
-echo "== gpu_check (dummy smollm2 shape)"; "$here/gpu_check" --model dummy:smollm2-135m
-echo "== gpu_bench"; "$here/gpu_bench"
-echo "== PyTorch/transformers, same shapes"; python3 "$here/torch_bench.py"
+steps="${STEPS:-check ipc bench torch serve}"
+want() { [[ " $steps " == *" $1 "* ]]; }
+if want check; then
+  echo "== gpu_check (tiny)"; "$here/gpu_check" --model tiny
+  echo "== gpu_check (dummy smollm2 shape)"; "$here/gpu_check" --model dummy:smollm2-135m
+fi
+if want ipc; then echo "== gpu_ipc_check (cuda-ipc between two processes)"; "$here/gpu_ipc_check"; fi
+if want bench; then echo "== gpu_bench"; "$here/gpu_bench"; fi
+if want torch; then echo "== PyTorch/transformers, same shapes"; python3 "$here/torch_bench.py"; fi
+if want serve; then
+  # 1P1D on one GPU: prefill 96 SMs, decode 36, KV over cuda-ipc; the `# Prefill` and
+  # `# Decode` blocks come from tandem-bench.
+  config="${CONFIG:-deploy/gpu/green-ctx-1gpu.toml}"
+  logs="${OUT:-/tmp}/tandem-logs"
+  echo "== 1P1D on the GPU: $config"
+  "$here/tandem" up "$config" --bin-dir "$here" --log-dir "$logs" >/tmp/tandem-up.out 2>&1 &
+  up=$!
+  for _ in $(seq 1 300); do
+    grep -q "tandem is up" /tmp/tandem-up.out && break
+    kill -0 "$up" 2>/dev/null || break
+    sleep 1
+  done
+  cat /tmp/tandem-up.out
+  "$here/tandem-bench" --tokenizer byte-level --base-url http://127.0.0.1:8000 --disable-tqdm \
+    --random-input-len "${INPUT_LEN:-1024}" --random-output-len "${OUTPUT_LEN:-128}" --ignore-eos \
+    --num-prompts "${PROMPTS:-64}" --request-rate "${RATE:-4}" || true
+  kill -TERM "$up" 2>/dev/null; wait "$up" 2>/dev/null
+  tail -n 5 "$logs"/*.log 2>/dev/null || true
+fi

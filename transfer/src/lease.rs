@@ -83,6 +83,9 @@ pub struct LeaseTable {
     layout_hash: String,
     next_id: AtomicU64,
     tags: Option<OwnerTags>,
+    /// Bytes of one (layer, block) piece of the device pool, when a GPU engine exported it
+    /// (the `cuda-ipc` transport writes there).
+    device_block_layer_bytes: Option<usize>,
 }
 
 impl LeaseTable {
@@ -99,7 +102,15 @@ impl LeaseTable {
                     .map_or(1, |d| d.as_nanos() as u64 | 1),
             ),
             tags,
+            device_block_layer_bytes: None,
         }
+    }
+
+    /// Accepts `cuda-ipc` commits into a device pool whose (layer, block) pieces are
+    /// `block_layer_bytes` long.
+    pub fn with_device_pool(mut self, block_layer_bytes: usize) -> Self {
+        self.device_block_layer_bytes = Some(block_layer_bytes);
+        self
     }
 
     pub fn layout_hash(&self) -> &str {
@@ -323,6 +334,23 @@ impl LeaseTable {
                 Ok(())
             })?;
             Ok((layers * nblocks * self.writer.layout().block_layer_bytes()) as u64)
+        } else if transport == Transport::CudaIpc {
+            // The pieces went device to device; reading them back to the host would cost more
+            // than the copy. The sender fenced each block on its owner tag and counted the
+            // bytes: they must cover every (layer, block) of the lease.
+            let Some(piece) = self.device_block_layer_bytes else {
+                return Err(TransferError::Protocol(
+                    "this worker has no device KV pool to receive cuda-ipc".into(),
+                ));
+            };
+            let expected = (layers * nblocks * piece) as u64;
+            if c.bytes != expected {
+                return Err(TransferError::Incomplete(format!(
+                    "cuda-ipc commit covers {} bytes, the lease needs {expected}",
+                    c.bytes
+                )));
+            }
+            Ok(expected)
         } else {
             let received = lease.received.lock().unwrap_or_else(|p| p.into_inner());
             let missing = received.iter().filter(|r| !**r).count();
@@ -532,6 +560,39 @@ mod tests {
             table.write_blocks(&lease, 1, &[0], &[good], &payload),
             Err(TransferError::Cancelled(_))
         ));
+    }
+
+    #[test]
+    fn cuda_ipc_commits_must_cover_the_device_pieces() {
+        let (_cache, table) = setup();
+        let (lease, _rx) = table.create(vec![1, 2], 20, "r");
+        let refused = table.commit(&commit_msg(&table, &lease, Transport::CudaIpc));
+        assert!(
+            refused
+                .unwrap_err()
+                .to_string()
+                .contains("no device KV pool"),
+            "a worker without a device pool refuses cuda-ipc"
+        );
+
+        let (_cache, table) = setup();
+        let table = table.with_device_pool(100);
+        let (lease, mut rx) = table.create(vec![1, 2], 20, "r");
+        let mut short = commit_msg(&table, &lease, Transport::CudaIpc);
+        short.bytes = 2 * 2 * 100 - 1;
+        let why = table.commit(&short).unwrap_err().to_string();
+        assert!(why.contains("covers 399 bytes"), "{why}");
+        assert!(
+            rx.try_recv().unwrap().is_err(),
+            "a short commit fails the lease"
+        );
+
+        let (lease, mut rx) = table.create(vec![3, 4], 20, "r");
+        let mut whole = commit_msg(&table, &lease, Transport::CudaIpc);
+        whole.bytes = 2 * 2 * 100;
+        assert_eq!(table.commit(&whole).unwrap(), 400);
+        let commit = rx.try_recv().unwrap().unwrap();
+        assert_eq!(commit.transport, Transport::CudaIpc);
     }
 
     #[test]

@@ -9,6 +9,9 @@
 //!   workers on different hosts.
 //! - `shm`: the decode worker's KV pool is a shared-memory file; the prefill worker maps it
 //!   and writes the reserved blocks in place, then commits with checksums over gRPC.
+//! - `cuda-ipc` (feature `cuda`): GPU workers on one node; the prefill worker opens the decode
+//!   worker's device pool by IPC handle and copies each layer's blocks device to device,
+//!   fenced by the same owner tags as `shm`, then commits over gRPC.
 //!
 //! The decode side keeps a [`LeaseTable`]: every reservation, which of its (layer, block)
 //! pieces have arrived with a good CRC-32, and the commit that hands it to the engine. Every
@@ -17,6 +20,8 @@
 
 mod bufpool;
 mod checksum;
+#[cfg(feature = "cuda")]
+mod cuda_ipc;
 mod error;
 mod frame;
 mod grpc;

@@ -5,7 +5,7 @@ use std::collections::HashMap;
 use std::pin::Pin;
 use std::sync::Mutex;
 
-use tandem_engine::kv::KvLayout;
+use tandem_engine::kv::{DeviceKv, KvLayout};
 use tandem_proto::v1::{KvDestination, Transport};
 use tonic::transport::{Channel, Endpoint};
 
@@ -39,6 +39,27 @@ pub trait KvSender: Send {
     /// Ships `(logical block, bytes)` pieces of one layer.
     fn send_layer(&mut self, layer: usize, blocks: &[(u32, &[u8])]) -> Result<(), TransferError>;
 
+    /// Whether this sender copies from the engine's device KV pool ([`Self::send_device_layer`])
+    /// instead of taking host bytes.
+    fn reads_device(&self) -> bool {
+        false
+    }
+
+    /// Ships one layer's blocks straight from a GPU engine's pool `src`, as `(logical block,
+    /// physical block in src)` pairs. The copies are queued on `src.stream`, after the forward
+    /// pass that wrote them.
+    fn send_device_layer(
+        &mut self,
+        layer: usize,
+        src: &DeviceKv,
+        blocks: &[(u32, u32)],
+    ) -> Result<(), TransferError> {
+        let _ = (layer, src, blocks);
+        Err(TransferError::Protocol(
+            "this transport sends host bytes, not device memory".into(),
+        ))
+    }
+
     /// Finishes: every piece has been sent; the decode worker verifies and admits the request
     /// with this first token.
     fn commit(self: Box<Self>, first_token: u32, first_logprob: f32) -> SendFuture;
@@ -48,6 +69,8 @@ pub trait KvSender: Send {
 #[derive(Debug, Default)]
 pub struct Peers {
     pub(crate) shm: ShmPeers,
+    #[cfg(feature = "cuda")]
+    pub(crate) cuda: std::sync::Arc<crate::cuda_ipc::CudaIpcPeers>,
     channels: Mutex<HashMap<String, Channel>>,
 }
 
@@ -84,6 +107,8 @@ impl Peers {
         if !dest.shm_path.is_empty() {
             self.shm.forget(std::path::Path::new(&dest.shm_path));
         }
+        #[cfg(feature = "cuda")]
+        self.cuda.forget(dest);
     }
 }
 
@@ -125,6 +150,7 @@ pub async fn connect(
             request_id,
             num_tokens,
         )?),
+        Transport::CudaIpc => cuda_ipc_sender(peers, dest, layout, request_id, num_tokens)?,
         Transport::Unspecified => {
             return Err(TransferError::Protocol("no transport chosen".into()));
         }
@@ -137,6 +163,37 @@ pub fn transport_name(t: Transport) -> &'static str {
         Transport::Grpc => "grpc",
         Transport::Tcp => "tcp",
         Transport::Shm => "shm",
+        Transport::CudaIpc => "cuda-ipc",
         Transport::Unspecified => "none",
     }
+}
+
+#[cfg(feature = "cuda")]
+fn cuda_ipc_sender(
+    peers: &Peers,
+    dest: &KvDestination,
+    layout: &KvLayout,
+    request_id: &str,
+    num_tokens: usize,
+) -> Result<Box<dyn KvSender>, TransferError> {
+    Ok(Box::new(crate::cuda_ipc::CudaIpcSender::new(
+        peers,
+        dest.clone(),
+        layout,
+        request_id,
+        num_tokens,
+    )?))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda_ipc_sender(
+    _: &Peers,
+    _: &KvDestination,
+    _: &KvLayout,
+    _: &str,
+    _: usize,
+) -> Result<Box<dyn KvSender>, TransferError> {
+    Err(TransferError::Connect(
+        "cuda-ipc needs a worker built with the `cuda` feature and running on a GPU".into(),
+    ))
 }

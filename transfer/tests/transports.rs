@@ -95,6 +95,7 @@ fn destination(
         lease_id,
         block_ids: blocks.to_vec(),
         kv_layout_hash: d.table.layout_hash().to_string(),
+        ..KvDestination::default()
     }
 }
 
@@ -224,4 +225,36 @@ async fn a_cancelled_lease_fences_every_transport() {
             "{transport:?} wrote into a cancelled lease"
         );
     }
+}
+
+/// cuda-ipc needs a decode worker that exported a device pool (and a CUDA build): without
+/// either, the transfer is refused before any byte moves, with the reason; host transports
+/// refuse device pointers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cuda_ipc_without_a_device_pool_is_refused_up_front() {
+    let d = decode_side(8).await;
+    let peers = Peers::new();
+    let l = layout("m");
+    let (lease, _rx) = d.table.create(vec![1], 10, "req");
+    let dest = destination(&d, Transport::CudaIpc, lease.id, &[1]);
+    let err = match connect(&peers, &dest, &l, "req", 10).await {
+        Ok(_) => panic!("cuda-ipc to a pool-less decode worker was accepted"),
+        Err(e) => e,
+    };
+    assert!(matches!(err, TransferError::Connect(_)), "{err}");
+    let why = err.to_string();
+    assert!(why.contains("cuda") || why.contains("device"), "{why}");
+
+    let dest = destination(&d, Transport::Shm, lease.id, &[1]);
+    let mut sender = connect(&peers, &dest, &l, "req", 10).await.unwrap();
+    assert!(!sender.reads_device());
+    let src = tandem_engine::kv::DeviceKv {
+        base: 0,
+        num_blocks: 4,
+        num_layers: 3,
+        block_layer_bytes: 64,
+        stream: 0,
+        context: 0,
+    };
+    assert!(sender.send_device_layer(0, &src, &[(0, 1)]).is_err());
 }

@@ -15,7 +15,9 @@ use std::time::{Duration, Instant};
 
 use tandem_engine::engine::{ChunkInfo, SharedPool};
 use tandem_engine::kv::KvCache;
-use tandem_engine::{Engine, EngineError, SamplingParams, SeqId, StepOutput, StopParams};
+use tandem_engine::{
+    Engine, EngineError, KvLocation, ReceivedKv, SamplingParams, SeqId, StepOutput, StopParams,
+};
 use tandem_transfer::KvSender;
 use tokio::sync::{mpsc as tmpsc, oneshot};
 
@@ -63,6 +65,7 @@ enum Command {
         first_token: u32,
         first_logprob: f32,
         blocks: Vec<u32>,
+        kv: KvLocation,
         sampling: SamplingParams,
         stop: StopParams,
         events: tmpsc::UnboundedSender<SeqEvent>,
@@ -131,6 +134,7 @@ impl EngineHandle {
         first_token: u32,
         first_logprob: f32,
         blocks: Vec<u32>,
+        kv: KvLocation,
         sampling: SamplingParams,
         stop: StopParams,
         events: tmpsc::UnboundedSender<SeqEvent>,
@@ -142,6 +146,7 @@ impl EngineHandle {
                 first_token,
                 first_logprob,
                 blocks,
+                kv,
                 sampling,
                 stop,
                 events,
@@ -214,6 +219,13 @@ fn run(mut engine: Engine, rx: mpsc::Receiver<Command>, load: &LoadSnapshot) {
             continue;
         }
         let now = Instant::now();
+        // A GPU engine stages prompt KV on the host only for senders that read host bytes.
+        let device_kv = engine.device_kv();
+        engine.set_host_kv_export(
+            entries
+                .values()
+                .any(|e| e.kv.as_ref().is_some_and(|kv| !kv.reads_device())),
+        );
         let result =
             engine.step_with(&mut |layer: usize, cache: &KvCache, chunks: &[ChunkInfo]| {
                 for chunk in chunks {
@@ -228,6 +240,25 @@ fn run(mut engine: Engine, rx: mpsc::Receiver<Command>, load: &LoadSnapshot) {
                     let Some(kv) = entry.kv.as_mut() else {
                         continue;
                     };
+                    if kv.reads_device() {
+                        let sent = match &device_kv {
+                            Some(src) => {
+                                let pairs: Vec<(u32, u32)> = chunk
+                                    .logical_blocks()
+                                    .map(|lb| (lb as u32, chunk.blocks[lb]))
+                                    .collect();
+                                kv.send_device_layer(layer, src, &pairs)
+                            }
+                            None => Err(tandem_transfer::TransferError::Protocol(
+                                "this transport copies device memory; the engine runs on the CPU"
+                                    .into(),
+                            )),
+                        };
+                        if let Err(e) = sent {
+                            entry.kv_error = Some(e.to_string());
+                        }
+                        continue;
+                    }
                     let mut pieces = Vec::with_capacity(chunk.logical_blocks().len());
                     for lb in chunk.logical_blocks() {
                         match cache.block_layer_bytes(layer, chunk.blocks[lb]) {
@@ -311,13 +342,23 @@ fn handle_command(engine: &mut Engine, entries: &mut HashMap<SeqId, Entry>, cmd:
             first_token,
             first_logprob,
             blocks,
+            kv,
             sampling,
             stop,
             events,
             reply,
         } => {
-            let result =
-                engine.add_prefilled(prompt, first_token, first_logprob, blocks, sampling, stop);
+            let result = engine.add_prefilled(
+                prompt,
+                first_token,
+                first_logprob,
+                ReceivedKv {
+                    blocks,
+                    location: kv,
+                },
+                sampling,
+                stop,
+            );
             let result = result.map(|(id, first)| {
                 // The caller streamed the first token already; only a still-running sequence
                 // needs an entry.

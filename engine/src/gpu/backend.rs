@@ -4,7 +4,11 @@
 //! runs (the prefill worker sends from there); a sequence admitted with KV received from a
 //! peer has its blocks copied to the device before its first decode step.
 //!
-//! One copy per (layer, block) for now: simple and correct; a gather kernel would batch them.
+//! With the `cuda-ipc` transport none of that staging happens: the prefill worker copies
+//! device to device from [`GpuBackend::device_kv`] into the decode worker's exported pool.
+//!
+//! Staging copies are one per (layer, block) for now: simple and correct; a gather kernel
+//! would batch them.
 
 use std::sync::Arc;
 
@@ -14,7 +18,7 @@ use super::{GpuContext, GpuKvCache, GpuModel, cuda_err};
 use crate::engine::ChunkInfo;
 use crate::error::Result;
 use crate::kv::staging::{from_device_layout, to_device_layout};
-use crate::kv::{BLOCK_SIZE, KvCache};
+use crate::kv::{BLOCK_SIZE, DeviceKv, ExportedKv, KvCache};
 use crate::model::{Model, SeqInput};
 
 /// A model's weights and KV cache on one device.
@@ -42,25 +46,39 @@ impl GpuBackend {
         Ok(Self { gpu, model, cache })
     }
 
-    /// One forward pass on the device. With `export`, the KV the batch wrote is copied to
-    /// `host` and `on_layer` runs for every layer, as the CPU forward does.
+    /// One forward pass on the device. With `export`, `on_layer` runs for every layer, as
+    /// the CPU forward does; with `host_copy` too, the KV the batch wrote is first copied to
+    /// `host` (transports that copy device to device read the device pool instead).
     pub fn forward(
         &mut self,
         host: &mut KvCache,
         seqs: &[SeqInput<'_>],
         chunks: &[ChunkInfo],
         export: bool,
+        host_copy: bool,
         on_layer: &mut dyn FnMut(usize, &KvCache, &[ChunkInfo]),
     ) -> Result<Vec<Vec<f32>>> {
         let logits = self.model.forward(&mut self.cache, seqs)?;
         if export {
             let blocks = written_blocks(chunks);
             for layer in 0..self.cache.num_layers {
-                self.download(host, layer, &blocks)?;
+                if host_copy {
+                    self.download(host, layer, &blocks)?;
+                }
                 on_layer(layer, host, chunks);
             }
         }
         Ok(logits)
+    }
+
+    /// The device pool's address and geometry.
+    pub fn device_kv(&self) -> DeviceKv {
+        self.cache.describe(&self.gpu)
+    }
+
+    /// An IPC handle to the device pool (see [`super::ipc`]).
+    pub fn export_kv(&self) -> Result<ExportedKv> {
+        self.cache.export(&self.gpu)
     }
 
     /// Copies `blocks` of every layer from `host` to the device.

@@ -9,7 +9,7 @@ use cudarc::cublas::{result as blas, sys as blas_sys};
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
 use half::bf16;
 
-use super::{GpuContext, cuda_err};
+use super::{GpuContext, GpuKvCache, cuda_err};
 use crate::config::ModelConfig;
 use crate::error::{EngineError, Result};
 use crate::kernels::{Matrix, RopeTable};
@@ -41,66 +41,6 @@ impl std::fmt::Debug for GpuModel {
         f.debug_struct("GpuModel")
             .field("layers", &self.layers.len())
             .finish_non_exhaustive()
-    }
-}
-
-/// The paged KV cache in device memory: `[layer][block][K|V][kv_head][slot][head_dim]`, bf16.
-pub struct GpuKvCache {
-    pub data: CudaSlice<bf16>,
-    pub num_blocks: usize,
-    pub num_layers: usize,
-    pub kv_heads: usize,
-    pub head_dim: usize,
-}
-
-impl std::fmt::Debug for GpuKvCache {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("GpuKvCache")
-            .field("blocks", &self.num_blocks)
-            .finish_non_exhaustive()
-    }
-}
-
-impl GpuKvCache {
-    pub fn new(gpu: &GpuContext, cfg: &ModelConfig, budget_bytes: usize) -> Result<Self> {
-        let per_block = cfg.num_hidden_layers * 2 * cfg.kv_width() * BLOCK_SIZE * 2;
-        let num_blocks = budget_bytes / per_block;
-        if num_blocks == 0 {
-            return Err(EngineError::Config(format!(
-                "a GPU KV budget of {budget_bytes} bytes holds no block"
-            )));
-        }
-        Self::with_blocks(gpu, cfg, num_blocks)
-    }
-
-    /// A cache of exactly `num_blocks` blocks.
-    pub fn with_blocks(gpu: &GpuContext, cfg: &ModelConfig, num_blocks: usize) -> Result<Self> {
-        let per_block = cfg.num_hidden_layers * 2 * cfg.kv_width() * BLOCK_SIZE * 2;
-        let data = gpu
-            .stream
-            .alloc_zeros::<bf16>(num_blocks * per_block / 2)
-            .map_err(|e| cuda_err("KV allocation", e))?;
-        Ok(Self {
-            data,
-            num_blocks,
-            num_layers: cfg.num_hidden_layers,
-            kv_heads: cfg.num_key_value_heads,
-            head_dim: cfg.head_dim,
-        })
-    }
-
-    /// Elements of one block of one layer (K and V).
-    pub fn block_layer_elems(&self) -> usize {
-        2 * self.kv_heads * BLOCK_SIZE * self.head_dim
-    }
-
-    fn layer_offset(&self, layer: usize) -> i64 {
-        (layer * self.num_blocks * self.block_layer_elems()) as i64
-    }
-
-    /// Element offset of `(layer, block)`: where a transport copies that block.
-    pub fn block_offset(&self, layer: usize, block: u32) -> usize {
-        (layer * self.num_blocks + block as usize) * self.block_layer_elems()
     }
 }
 
@@ -393,7 +333,7 @@ impl GpuModel {
                 .arg(&token_seq_d)
                 .arg(&tables_d)
                 .arg(&max_blocks_i)
-                .arg(&mut cache.data)
+                .arg(&mut *cache.data)
                 .arg(&layer_offset)
                 .arg(&rows)
                 .arg(&row_width)
@@ -407,7 +347,7 @@ impl GpuModel {
                 .arg(&token_seq_d)
                 .arg(&tables_d)
                 .arg(&max_blocks_i)
-                .arg(&cache.data)
+                .arg(&*cache.data)
                 .arg(&layer_offset)
                 .arg(&mut attn)
                 .arg(&rows)

@@ -1,12 +1,17 @@
 //! CUDA IPC: the `cuda-ipc` KV transport between two processes on one node. The decode
-//! worker exports a handle to its device KV pool; the prefill worker opens it once and copies
-//! each finished layer's blocks device to device (`cuMemcpyDtoDAsync`) into the reserved
-//! blocks, then commits over gRPC as the shared-memory transport does.
+//! worker exports a handle to its device KV pool ([`export_handle`]); the prefill worker opens
+//! it once ([`OpenedPeer::open`]) and, after each forward pass, copies every finished layer's
+//! blocks device to device into the blocks the decode worker reserved, on the stream of its
+//! forward pass. It then commits over gRPC as the shared-memory transport does.
+//!
+//! The raw driver calls live here so that the transport crate needs no CUDA types: pointers,
+//! streams and contexts cross as integers (see [`crate::kv::DeviceKv`]).
 
 use cudarc::driver::sys;
 
 use super::cuda_err;
 use crate::error::Result;
+use crate::kv::CopyRun;
 
 fn check(what: &str, r: sys::CUresult) -> Result<()> {
     if r == sys::CUresult::CUDA_SUCCESS {
@@ -14,6 +19,13 @@ fn check(what: &str, r: sys::CUresult) -> Result<()> {
     } else {
         Err(cuda_err(what, format!("{r:?}")))
     }
+}
+
+fn make_current(context: usize) -> Result<()> {
+    // SAFETY: `context` is a live CUcontext of this process (from `DeviceKv::context`).
+    check("cuCtxSetCurrent", unsafe {
+        sys::cuCtxSetCurrent(context as sys::CUcontext)
+    })
 }
 
 /// The 64 opaque bytes that name a device allocation to other processes.
@@ -37,12 +49,22 @@ pub fn export_handle(ptr: sys::CUdeviceptr) -> Result<[u8; 64]> {
 #[derive(Debug)]
 pub struct OpenedPeer {
     pub ptr: sys::CUdeviceptr,
+    context: usize,
 }
 
 impl OpenedPeer {
-    /// Opens a handle from [`export_handle`] in the current context.
-    pub fn open(handle: &[u8; 64]) -> Result<Self> {
-        // SAFETY: the handle came from a live allocation of another process on this node.
+    /// Opens a handle from [`export_handle`] in `context` (a raw `CUcontext` of this
+    /// process, which becomes current on the calling thread).
+    pub fn open(handle: &[u8], context: usize) -> Result<Self> {
+        if handle.len() != 64 {
+            return Err(cuda_err(
+                "IPC handle",
+                format!("{} bytes, expected 64", handle.len()),
+            ));
+        }
+        make_current(context)?;
+        // SAFETY: the handle came from a live allocation of another process on this node;
+        // a stale or foreign one makes the driver return an error, not map memory.
         unsafe {
             let mut h: sys::CUipcMemHandle = std::mem::zeroed();
             for (r, &b) in h.reserved.iter_mut().zip(handle.iter()) {
@@ -54,32 +76,46 @@ impl OpenedPeer {
                 "cuIpcOpenMemHandle",
                 sys::cuIpcOpenMemHandle_v2(&mut ptr, h, flags),
             )?;
-            Ok(Self { ptr })
+            Ok(Self { ptr, context })
         }
     }
 
-    /// Copies `bytes` from `src` (this process) to `offset` bytes into the peer's buffer on
-    /// `stream`.
+    /// Queues `runs` from the pool at `src_base` (this process) into the peer's pool on
+    /// `stream` (a raw `CUstream` of `context`).
     ///
     /// # Safety
-    /// `src..src+bytes` must be valid device memory and `offset + bytes` within the peer's
-    /// allocation, in blocks the peer reserved for us.
-    pub unsafe fn copy_in(
-        &self,
-        offset: usize,
-        src: sys::CUdeviceptr,
-        bytes: usize,
-        stream: sys::CUstream,
-    ) -> Result<()> {
-        check("cuMemcpyDtoDAsync", unsafe {
-            sys::cuMemcpyDtoDAsync_v2(self.ptr + offset as u64, src, bytes, stream)
-        })
+    /// Every run must lie inside both pools, in blocks the peer reserved for us, and the
+    /// source must stay unchanged until the stream reaches these copies.
+    pub unsafe fn copy_runs(&self, src_base: u64, runs: &[CopyRun], stream: usize) -> Result<()> {
+        make_current(self.context)?;
+        for run in runs {
+            check("cuMemcpyDtoDAsync", unsafe {
+                sys::cuMemcpyDtoDAsync_v2(
+                    self.ptr + run.dst_offset as u64,
+                    src_base + run.src_offset as u64,
+                    run.bytes,
+                    stream as sys::CUstream,
+                )
+            })?;
+        }
+        Ok(())
     }
+}
+
+/// Waits until `stream` (a raw `CUstream` of `context`) has run everything queued on it.
+pub fn synchronize(stream: usize, context: usize) -> Result<()> {
+    make_current(context)?;
+    // SAFETY: a live stream of this process.
+    check("cuStreamSynchronize", unsafe {
+        sys::cuStreamSynchronize(stream as sys::CUstream)
+    })
 }
 
 impl Drop for OpenedPeer {
     fn drop(&mut self) {
-        // SAFETY: the pointer came from cuIpcOpenMemHandle and is closed once.
-        let _ = unsafe { sys::cuIpcCloseMemHandle(self.ptr) };
+        // SAFETY: the pointer came from cuIpcOpenMemHandle in `context` and is closed once.
+        if make_current(self.context).is_ok() {
+            let _ = unsafe { sys::cuIpcCloseMemHandle(self.ptr) };
+        }
     }
 }

@@ -11,9 +11,11 @@ mod backend;
 mod forward;
 pub mod green;
 pub mod ipc;
+mod kv;
 
 pub use backend::GpuBackend;
-pub use forward::{GpuKvCache, GpuModel};
+pub use forward::GpuModel;
+pub use kv::GpuKvCache;
 
 use std::sync::{Arc, OnceLock};
 

@@ -6,11 +6,13 @@
 //! (logical block i → physical block id); attention reads blocks in place.
 
 mod cache;
+pub mod device;
 mod layout;
 mod pool;
 pub mod staging;
 
 pub use cache::{KvBlockWriter, KvCache, KvStorage};
+pub use device::{CopyRun, DeviceKv, ExportedKv, plan_layer_copy};
 pub use layout::{KvDtype, KvLayout};
 pub use pool::BlockPool;
 

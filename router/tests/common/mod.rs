@@ -132,6 +132,7 @@ impl FakeDecode {
             advertise_host: String::new(),
             total_blocks: 64,
             protocol_version: tandem_proto::PROTOCOL_VERSION,
+            ..WorkerInfo::default()
         };
         FakeDecode(Arc::new(DecodeState {
             info: Mutex::new(info),

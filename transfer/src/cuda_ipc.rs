@@ -1,0 +1,217 @@
+//! `cuda-ipc`: the decode worker's KV pool in device memory, written in place by a prefill
+//! worker on the same node. The decode worker publishes a CUDA IPC handle to its pool; the
+//! prefill worker opens it once (on its engine thread, in its engine's context) and, for each
+//! layer of a prompt, queues device-to-device copies from its own pool into the reserved blocks
+//! on the stream of its forward pass, then waits for them before the commit. No host memory
+//! is touched on either side.
+//!
+//! The writes are fenced like `shm`'s: before queuing a block's copy the sender checks the
+//! block's owner tag (in the tag file beside the decode worker's host pool) still names its
+//! lease; the decode worker clears the tags and quarantines the blocks of a lease that ended
+//! early. Every step's copies are waited for at its last layer, so none outlives the
+//! quarantine.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use tandem_engine::gpu::ipc::{self, OpenedPeer};
+use tandem_engine::kv::{DeviceKv, KvLayout, plan_layer_copy};
+use tandem_proto::v1::decode_service_client::DecodeServiceClient;
+use tandem_proto::v1::{KvCommit, KvDestination, Transport};
+
+use crate::error::TransferError;
+use crate::sender::{KvSender, Peers, SendFuture, SendStats};
+use crate::shm::{OwnerTags, tags_path};
+
+/// A prefill worker's opened device pools and owner-tag files, kept across requests.
+#[derive(Debug, Default)]
+pub(crate) struct CudaIpcPeers {
+    opened: Mutex<HashMap<Vec<u8>, Arc<OpenedPeer>>>,
+    tags: Mutex<HashMap<PathBuf, Arc<OwnerTags>>>,
+}
+
+impl CudaIpcPeers {
+    fn tags(&self, pool: &Path, blocks: usize) -> Result<Arc<OwnerTags>, TransferError> {
+        let mut tags = self.tags.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(t) = tags.get(pool) {
+            return Ok(t.clone());
+        }
+        let t = Arc::new(OwnerTags::open(&tags_path(pool), blocks)?);
+        tags.insert(pool.to_owned(), t.clone());
+        Ok(t)
+    }
+
+    /// The peer pool behind `handle`, opened in `context` the first time.
+    fn open(&self, handle: &[u8], context: usize) -> Result<Arc<OpenedPeer>, TransferError> {
+        let mut opened = self.opened.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(p) = opened.get(handle) {
+            return Ok(p.clone());
+        }
+        let peer = Arc::new(
+            OpenedPeer::open(handle, context)
+                .map_err(|e| TransferError::Connect(format!("opening the decode pool: {e}")))?,
+        );
+        opened.insert(handle.to_vec(), peer.clone());
+        Ok(peer)
+    }
+
+    pub(crate) fn forget(&self, dest: &KvDestination) {
+        self.opened
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&dest.cuda_ipc_handle);
+        self.tags
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(Path::new(&dest.shm_path));
+    }
+}
+
+/// Copies a lease's blocks from this engine's device pool into the decode worker's.
+pub(crate) struct CudaIpcSender {
+    peers: Arc<CudaIpcPeers>,
+    tags: Arc<OwnerTags>,
+    client: DecodeServiceClient<tonic::transport::Channel>,
+    dest: KvDestination,
+    request_id: String,
+    layers: usize,
+    /// Layer-major: whether each (layer, logical block) was queued.
+    written: Vec<bool>,
+    bytes: u64,
+    started: Option<Instant>,
+    num_tokens: usize,
+}
+
+impl CudaIpcSender {
+    pub(crate) fn new(
+        peers: &Peers,
+        dest: KvDestination,
+        layout: &KvLayout,
+        request_id: &str,
+        num_tokens: usize,
+    ) -> Result<Self, TransferError> {
+        if dest.cuda_ipc_handle.is_empty() || dest.cuda_pool_blocks == 0 {
+            return Err(TransferError::Connect(
+                "the decode worker has no device KV pool (cuda-ipc needs it on a GPU)".into(),
+            ));
+        }
+        if dest.shm_path.is_empty() {
+            return Err(TransferError::Connect(
+                "the decode worker has no owner-tag file (cuda-ipc needs its shm folder)".into(),
+            ));
+        }
+        let tags = peers
+            .cuda
+            .tags(Path::new(&dest.shm_path), dest.cuda_pool_blocks as usize)?;
+        let client = DecodeServiceClient::new(peers.channel(&dest.decode_endpoint)?);
+        Ok(Self {
+            peers: peers.cuda.clone(),
+            tags,
+            client,
+            layers: layout.num_layers,
+            written: vec![false; layout.num_layers * dest.block_ids.len()],
+            bytes: 0,
+            started: None,
+            request_id: request_id.to_string(),
+            num_tokens,
+            dest,
+        })
+    }
+}
+
+impl KvSender for CudaIpcSender {
+    fn send_layer(&mut self, _: usize, _: &[(u32, &[u8])]) -> Result<(), TransferError> {
+        Err(TransferError::Protocol(
+            "cuda-ipc copies from the device pool; this engine gave host bytes".into(),
+        ))
+    }
+
+    fn reads_device(&self) -> bool {
+        true
+    }
+
+    fn send_device_layer(
+        &mut self,
+        layer: usize,
+        src: &DeviceKv,
+        blocks: &[(u32, u32)],
+    ) -> Result<(), TransferError> {
+        self.started.get_or_insert_with(Instant::now);
+        if src.num_layers != self.layers {
+            return Err(TransferError::LayoutMismatch(format!(
+                "device pool of {} layers, layout of {}",
+                src.num_layers, self.layers
+            )));
+        }
+        let nblocks = self.dest.block_ids.len();
+        let mut pairs = Vec::with_capacity(blocks.len());
+        for &(lb, physical) in blocks {
+            let Some(&block) = self.dest.block_ids.get(lb as usize) else {
+                return Err(TransferError::Protocol(format!(
+                    "logical block {lb} outside the lease"
+                )));
+            };
+            // The fence: write only while the decode worker still says this block is ours.
+            if self.tags.get(block) != self.dest.lease_id {
+                return Err(TransferError::Cancelled(self.dest.lease_id));
+            }
+            pairs.push((physical, block));
+        }
+        let runs = plan_layer_copy(
+            layer,
+            self.layers,
+            src.block_layer_bytes,
+            src.num_blocks,
+            self.dest.cuda_pool_blocks as usize,
+            &pairs,
+        )?;
+        let peer = self.peers.open(&self.dest.cuda_ipc_handle, src.context)?;
+        // SAFETY: the runs lie inside both pools (checked by the plan), the destination blocks
+        // are reserved for our lease (owner tags), and the copies are queued on the stream of
+        // the forward pass that wrote the source, before anything can reuse it.
+        unsafe { peer.copy_runs(src.base, &runs, src.stream) }?;
+        for &(lb, _) in blocks {
+            self.written[layer * nblocks + lb as usize] = true;
+        }
+        self.bytes += (blocks.len() * src.block_layer_bytes) as u64;
+        if layer + 1 == self.layers {
+            // The decode worker may read the blocks as soon as we commit.
+            ipc::synchronize(src.stream, src.context)?;
+        }
+        Ok(())
+    }
+
+    fn commit(self: Box<Self>, first_token: u32, first_logprob: f32) -> SendFuture {
+        Box::pin(async move {
+            if let Some(missing) = self.written.iter().position(|w| !w) {
+                return Err(TransferError::Incomplete(format!(
+                    "block-layer {missing} was never written"
+                )));
+            }
+            let started = self.started.unwrap_or_else(Instant::now);
+            let mut client = self.client.clone();
+            let commit = KvCommit {
+                lease_id: self.dest.lease_id,
+                kv_layout_hash: self.dest.kv_layout_hash.clone(),
+                request_id: self.request_id.clone(),
+                first_token,
+                first_logprob,
+                num_tokens: self.num_tokens as u32,
+                checksums: Vec::new(),
+                transport: Transport::CudaIpc as i32,
+                bytes: self.bytes,
+            };
+            client
+                .commit_kv(commit)
+                .await
+                .map_err(|s| TransferError::Remote(s.message().to_string()))?;
+            Ok(SendStats {
+                bytes: self.bytes,
+                seconds: started.elapsed().as_secs_f64(),
+                transport: Transport::CudaIpc,
+            })
+        })
+    }
+}
