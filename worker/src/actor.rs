@@ -387,6 +387,10 @@ fn deliver(engine: &mut Engine, entries: &mut HashMap<SeqId, Entry>, out: StepOu
     let Some(entry) = entries.get_mut(&id) else {
         return;
     };
+    if entry.kv_error.is_some() {
+        // Its KV did not all go out: the step's failure sweep reports it, never a commit.
+        return;
+    }
     let event = match entry.kv.take() {
         Some(sender) => {
             // A prefill sequence: its one token completes the prompt; the sender commits.
@@ -432,4 +436,85 @@ fn publish(engine: &Engine, load: &LoadSnapshot) {
     load.steps.store(engine.stats().steps, Ordering::Relaxed);
     load.preemptions
         .store(engine.stats().preemptions, Ordering::Relaxed);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tandem_engine::config::{ModelConfig, WeightDtype};
+    use tandem_engine::kv::DeviceKv;
+    use tandem_engine::model::dummy_model;
+    use tandem_engine::{EngineConfig, Model};
+    use tandem_text::TextTokenizer;
+    use tandem_transfer::{SendFuture, TransferError};
+
+    /// A sender that only takes device memory (as `cuda-ipc` does).
+    struct DeviceOnly;
+
+    impl KvSender for DeviceOnly {
+        fn send_layer(&mut self, _: usize, _: &[(u32, &[u8])]) -> Result<(), TransferError> {
+            panic!("a device sender must never be handed host bytes");
+        }
+        fn reads_device(&self) -> bool {
+            true
+        }
+        fn send_device_layer(
+            &mut self,
+            _: usize,
+            _: &DeviceKv,
+            _: &[(u32, u32)],
+        ) -> Result<(), TransferError> {
+            panic!("a CPU engine has no device pool to send from");
+        }
+        fn commit(self: Box<Self>, _: u32, _: f32) -> SendFuture {
+            Box::pin(async { Err(TransferError::Protocol("not reached".into())) })
+        }
+    }
+
+    #[tokio::test]
+    async fn a_device_transfer_on_a_cpu_engine_fails_its_request_and_frees_its_blocks() {
+        let model: Arc<Model> = Arc::new(
+            dummy_model(
+                ModelConfig::preset("tiny").unwrap(),
+                WeightDtype::F32,
+                0,
+                "tiny",
+            )
+            .unwrap(),
+        );
+        let config = EngineConfig {
+            kv_budget_bytes: 32 * model.kv_layout().block_bytes(),
+            ..Default::default()
+        };
+        let engine = Engine::new(model, TextTokenizer::byte_level(), config).unwrap();
+        let handle = spawn_engine(engine).unwrap();
+        let (events, mut rx) = tmpsc::unbounded_channel();
+        let stop = StopParams {
+            max_tokens: 1,
+            ..Default::default()
+        };
+        handle
+            .add(
+                vec![5; 40],
+                SamplingParams::greedy(),
+                stop,
+                Some(Box::new(DeviceOnly)),
+                events,
+            )
+            .await
+            .unwrap();
+        let event = tokio::time::timeout(Duration::from_secs(30), rx.recv())
+            .await
+            .unwrap()
+            .unwrap();
+        match event {
+            SeqEvent::Failed(why) => assert!(why.contains("runs on the CPU"), "{why}"),
+            other => panic!("expected a failure, got {other:?}"),
+        }
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while handle.pool().free_count() != handle.pool().total() {
+            assert!(Instant::now() < deadline, "blocks were not freed");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
 }
