@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use tandem_engine::kv::{KvCache, KvStorage};
+use tandem_engine::kv::{DeviceKv, KvCache, KvStorage};
 use tandem_engine::{Engine, EngineConfig, Model};
 use tandem_proto::PROTOCOL_VERSION;
 use tandem_proto::v1::decode_service_server::{DecodeService, DecodeServiceServer};
@@ -77,6 +77,8 @@ pub(crate) struct Inner {
     pub config: DecodeConfig,
     pub info: WorkerInfo,
     pub draining: AtomicBool,
+    /// The engine's device KV pool, on a GPU (nccl receives into it).
+    pub device_kv: Option<DeviceKv>,
 }
 
 /// The gRPC face of the worker.
@@ -135,12 +137,14 @@ impl DecodeWorker {
         if !shm_path.is_empty() {
             transports.push(Transport::Shm as i32);
         }
-        // On a GPU the device pool is exported for cuda-ipc; its writes are fenced by the
-        // owner tags, so it needs the shared-memory folder too.
-        let device_pool = match (&tags, engine.export_device_kv()?) {
+        // On a GPU the device pool receives directly: cuda-ipc (exported; its writes are
+        // fenced by the owner tags, so it needs the shared-memory folder too) and nccl.
+        let device_kv = engine.device_kv();
+        let export = engine.export_device_kv()?;
+        let cuda_ipc = match (&tags, &export) {
             (Some(_), Some(export)) => {
                 transports.push(Transport::CudaIpc as i32);
-                Some(export)
+                Some(export.clone())
             }
             (None, Some(_)) => {
                 tracing::warn!("no shared-memory folder: cuda-ipc is off for this GPU worker");
@@ -148,8 +152,12 @@ impl DecodeWorker {
             }
             _ => None,
         };
+        #[cfg(feature = "nccl")]
+        if device_kv.is_some() && tandem_transfer::nccl_supported() {
+            transports.push(Transport::Nccl as i32);
+        }
         let mut leases = LeaseTable::new(writer, layout.hash(), tags);
-        if let Some(export) = &device_pool {
+        if let Some(export) = &export {
             leases = leases.with_device_pool(export.block_layer_bytes);
         }
         let leases = Arc::new(leases);
@@ -174,11 +182,11 @@ impl DecodeWorker {
             advertise_host: config.advertise_host.clone(),
             total_blocks: num_blocks as u32,
             protocol_version: PROTOCOL_VERSION,
-            cuda_ipc_handle: device_pool
+            cuda_ipc_handle: cuda_ipc
                 .as_ref()
                 .map(|e| e.ipc_handle.clone())
                 .unwrap_or_default(),
-            cuda_pool_blocks: device_pool.as_ref().map_or(0, |e| e.num_blocks as u32),
+            cuda_pool_blocks: cuda_ipc.as_ref().map_or(0, |e| e.num_blocks as u32),
         };
         let handle = spawn_engine(engine)?;
         Ok(Self {
@@ -190,6 +198,7 @@ impl DecodeWorker {
                 config,
                 info,
                 draining: AtomicBool::new(false),
+                device_kv,
             }),
         })
     }
@@ -259,7 +268,30 @@ impl DecodeService for DecodeWorker {
     }
 
     async fn commit_kv(&self, req: Request<KvCommit>) -> Result<Response<KvAck>, Status> {
-        kv_rpcs::commit_kv(&self.inner.leases, req)
+        kv_rpcs::commit_kv(&self.inner.leases, req).await
+    }
+
+    async fn open_nccl(
+        &self,
+        req: Request<OpenNcclRequest>,
+    ) -> Result<Response<OpenNcclResponse>, Status> {
+        #[cfg(feature = "nccl")]
+        if let Some(kv) = self.inner.device_kv
+            && tandem_transfer::nccl_supported()
+        {
+            let prefill = req.into_inner().prefill_id;
+            let unique_id =
+                tandem_transfer::spawn_nccl_receiver(self.inner.leases.clone(), kv, prefill)?;
+            return Ok(Response::new(OpenNcclResponse { unique_id }));
+        }
+        let _ = req;
+        Err(Status::failed_precondition(match self.inner.device_kv {
+            None => "this decode worker cannot receive over nccl: its engine runs on the CPU",
+            Some(_) if cfg!(feature = "nccl") => {
+                "this decode worker cannot receive over nccl: libnccl.so cannot be loaded"
+            }
+            Some(_) => "this decode worker was built without the nccl feature",
+        }))
     }
 
     async fn renew_lease(

@@ -65,8 +65,8 @@ pub struct RouterSection {
     pub host: String,
     #[serde(default = "default_router_port")]
     pub port: u16,
-    /// KV transport between the workers: shm, tcp, grpc, or cuda-ipc (GPU workers on one
-    /// node).
+    /// KV transport between the workers: shm, tcp, grpc, cuda-ipc (GPU workers on one
+    /// node) or nccl (GPU workers anywhere).
     #[serde(default = "default_transport")]
     pub transport: String,
     /// Prompts shorter than this run aggregated on a decode worker (a huge value makes the
@@ -190,7 +190,7 @@ fn default_startup_timeout() -> u64 {
     600
 }
 
-const TRANSPORTS: [&str; 4] = ["shm", "tcp", "grpc", "cuda-ipc"];
+const TRANSPORTS: [&str; 5] = ["shm", "tcp", "grpc", "cuda-ipc", "nccl"];
 const PRESETS: [&str; 4] = ["tiny", "smollm2-135m", "llama-3.2-1b", "llama-3.1-8b"];
 
 impl DeployConfig {
@@ -260,17 +260,18 @@ impl DeployConfig {
                 self.router.transport
             ));
         }
-        if self.router.transport == "cuda-ipc" {
-            // Device-to-device copies: every worker on a GPU, all on one node.
+        let transport = self.router.transport.as_str();
+        if transport == "cuda-ipc" || transport == "nccl" {
+            // Device-to-device transports: every worker on a GPU (cuda-ipc: on one node).
             let workers = || self.prefill.iter().chain(&self.decode);
             if let Some(w) = workers().find(|w| !w.uses_gpu()) {
                 return bad(format!(
-                    "router.transport `cuda-ipc` needs every worker on a GPU; the worker on port {} has no GPU setting",
+                    "router.transport `{transport}` needs every worker on a GPU; the worker on port {} has no GPU setting",
                     w.port
                 ));
             }
             let hosts: HashSet<&str> = workers().map(|w| w.host.as_str()).collect();
-            if hosts.len() > 1 {
+            if transport == "cuda-ipc" && hosts.len() > 1 {
                 return bad(format!(
                     "router.transport `cuda-ipc` works within one node; workers are on {} hosts (use tcp or grpc)",
                     hosts.len()
@@ -451,6 +452,10 @@ mod tests {
             (
                 "[router]\ntransport = \"cuda-ipc\"\n[gpu]\ncount = 1\nsms = 132\n[[prefill]]\nport = 7101\ngpu = 0\nhost = \"10.0.0.1\"\n[[decode]]\nport = 7201\ngpu = 0\n",
                 "within one node",
+            ),
+            (
+                "[router]\ntransport = \"nccl\"\n[[decode]]\nport = 7201\n",
+                "needs every worker on a GPU",
             ),
         ] {
             let err = DeployConfig::from_toml(bad)

@@ -79,19 +79,22 @@ async fn correctness_gate(model: &str, n: usize, max_len: u32, vocab: u32, max_t
             }
         }
     }
-    // CPU workers cannot copy device to device: a cuda-ipc router pairs none of them and
-    // says so on every response (aggregated, with the reason), instead of degrading silently.
-    let router = Deployment::router_for(&dep.prefill, &dep.decode, "cuda-ipc", &[]).unwrap();
-    let base = format!("http://127.0.0.1:{}", router.port);
-    tandem_e2e::wait_http_ok(&format!("{base}/health"), Duration::from_secs(60))
-        .await
-        .unwrap();
-    let got = run_all(&base, &prompts[..2], max_tokens, 1).await;
-    for (got, want) in got.iter().zip(&reference) {
-        assert_eq!(got.mode, "aggregated");
-        assert_eq!(got.usage["tandem"]["fallback_reason"], "no_prefill_worker");
-        assert!(got.usage["tandem"]["transport"].is_null());
-        assert_eq!(got.text, want.text);
+    // CPU workers cannot move KV device to device: a cuda-ipc or nccl router pairs none of
+    // them and says so on every response (aggregated, with the reason), instead of degrading
+    // silently.
+    for transport in ["cuda-ipc", "nccl"] {
+        let router = Deployment::router_for(&dep.prefill, &dep.decode, transport, &[]).unwrap();
+        let base = format!("http://127.0.0.1:{}", router.port);
+        tandem_e2e::wait_http_ok(&format!("{base}/health"), Duration::from_secs(60))
+            .await
+            .unwrap();
+        let got = run_all(&base, &prompts[..2], max_tokens, 1).await;
+        for (got, want) in got.iter().zip(&reference) {
+            assert_eq!(got.mode, "aggregated", "{transport}");
+            assert_eq!(got.usage["tandem"]["fallback_reason"], "no_prefill_worker");
+            assert!(got.usage["tandem"]["transport"].is_null());
+            assert_eq!(got.text, want.text);
+        }
     }
     for d in &dep.decode {
         assert_eq!(

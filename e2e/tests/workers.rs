@@ -252,3 +252,63 @@ async fn bad_requests_get_precise_codes() {
     assert_eq!(err.code(), tonic::Code::FailedPrecondition, "{err}");
     assert_eq!(used_blocks(&mut pair.d).await, 0);
 }
+
+/// CPU workers advertise no device transport, refuse to open an NCCL link, and a prefill
+/// asked to send over one fails at once with the reason; the reservation is returned.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn device_transports_are_refused_by_cpu_workers() {
+    let mut pair = start_pair().await;
+    for t in [Transport::CudaIpc, Transport::Nccl] {
+        assert!(!pair.info.transports.contains(&(t as i32)), "{t:?}");
+    }
+    let refused = pair
+        .d
+        .open_nccl(OpenNcclRequest {
+            prefill_id: "p".into(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(refused.code(), tonic::Code::FailedPrecondition);
+    assert!(refused.message().contains("runs on the CPU"), "{refused:?}");
+
+    for transport in [Transport::CudaIpc, Transport::Nccl] {
+        let p = prompt(1, 40);
+        let mut stream = pair
+            .d
+            .generate(request(p.clone(), Mode::Disaggregated, 4))
+            .await
+            .unwrap()
+            .into_inner();
+        let Some(generate_event::Event::Lease(lease)) =
+            stream.message().await.unwrap().unwrap().event
+        else {
+            panic!("first event must be the lease");
+        };
+        let dest = KvDestination {
+            transport: transport as i32,
+            decode_endpoint: pair.decode.endpoint(),
+            shm_path: pair.info.shm_path.clone(),
+            lease_id: lease.lease_id,
+            block_ids: lease.block_ids,
+            kv_layout_hash: pair.info.kv_layout_hash.clone(),
+            ..Default::default()
+        };
+        let err = pair
+            .p
+            .prefill(PrefillRequest {
+                request_id: "p".into(),
+                prompt: p,
+                sampling: Some(SamplingParams::default()),
+                destination: Some(dest),
+            })
+            .await
+            .unwrap_err();
+        let why = err.message().to_lowercase();
+        assert!(
+            why.contains("cuda") || why.contains("nccl") || why.contains("device"),
+            "{transport:?}: {err:?}"
+        );
+        drop(stream);
+        wait_blocks_free(&mut pair.d, Duration::from_secs(5)).await;
+    }
+}

@@ -90,6 +90,10 @@ impl PrefillWorker {
         // Device-to-device copies need this engine's KV on a GPU.
         if engine.device_kv().is_some() {
             transports.push(Transport::CudaIpc as i32);
+            #[cfg(feature = "nccl")]
+            if tandem_transfer::nccl_supported() {
+                transports.push(Transport::Nccl as i32);
+            }
         }
         let cfg = model.config();
         let info = WorkerInfo {

@@ -34,6 +34,8 @@ pub enum TransportArg {
     /// GPU workers on one node: device-to-device copies into the decode worker's pool.
     #[serde(rename = "cuda-ipc")]
     CudaIpc,
+    /// GPU workers that cannot open each other's memory: NCCL sends into the decode pool.
+    Nccl,
 }
 
 impl From<TransportArg> for Transport {
@@ -43,6 +45,7 @@ impl From<TransportArg> for Transport {
             TransportArg::Tcp => Transport::Tcp,
             TransportArg::Grpc => Transport::Grpc,
             TransportArg::CudaIpc => Transport::CudaIpc,
+            TransportArg::Nccl => Transport::Nccl,
         }
     }
 }

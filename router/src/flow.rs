@@ -91,14 +91,15 @@ pub struct Head {
     pub fallback: Option<FallbackReason>,
 }
 
-/// The name of a transport in headers and usage (`shm`, `tcp`, `grpc`, `cuda-ipc`, or
-/// `none`).
+/// The name of a transport in headers and usage (`shm`, `tcp`, `grpc`, `cuda-ipc`, `nccl`,
+/// or `none`).
 pub fn transport_name(t: Option<Transport>) -> &'static str {
     match t {
         Some(Transport::Shm) => "shm",
         Some(Transport::Tcp) => "tcp",
         Some(Transport::Grpc) => "grpc",
         Some(Transport::CudaIpc) => "cuda-ipc",
+        Some(Transport::Nccl) => "nccl",
         Some(Transport::Unspecified) | None => "none",
     }
 }

@@ -37,6 +37,15 @@ pub struct Commit {
     pub transport: Transport,
 }
 
+/// A device KV pool that the `nccl` transport receives into: its base address, block count,
+/// and bytes per (layer, block) piece (layer-major, as in [`tandem_engine::kv::DeviceKv`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DevicePool {
+    pub base: u64,
+    pub num_blocks: usize,
+    pub piece: usize,
+}
+
 /// How far a lease got, for timeouts and metrics.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Progress {
@@ -385,6 +394,80 @@ impl LeaseTable {
     }
 
     /// Counts as progress on an open lease (its prompt is queued at a live prefill worker).
+    /// Receives one layer of a lease's blocks straight into this worker's device pool (the
+    /// `nccl` transport). `land` gets the device address of each of `logical`'s blocks in
+    /// `pool`, or `None` when they must be drained instead (lease unknown or ended, layer or
+    /// block outside it, a pool that is not ours), and must finish every write before it
+    /// returns: the lease is held open meanwhile, so no commit or cancel can hand the blocks on.
+    /// Received pieces count toward the commit. Returns whether the data was kept.
+    pub fn receive_device(
+        &self,
+        lease_id: u64,
+        layer: usize,
+        logical: &[u32],
+        pool: &DevicePool,
+        land: impl FnOnce(Option<&[u64]>) -> Result<(), TransferError>,
+    ) -> Result<bool, TransferError> {
+        let lease = self.map().get(&lease_id).cloned();
+        let layers = self.writer.layout().num_layers;
+        let Some(lease) = lease else {
+            land(None)?;
+            return Ok(false);
+        };
+        let state = lease.state.read().unwrap_or_else(|p| p.into_inner());
+        let targets: Option<Vec<u64>> = (*state == State::Open
+            && layer < layers
+            && self.device_block_layer_bytes == Some(pool.piece))
+        .then(|| {
+            logical
+                .iter()
+                .map(|&lb| {
+                    let block = *lease.blocks.get(lb as usize)? as usize;
+                    (block < pool.num_blocks).then(|| {
+                        pool.base + ((layer * pool.num_blocks + block) * pool.piece) as u64
+                    })
+                })
+                .collect()
+        })
+        .flatten();
+        land(targets.as_deref())?;
+        if targets.is_none() {
+            return Ok(false);
+        }
+        let mut received = lease.received.lock().unwrap_or_else(|p| p.into_inner());
+        let nblocks = lease.blocks.len();
+        for &lb in logical {
+            received[layer * nblocks + lb as usize] = true;
+        }
+        drop(received);
+        lease
+            .bytes
+            .fetch_add((logical.len() * pool.piece) as u64, Ordering::Relaxed);
+        lease.touch();
+        Ok(true)
+    }
+
+    /// Waits until every piece of an open lease has been received, up to `timeout` (a
+    /// device transport's commit can overtake its last receive). Returns whether it has.
+    pub async fn wait_received(&self, lease_id: u64, timeout: Duration) -> bool {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let complete = match self.map().get(&lease_id) {
+                Some(l) => l
+                    .received
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .iter()
+                    .all(|r| *r),
+                None => return false,
+            };
+            if complete || Instant::now() >= deadline {
+                return complete;
+            }
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+    }
+
     /// Returns whether the lease is still open.
     pub fn renew(&self, lease_id: u64) -> bool {
         let Some(lease) = self.map().get(&lease_id).cloned() else {

@@ -12,6 +12,9 @@
 //! - `cuda-ipc` (feature `cuda`): GPU workers on one node; the prefill worker opens the decode
 //!   worker's device pool by IPC handle and copies each layer's blocks device to device,
 //!   fenced by the same owner tags as `shm`, then commits over gRPC.
+//! - `nccl` (feature `nccl`): GPUs that cannot open each other's memory; a two-rank NCCL
+//!   communicator per worker pair carries announced layer messages ([`nccl_wire`]) into the
+//!   decode worker's device pool.
 //!
 //! The decode side keeps a [`LeaseTable`]: every reservation, which of its (layer, block)
 //! pieces have arrived with a good CRC-32, and the commit that hands it to the engine. Every
@@ -26,6 +29,9 @@ mod error;
 mod frame;
 mod grpc;
 mod lease;
+#[cfg(feature = "nccl")]
+mod nccl;
+pub mod nccl_wire;
 mod sender;
 mod service;
 mod shm;
@@ -34,7 +40,9 @@ mod tcp;
 pub use checksum::crc32;
 pub use error::TransferError;
 pub use grpc::receive_push_kv;
-pub use lease::{Commit, Lease, LeaseTable, Progress};
+pub use lease::{Commit, DevicePool, Lease, LeaseTable, Progress};
+#[cfg(feature = "nccl")]
+pub use nccl::{nccl_supported, spawn_nccl_receiver};
 pub use sender::{
     GRPC_CONNECTION_WINDOW, GRPC_STREAM_WINDOW, KvSender, Peers, SendFuture, SendStats, connect,
     transport_name,

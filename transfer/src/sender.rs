@@ -71,6 +71,8 @@ pub struct Peers {
     pub(crate) shm: ShmPeers,
     #[cfg(feature = "cuda")]
     pub(crate) cuda: std::sync::Arc<crate::cuda_ipc::CudaIpcPeers>,
+    #[cfg(feature = "nccl")]
+    pub(crate) nccl: crate::nccl::NcclPeers,
     channels: Mutex<HashMap<String, Channel>>,
 }
 
@@ -109,6 +111,8 @@ impl Peers {
         }
         #[cfg(feature = "cuda")]
         self.cuda.forget(dest);
+        #[cfg(feature = "nccl")]
+        self.nccl.forget(dest);
     }
 }
 
@@ -151,6 +155,7 @@ pub async fn connect(
             num_tokens,
         )?),
         Transport::CudaIpc => cuda_ipc_sender(peers, dest, layout, request_id, num_tokens)?,
+        Transport::Nccl => nccl_sender(peers, dest, layout, request_id, num_tokens).await?,
         Transport::Unspecified => {
             return Err(TransferError::Protocol("no transport chosen".into()));
         }
@@ -164,6 +169,7 @@ pub fn transport_name(t: Transport) -> &'static str {
         Transport::Tcp => "tcp",
         Transport::Shm => "shm",
         Transport::CudaIpc => "cuda-ipc",
+        Transport::Nccl => "nccl",
         Transport::Unspecified => "none",
     }
 }
@@ -195,5 +201,31 @@ fn cuda_ipc_sender(
 ) -> Result<Box<dyn KvSender>, TransferError> {
     Err(TransferError::Connect(
         "cuda-ipc needs a worker built with the `cuda` feature and running on a GPU".into(),
+    ))
+}
+
+#[cfg(feature = "nccl")]
+async fn nccl_sender(
+    peers: &Peers,
+    dest: &KvDestination,
+    layout: &KvLayout,
+    request_id: &str,
+    num_tokens: usize,
+) -> Result<Box<dyn KvSender>, TransferError> {
+    Ok(Box::new(
+        crate::nccl::NcclSender::start(peers, dest.clone(), layout, request_id, num_tokens).await?,
+    ))
+}
+
+#[cfg(not(feature = "nccl"))]
+async fn nccl_sender(
+    _: &Peers,
+    _: &KvDestination,
+    _: &KvLayout,
+    _: &str,
+    _: usize,
+) -> Result<Box<dyn KvSender>, TransferError> {
+    Err(TransferError::Connect(
+        "nccl needs a worker built with the `nccl` feature and running on a GPU".into(),
     ))
 }

@@ -1,14 +1,17 @@
 //! The decode side's KV RPCs (`PushKv`, `CommitKv`, `RenewLease`) answered from a
 //! [`LeaseTable`]: the decode worker's service delegates to [`kv_rpcs`], and
 //! [`KvOnlyDecode`] serves them alone, to test and measure the transports without a model.
+//! (`OpenNccl` belongs to the worker: it needs the device pool.)
 
 use std::pin::Pin;
 use std::sync::Arc;
+use std::time::Duration;
 
 use tandem_proto::v1::decode_service_server::DecodeService;
 use tandem_proto::v1::{
     GenerateEvent, GenerateRequest, InfoRequest, KvAck, KvCommit, KvMessage, LoadReport,
-    LoadRequest, RenewLeaseRequest, RenewLeaseResponse, WorkerInfo,
+    LoadRequest, OpenNcclRequest, OpenNcclResponse, RenewLeaseRequest, RenewLeaseResponse,
+    Transport, WorkerInfo,
 };
 use tonic::{Request, Response, Status, Streaming};
 
@@ -28,11 +31,22 @@ pub mod kv_rpcs {
         }))
     }
 
-    pub fn commit_kv(
+    /// How long a commit over a device transport waits for its last receive.
+    pub const DEVICE_COMMIT_WAIT: Duration = Duration::from_secs(10);
+
+    pub async fn commit_kv(
         table: &LeaseTable,
         req: Request<KvCommit>,
     ) -> Result<Response<KvAck>, Status> {
-        let bytes = table.commit(&req.into_inner())?;
+        let commit = req.into_inner();
+        if commit.transport == Transport::Nccl as i32 {
+            // The sender's stream finished its sends; our receiver may still be landing the
+            // last layer. The commit checks completeness either way.
+            table
+                .wait_received(commit.lease_id, DEVICE_COMMIT_WAIT)
+                .await;
+        }
+        let bytes = table.commit(&commit)?;
         Ok(Response::new(KvAck {
             bytes_received: bytes,
         }))
@@ -77,7 +91,14 @@ impl DecodeService for KvOnlyDecode {
     }
 
     async fn commit_kv(&self, req: Request<KvCommit>) -> Result<Response<KvAck>, Status> {
-        kv_rpcs::commit_kv(&self.table, req)
+        kv_rpcs::commit_kv(&self.table, req).await
+    }
+
+    async fn open_nccl(
+        &self,
+        _: Request<OpenNcclRequest>,
+    ) -> Result<Response<OpenNcclResponse>, Status> {
+        Err(Status::unimplemented("this service has no device pool"))
     }
 
     async fn renew_lease(

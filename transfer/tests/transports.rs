@@ -227,7 +227,7 @@ async fn a_cancelled_lease_fences_every_transport() {
     }
 }
 
-/// cuda-ipc needs a decode worker that exported a device pool (and a CUDA build): without
+/// cuda-ipc and nccl need a decode worker with a device pool (and a CUDA build): without
 /// either, the transfer is refused before any byte moves, with the reason; host transports
 /// refuse device pointers.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -236,14 +236,19 @@ async fn cuda_ipc_without_a_device_pool_is_refused_up_front() {
     let peers = Peers::new();
     let l = layout("m");
     let (lease, _rx) = d.table.create(vec![1], 10, "req");
-    let dest = destination(&d, Transport::CudaIpc, lease.id, &[1]);
-    let err = match connect(&peers, &dest, &l, "req", 10).await {
-        Ok(_) => panic!("cuda-ipc to a pool-less decode worker was accepted"),
-        Err(e) => e,
-    };
-    assert!(matches!(err, TransferError::Connect(_)), "{err}");
-    let why = err.to_string();
-    assert!(why.contains("cuda") || why.contains("device"), "{why}");
+    for transport in [Transport::CudaIpc, Transport::Nccl] {
+        let dest = destination(&d, transport, lease.id, &[1]);
+        let err = match connect(&peers, &dest, &l, "req", 10).await {
+            Ok(_) => panic!("{transport:?} to a pool-less decode worker was accepted"),
+            Err(e) => e,
+        };
+        assert!(matches!(err, TransferError::Connect(_)), "{err}");
+        let why = err.to_string();
+        assert!(
+            why.contains("cuda") || why.contains("nccl") || why.contains("device"),
+            "{why}"
+        );
+    }
 
     let dest = destination(&d, Transport::Shm, lease.id, &[1]);
     let mut sender = connect(&peers, &dest, &l, "req", 10).await.unwrap();

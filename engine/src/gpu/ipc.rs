@@ -13,7 +13,7 @@ use super::cuda_err;
 use crate::error::Result;
 use crate::kv::CopyRun;
 
-fn check(what: &str, r: sys::CUresult) -> Result<()> {
+pub(crate) fn check(what: &str, r: sys::CUresult) -> Result<()> {
     if r == sys::CUresult::CUDA_SUCCESS {
         Ok(())
     } else {
@@ -21,7 +21,8 @@ fn check(what: &str, r: sys::CUresult) -> Result<()> {
     }
 }
 
-fn make_current(context: usize) -> Result<()> {
+/// Makes `context` current on this thread.
+pub(crate) fn make_current(context: usize) -> Result<()> {
     // SAFETY: `context` is a live CUcontext of this process (from `DeviceKv::context`).
     check("cuCtxSetCurrent", unsafe {
         sys::cuCtxSetCurrent(context as sys::CUcontext)

@@ -12,6 +12,8 @@ mod forward;
 pub mod green;
 pub mod ipc;
 mod kv;
+#[cfg(feature = "nccl")]
+pub mod nccl;
 
 pub use backend::GpuBackend;
 pub use forward::GpuModel;

@@ -243,6 +243,15 @@ impl DecodeService for FakeDecode {
         let open = lock(&self.0.waiting).contains_key(&id);
         Ok(Response::new(RenewLeaseResponse { open }))
     }
+
+    async fn open_nccl(
+        &self,
+        _: Request<OpenNcclRequest>,
+    ) -> Result<Response<OpenNcclResponse>, Status> {
+        Err(Status::unimplemented(
+            "the fake decode worker has no device pool",
+        ))
+    }
 }
 
 async fn run_generate(

@@ -1,0 +1,241 @@
+//! NCCL point-to-point links for the `nccl` KV transport (cargo feature `nccl`): a two-rank
+//! communicator between one prefill worker (rank 1, sends) and one decode worker (rank 0,
+//! receives), on GPUs that cannot open each other's memory (other devices, other nodes).
+//! Like the rest of the GPU path it loads `libnccl.so` at run time.
+//!
+//! Only raw sends and receives of device byte ranges live here; the transfer protocol (what
+//! each message means, where it lands) is in the transport crate.
+
+use std::ffi::c_void;
+
+use cudarc::driver::sys as cu;
+use cudarc::nccl::{result, sys};
+
+use super::cuda_err;
+use super::ipc::{check, make_current};
+use crate::error::{EngineError, Result};
+
+fn nccl_err(what: &str, e: impl std::fmt::Debug) -> EngineError {
+    EngineError::Unsupported(format!("NCCL {what}: {e:?}"))
+}
+
+/// Whether `libnccl.so` can be loaded (it needs that exact name on the loader path).
+pub fn available() -> bool {
+    // SAFETY: only probes whether the shared library can be opened.
+    unsafe { sys::is_culib_present() }
+}
+
+/// A fresh communicator id (128 opaque bytes), made by the receiving side.
+pub fn unique_id() -> Result<Vec<u8>> {
+    if !available() {
+        return Err(EngineError::Unsupported(
+            "libnccl.so cannot be loaded (link it as libnccl.so on LD_LIBRARY_PATH)".into(),
+        ));
+    }
+    let id = result::get_uniqueid().map_err(|e| nccl_err("unique id", e))?;
+    Ok(id.internal.iter().map(|&c| c as u8).collect())
+}
+
+/// One end of a two-rank communicator, with the stream and context its operations use.
+#[derive(Debug)]
+pub struct NcclLink {
+    comm: sys::ncclComm_t,
+    stream: usize,
+    context: usize,
+    pub rank: usize,
+}
+
+// SAFETY: the communicator is used from one thread at a time (the owner holds it behind a
+// mutex or on its own thread); NCCL communicators may move between threads.
+unsafe impl Send for NcclLink {}
+
+impl NcclLink {
+    /// Joins the communicator `id` as `rank` of 2 on `stream` (raw `CUstream` of `context`).
+    /// Blocks until the other rank joins too.
+    pub fn join(id: &[u8], rank: usize, context: usize, stream: usize) -> Result<Self> {
+        if id.len() != 128 {
+            return Err(nccl_err(
+                "unique id",
+                format!("{} bytes, expected 128", id.len()),
+            ));
+        }
+        make_current(context)?;
+        let mut raw = sys::ncclUniqueId { internal: [0; 128] };
+        for (r, &b) in raw.internal.iter_mut().zip(id) {
+            *r = b as _;
+        }
+        let mut comm = std::mem::MaybeUninit::uninit();
+        // SAFETY: `comm` is written by NCCL on success; rank < nranks.
+        let comm = unsafe {
+            result::comm_init_rank(comm.as_mut_ptr(), 2, raw, rank as i32)
+                .map_err(|e| nccl_err("communicator init", e))?;
+            comm.assume_init()
+        };
+        Ok(Self {
+            comm,
+            stream,
+            context,
+            rank,
+        })
+    }
+
+    fn peer(&self) -> i32 {
+        1 - self.rank as i32
+    }
+
+    /// Queues a send of `bytes` at `ptr` to the other rank.
+    ///
+    /// # Safety
+    /// `ptr..ptr+bytes` must be device memory that stays unchanged until the stream runs it.
+    pub unsafe fn send(&self, ptr: u64, bytes: usize) -> Result<()> {
+        make_current(self.context)?;
+        unsafe {
+            result::send(
+                ptr as *const c_void,
+                bytes,
+                sys::ncclDataType_t::ncclUint8,
+                self.peer(),
+                self.comm,
+                self.stream as sys::cudaStream_t,
+            )
+        }
+        .map(|_| ())
+        .map_err(|e| nccl_err("send", e))
+    }
+
+    /// Queues a receive of `bytes` into `ptr` from the other rank.
+    ///
+    /// # Safety
+    /// `ptr..ptr+bytes` must be device memory nobody else writes until the stream runs it.
+    pub unsafe fn recv(&self, ptr: u64, bytes: usize) -> Result<()> {
+        make_current(self.context)?;
+        unsafe {
+            result::recv(
+                ptr as *mut c_void,
+                bytes,
+                sys::ncclDataType_t::ncclUint8,
+                self.peer(),
+                self.comm,
+                self.stream as sys::cudaStream_t,
+            )
+        }
+        .map(|_| ())
+        .map_err(|e| nccl_err("recv", e))
+    }
+
+    /// Runs `ops` (sends or receives) as one NCCL group.
+    pub fn group(&self, ops: impl FnOnce() -> Result<()>) -> Result<()> {
+        result::group_start().map_err(|e| nccl_err("group start", e))?;
+        let r = ops();
+        let end = result::group_end()
+            .map(|_| ())
+            .map_err(|e| nccl_err("group end", e));
+        r.and(end)
+    }
+
+    /// Waits for everything queued on the link's stream.
+    pub fn synchronize(&self) -> Result<()> {
+        super::ipc::synchronize(self.stream, self.context)
+    }
+
+    /// Copies `host` to device memory at `ptr` on the link's stream (ordered before later
+    /// sends; pageable memory is staged before this returns, so `host` may be reused).
+    ///
+    /// # Safety
+    /// `ptr..ptr+host.len()` must be device memory owned by the caller.
+    pub unsafe fn upload(&self, ptr: u64, host: &[u8]) -> Result<()> {
+        make_current(self.context)?;
+        check("cuMemcpyHtoDAsync", unsafe {
+            cu::cuMemcpyHtoDAsync_v2(
+                ptr,
+                host.as_ptr().cast(),
+                host.len(),
+                self.stream as cu::CUstream,
+            )
+        })
+    }
+
+    /// Copies device memory at `ptr` into `host`, waiting for the stream first.
+    ///
+    /// # Safety
+    /// `ptr..ptr+host.len()` must be device memory.
+    pub unsafe fn download(&self, ptr: u64, host: &mut [u8]) -> Result<()> {
+        self.synchronize()?;
+        check("cuMemcpyDtoH", unsafe {
+            cu::cuMemcpyDtoH_v2(host.as_mut_ptr().cast(), ptr, host.len())
+        })
+    }
+}
+
+impl Drop for NcclLink {
+    fn drop(&mut self) {
+        // SAFETY: the communicator was initialised in `join` and is destroyed once.
+        let _ = unsafe { result::comm_destroy(self.comm) };
+    }
+}
+
+/// A device buffer for protocol messages and for draining data nobody may keep.
+#[derive(Debug)]
+pub struct DeviceScratch {
+    pub ptr: u64,
+    pub bytes: usize,
+    context: usize,
+}
+
+impl DeviceScratch {
+    pub fn new(bytes: usize, context: usize) -> Result<Self> {
+        make_current(context)?;
+        // SAFETY: a fresh allocation, freed in Drop.
+        let ptr = unsafe { cudarc::driver::result::malloc_sync(bytes.max(1)) }
+            .map_err(|e| cuda_err("scratch allocation", e))?;
+        Ok(Self {
+            ptr,
+            bytes,
+            context,
+        })
+    }
+}
+
+impl Drop for DeviceScratch {
+    fn drop(&mut self) {
+        if make_current(self.context).is_ok() {
+            // SAFETY: allocated in `new`, freed once.
+            let _ = unsafe { cudarc::driver::result::free_sync(self.ptr) };
+        }
+    }
+}
+
+/// A non-blocking stream of its own (the decode side receives beside the forward pass,
+/// not behind it); destroyed on drop.
+#[derive(Debug)]
+pub struct OwnedStream {
+    pub raw: usize,
+    context: usize,
+}
+
+impl OwnedStream {
+    pub fn new(context: usize) -> Result<Self> {
+        make_current(context)?;
+        let mut stream: cu::CUstream = std::ptr::null_mut();
+        // SAFETY: writes a fresh stream handle on success.
+        check("cuStreamCreate", unsafe {
+            cu::cuStreamCreate(
+                &mut stream,
+                cu::CUstream_flags::CU_STREAM_NON_BLOCKING as std::ffi::c_uint,
+            )
+        })?;
+        Ok(Self {
+            raw: stream as usize,
+            context,
+        })
+    }
+}
+
+impl Drop for OwnedStream {
+    fn drop(&mut self) {
+        if make_current(self.context).is_ok() {
+            // SAFETY: created in `new`, destroyed once.
+            let _ = unsafe { cu::cuStreamDestroy_v2(self.raw as cu::CUstream) };
+        }
+    }
+}

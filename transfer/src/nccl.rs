@@ -1,0 +1,294 @@
+//! `nccl`: KV between GPUs that cannot open each other's memory. Per (prefill, decode) pair
+//! one two-rank NCCL communicator: the prefill worker asks the decode worker for one
+//! (`OpenNccl`); the decode worker makes the id and starts a receiver thread that joins as
+//! rank 0 on a stream of its own and receives layer messages into its device pool through
+//! the lease table ([`crate::nccl_wire`]); the prefill worker joins as rank 1 on its engine
+//! thread, at its first transfer, on the stream of its forward pass, and sends each layer's
+//! blocks right after the forward pass that wrote them. The commit goes over gRPC; the
+//! decode worker waits for the last receive before checking it.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use tandem_engine::gpu::nccl::{self, DeviceScratch, NcclLink, OwnedStream};
+use tandem_engine::kv::{DeviceKv, KvLayout};
+use tandem_proto::v1::decode_service_client::DecodeServiceClient;
+use tandem_proto::v1::{KvCommit, KvDestination, OpenNcclRequest, Transport};
+
+use crate::error::TransferError;
+use crate::lease::{DevicePool, LeaseTable};
+use crate::nccl_wire::{self, Link, MESSAGE_AREA_BYTES};
+use crate::sender::{KvSender, Peers, SendFuture, SendStats};
+
+/// Whether this build can use NCCL here (`libnccl.so` loads).
+pub fn nccl_supported() -> bool {
+    nccl::available()
+}
+
+/// A joined communicator and its scratch, seen as a [`Link`].
+struct DeviceLink<'a> {
+    link: &'a NcclLink,
+    scratch: &'a DeviceScratch,
+}
+
+impl Link for DeviceLink<'_> {
+    fn send(&mut self, ptr: u64, bytes: usize) -> Result<(), TransferError> {
+        // SAFETY: the protocol sends only scratch it staged and pool blocks it was given.
+        Ok(unsafe { self.link.send(ptr, bytes) }?)
+    }
+    fn recv(&mut self, ptr: u64, bytes: usize) -> Result<(), TransferError> {
+        // SAFETY: receives land in scratch or in blocks the lease table handed out.
+        Ok(unsafe { self.link.recv(ptr, bytes) }?)
+    }
+    fn upload(&mut self, ptr: u64, host: &[u8]) -> Result<(), TransferError> {
+        // SAFETY: `ptr` lies in our message area (the protocol bounds the sizes).
+        Ok(unsafe { self.link.upload(ptr, host) }?)
+    }
+    fn download(&mut self, ptr: u64, host: &mut [u8]) -> Result<(), TransferError> {
+        // SAFETY: as for `upload`.
+        Ok(unsafe { self.link.download(ptr, host) }?)
+    }
+    fn synchronize(&mut self) -> Result<(), TransferError> {
+        Ok(self.link.synchronize()?)
+    }
+    fn message_area(&self) -> u64 {
+        self.scratch.ptr
+    }
+    fn drain_area(&self) -> u64 {
+        self.scratch.ptr + MESSAGE_AREA_BYTES as u64
+    }
+}
+
+/// One decode worker's communicator, as the prefill worker holds it.
+struct PeerLink {
+    id: Vec<u8>,
+    joined: Option<(NcclLink, DeviceScratch)>,
+}
+
+/// A prefill worker's communicators, one per decode worker, kept across requests.
+#[derive(Default)]
+pub(crate) struct NcclPeers {
+    links: tokio::sync::Mutex<HashMap<String, Arc<Mutex<PeerLink>>>>,
+}
+
+impl std::fmt::Debug for NcclPeers {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NcclPeers").finish_non_exhaustive()
+    }
+}
+
+impl NcclPeers {
+    /// The communicator with `dest`'s decode worker, asked for the first time it is needed
+    /// (held under the lock, so concurrent requests do not open two).
+    async fn get(
+        &self,
+        peers: &Peers,
+        dest: &KvDestination,
+        request_id: &str,
+    ) -> Result<Arc<Mutex<PeerLink>>, TransferError> {
+        let mut links = self.links.lock().await;
+        if let Some(l) = links.get(&dest.decode_endpoint) {
+            return Ok(l.clone());
+        }
+        let mut client = DecodeServiceClient::new(peers.channel(&dest.decode_endpoint)?);
+        let id = client
+            .open_nccl(OpenNcclRequest {
+                prefill_id: request_id.to_string(),
+            })
+            .await
+            .map_err(|s| TransferError::Connect(format!("OpenNccl: {}", s.message())))?
+            .into_inner()
+            .unique_id;
+        let link = Arc::new(Mutex::new(PeerLink { id, joined: None }));
+        links.insert(dest.decode_endpoint.clone(), link.clone());
+        Ok(link)
+    }
+
+    pub(crate) fn forget(&self, dest: &KvDestination) {
+        if let Ok(mut links) = self.links.try_lock() {
+            links.remove(&dest.decode_endpoint);
+        }
+    }
+}
+
+/// Sends a lease's blocks from this engine's device pool over the pair's communicator.
+pub(crate) struct NcclSender {
+    link: Arc<Mutex<PeerLink>>,
+    client: DecodeServiceClient<tonic::transport::Channel>,
+    dest: KvDestination,
+    request_id: String,
+    layers: usize,
+    written: Vec<bool>,
+    bytes: u64,
+    started: Option<Instant>,
+    num_tokens: usize,
+}
+
+impl NcclSender {
+    pub(crate) async fn start(
+        peers: &Peers,
+        dest: KvDestination,
+        layout: &KvLayout,
+        request_id: &str,
+        num_tokens: usize,
+    ) -> Result<Self, TransferError> {
+        let link = peers.nccl.get(peers, &dest, request_id).await?;
+        let client = DecodeServiceClient::new(peers.channel(&dest.decode_endpoint)?);
+        Ok(Self {
+            link,
+            client,
+            layers: layout.num_layers,
+            written: vec![false; layout.num_layers * dest.block_ids.len()],
+            bytes: 0,
+            started: None,
+            request_id: request_id.to_string(),
+            num_tokens,
+            dest,
+        })
+    }
+}
+
+impl KvSender for NcclSender {
+    fn send_layer(&mut self, _: usize, _: &[(u32, &[u8])]) -> Result<(), TransferError> {
+        Err(TransferError::Protocol(
+            "nccl sends from the device pool; this engine gave host bytes".into(),
+        ))
+    }
+
+    fn reads_device(&self) -> bool {
+        true
+    }
+
+    fn send_device_layer(
+        &mut self,
+        layer: usize,
+        src: &DeviceKv,
+        blocks: &[(u32, u32)],
+    ) -> Result<(), TransferError> {
+        self.started.get_or_insert_with(Instant::now);
+        if src.num_layers != self.layers || layer >= self.layers {
+            return Err(TransferError::LayoutMismatch(format!(
+                "layer {layer} of a {}-layer pool, layout of {}",
+                src.num_layers, self.layers
+            )));
+        }
+        let nblocks = self.dest.block_ids.len();
+        let mut logical = Vec::with_capacity(blocks.len());
+        let mut sources = Vec::with_capacity(blocks.len());
+        for &(lb, physical) in blocks {
+            if lb as usize >= nblocks || physical as usize >= src.num_blocks {
+                return Err(TransferError::Protocol(format!(
+                    "block {lb} (physical {physical}) outside the lease or the pool"
+                )));
+            }
+            logical.push(lb);
+            sources.push(
+                src.base
+                    + ((layer * src.num_blocks + physical as usize) * src.block_layer_bytes) as u64,
+            );
+        }
+        let mut peer = self.link.lock().unwrap_or_else(|p| p.into_inner());
+        if peer.joined.is_none() {
+            // Blocks until the decode worker's receiver (already waiting) joins too.
+            let link = NcclLink::join(&peer.id, 1, src.context, src.stream)?;
+            let scratch =
+                DeviceScratch::new(MESSAGE_AREA_BYTES + src.block_layer_bytes, src.context)?;
+            peer.joined = Some((link, scratch));
+        }
+        let Some((link, scratch)) = peer.joined.as_ref() else {
+            return Err(TransferError::Connect("nccl link not joined".into()));
+        };
+        let mut wire = DeviceLink { link, scratch };
+        nccl_wire::send_layer(
+            &mut wire,
+            self.dest.lease_id,
+            layer,
+            src.block_layer_bytes,
+            &logical,
+            &sources,
+        )?;
+        for &lb in &logical {
+            self.written[layer * nblocks + lb as usize] = true;
+        }
+        self.bytes += (logical.len() * src.block_layer_bytes) as u64;
+        if layer + 1 == self.layers {
+            wire.synchronize()?;
+        }
+        Ok(())
+    }
+
+    fn commit(self: Box<Self>, first_token: u32, first_logprob: f32) -> SendFuture {
+        Box::pin(async move {
+            if let Some(missing) = self.written.iter().position(|w| !w) {
+                return Err(TransferError::Incomplete(format!(
+                    "block-layer {missing} was never sent"
+                )));
+            }
+            let started = self.started.unwrap_or_else(Instant::now);
+            let mut client = self.client.clone();
+            let commit = KvCommit {
+                lease_id: self.dest.lease_id,
+                kv_layout_hash: self.dest.kv_layout_hash.clone(),
+                request_id: self.request_id.clone(),
+                first_token,
+                first_logprob,
+                num_tokens: self.num_tokens as u32,
+                checksums: Vec::new(),
+                transport: Transport::Nccl as i32,
+                bytes: self.bytes,
+            };
+            client
+                .commit_kv(commit)
+                .await
+                .map_err(|s| TransferError::Remote(s.message().to_string()))?;
+            Ok(SendStats {
+                bytes: self.bytes,
+                seconds: started.elapsed().as_secs_f64(),
+                transport: Transport::Nccl,
+            })
+        })
+    }
+}
+
+/// Starts receiving `nccl` transfers from one prefill worker into the device pool `kv`:
+/// makes a communicator id and, on a thread of its own, joins it as rank 0 on a new stream
+/// and receives layer messages through `table` until the link fails. Returns the id for the
+/// prefill worker to join with.
+pub fn spawn_nccl_receiver(
+    table: Arc<LeaseTable>,
+    kv: DeviceKv,
+    prefill: String,
+) -> Result<Vec<u8>, TransferError> {
+    let id = nccl::unique_id()?;
+    let pool = DevicePool {
+        base: kv.base,
+        num_blocks: kv.num_blocks,
+        piece: kv.block_layer_bytes,
+    };
+    let joining = id.clone();
+    std::thread::Builder::new()
+        .name("nccl-receive".into())
+        .spawn(move || {
+            let run = || -> Result<(), TransferError> {
+                let stream = OwnedStream::new(kv.context)?;
+                let link = NcclLink::join(&joining, 0, kv.context, stream.raw)?;
+                let scratch = DeviceScratch::new(MESSAGE_AREA_BYTES + pool.piece, kv.context)?;
+                tracing::info!(%prefill, "nccl link up");
+                let mut wire = DeviceLink {
+                    link: &link,
+                    scratch: &scratch,
+                };
+                loop {
+                    let got = nccl_wire::receive_layer(&mut wire, &table, &pool)?;
+                    if !got.kept {
+                        tracing::debug!(lease = got.header.lease_id, "nccl blocks drained");
+                    }
+                }
+            };
+            if let Err(e) = run() {
+                tracing::warn!(%prefill, error = %e, "nccl link ended");
+            }
+        })?;
+    Ok(id)
+}
