@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine (carried in .gpu-build/, from the repository root): points the
 # dynamic loader at the CUDA 13 libraries of the machine's Python environment, then runs the
-# correctness check, the cuda-ipc check (two processes), tandem's GPU benchmark, the same
+# correctness check, the cuda-ipc and nccl checks (two processes), tandem's GPU benchmark, the same
 # shapes through PyTorch/transformers, and a 1P1D deployment on one GPU (green contexts,
 # KV over cuda-ipc) under tandem-bench. STEPS picks a subset, e.g. STEPS="ipc serve".
 set -uo pipefail
@@ -19,13 +19,22 @@ PY
 )
 export LD_LIBRARY_PATH="${libs}:/usr/local/cuda/lib64:/usr/local/nvidia/lib64:${LD_LIBRARY_PATH:-}"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv || true
-steps="${STEPS:-check ipc bench torch serve}"
+steps="${STEPS:-check ipc nccl bench torch serve}"
 want() { [[ " $steps " == *" $1 "* ]]; }
 if want check; then
   echo "== gpu_check (tiny)"; "$here/gpu_check" --model tiny
   echo "== gpu_check (dummy smollm2 shape)"; "$here/gpu_check" --model dummy:smollm2-135m
 fi
 if want ipc; then echo "== gpu_ipc_check (cuda-ipc between two processes)"; "$here/gpu_ipc_check"; fi
+if want nccl; then
+  # NCCL wants the name libnccl.so; the machine's Python environment ships libnccl.so.2.
+  nccl_dir=$(mktemp -d)
+  for d in ${LD_LIBRARY_PATH//:/ }; do
+    if [ -e "$d/libnccl.so.2" ]; then ln -sf "$d/libnccl.so.2" "$nccl_dir/libnccl.so"; break; fi
+  done
+  echo "== gpu_nccl_check (nccl between two processes; needs two GPUs, says SKIP on one)"
+  LD_LIBRARY_PATH="$nccl_dir:$LD_LIBRARY_PATH" timeout 180 "$here/gpu_nccl_check"
+fi
 if want bench; then echo "== gpu_bench"; "$here/gpu_bench"; fi
 if want torch; then echo "== PyTorch/transformers, same shapes"; python3 "$here/torch_bench.py"; fi
 if want serve; then

@@ -42,7 +42,7 @@ pub use error::TransferError;
 pub use grpc::receive_push_kv;
 pub use lease::{Commit, DevicePool, Lease, LeaseTable, Progress};
 #[cfg(feature = "nccl")]
-pub use nccl::{nccl_supported, spawn_nccl_receiver};
+pub use nccl::{DeviceLink, nccl_supported, spawn_nccl_receiver};
 pub use sender::{
     GRPC_CONNECTION_WINDOW, GRPC_STREAM_WINDOW, KvSender, Peers, SendFuture, SendStats, connect,
     transport_name,

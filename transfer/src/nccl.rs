@@ -9,7 +9,7 @@
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use tandem_engine::gpu::nccl::{self, DeviceScratch, NcclLink, OwnedStream};
 use tandem_engine::kv::{DeviceKv, KvLayout};
@@ -21,15 +21,26 @@ use crate::lease::{DevicePool, LeaseTable};
 use crate::nccl_wire::{self, Link, MESSAGE_AREA_BYTES};
 use crate::sender::{KvSender, Peers, SendFuture, SendStats};
 
+/// How long a queued send or receive may take before the link is declared dead and
+/// aborted (a peer died mid-message; NCCL itself would wait forever).
+const STALL_LIMIT: Duration = Duration::from_secs(30);
+
 /// Whether this build can use NCCL here (`libnccl.so` loads).
 pub fn nccl_supported() -> bool {
     nccl::available()
 }
 
 /// A joined communicator and its scratch, seen as a [`Link`].
-struct DeviceLink<'a> {
+pub struct DeviceLink<'a> {
     link: &'a NcclLink,
     scratch: &'a DeviceScratch,
+}
+
+impl<'a> DeviceLink<'a> {
+    /// `scratch` must hold [`MESSAGE_AREA_BYTES`] plus one piece.
+    pub fn new(link: &'a NcclLink, scratch: &'a DeviceScratch) -> Self {
+        Self { link, scratch }
+    }
 }
 
 impl Link for DeviceLink<'_> {
@@ -50,7 +61,7 @@ impl Link for DeviceLink<'_> {
         Ok(unsafe { self.link.download(ptr, host) }?)
     }
     fn synchronize(&mut self) -> Result<(), TransferError> {
-        Ok(self.link.synchronize()?)
+        Ok(self.link.synchronize_within(STALL_LIMIT)?)
     }
     fn message_area(&self) -> u64 {
         self.scratch.ptr
@@ -64,6 +75,8 @@ impl Link for DeviceLink<'_> {
 struct PeerLink {
     id: Vec<u8>,
     joined: Option<(NcclLink, DeviceScratch)>,
+    /// A failed link is never reused: the next request opens a new one.
+    broken: bool,
 }
 
 /// A prefill worker's communicators, one per decode worker, kept across requests.
@@ -88,7 +101,9 @@ impl NcclPeers {
         request_id: &str,
     ) -> Result<Arc<Mutex<PeerLink>>, TransferError> {
         let mut links = self.links.lock().await;
-        if let Some(l) = links.get(&dest.decode_endpoint) {
+        if let Some(l) = links.get(&dest.decode_endpoint)
+            && !l.lock().unwrap_or_else(|p| p.into_inner()).broken
+        {
             return Ok(l.clone());
         }
         let mut client = DecodeServiceClient::new(peers.channel(&dest.decode_endpoint)?);
@@ -100,7 +115,11 @@ impl NcclPeers {
             .map_err(|s| TransferError::Connect(format!("OpenNccl: {}", s.message())))?
             .into_inner()
             .unique_id;
-        let link = Arc::new(Mutex::new(PeerLink { id, joined: None }));
+        let link = Arc::new(Mutex::new(PeerLink {
+            id,
+            joined: None,
+            broken: false,
+        }));
         links.insert(dest.decode_endpoint.clone(), link.clone());
         Ok(link)
     }
@@ -189,32 +208,19 @@ impl KvSender for NcclSender {
             );
         }
         let mut peer = self.link.lock().unwrap_or_else(|p| p.into_inner());
-        if peer.joined.is_none() {
-            // Blocks until the decode worker's receiver (already waiting) joins too.
-            let link = NcclLink::join(&peer.id, 1, src.context, src.stream)?;
-            let scratch =
-                DeviceScratch::new(MESSAGE_AREA_BYTES + src.block_layer_bytes, src.context)?;
-            peer.joined = Some((link, scratch));
+        let last = layer + 1 == self.layers;
+        let lease_id = self.dest.lease_id;
+        if let Err(e) = send_on(&mut peer, src, lease_id, layer, &logical, &sources, last) {
+            // The pair's message stream is out of step or dead: drop it (aborted if it
+            // stalled) so that the next request opens a fresh one.
+            peer.broken = true;
+            peer.joined = None;
+            return Err(e);
         }
-        let Some((link, scratch)) = peer.joined.as_ref() else {
-            return Err(TransferError::Connect("nccl link not joined".into()));
-        };
-        let mut wire = DeviceLink { link, scratch };
-        nccl_wire::send_layer(
-            &mut wire,
-            self.dest.lease_id,
-            layer,
-            src.block_layer_bytes,
-            &logical,
-            &sources,
-        )?;
         for &lb in &logical {
             self.written[layer * nblocks + lb as usize] = true;
         }
         self.bytes += (logical.len() * src.block_layer_bytes) as u64;
-        if layer + 1 == self.layers {
-            wire.synchronize()?;
-        }
         Ok(())
     }
 
@@ -249,6 +255,46 @@ impl KvSender for NcclSender {
             })
         })
     }
+}
+
+/// Joins the pair's communicator if needed and queues one layer's messages; at the last
+/// layer, waits for them (the decode worker may read the blocks once we commit).
+fn send_on(
+    peer: &mut PeerLink,
+    src: &DeviceKv,
+    lease_id: u64,
+    layer: usize,
+    logical: &[u32],
+    sources: &[u64],
+    last: bool,
+) -> Result<(), TransferError> {
+    if peer.broken {
+        return Err(TransferError::Connect(
+            "the nccl link failed earlier".into(),
+        ));
+    }
+    if peer.joined.is_none() {
+        // Blocks until the decode worker's receiver (already waiting) joins too.
+        let link = NcclLink::join(&peer.id, 1, src.context, src.stream)?;
+        let scratch = DeviceScratch::new(MESSAGE_AREA_BYTES + src.block_layer_bytes, src.context)?;
+        peer.joined = Some((link, scratch));
+    }
+    let Some((link, scratch)) = peer.joined.as_ref() else {
+        return Err(TransferError::Connect("nccl link not joined".into()));
+    };
+    let mut wire = DeviceLink { link, scratch };
+    nccl_wire::send_layer(
+        &mut wire,
+        lease_id,
+        layer,
+        src.block_layer_bytes,
+        logical,
+        sources,
+    )?;
+    if last {
+        wire.synchronize()?;
+    }
+    Ok(())
 }
 
 /// Starts receiving `nccl` transfers from one prefill worker into the device pool `kv`:

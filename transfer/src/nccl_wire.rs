@@ -203,6 +203,8 @@ mod tests {
         wire: &'a mut VecDeque<Vec<u8>>,
         message: u64,
         drain: u64,
+        /// Models a peer that died mid-message: the wait for the data gives up.
+        stalls: bool,
     }
 
     impl Link for MemLink<'_> {
@@ -237,6 +239,9 @@ mod tests {
             Ok(())
         }
         fn synchronize(&mut self) -> Result<(), TransferError> {
+            if self.stalls {
+                return Err(TransferError::Protocol("link aborted".into()));
+            }
             Ok(())
         }
         fn message_area(&self) -> u64 {
@@ -311,6 +316,7 @@ mod tests {
             wire: &mut wire,
             message: SEND_MSG,
             drain: DRAIN,
+            stalls: false,
         };
         // As the engine thread does: per layer, every chunk of the step.
         for layer in 0..LAYERS {
@@ -369,6 +375,7 @@ mod tests {
             wire: &mut wire,
             message: SEND_MSG,
             drain: DRAIN,
+            stalls: false,
         };
         send_layer(&mut link, gone.id, 0, PIECE, &[0], &[src_addr(0, 1)]).unwrap();
         send_layer(&mut link, live.id, 0, PIECE, &[0], &[src_addr(0, 2)]).unwrap();
@@ -399,6 +406,7 @@ mod tests {
             wire: &mut wire,
             message: SEND_MSG,
             drain: DRAIN,
+            stalls: false,
         };
         send_layer(
             &mut link,
@@ -420,6 +428,27 @@ mod tests {
         };
         let why = table.commit(&commit).unwrap_err().to_string();
         assert!(why.contains("never arrived"), "{why}");
+    }
+
+    #[test]
+    fn a_stalled_receive_fails_without_keeping_the_lease_locked() {
+        let (_cache, table) = table();
+        let (lease, _rx) = table.create(vec![2], 10, "r");
+        let mut mem = memory();
+        let mut wire = VecDeque::new();
+        let mut link = MemLink {
+            memory: &mut mem,
+            wire: &mut wire,
+            message: SEND_MSG,
+            drain: DRAIN,
+            stalls: true,
+        };
+        send_layer(&mut link, lease.id, 0, PIECE, &[0], &[src_addr(0, 0)]).unwrap();
+        link.message = RECV_MSG;
+        assert!(receive_layer(&mut link, &table, &pool()).is_err());
+        // The lease can still end (its waiter is told), and nothing counted as received.
+        assert_eq!(table.cancel(lease.id), Some(vec![2]));
+        assert_eq!(lease.progress().bytes, 0);
     }
 
     #[test]

@@ -7,6 +7,8 @@
 //! each message means, where it lands) is in the transport crate.
 
 use std::ffi::c_void;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
 
 use cudarc::driver::sys as cu;
 use cudarc::nccl::{result, sys};
@@ -43,6 +45,8 @@ pub struct NcclLink {
     stream: usize,
     context: usize,
     pub rank: usize,
+    /// Set once the communicator was aborted (it must not be destroyed again).
+    aborted: AtomicBool,
 }
 
 // SAFETY: the communicator is used from one thread at a time (the owner holds it behind a
@@ -76,6 +80,7 @@ impl NcclLink {
             stream,
             context,
             rank,
+            aborted: AtomicBool::new(false),
         })
     }
 
@@ -133,9 +138,34 @@ impl NcclLink {
         r.and(end)
     }
 
-    /// Waits for everything queued on the link's stream.
-    pub fn synchronize(&self) -> Result<()> {
-        super::ipc::synchronize(self.stream, self.context)
+    /// Waits for everything queued on the link's stream, at most `limit`. A peer that died
+    /// mid-message never completes its half and NCCL has no timeout of its own, so past the
+    /// limit the communicator is aborted (every queued operation on it ends) and the link is
+    /// dead: the caller drops it and opens a new one.
+    pub fn synchronize_within(&self, limit: Duration) -> Result<()> {
+        make_current(self.context)?;
+        let deadline = Instant::now() + limit;
+        loop {
+            // SAFETY: a live stream of this process.
+            let r = unsafe { cu::cuStreamQuery(self.stream as cu::CUstream) };
+            match r {
+                cu::CUresult::CUDA_SUCCESS => return Ok(()),
+                cu::CUresult::CUDA_ERROR_NOT_READY if Instant::now() < deadline => {
+                    std::thread::sleep(Duration::from_micros(50));
+                }
+                cu::CUresult::CUDA_ERROR_NOT_READY => {
+                    if !self.aborted.swap(true, Ordering::AcqRel) {
+                        // SAFETY: aborted once; Drop skips the destroy afterwards.
+                        let _ = unsafe { result::comm_abort(self.comm) };
+                    }
+                    return Err(nccl_err(
+                        "link",
+                        format!("the peer did not complete within {limit:?}; link aborted"),
+                    ));
+                }
+                other => return check("cuStreamQuery", other),
+            }
+        }
     }
 
     /// Copies `host` to device memory at `ptr` on the link's stream (ordered before later
@@ -160,7 +190,8 @@ impl NcclLink {
     /// # Safety
     /// `ptr..ptr+host.len()` must be device memory.
     pub unsafe fn download(&self, ptr: u64, host: &mut [u8]) -> Result<()> {
-        self.synchronize()?;
+        // Waiting for the next message is idle time, not a stall: no limit here.
+        super::ipc::synchronize(self.stream, self.context)?;
         check("cuMemcpyDtoH", unsafe {
             cu::cuMemcpyDtoH_v2(host.as_mut_ptr().cast(), ptr, host.len())
         })
@@ -169,8 +200,12 @@ impl NcclLink {
 
 impl Drop for NcclLink {
     fn drop(&mut self) {
-        // SAFETY: the communicator was initialised in `join` and is destroyed once.
-        let _ = unsafe { result::comm_destroy(self.comm) };
+        // Abort rather than destroy: destroy waits for pending operations, which a dead or
+        // out-of-step peer never completes, and a link is dropped exactly when that happened.
+        if !self.aborted.swap(true, Ordering::AcqRel) {
+            // SAFETY: the communicator was initialised in `join` and is released once.
+            let _ = unsafe { result::comm_abort(self.comm) };
+        }
     }
 }
 
