@@ -14,15 +14,14 @@
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
 
 use tandem_engine::gpu::ipc::{self, OpenedPeer};
 use tandem_engine::kv::{DeviceKv, KvLayout, plan_layer_copy};
-use tandem_proto::v1::decode_service_client::DecodeServiceClient;
-use tandem_proto::v1::{KvCommit, KvDestination, Transport};
+use tandem_proto::v1::{KvDestination, Transport};
 
 use crate::error::TransferError;
-use crate::sender::{KvSender, Peers, SendFuture, SendStats};
+use crate::inplace::InPlace;
+use crate::sender::{KvSender, Peers, SendFuture};
 use crate::shm::{OwnerTags, tags_path};
 
 /// A prefill worker's opened device pools and owner-tag files, kept across requests.
@@ -73,15 +72,7 @@ impl CudaIpcPeers {
 pub(crate) struct CudaIpcSender {
     peers: Arc<CudaIpcPeers>,
     tags: Arc<OwnerTags>,
-    client: DecodeServiceClient<tonic::transport::Channel>,
-    dest: KvDestination,
-    request_id: String,
-    layers: usize,
-    /// Layer-major: whether each (layer, logical block) was queued.
-    written: Vec<bool>,
-    bytes: u64,
-    started: Option<Instant>,
-    num_tokens: usize,
+    transfer: InPlace,
 }
 
 impl CudaIpcSender {
@@ -105,27 +96,24 @@ impl CudaIpcSender {
         let tags = peers
             .cuda
             .tags(Path::new(&dest.shm_path), dest.cuda_pool_blocks as usize)?;
-        let client = DecodeServiceClient::new(peers.channel(&dest.decode_endpoint)?);
         Ok(Self {
             peers: peers.cuda.clone(),
             tags,
-            client,
-            layers: layout.num_layers,
-            written: vec![false; layout.num_layers * dest.block_ids.len()],
-            bytes: 0,
-            started: None,
-            request_id: request_id.to_string(),
-            num_tokens,
-            dest,
+            transfer: InPlace::new(
+                peers,
+                dest,
+                layout,
+                request_id,
+                num_tokens,
+                Transport::CudaIpc,
+            )?,
         })
     }
 }
 
 impl KvSender for CudaIpcSender {
     fn send_layer(&mut self, _: usize, _: &[(u32, &[u8])]) -> Result<(), TransferError> {
-        Err(TransferError::Protocol(
-            "cuda-ipc copies from the device pool; this engine gave host bytes".into(),
-        ))
+        Err(self.transfer.host_bytes_refused())
     }
 
     fn reads_device(&self) -> bool {
@@ -138,45 +126,36 @@ impl KvSender for CudaIpcSender {
         src: &DeviceKv,
         blocks: &[(u32, u32)],
     ) -> Result<(), TransferError> {
-        self.started.get_or_insert_with(Instant::now);
-        if src.num_layers != self.layers {
-            return Err(TransferError::LayoutMismatch(format!(
-                "device pool of {} layers, layout of {}",
-                src.num_layers, self.layers
-            )));
-        }
-        let nblocks = self.dest.block_ids.len();
+        let t = &mut self.transfer;
+        t.start_device_layer(layer, src)?;
         let mut pairs = Vec::with_capacity(blocks.len());
         for &(lb, physical) in blocks {
-            let Some(&block) = self.dest.block_ids.get(lb as usize) else {
-                return Err(TransferError::Protocol(format!(
-                    "logical block {lb} outside the lease"
-                )));
-            };
+            let block = t.block(lb)?;
             // The fence: write only while the decode worker still says this block is ours.
-            if self.tags.get(block) != self.dest.lease_id {
-                return Err(TransferError::Cancelled(self.dest.lease_id));
+            if self.tags.get(block) != t.dest.lease_id {
+                return Err(TransferError::Cancelled(t.dest.lease_id));
             }
             pairs.push((physical, block));
         }
         let runs = plan_layer_copy(
             layer,
-            self.layers,
+            t.layers,
             src.block_layer_bytes,
             src.num_blocks,
-            self.dest.cuda_pool_blocks as usize,
+            t.dest.cuda_pool_blocks as usize,
             &pairs,
         )?;
-        let peer = self.peers.open(&self.dest.cuda_ipc_handle, src.context)?;
+        let peer = self.peers.open(&t.dest.cuda_ipc_handle, src.context)?;
         // SAFETY: the runs lie inside both pools (checked by the plan), the destination blocks
         // are reserved for our lease (owner tags), and the copies are queued on the stream of
         // the forward pass that wrote the source, before anything can reuse it.
         unsafe { peer.copy_runs(src.base, &runs, src.stream) }?;
-        for &(lb, _) in blocks {
-            self.written[layer * nblocks + lb as usize] = true;
-        }
-        self.bytes += (blocks.len() * src.block_layer_bytes) as u64;
-        if layer + 1 == self.layers {
+        t.mark(
+            layer,
+            blocks.iter().map(|&(lb, _)| lb),
+            src.block_layer_bytes,
+        );
+        if layer + 1 == t.layers {
             // The decode worker may read the blocks as soon as we commit.
             ipc::synchronize(src.stream, src.context)?;
         }
@@ -184,34 +163,6 @@ impl KvSender for CudaIpcSender {
     }
 
     fn commit(self: Box<Self>, first_token: u32, first_logprob: f32) -> SendFuture {
-        Box::pin(async move {
-            if let Some(missing) = self.written.iter().position(|w| !w) {
-                return Err(TransferError::Incomplete(format!(
-                    "block-layer {missing} was never written"
-                )));
-            }
-            let started = self.started.unwrap_or_else(Instant::now);
-            let mut client = self.client.clone();
-            let commit = KvCommit {
-                lease_id: self.dest.lease_id,
-                kv_layout_hash: self.dest.kv_layout_hash.clone(),
-                request_id: self.request_id.clone(),
-                first_token,
-                first_logprob,
-                num_tokens: self.num_tokens as u32,
-                checksums: Vec::new(),
-                transport: Transport::CudaIpc as i32,
-                bytes: self.bytes,
-            };
-            client
-                .commit_kv(commit)
-                .await
-                .map_err(|s| TransferError::Remote(s.message().to_string()))?;
-            Ok(SendStats {
-                bytes: self.bytes,
-                seconds: started.elapsed().as_secs_f64(),
-                transport: Transport::CudaIpc,
-            })
-        })
+        self.transfer.commit(first_token, first_logprob, Vec::new())
     }
 }

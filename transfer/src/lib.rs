@@ -28,6 +28,7 @@ mod cuda_ipc;
 mod error;
 mod frame;
 mod grpc;
+mod inplace;
 mod lease;
 #[cfg(feature = "nccl")]
 mod nccl;

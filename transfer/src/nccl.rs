@@ -9,17 +9,18 @@
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use tandem_engine::gpu::nccl::{self, DeviceScratch, NcclLink, OwnedStream};
 use tandem_engine::kv::{DeviceKv, KvLayout};
 use tandem_proto::v1::decode_service_client::DecodeServiceClient;
-use tandem_proto::v1::{KvCommit, KvDestination, OpenNcclRequest, Transport};
+use tandem_proto::v1::{KvDestination, OpenNcclRequest, Transport};
 
 use crate::error::TransferError;
+use crate::inplace::InPlace;
 use crate::lease::{DevicePool, LeaseTable};
 use crate::nccl_wire::{self, Link, MESSAGE_AREA_BYTES};
-use crate::sender::{KvSender, Peers, SendFuture, SendStats};
+use crate::sender::{KvSender, Peers, SendFuture};
 
 /// How long a queued send or receive may take before the link is declared dead and
 /// aborted (a peer died mid-message; NCCL itself would wait forever).
@@ -134,14 +135,7 @@ impl NcclPeers {
 /// Sends a lease's blocks from this engine's device pool over the pair's communicator.
 pub(crate) struct NcclSender {
     link: Arc<Mutex<PeerLink>>,
-    client: DecodeServiceClient<tonic::transport::Channel>,
-    dest: KvDestination,
-    request_id: String,
-    layers: usize,
-    written: Vec<bool>,
-    bytes: u64,
-    started: Option<Instant>,
-    num_tokens: usize,
+    transfer: InPlace,
 }
 
 impl NcclSender {
@@ -152,27 +146,16 @@ impl NcclSender {
         request_id: &str,
         num_tokens: usize,
     ) -> Result<Self, TransferError> {
-        let link = peers.nccl.get(peers, &dest, request_id).await?;
-        let client = DecodeServiceClient::new(peers.channel(&dest.decode_endpoint)?);
         Ok(Self {
-            link,
-            client,
-            layers: layout.num_layers,
-            written: vec![false; layout.num_layers * dest.block_ids.len()],
-            bytes: 0,
-            started: None,
-            request_id: request_id.to_string(),
-            num_tokens,
-            dest,
+            link: peers.nccl.get(peers, &dest, request_id).await?,
+            transfer: InPlace::new(peers, dest, layout, request_id, num_tokens, Transport::Nccl)?,
         })
     }
 }
 
 impl KvSender for NcclSender {
     fn send_layer(&mut self, _: usize, _: &[(u32, &[u8])]) -> Result<(), TransferError> {
-        Err(TransferError::Protocol(
-            "nccl sends from the device pool; this engine gave host bytes".into(),
-        ))
+        Err(self.transfer.host_bytes_refused())
     }
 
     fn reads_device(&self) -> bool {
@@ -185,20 +168,16 @@ impl KvSender for NcclSender {
         src: &DeviceKv,
         blocks: &[(u32, u32)],
     ) -> Result<(), TransferError> {
-        self.started.get_or_insert_with(Instant::now);
-        if src.num_layers != self.layers || layer >= self.layers {
-            return Err(TransferError::LayoutMismatch(format!(
-                "layer {layer} of a {}-layer pool, layout of {}",
-                src.num_layers, self.layers
-            )));
-        }
-        let nblocks = self.dest.block_ids.len();
+        let t = &mut self.transfer;
+        t.start_device_layer(layer, src)?;
         let mut logical = Vec::with_capacity(blocks.len());
         let mut sources = Vec::with_capacity(blocks.len());
         for &(lb, physical) in blocks {
-            if lb as usize >= nblocks || physical as usize >= src.num_blocks {
+            t.block(lb)?;
+            if physical as usize >= src.num_blocks {
                 return Err(TransferError::Protocol(format!(
-                    "block {lb} (physical {physical}) outside the lease or the pool"
+                    "physical block {physical} outside a pool of {}",
+                    src.num_blocks
                 )));
             }
             logical.push(lb);
@@ -208,8 +187,8 @@ impl KvSender for NcclSender {
             );
         }
         let mut peer = self.link.lock().unwrap_or_else(|p| p.into_inner());
-        let last = layer + 1 == self.layers;
-        let lease_id = self.dest.lease_id;
+        let last = layer + 1 == t.layers;
+        let lease_id = t.dest.lease_id;
         if let Err(e) = send_on(&mut peer, src, lease_id, layer, &logical, &sources, last) {
             // The pair's message stream is out of step or dead: drop it (aborted if it
             // stalled) so that the next request opens a fresh one.
@@ -217,43 +196,12 @@ impl KvSender for NcclSender {
             peer.joined = None;
             return Err(e);
         }
-        for &lb in &logical {
-            self.written[layer * nblocks + lb as usize] = true;
-        }
-        self.bytes += (logical.len() * src.block_layer_bytes) as u64;
+        t.mark(layer, logical, src.block_layer_bytes);
         Ok(())
     }
 
     fn commit(self: Box<Self>, first_token: u32, first_logprob: f32) -> SendFuture {
-        Box::pin(async move {
-            if let Some(missing) = self.written.iter().position(|w| !w) {
-                return Err(TransferError::Incomplete(format!(
-                    "block-layer {missing} was never sent"
-                )));
-            }
-            let started = self.started.unwrap_or_else(Instant::now);
-            let mut client = self.client.clone();
-            let commit = KvCommit {
-                lease_id: self.dest.lease_id,
-                kv_layout_hash: self.dest.kv_layout_hash.clone(),
-                request_id: self.request_id.clone(),
-                first_token,
-                first_logprob,
-                num_tokens: self.num_tokens as u32,
-                checksums: Vec::new(),
-                transport: Transport::Nccl as i32,
-                bytes: self.bytes,
-            };
-            client
-                .commit_kv(commit)
-                .await
-                .map_err(|s| TransferError::Remote(s.message().to_string()))?;
-            Ok(SendStats {
-                bytes: self.bytes,
-                seconds: started.elapsed().as_secs_f64(),
-                transport: Transport::Nccl,
-            })
-        })
+        self.transfer.commit(first_token, first_logprob, Vec::new())
     }
 }
 

@@ -252,6 +252,17 @@ mod tests {
         }
     }
 
+    /// The sending end; the tests switch `message` to the receiver's area before receiving.
+    fn sender_link<'a>(memory: &'a mut Vec<u8>, wire: &'a mut VecDeque<Vec<u8>>) -> MemLink<'a> {
+        MemLink {
+            memory,
+            wire,
+            message: SEND_MSG,
+            drain: DRAIN,
+            stalls: false,
+        }
+    }
+
     const PIECE: usize = 64;
     const LAYERS: usize = 2;
     const SRC_BLOCKS: usize = 8;
@@ -311,13 +322,7 @@ mod tests {
         let (b, mut b_rx) = table.create(vec![12], 10, "b");
         let mut mem = memory();
         let mut wire = VecDeque::new();
-        let mut link = MemLink {
-            memory: &mut mem,
-            wire: &mut wire,
-            message: SEND_MSG,
-            drain: DRAIN,
-            stalls: false,
-        };
+        let mut link = sender_link(&mut mem, &mut wire);
         // As the engine thread does: per layer, every chunk of the step.
         for layer in 0..LAYERS {
             send_layer(
@@ -370,13 +375,7 @@ mod tests {
         let mut mem = memory();
         let before = mem[dst_addr(0, 4)..][..PIECE].to_vec();
         let mut wire = VecDeque::new();
-        let mut link = MemLink {
-            memory: &mut mem,
-            wire: &mut wire,
-            message: SEND_MSG,
-            drain: DRAIN,
-            stalls: false,
-        };
+        let mut link = sender_link(&mut mem, &mut wire);
         send_layer(&mut link, gone.id, 0, PIECE, &[0], &[src_addr(0, 1)]).unwrap();
         send_layer(&mut link, live.id, 0, PIECE, &[0], &[src_addr(0, 2)]).unwrap();
         // A block outside the lease is drained too.
@@ -401,13 +400,7 @@ mod tests {
         let (lease, _rx) = table.create(vec![1, 2], 20, "r");
         let mut mem = memory();
         let mut wire = VecDeque::new();
-        let mut link = MemLink {
-            memory: &mut mem,
-            wire: &mut wire,
-            message: SEND_MSG,
-            drain: DRAIN,
-            stalls: false,
-        };
+        let mut link = sender_link(&mut mem, &mut wire);
         send_layer(
             &mut link,
             lease.id,
@@ -436,13 +429,8 @@ mod tests {
         let (lease, _rx) = table.create(vec![2], 10, "r");
         let mut mem = memory();
         let mut wire = VecDeque::new();
-        let mut link = MemLink {
-            memory: &mut mem,
-            wire: &mut wire,
-            message: SEND_MSG,
-            drain: DRAIN,
-            stalls: true,
-        };
+        let mut link = sender_link(&mut mem, &mut wire);
+        link.stalls = true;
         send_layer(&mut link, lease.id, 0, PIECE, &[0], &[src_addr(0, 0)]).unwrap();
         link.message = RECV_MSG;
         assert!(receive_layer(&mut link, &table, &pool()).is_err());

@@ -11,16 +11,15 @@ use std::fs::OpenOptions;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
 
 use memmap2::MmapMut;
 use tandem_engine::kv::{KvBlockWriter, KvCache, KvLayout, KvStorage};
-use tandem_proto::v1::decode_service_client::DecodeServiceClient;
-use tandem_proto::v1::{KvCommit, KvDestination, Transport};
+use tandem_proto::v1::{KvDestination, Transport};
 
 use crate::checksum::crc32;
 use crate::error::TransferError;
-use crate::sender::{KvSender, Peers, SendFuture, SendStats};
+use crate::inplace::InPlace;
+use crate::sender::{KvSender, Peers, SendFuture};
 
 /// The owner-tag file that sits beside a shared KV pool.
 #[derive(Debug)]
@@ -140,16 +139,9 @@ impl ShmPeers {
 /// Writes a lease's blocks straight into the decode worker's shared pool.
 pub(crate) struct ShmSender {
     peer: Arc<ShmPeer>,
-    client: DecodeServiceClient<tonic::transport::Channel>,
-    dest: KvDestination,
-    request_id: String,
-    layers: usize,
+    transfer: InPlace,
     /// Layer-major CRC-32 of every (layer, logical block) written.
     checksums: Vec<u32>,
-    written: Vec<bool>,
-    bytes: u64,
-    started: Option<Instant>,
-    num_tokens: usize,
 }
 
 impl ShmSender {
@@ -168,82 +160,38 @@ impl ShmSender {
         let peer = peers
             .shm
             .get(Path::new(&dest.shm_path), dest.shm_bytes, layout)?;
-        let client = DecodeServiceClient::new(peers.channel(&dest.decode_endpoint)?);
         let n = layout.num_layers * dest.block_ids.len();
         Ok(Self {
             peer,
-            client,
-            layers: layout.num_layers,
             checksums: vec![0; n],
-            written: vec![false; n],
-            bytes: 0,
-            started: None,
-            request_id: request_id.to_string(),
-            num_tokens,
-            dest,
+            transfer: InPlace::new(peers, dest, layout, request_id, num_tokens, Transport::Shm)?,
         })
     }
 }
 
 impl KvSender for ShmSender {
     fn send_layer(&mut self, layer: usize, blocks: &[(u32, &[u8])]) -> Result<(), TransferError> {
-        self.started.get_or_insert_with(Instant::now);
-        let nblocks = self.dest.block_ids.len();
-        if layer >= self.layers {
-            return Err(TransferError::Protocol(format!(
-                "layer {layer} of {}",
-                self.layers
-            )));
-        }
+        let t = &mut self.transfer;
+        t.start();
+        t.check_layer(layer)?;
+        let nblocks = t.dest.block_ids.len();
         for &(lb, bytes) in blocks {
-            let Some(&block) = self.dest.block_ids.get(lb as usize) else {
-                return Err(TransferError::Protocol(format!(
-                    "logical block {lb} outside the lease"
-                )));
-            };
+            let block = t.block(lb)?;
             // The fence: write only while the decode worker still says this block is ours.
-            if self.peer.tags.get(block) != self.dest.lease_id {
-                return Err(TransferError::Cancelled(self.dest.lease_id));
+            if self.peer.tags.get(block) != t.dest.lease_id {
+                return Err(TransferError::Cancelled(t.dest.lease_id));
             }
             // SAFETY: the owner tag names our lease, so the decode worker reserved this block
             // for us and reads it only after our commit.
             unsafe { self.peer.writer.write(layer, block, bytes)? };
             self.checksums[layer * nblocks + lb as usize] = crc32(bytes);
-            self.written[layer * nblocks + lb as usize] = true;
-            self.bytes += bytes.len() as u64;
+            t.mark(layer, [lb], bytes.len());
         }
         Ok(())
     }
 
     fn commit(self: Box<Self>, first_token: u32, first_logprob: f32) -> SendFuture {
-        Box::pin(async move {
-            if let Some(missing) = self.written.iter().position(|w| !w) {
-                return Err(TransferError::Incomplete(format!(
-                    "block-layer {missing} was never written"
-                )));
-            }
-            let started = self.started.unwrap_or_else(Instant::now);
-            let mut client = self.client.clone();
-            let commit = KvCommit {
-                lease_id: self.dest.lease_id,
-                kv_layout_hash: self.dest.kv_layout_hash.clone(),
-                request_id: self.request_id.clone(),
-                first_token,
-                first_logprob,
-                num_tokens: self.num_tokens as u32,
-                checksums: self.checksums.clone(),
-                transport: Transport::Shm as i32,
-                bytes: self.bytes,
-            };
-            client
-                .commit_kv(commit)
-                .await
-                .map_err(|s| TransferError::Remote(s.message().to_string()))?;
-            Ok(SendStats {
-                bytes: self.bytes,
-                seconds: started.elapsed().as_secs_f64(),
-                transport: Transport::Shm,
-            })
-        })
+        self.transfer
+            .commit(first_token, first_logprob, self.checksums)
     }
 }

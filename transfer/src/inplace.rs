@@ -1,0 +1,150 @@
+//! What the transports that write into the decode worker's memory themselves (`shm`,
+//! `cuda-ipc`, `nccl`) share: the lease they write for, which (layer, logical block) pieces
+//! went out, the byte count, and the commit over gRPC that hands the KV to the decode worker.
+
+use std::time::Instant;
+
+#[cfg(feature = "cuda")]
+use tandem_engine::kv::DeviceKv;
+use tandem_engine::kv::KvLayout;
+use tandem_proto::v1::decode_service_client::DecodeServiceClient;
+use tandem_proto::v1::{KvCommit, KvDestination, Transport};
+use tonic::transport::Channel;
+
+use crate::error::TransferError;
+use crate::sender::{Peers, SendFuture, SendStats};
+
+/// One request's in-place transfer, up to its commit.
+pub(crate) struct InPlace {
+    pub dest: KvDestination,
+    pub layers: usize,
+    client: DecodeServiceClient<Channel>,
+    request_id: String,
+    num_tokens: usize,
+    transport: Transport,
+    /// Layer-major: whether each (layer, logical block) was written.
+    written: Vec<bool>,
+    bytes: u64,
+    started: Option<Instant>,
+}
+
+impl InPlace {
+    pub fn new(
+        peers: &Peers,
+        dest: KvDestination,
+        layout: &KvLayout,
+        request_id: &str,
+        num_tokens: usize,
+        transport: Transport,
+    ) -> Result<Self, TransferError> {
+        Ok(Self {
+            client: DecodeServiceClient::new(peers.channel(&dest.decode_endpoint)?),
+            layers: layout.num_layers,
+            written: vec![false; layout.num_layers * dest.block_ids.len()],
+            bytes: 0,
+            started: None,
+            request_id: request_id.to_string(),
+            num_tokens,
+            transport,
+            dest,
+        })
+    }
+
+    /// Starts the clock at the first piece.
+    pub fn start(&mut self) {
+        self.started.get_or_insert_with(Instant::now);
+    }
+
+    /// The destination block of logical block `lb`, refusing one outside the lease.
+    pub fn block(&self, lb: u32) -> Result<u32, TransferError> {
+        self.dest
+            .block_ids
+            .get(lb as usize)
+            .copied()
+            .ok_or_else(|| TransferError::Protocol(format!("logical block {lb} outside the lease")))
+    }
+
+    /// Refuses a layer outside the layout.
+    pub fn check_layer(&self, layer: usize) -> Result<(), TransferError> {
+        if layer >= self.layers {
+            return Err(TransferError::Protocol(format!(
+                "layer {layer} of {}",
+                self.layers
+            )));
+        }
+        Ok(())
+    }
+
+    /// Counts `logical` blocks of `layer`, `piece` bytes each, as written.
+    pub fn mark(&mut self, layer: usize, logical: impl IntoIterator<Item = u32>, piece: usize) {
+        let nblocks = self.dest.block_ids.len();
+        for lb in logical {
+            self.written[layer * nblocks + lb as usize] = true;
+            self.bytes += piece as u64;
+        }
+    }
+
+    /// Commits once every piece was written: the decode worker verifies (`checksums`, for
+    /// transports whose memory it can read back) and admits the request with this token.
+    pub fn commit(self, first_token: u32, first_logprob: f32, checksums: Vec<u32>) -> SendFuture {
+        Box::pin(async move {
+            if let Some(missing) = self.written.iter().position(|w| !w) {
+                return Err(TransferError::Incomplete(format!(
+                    "block-layer {missing} was never written"
+                )));
+            }
+            let started = self.started.unwrap_or_else(Instant::now);
+            let mut client = self.client.clone();
+            let commit = KvCommit {
+                lease_id: self.dest.lease_id,
+                kv_layout_hash: self.dest.kv_layout_hash.clone(),
+                request_id: self.request_id.clone(),
+                first_token,
+                first_logprob,
+                num_tokens: self.num_tokens as u32,
+                checksums,
+                transport: self.transport as i32,
+                bytes: self.bytes,
+            };
+            client
+                .commit_kv(commit)
+                .await
+                .map_err(|s| TransferError::Remote(s.message().to_string()))?;
+            Ok(SendStats {
+                bytes: self.bytes,
+                seconds: started.elapsed().as_secs_f64(),
+                transport: self.transport,
+            })
+        })
+    }
+}
+
+/// The device transports' part.
+#[cfg(feature = "cuda")]
+impl InPlace {
+    /// Starts the clock and checks a device-pool layer: inside the layout, from a pool of
+    /// the layout's layer count.
+    pub fn start_device_layer(
+        &mut self,
+        layer: usize,
+        src: &DeviceKv,
+    ) -> Result<(), TransferError> {
+        self.start();
+        self.check_layer(layer)?;
+        if src.num_layers != self.layers {
+            return Err(TransferError::LayoutMismatch(format!(
+                "device pool of {} layers, layout of {}",
+                src.num_layers, self.layers
+            )));
+        }
+        Ok(())
+    }
+
+    /// The refusal of a device transport handed host bytes.
+    pub fn host_bytes_refused(&self) -> TransferError {
+        TransferError::Protocol(format!(
+            "{} copies from the device pool; this engine gave host bytes",
+            crate::transport_name(self.transport)
+        ))
+    }
+}
