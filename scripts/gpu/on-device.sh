@@ -3,7 +3,8 @@
 # dynamic loader at the CUDA 13 libraries of the machine's Python environment, then runs the
 # correctness check, the cuda-ipc and nccl checks (two processes), tandem's GPU benchmark, the same
 # shapes through PyTorch/transformers, and a 1P1D deployment on one GPU (green contexts,
-# KV over cuda-ipc) under tandem-bench. STEPS picks a subset, e.g. STEPS="ipc serve".
+# KV over cuda-ipc) under tandem-bench, with its greedy outputs compared to aggregated ones.
+# STEPS picks a subset, e.g. STEPS="ipc serve".
 set -uo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 libs=$(python3 - <<'PY'
@@ -54,6 +55,14 @@ if want serve; then
   "$here/tandem-bench" --tokenizer byte-level --base-url http://127.0.0.1:8000 --disable-tqdm \
     --random-input-len "${INPUT_LEN:-1024}" --random-output-len "${OUTPUT_LEN:-128}" --ignore-eos \
     --num-prompts "${PROMPTS:-64}" --request-rate "${RATE:-4}" || true
+  # The same decode worker behind a second router with no prefill worker: aggregated. Greedy
+  # outputs of both side by side.
+  "$here/tandem-router" --port 8001 --decode http://127.0.0.1:7201 --agg-threshold 1000000 \
+    >/tmp/tandem-agg-router.log 2>&1 &
+  agg=$!
+  sleep 3
+  python3 "$here/greedy_gate.py" http://127.0.0.1:8000 http://127.0.0.1:8001 16 || true
+  kill -TERM "$agg" 2>/dev/null; wait "$agg" 2>/dev/null
   kill -TERM "$up" 2>/dev/null; wait "$up" 2>/dev/null
   tail -n 5 "$logs"/*.log 2>/dev/null || true
 fi
