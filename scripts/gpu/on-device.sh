@@ -3,10 +3,14 @@
 # dynamic loader at the CUDA 13 libraries of the machine's Python environment, then runs the
 # correctness check, the cuda-ipc and nccl checks (two processes), tandem's GPU benchmark, the same
 # shapes through PyTorch/transformers, and a 1P1D deployment on one GPU (green contexts,
-# KV over cuda-ipc) under tandem-bench, with its greedy outputs compared to aggregated ones.
+# KV over cuda-ipc) under tandem-bench (seed 002's `# Prefill` and `# Decode` blocks), with
+# its greedy outputs compared to aggregated ones.
 # STEPS picks a subset, e.g. STEPS="ipc serve".
 set -uo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
+# The binaries travel gzip'd (scripts/build-gpu); unpack them beside nothing else.
+bin=$(mktemp -d)
+tar -xzf "$here/bin.tar.gz" -C "$bin"
 libs=$(python3 - <<'PY'
 import os, glob
 import nvidia
@@ -23,10 +27,10 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv || true
 steps="${STEPS:-check ipc nccl bench torch serve}"
 want() { [[ " $steps " == *" $1 "* ]]; }
 if want check; then
-  echo "== gpu_check (tiny)"; "$here/gpu_check" --model tiny
-  echo "== gpu_check (dummy smollm2 shape)"; "$here/gpu_check" --model dummy:smollm2-135m
+  echo "== gpu_check (tiny)"; "$bin/gpu_check" --model tiny
+  echo "== gpu_check (dummy smollm2 shape)"; "$bin/gpu_check" --model dummy:smollm2-135m
 fi
-if want ipc; then echo "== gpu_ipc_check (cuda-ipc between two processes)"; "$here/gpu_ipc_check"; fi
+if want ipc; then echo "== gpu_ipc_check (cuda-ipc between two processes)"; "$bin/gpu_ipc_check"; fi
 if want nccl; then
   # NCCL wants the name libnccl.so; the machine's Python environment ships libnccl.so.2.
   nccl_dir=$(mktemp -d)
@@ -34,9 +38,9 @@ if want nccl; then
     if [ -e "$d/libnccl.so.2" ]; then ln -sf "$d/libnccl.so.2" "$nccl_dir/libnccl.so"; break; fi
   done
   echo "== gpu_nccl_check (nccl between two processes; needs two GPUs, says SKIP on one)"
-  LD_LIBRARY_PATH="$nccl_dir:$LD_LIBRARY_PATH" timeout 180 "$here/gpu_nccl_check"
+  LD_LIBRARY_PATH="$nccl_dir:$LD_LIBRARY_PATH" timeout 180 "$bin/gpu_nccl_check"
 fi
-if want bench; then echo "== gpu_bench"; "$here/gpu_bench"; fi
+if want bench; then echo "== gpu_bench"; "$bin/gpu_bench"; fi
 if want torch; then echo "== PyTorch/transformers, same shapes"; python3 "$here/torch_bench.py"; fi
 if want serve; then
   # 1P1D on one GPU: prefill 96 SMs, decode 36, KV over cuda-ipc; the `# Prefill` and
@@ -44,7 +48,7 @@ if want serve; then
   config="${CONFIG:-deploy/gpu/green-ctx-1gpu.toml}"
   logs="${OUT:-/tmp}/tandem-logs"
   echo "== 1P1D on the GPU: $config"
-  "$here/tandem" up "$config" --bin-dir "$here" --log-dir "$logs" >/tmp/tandem-up.out 2>&1 &
+  "$bin/tandem" up "$config" --bin-dir "$bin" --log-dir "$logs" >/tmp/tandem-up.out 2>&1 &
   up=$!
   for _ in $(seq 1 300); do
     grep -q "tandem is up" /tmp/tandem-up.out && break
@@ -52,12 +56,14 @@ if want serve; then
     sleep 1
   done
   cat /tmp/tandem-up.out
-  "$here/tandem-bench" --tokenizer byte-level --base-url http://127.0.0.1:8000 --disable-tqdm \
-    --random-input-len "${INPUT_LEN:-1024}" --random-output-len "${OUTPUT_LEN:-128}" --ignore-eos \
-    --num-prompts "${PROMPTS:-64}" --request-rate "${RATE:-4}" || true
+  # Seed 002's two blocks: long prompts with one output token, then one-token prompts with
+  # many output tokens (EOS ignored).
+  bench=("$bin/tandem-bench" --tokenizer byte-level --base-url http://127.0.0.1:8000 --disable-tqdm)
+  "${bench[@]}" --preset prefill --random-input-len "${INPUT_LEN:-2048}" --num-prompts "${PREFILL_PROMPTS:-128}" || true
+  "${bench[@]}" --preset decode --random-output-len "${OUTPUT_LEN:-128}" --num-prompts "${DECODE_PROMPTS:-256}" || true
   # The same decode worker behind a second router with no prefill worker: aggregated. Greedy
   # outputs of both side by side.
-  "$here/tandem-router" --port 8001 --decode http://127.0.0.1:7201 --agg-threshold 1000000 \
+  "$bin/tandem-router" --port 8001 --decode http://127.0.0.1:7201 --agg-threshold 1000000 \
     >/tmp/tandem-agg-router.log 2>&1 &
   agg=$!
   sleep 3
