@@ -140,7 +140,11 @@ impl DecodeWorker {
         // On a GPU the device pool receives directly: cuda-ipc (exported; its writes are
         // fenced by the owner tags, so it needs the shared-memory folder too) and nccl.
         let device_kv = engine.device_kv();
-        let export = engine.export_device_kv()?;
+        // An export failure costs only cuda-ipc (the worker says so and does not advertise it).
+        let export = engine.export_device_kv().unwrap_or_else(|e| {
+            tracing::warn!(error = %e, "cannot export the device KV pool: cuda-ipc is off");
+            None
+        });
         let cuda_ipc = match (&tags, &export) {
             (Some(_), Some(export)) => {
                 transports.push(Transport::CudaIpc as i32);
@@ -157,8 +161,8 @@ impl DecodeWorker {
             transports.push(Transport::Nccl as i32);
         }
         let mut leases = LeaseTable::new(writer, layout.hash(), tags);
-        if let Some(export) = &export {
-            leases = leases.with_device_pool(export.block_layer_bytes);
+        if let Some(kv) = &device_kv {
+            leases = leases.with_device_pool(kv.block_layer_bytes);
         }
         let leases = Arc::new(leases);
         let cfg = model.config();
