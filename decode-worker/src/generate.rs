@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tandem_engine::engine::{first_token_output, validate_request};
-use tandem_engine::{KvLocation, SamplingParams, StepOutput, StopParams};
+use tandem_engine::{SamplingParams, StepOutput, StopParams};
 use tandem_proto::v1::*;
 use tandem_transfer::{Commit, Lease};
 use tandem_worker::SeqEvent;
@@ -183,11 +183,7 @@ async fn disaggregated(
             commit.first_token,
             commit.first_logprob,
             lease.blocks.clone(),
-            if commit.transport == Transport::CudaIpc {
-                KvLocation::Device
-            } else {
-                KvLocation::Host
-            },
+            tandem_transfer::kv_location(commit.transport),
             sampling,
             stop,
             events_tx,

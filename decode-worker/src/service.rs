@@ -145,10 +145,10 @@ impl DecodeWorker {
             tracing::warn!(error = %e, "cannot export the device KV pool: cuda-ipc is off");
             None
         });
-        let cuda_ipc = match (&tags, &export) {
+        let cuda_ipc = match (&tags, export) {
             (Some(_), Some(export)) => {
                 transports.push(Transport::CudaIpc as i32);
-                Some(export.clone())
+                Some(export)
             }
             (None, Some(_)) => {
                 tracing::warn!("no shared-memory folder: cuda-ipc is off for this GPU worker");

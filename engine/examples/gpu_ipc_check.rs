@@ -140,16 +140,7 @@ fn main() -> anyhow::Result<()> {
 
     // The reference: one local device-to-device copy of the same bytes.
     let bytes = layers * SRC_BLOCKS * piece * 2;
-    let a = gpu.stream.alloc_zeros::<bf16>(bytes / 2)?;
-    let mut b = gpu.stream.alloc_zeros::<bf16>(bytes / 2)?;
-    let mut local = f64::MAX;
-    for _ in 0..3 {
-        gpu.synchronize()?;
-        let t = Instant::now();
-        gpu.stream.memcpy_dtod(&a, &mut b)?;
-        gpu.synchronize()?;
-        local = local.min(t.elapsed().as_secs_f64());
-    }
+    let local = gpu.local_copy_seconds(bytes)?;
     let gbs = |s: f64| bytes as f64 / s / 1e9;
     println!(
         "| cuda-ipc, {PROMPT_TOKENS}-token prompt, Llama-3.1-8B KV ({:.0} MiB) | GB/s | vs local copy |",

@@ -389,8 +389,8 @@ impl Engine {
     }
 
     /// Admits a sequence whose prompt KV already sits in `kv.blocks` (of the host cache, or
-    /// of the device pool) and whose first token was sampled elsewhere. Returns its id and the output for that first token (which may
-    /// already finish it, freeing the blocks).
+    /// of the device pool) and whose first token was sampled elsewhere. Returns its id and the
+    /// output for that first token (which may already finish it, freeing the blocks).
     pub fn add_prefilled(
         &mut self,
         prompt: Vec<u32>,

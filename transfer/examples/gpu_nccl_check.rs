@@ -182,16 +182,7 @@ fn main() -> anyhow::Result<()> {
     let bytes = table.commit(&commit)?;
     anyhow::ensure!(committed.try_recv().is_ok(), "the lease was not handed on");
 
-    let a = gpu.stream.alloc_zeros::<u8>(bytes as usize)?;
-    let mut b = gpu.stream.alloc_zeros::<u8>(bytes as usize)?;
-    let mut local = f64::MAX;
-    for _ in 0..3 {
-        gpu.synchronize()?;
-        let t = Instant::now();
-        gpu.stream.memcpy_dtod(&a, &mut b)?;
-        gpu.synchronize()?;
-        local = local.min(t.elapsed().as_secs_f64());
-    }
+    let local = gpu.local_copy_seconds(bytes as usize)?;
     let gbs = |s: f64| bytes as f64 / s / 1e9;
     println!(
         "| nccl, {PROMPT_TOKENS}-token prompt, Llama-3.1-8B KV, GPU {} to GPU 0 | GB/s | vs local copy |",

@@ -46,7 +46,7 @@ pub use lease::{Commit, DevicePool, Lease, LeaseTable, Progress};
 pub use nccl::{DeviceLink, nccl_supported, spawn_nccl_receiver};
 pub use sender::{
     GRPC_CONNECTION_WINDOW, GRPC_STREAM_WINDOW, KvSender, Peers, SendFuture, SendStats, connect,
-    transport_name,
+    kv_location, transport_name,
 };
 pub use service::{KvOnlyDecode, kv_rpcs};
 pub use shm::{OwnerTags, tags_path};

@@ -5,6 +5,7 @@ use std::collections::HashMap;
 use std::pin::Pin;
 use std::sync::Mutex;
 
+use tandem_engine::KvLocation;
 use tandem_engine::kv::{DeviceKv, KvLayout};
 use tandem_proto::v1::{KvDestination, Transport};
 use tonic::transport::{Channel, Endpoint};
@@ -154,12 +155,38 @@ pub async fn connect(
             request_id,
             num_tokens,
         )?),
-        Transport::CudaIpc => cuda_ipc_sender(peers, dest, layout, request_id, num_tokens)?,
-        Transport::Nccl => nccl_sender(peers, dest, layout, request_id, num_tokens).await?,
+        #[cfg(feature = "cuda")]
+        Transport::CudaIpc => Box::new(crate::cuda_ipc::CudaIpcSender::new(
+            peers,
+            dest.clone(),
+            layout,
+            request_id,
+            num_tokens,
+        )?),
+        #[cfg(feature = "nccl")]
+        Transport::Nccl => Box::new(
+            crate::nccl::NcclSender::start(peers, dest.clone(), layout, request_id, num_tokens)
+                .await?,
+        ),
+        #[cfg(not(feature = "cuda"))]
+        Transport::CudaIpc => return Err(not_built("cuda-ipc", "cuda")),
+        #[cfg(not(feature = "nccl"))]
+        Transport::Nccl => return Err(not_built("nccl", "nccl")),
         Transport::Unspecified => {
             return Err(TransferError::Protocol("no transport chosen".into()));
         }
     })
+}
+
+/// Where a transport leaves the KV on the decode side: the device transports write the GPU
+/// pool directly, the others the host cache (which a GPU engine then uploads).
+pub fn kv_location(t: Transport) -> KvLocation {
+    match t {
+        Transport::CudaIpc | Transport::Nccl => KvLocation::Device,
+        Transport::Grpc | Transport::Tcp | Transport::Shm | Transport::Unspecified => {
+            KvLocation::Host
+        }
+    }
 }
 
 /// The name used in metrics and flags.
@@ -174,58 +201,26 @@ pub fn transport_name(t: Transport) -> &'static str {
     }
 }
 
-#[cfg(feature = "cuda")]
-fn cuda_ipc_sender(
-    peers: &Peers,
-    dest: &KvDestination,
-    layout: &KvLayout,
-    request_id: &str,
-    num_tokens: usize,
-) -> Result<Box<dyn KvSender>, TransferError> {
-    Ok(Box::new(crate::cuda_ipc::CudaIpcSender::new(
-        peers,
-        dest.clone(),
-        layout,
-        request_id,
-        num_tokens,
-    )?))
-}
-
-#[cfg(not(feature = "cuda"))]
-fn cuda_ipc_sender(
-    _: &Peers,
-    _: &KvDestination,
-    _: &KvLayout,
-    _: &str,
-    _: usize,
-) -> Result<Box<dyn KvSender>, TransferError> {
-    Err(TransferError::Connect(
-        "cuda-ipc needs a worker built with the `cuda` feature and running on a GPU".into(),
-    ))
-}
-
-#[cfg(feature = "nccl")]
-async fn nccl_sender(
-    peers: &Peers,
-    dest: &KvDestination,
-    layout: &KvLayout,
-    request_id: &str,
-    num_tokens: usize,
-) -> Result<Box<dyn KvSender>, TransferError> {
-    Ok(Box::new(
-        crate::nccl::NcclSender::start(peers, dest.clone(), layout, request_id, num_tokens).await?,
-    ))
-}
-
+/// The refusal of a device transport this build does not have.
+// `nccl` implies `cuda`: with it, every device transport is built.
 #[cfg(not(feature = "nccl"))]
-async fn nccl_sender(
-    _: &Peers,
-    _: &KvDestination,
-    _: &KvLayout,
-    _: &str,
-    _: usize,
-) -> Result<Box<dyn KvSender>, TransferError> {
-    Err(TransferError::Connect(
-        "nccl needs a worker built with the `nccl` feature and running on a GPU".into(),
+fn not_built(transport: &str, feature: &str) -> TransferError {
+    TransferError::Connect(format!(
+        "{transport} needs a worker built with the `{feature}` feature and running on a GPU"
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn device_transports_leave_the_kv_in_the_device_pool() {
+        for t in [Transport::CudaIpc, Transport::Nccl] {
+            assert_eq!(kv_location(t), KvLocation::Device, "{t:?}");
+        }
+        for t in [Transport::Grpc, Transport::Tcp, Transport::Shm] {
+            assert_eq!(kv_location(t), KvLocation::Host, "{t:?}");
+        }
+    }
 }

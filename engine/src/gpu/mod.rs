@@ -164,6 +164,30 @@ impl GpuContext {
         })
     }
 
+    /// Seconds of one device-to-device copy of `bytes` (best of three): the rate a KV
+    /// transport between devices is measured against.
+    pub fn local_copy_seconds(&self, bytes: usize) -> Result<f64> {
+        let a = self
+            .stream
+            .alloc_zeros::<u8>(bytes)
+            .map_err(|e| cuda_err("allocation", e))?;
+        let mut b = self
+            .stream
+            .alloc_zeros::<u8>(bytes)
+            .map_err(|e| cuda_err("allocation", e))?;
+        let mut best = f64::MAX;
+        for _ in 0..3 {
+            self.synchronize()?;
+            let t = std::time::Instant::now();
+            self.stream
+                .memcpy_dtod(&a, &mut b)
+                .map_err(|e| cuda_err("copy", e))?;
+            self.synchronize()?;
+            best = best.min(t.elapsed().as_secs_f64());
+        }
+        Ok(best)
+    }
+
     /// Waits for all queued work.
     pub fn synchronize(&self) -> Result<()> {
         self.stream

@@ -17,6 +17,9 @@ use super::cuda_err;
 use super::ipc::{check, make_current};
 use crate::error::{EngineError, Result};
 
+/// KV moves as bytes.
+const UINT8: sys::ncclDataType_t = sys::ncclDataType_t::ncclUint8;
+
 fn nccl_err(what: &str, e: impl std::fmt::Debug) -> EngineError {
     EngineError::Unsupported(format!("NCCL {what}: {e:?}"))
 }
@@ -93,19 +96,10 @@ impl NcclLink {
     /// # Safety
     /// `ptr..ptr+bytes` must be device memory that stays unchanged until the stream runs it.
     pub unsafe fn send(&self, ptr: u64, bytes: usize) -> Result<()> {
-        make_current(self.context)?;
-        unsafe {
-            result::send(
-                ptr as *const c_void,
-                bytes,
-                sys::ncclDataType_t::ncclUint8,
-                self.peer(),
-                self.comm,
-                self.stream as sys::cudaStream_t,
-            )
-        }
-        .map(|_| ())
-        .map_err(|e| nccl_err("send", e))
+        // SAFETY: as the caller promised.
+        self.p2p("send", |peer, comm, stream| unsafe {
+            result::send(ptr as *const c_void, bytes, UINT8, peer, comm, stream)
+        })
     }
 
     /// Queues a receive of `bytes` into `ptr` from the other rank.
@@ -113,19 +107,26 @@ impl NcclLink {
     /// # Safety
     /// `ptr..ptr+bytes` must be device memory nobody else writes until the stream runs it.
     pub unsafe fn recv(&self, ptr: u64, bytes: usize) -> Result<()> {
+        // SAFETY: as the caller promised.
+        self.p2p("recv", |peer, comm, stream| unsafe {
+            result::recv(ptr as *mut c_void, bytes, UINT8, peer, comm, stream)
+        })
+    }
+
+    /// Runs one point-to-point call to the other rank in the link's context and stream.
+    fn p2p(
+        &self,
+        what: &str,
+        call: impl FnOnce(
+            i32,
+            sys::ncclComm_t,
+            sys::cudaStream_t,
+        ) -> std::result::Result<result::NcclStatus, result::NcclError>,
+    ) -> Result<()> {
         make_current(self.context)?;
-        unsafe {
-            result::recv(
-                ptr as *mut c_void,
-                bytes,
-                sys::ncclDataType_t::ncclUint8,
-                self.peer(),
-                self.comm,
-                self.stream as sys::cudaStream_t,
-            )
-        }
-        .map(|_| ())
-        .map_err(|e| nccl_err("recv", e))
+        call(self.peer(), self.comm, self.stream as sys::cudaStream_t)
+            .map(|_| ())
+            .map_err(|e| nccl_err(what, e))
     }
 
     /// Runs `ops` (sends or receives) as one NCCL group.
