@@ -4,7 +4,7 @@
 # correctness check, the cuda-ipc and nccl checks (two processes), tandem's GPU benchmark, the same
 # shapes through PyTorch/transformers, and a 1P1D deployment on one GPU (green contexts,
 # KV over cuda-ipc) under tandem-bench (seed 002's `# Prefill` and `# Decode` blocks), with
-# its greedy outputs compared to aggregated ones.
+# its greedy outputs compared to aggregated ones; then seed 000's shape (scripts/gpu/seed000.sh).
 # STEPS picks a subset, e.g. STEPS="ipc serve".
 set -uo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
@@ -24,7 +24,7 @@ PY
 )
 export LD_LIBRARY_PATH="${libs}:/usr/local/cuda/lib64:/usr/local/nvidia/lib64:${LD_LIBRARY_PATH:-}"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv || true
-steps="${STEPS:-check ipc nccl bench torch serve}"
+steps="${STEPS:-check ipc nccl bench torch serve seed000}"
 want() { [[ " $steps " == *" $1 "* ]]; }
 if want check; then
   echo "== gpu_check (tiny)"; "$bin/gpu_check" --model tiny
@@ -71,4 +71,8 @@ if want serve; then
   kill -TERM "$agg" 2>/dev/null; wait "$agg" 2>/dev/null
   kill -TERM "$up" 2>/dev/null; wait "$up" 2>/dev/null
   tail -n 5 "$logs"/*.log 2>/dev/null || true
+fi
+if want seed000; then
+  echo "== seed 000 on one GPU: alone, two under MPS, two in green contexts"
+  BIN="$bin" bash "$here/seed000.sh"
 fi
