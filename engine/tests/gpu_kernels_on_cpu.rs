@@ -1,0 +1,624 @@
+//! tandem's CUDA kernels (`engine/src/gpu/kernels.cu`), unchanged, run on the CPU and checked
+//! against the CPU engine on fresh random inputs, so their indexing and math are tested on
+//! every machine and not only where a GPU is lent.
+//!
+//! `tests/cuda_on_cpu/emu.h` supplies the few device-language pieces the kernels use (every
+//! CUDA thread an OS thread, block and warp barriers for `__syncthreads` and shuffles); the
+//! harness beside it runs one launch per process. Each launch below uses the grid and block
+//! shape, and the argument types, that `gpu/forward.rs` uses. A C++20 compiler is needed
+//! (`$CXX`, else `c++`): without one the tests skip, except under `CI`, where they fail.
+//! What this cannot check is the device itself: rounding of its fast exponential, memory
+//! ordering between real warps, cuBLAS, streams. The GPU run (scripts/gpu/on-device.sh)
+//! covers those.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::OnceLock;
+
+use half::bf16;
+use rand::rngs::StdRng;
+use rand::seq::SliceRandom;
+use rand::{Rng, SeedableRng};
+use tandem_engine::config::ModelConfig;
+use tandem_engine::kernels::attention::{AttnSeq, paged_attention};
+use tandem_engine::kernels::{RopeTable, rms_norm, silu_mul};
+use tandem_engine::kv::{BLOCK_SIZE, KvCache, KvDtype, KvLayout, KvStorage, staging};
+
+/// One kernel argument, tagged as the harness expects.
+enum Arg {
+    Buf(Vec<u8>),
+    I32(i32),
+    I64(i64),
+    U64(u64),
+    F32(f32),
+}
+
+/// Compiles the harness once per test run; `None` when no C++ compiler is found (outside CI).
+fn harness() -> Option<&'static Path> {
+    static HARNESS: OnceLock<Option<PathBuf>> = OnceLock::new();
+    HARNESS
+        .get_or_init(|| {
+            let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/cuda_on_cpu");
+            let out = Path::new(env!("CARGO_TARGET_TMPDIR")).join("cuda_on_cpu_harness");
+            let cxx = std::env::var("CXX").unwrap_or_else(|_| "c++".into());
+            let status = Command::new(&cxx)
+                .args([
+                    "-std=c++20",
+                    "-O2",
+                    "-pthread",
+                    "-Wall",
+                    "-Wno-sign-compare",
+                    "-o",
+                ])
+                .arg(&out)
+                .arg(dir.join("harness.cpp"))
+                .status();
+            match status {
+                Ok(s) if s.success() => Some(out),
+                Ok(s) => panic!("the CUDA-on-CPU harness does not compile with {cxx}: {s}"),
+                Err(e) => {
+                    assert!(
+                        std::env::var_os("CI").is_none(),
+                        "CI needs a C++ compiler for the kernel tests ({cxx}: {e})"
+                    );
+                    eprintln!("skipping: no C++ compiler ({cxx}: {e})");
+                    None
+                }
+            }
+        })
+        .as_deref()
+}
+
+/// Runs `kernel` over `grid` blocks of `threads`; returns every buffer argument afterwards.
+fn try_launch(
+    kernel: &str,
+    grid: u32,
+    threads: u32,
+    args: &[Arg],
+) -> Option<Result<Vec<Vec<u8>>, String>> {
+    let exe = harness()?;
+    let mut req = Vec::new();
+    req.extend((kernel.len() as u32).to_le_bytes());
+    req.extend(kernel.as_bytes());
+    for v in [grid, threads, args.len() as u32] {
+        req.extend(v.to_le_bytes());
+    }
+    for a in args {
+        match a {
+            Arg::Buf(b) => {
+                req.push(b'B');
+                req.extend((b.len() as u64).to_le_bytes());
+                req.extend(b);
+            }
+            Arg::I32(v) => {
+                req.push(b'i');
+                req.extend(v.to_le_bytes());
+            }
+            Arg::I64(v) => {
+                req.push(b'l');
+                req.extend(v.to_le_bytes());
+            }
+            Arg::U64(v) => {
+                req.push(b'q');
+                req.extend(v.to_le_bytes());
+            }
+            Arg::F32(v) => {
+                req.push(b'f');
+                req.extend(v.to_le_bytes());
+            }
+        }
+    }
+    let mut child = Command::new(exe)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start the harness");
+    let mut stdin = child.stdin.take().expect("stdin");
+    let writer = std::thread::spawn(move || stdin.write_all(&req));
+    let out = child.wait_with_output().expect("harness output");
+    writer.join().expect("writer").expect("request written");
+    if !out.status.success() {
+        return Some(Err(String::from_utf8_lossy(&out.stderr).into_owned()));
+    }
+    let mut bufs = Vec::new();
+    let mut rest = &out.stdout[..];
+    while !rest.is_empty() {
+        let (len, tail) = rest.split_at(8);
+        let len = u64::from_le_bytes(len.try_into().expect("8 bytes")) as usize;
+        bufs.push(tail[..len].to_vec());
+        rest = &tail[len..];
+    }
+    Some(Ok(bufs))
+}
+
+fn launch(kernel: &str, grid: u32, threads: u32, args: &[Arg]) -> Option<Vec<Vec<u8>>> {
+    try_launch(kernel, grid, threads, args)
+        .map(|r| r.unwrap_or_else(|e| panic!("{kernel} failed: {e}")))
+}
+
+/// `gpu/forward.rs`'s `per_row`: one block per row.
+fn per_row(rows: usize) -> u32 {
+    rows.max(1) as u32
+}
+
+/// `gpu/forward.rs`'s `grid`: enough blocks of `threads` for `n` threads.
+fn blocks_for(n: usize, threads: u32) -> u32 {
+    (n as u32).div_ceil(threads).max(1)
+}
+
+fn f32_bytes(v: &[f32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+fn i32_bytes(v: &[i32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+fn bf16_bytes(v: &[bf16]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_bits().to_le_bytes()).collect()
+}
+fn f32s(b: &[u8]) -> Vec<f32> {
+    b.chunks_exact(4)
+        .map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes")))
+        .collect()
+}
+fn bf16s(b: &[u8]) -> Vec<bf16> {
+    b.chunks_exact(2)
+        .map(|c| bf16::from_bits(u16::from_le_bytes([c[0], c[1]])))
+        .collect()
+}
+fn to_f32(v: &[bf16]) -> Vec<f32> {
+    v.iter().map(|x| x.to_f32()).collect()
+}
+
+/// Rounding a result to bf16 costs at most 2^-9 of it: anything past that is a kernel's error.
+const BF16_OUTPUT: f32 = 1.0 / 256.0;
+
+fn random(rng: &mut StdRng, n: usize, amp: f32) -> Vec<f32> {
+    (0..n).map(|_| rng.random_range(-amp..amp)).collect()
+}
+
+/// Largest element-wise error relative to the reference's largest magnitude (the measure the
+/// GPU issue sets at 1e-2 for bf16 outputs; these use [`BF16_OUTPUT`], tighter, so that small
+/// systematic errors show).
+fn assert_close(what: &str, got: &[f32], want: &[f32], tolerance: f32) {
+    assert_eq!(got.len(), want.len(), "{what}: lengths differ");
+    let scale = want.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-12);
+    let (worst, at) = got
+        .iter()
+        .zip(want)
+        .map(|(g, w)| (g - w).abs())
+        .enumerate()
+        .fold(
+            (0f32, 0),
+            |(m, at), (i, e)| if e > m { (e, i) } else { (m, at) },
+        );
+    assert!(
+        worst / scale <= tolerance && got.iter().all(|v| v.is_finite()),
+        "{what}: relative error {} at {at} (got {}, want {})",
+        worst / scale,
+        got[at],
+        want[at]
+    );
+}
+
+#[test]
+fn embed_rows_and_gather_rows_copy_the_right_rows() {
+    let mut rng = StdRng::seed_from_u64(1);
+    let (vocab, hidden) = (50, 96);
+    let table: Vec<bf16> = random(&mut rng, vocab * hidden, 1.0)
+        .into_iter()
+        .map(bf16::from_f32)
+        .collect();
+    let tokens: Vec<u32> = vec![3, 49, 0, 3, 17];
+    let rows = tokens.len();
+    let token_bytes: Vec<u8> = tokens.iter().flat_map(|t| t.to_le_bytes()).collect();
+    let Some(out) = launch(
+        "embed_rows",
+        per_row(rows),
+        256,
+        &[
+            Arg::Buf(bf16_bytes(&table)),
+            Arg::Buf(token_bytes),
+            Arg::Buf(vec![0; rows * hidden * 4]),
+            Arg::I32(rows as i32),
+            Arg::I32(hidden as i32),
+        ],
+    ) else {
+        return;
+    };
+    let x = f32s(&out[2]);
+    for (r, &t) in tokens.iter().enumerate() {
+        let want = to_f32(&table[t as usize * hidden..(t as usize + 1) * hidden]);
+        assert_eq!(&x[r * hidden..(r + 1) * hidden], &want[..], "row {r}");
+    }
+    let wanted = [4i32, 0, 2];
+    let out = launch(
+        "gather_rows",
+        per_row(wanted.len()),
+        256,
+        &[
+            Arg::Buf(f32_bytes(&x)),
+            Arg::Buf(i32_bytes(&wanted)),
+            Arg::Buf(vec![0; wanted.len() * hidden * 4]),
+            Arg::I32(wanted.len() as i32),
+            Arg::I32(hidden as i32),
+        ],
+    )
+    .expect("harness");
+    let gathered = f32s(&out[2]);
+    for (i, &r) in wanted.iter().enumerate() {
+        let r = r as usize;
+        assert_eq!(
+            &gathered[i * hidden..(i + 1) * hidden],
+            &x[r * hidden..(r + 1) * hidden]
+        );
+    }
+}
+
+#[test]
+fn rms_norm_matches_the_cpu_engine() {
+    let mut rng = StdRng::seed_from_u64(2);
+    // SmolLM2's width (not a multiple of the 256 threads) and a narrow one.
+    for hidden in [576, 64] {
+        let rows = 3;
+        let x = random(&mut rng, rows * hidden, 4.0);
+        let w = random(&mut rng, hidden, 2.0);
+        let eps = 1e-5f32;
+        let Some(out) = launch(
+            "rms_norm_bf16",
+            per_row(rows),
+            256,
+            &[
+                Arg::Buf(f32_bytes(&x)),
+                Arg::Buf(f32_bytes(&w)),
+                Arg::Buf(vec![0; rows * hidden * 2]),
+                Arg::I32(rows as i32),
+                Arg::I32(hidden as i32),
+                Arg::F32(eps),
+            ],
+        ) else {
+            return;
+        };
+        let mut want = vec![0f32; rows * hidden];
+        rms_norm(&x, &w, eps, &mut want);
+        assert_close(
+            &format!("rms_norm, hidden {hidden}"),
+            &to_f32(&bf16s(&out[2])),
+            &want,
+            BF16_OUTPUT,
+        );
+    }
+}
+
+#[test]
+fn rope_matches_the_cpu_engine() {
+    let mut rng = StdRng::seed_from_u64(3);
+    // Plain RoPE (SmolLM2) and Llama 3.1's scaled frequencies.
+    for preset in ["smollm2-135m", "llama-3.1-8b"] {
+        let cfg = ModelConfig::preset(preset).expect("preset");
+        let (qh, kvh, d) = (
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+        );
+        let width = cfg.q_width() + 2 * cfg.kv_width();
+        let positions: Vec<usize> = vec![0, 1, 17, 4095, 8191];
+        let rows = positions.len();
+        let qkv = random(&mut rng, rows * width, 1.0);
+        let table = RopeTable::new(&cfg);
+        let pos_i32: Vec<i32> = positions.iter().map(|&p| p as i32).collect();
+        let Some(out) = launch(
+            "rope_qk",
+            per_row(rows),
+            128,
+            &[
+                Arg::Buf(f32_bytes(&qkv)),
+                Arg::Buf(i32_bytes(&pos_i32)),
+                Arg::Buf(f32_bytes(table.inv_freq())),
+                Arg::I32(rows as i32),
+                Arg::I32(width as i32),
+                Arg::I32(qh as i32),
+                Arg::I32(kvh as i32),
+                Arg::I32(d as i32),
+            ],
+        ) else {
+            return;
+        };
+        let got = f32s(&out[0]);
+        let mut want = qkv.clone();
+        let (cos, sin) = table.cos_sin(&positions);
+        // K follows Q in a fused row, so one call rotates both.
+        table.apply(&mut want, width, 0, qh + kvh, &cos, &sin);
+        assert_close(&format!("rope, {preset}"), &got, &want, 1e-4);
+        let v_start = cfg.q_width() + cfg.kv_width();
+        for r in 0..rows {
+            assert_eq!(
+                &got[r * width + v_start..(r + 1) * width],
+                &qkv[r * width + v_start..(r + 1) * width],
+                "{preset}: V must not be rotated"
+            );
+        }
+    }
+}
+
+/// One batch of token rows against the paged cache, as `GpuModel::forward` lays it out.
+struct Batch {
+    /// (sequence, start position, rows)
+    entries: Vec<(usize, usize, usize)>,
+}
+
+/// Runs `kv_write` then `paged_attention` for `batch` on the emulated device cache; returns
+/// the attention output (bf16 as f32) and checks it against the CPU engine's attention over
+/// the same cache converted to the CPU layout.
+#[allow(clippy::too_many_arguments)]
+fn attention_step(
+    rng: &mut StdRng,
+    layout: &KvLayout,
+    num_blocks: usize,
+    device_cache: &mut Vec<u8>,
+    tables: &[Vec<u32>],
+    batch: &Batch,
+    layer: usize,
+    q_heads: usize,
+) -> Option<()> {
+    let (kvh, d) = (layout.num_kv_heads, layout.head_dim);
+    let (qw, kw) = (q_heads * d, kvh * d);
+    let width = qw + 2 * kw;
+    let rows: usize = batch.entries.iter().map(|e| e.2).sum();
+    let qkv = random(rng, rows * width, 1.0);
+    let (mut positions, mut token_seq) = (Vec::new(), Vec::new());
+    for (bi, &(_, start, n)) in batch.entries.iter().enumerate() {
+        positions.extend((start..start + n).map(|p| p as i32));
+        token_seq.extend(std::iter::repeat_n(bi as i32, n));
+    }
+    let max_blocks = batch
+        .entries
+        .iter()
+        .map(|e| tables[e.0].len())
+        .max()
+        .unwrap_or(1);
+    let mut table_rows = vec![0i32; batch.entries.len() * max_blocks];
+    for (bi, e) in batch.entries.iter().enumerate() {
+        for (j, &b) in tables[e.0].iter().enumerate() {
+            table_rows[bi * max_blocks + j] = b as i32;
+        }
+    }
+    let layer_offset = (layer * num_blocks * layout.block_layer_elems()) as i64;
+    let out = launch(
+        "kv_write",
+        per_row(rows),
+        128,
+        &[
+            Arg::Buf(f32_bytes(&qkv)),
+            Arg::Buf(i32_bytes(&positions)),
+            Arg::Buf(i32_bytes(&token_seq)),
+            Arg::Buf(i32_bytes(&table_rows)),
+            Arg::I32(max_blocks as i32),
+            Arg::Buf(std::mem::take(device_cache)),
+            Arg::I64(layer_offset),
+            Arg::I32(rows as i32),
+            Arg::I32(width as i32),
+            Arg::I32(qw as i32),
+            Arg::I32(kvh as i32),
+            Arg::I32(d as i32),
+        ],
+    )?;
+    *device_cache = out[4].clone();
+    let scale = 1.0 / (d as f32).sqrt();
+    let out = launch(
+        "paged_attention",
+        blocks_for(rows * q_heads * 32, 128),
+        128,
+        &[
+            Arg::Buf(f32_bytes(&qkv)),
+            Arg::Buf(i32_bytes(&positions)),
+            Arg::Buf(i32_bytes(&token_seq)),
+            Arg::Buf(i32_bytes(&table_rows)),
+            Arg::I32(max_blocks as i32),
+            Arg::Buf(device_cache.clone()),
+            Arg::I64(layer_offset),
+            Arg::Buf(vec![0; rows * qw * 2]),
+            Arg::I32(rows as i32),
+            Arg::I32(width as i32),
+            Arg::I32(q_heads as i32),
+            Arg::I32(kvh as i32),
+            Arg::I32(d as i32),
+            Arg::F32(scale),
+        ],
+    )?;
+    let got = to_f32(&bf16s(&out[5]));
+
+    // The CPU engine's view: the device cache converted block by block (the staging
+    // conversion the transports rely on).
+    let device = bf16s(device_cache);
+    let mut cache = KvCache::new(
+        layout.clone(),
+        num_blocks,
+        KvStorage::anonymous(num_blocks * layout.block_bytes()).expect("storage"),
+    )
+    .expect("cache");
+    let n = layout.block_layer_elems();
+    for l in 0..layout.num_layers {
+        for b in 0..num_blocks {
+            let off = (l * num_blocks + b) * n;
+            let host = cache.block_layer_mut(l, b as u32).expect("block");
+            staging::from_device_layout(layout, &device[off..off + n], host).expect("convert");
+        }
+    }
+    // kv_write put each token's K and V (bf16-rounded) in its slot of its own layer only.
+    for (r, (&pos, &bi)) in positions.iter().zip(&token_seq).enumerate() {
+        let seq = batch.entries[bi as usize].0;
+        let block = tables[seq][pos as usize / BLOCK_SIZE];
+        let (k, v) = cache
+            .read_token(layer, block, pos as usize % BLOCK_SIZE)
+            .expect("token");
+        let row = &qkv[r * width..(r + 1) * width];
+        let round =
+            |x: &[f32]| -> Vec<f32> { x.iter().map(|&v| bf16::from_f32(v).to_f32()).collect() };
+        assert_eq!(k, round(&row[qw..qw + kw]), "K of row {r}");
+        assert_eq!(v, round(&row[qw + kw..]), "V of row {r}");
+    }
+    let q: Vec<f32> = qkv
+        .chunks_exact(width)
+        .flat_map(|row| row[..qw].to_vec())
+        .collect();
+    let mut q_row = 0;
+    let seqs: Vec<AttnSeq<'_>> = batch
+        .entries
+        .iter()
+        .map(|&(seq, start, n)| {
+            let s = AttnSeq {
+                q_row,
+                q_len: n,
+                start_pos: start,
+                block_table: &tables[seq],
+            };
+            q_row += n;
+            s
+        })
+        .collect();
+    let mut want = vec![0f32; rows * qw];
+    paged_attention(&cache, layer, &q, &seqs, q_heads, &mut want);
+    assert_close(
+        &format!("attention, {q_heads} heads over {kvh}, head_dim {d}"),
+        &got,
+        &want,
+        BF16_OUTPUT,
+    );
+    Some(())
+}
+
+#[test]
+fn kv_write_and_paged_attention_match_the_cpu_engine() {
+    let mut rng = StdRng::seed_from_u64(4);
+    // SmolLM2's heads, Llama's head_dim 128 with GQA, and plain multi-head attention.
+    for (q_heads, kv_heads, head_dim) in [(9, 3, 64), (4, 2, 128), (2, 2, 32)] {
+        let layout = KvLayout {
+            num_layers: 2,
+            num_kv_heads: kv_heads,
+            head_dim,
+            block_size: BLOCK_SIZE,
+            dtype: KvDtype::F32,
+            model_fingerprint: String::new(),
+        };
+        let num_blocks = 9;
+        let mut cache = vec![0u8; 2 * layout.num_layers * num_blocks * layout.block_layer_elems()];
+        // Scattered physical blocks: sequence 0 reaches 45 tokens (3 blocks), 1 reaches 21 (2).
+        let mut ids: Vec<u32> = (0..num_blocks as u32).collect();
+        ids.shuffle(&mut rng);
+        let tables = vec![ids[..3].to_vec(), ids[3..5].to_vec()];
+        // Two prefills, then a decode step beside a prefill chunk that continues at 37.
+        let steps = [
+            Batch {
+                entries: vec![(0, 0, 37), (1, 0, 20)],
+            },
+            Batch {
+                entries: vec![(1, 20, 1), (0, 37, 8)],
+            },
+        ];
+        for step in &steps {
+            if attention_step(
+                &mut rng, &layout, num_blocks, &mut cache, &tables, step, 1, q_heads,
+            )
+            .is_none()
+            {
+                return;
+            }
+        }
+        // Layer 0 was never written: layer_offset kept the writes in layer 1.
+        let layer_bytes = num_blocks * layout.block_layer_elems() * 2;
+        assert!(cache[..layer_bytes].iter().all(|&b| b == 0));
+    }
+}
+
+#[test]
+fn silu_mul_and_add_in_place_match_the_cpu_engine() {
+    let mut rng = StdRng::seed_from_u64(5);
+    let (rows, f) = (3, 1536);
+    let gate_up = random(&mut rng, rows * 2 * f, 6.0);
+    // Two blocks for 4608 outputs: the grid-stride loop must cover the rest, as it does when
+    // forward.rs caps the grid.
+    let Some(out) = launch(
+        "silu_mul_bf16",
+        2,
+        256,
+        &[
+            Arg::Buf(f32_bytes(&gate_up)),
+            Arg::Buf(vec![0; rows * f * 2]),
+            Arg::I32(rows as i32),
+            Arg::I32(f as i32),
+        ],
+    ) else {
+        return;
+    };
+    let mut want = vec![0f32; rows * f];
+    silu_mul(&gate_up, f, &mut want);
+    assert_close("silu_mul", &to_f32(&bf16s(&out[1])), &want, BF16_OUTPUT);
+
+    let n = 5000;
+    let (x, y) = (random(&mut rng, n, 1.0), random(&mut rng, n, 1.0));
+    let out = launch(
+        "add_in_place",
+        3,
+        256,
+        &[
+            Arg::Buf(f32_bytes(&x)),
+            Arg::Buf(f32_bytes(&y)),
+            Arg::I64(n as i64),
+        ],
+    )
+    .expect("harness");
+    let sum: Vec<f32> = x.iter().zip(&y).map(|(a, b)| a + b).collect();
+    assert_eq!(f32s(&out[0]), sum);
+}
+
+#[test]
+fn fill_uniform_is_seeded_bounded_and_uniform() {
+    let n = 20_000usize;
+    let amp = 0.05f32;
+    let fill = |seed: u64| -> Option<Vec<f32>> {
+        let out = launch(
+            "fill_uniform_bf16",
+            blocks_for(n.min(1024), 256),
+            256,
+            &[
+                Arg::Buf(vec![0; n * 2]),
+                Arg::I64(n as i64),
+                Arg::U64(seed),
+                Arg::F32(amp),
+            ],
+        )?;
+        Some(to_f32(&bf16s(&out[0])))
+    };
+    let Some(a) = fill(7) else { return };
+    assert_eq!(fill(7).expect("harness"), a, "same seed, same values");
+    assert_ne!(fill(8).expect("harness"), a, "another seed, other values");
+    // bf16 rounding may land one step past amp.
+    assert!(a.iter().all(|v| v.abs() <= amp * (1.0 + 1.0 / 128.0)));
+    let mean = a.iter().sum::<f32>() / n as f32;
+    let var = a.iter().map(|v| (v - mean).powi(2)).sum::<f32>() / n as f32;
+    // Uniform on [-amp, amp]: mean 0 (standard error amp/√(3n) ≈ 2e-4), variance amp²/3.
+    assert!(mean.abs() < 1e-3, "mean {mean}");
+    let ratio = var / (amp * amp / 3.0);
+    assert!((0.95..1.05).contains(&ratio), "variance ratio {ratio}");
+}
+
+#[test]
+fn a_mistyped_argument_is_refused_not_misread() {
+    // add_in_place's count is a 64-bit integer: a 32-bit one would be misread on the device.
+    let Some(result) = try_launch(
+        "add_in_place",
+        1,
+        32,
+        &[
+            Arg::Buf(f32_bytes(&[1.0])),
+            Arg::Buf(f32_bytes(&[2.0])),
+            Arg::I32(1),
+        ],
+    ) else {
+        return;
+    };
+    let err = result.expect_err("a 32-bit count must be refused");
+    assert!(err.contains("argument 2"), "{err}");
+}
