@@ -622,3 +622,70 @@ fn a_mistyped_argument_is_refused_not_misread() {
     let err = result.expect_err("a 32-bit count must be refused");
     assert!(err.contains("argument 2"), "{err}");
 }
+
+#[test]
+fn kv_blocks_gather_and_scatter_move_exactly_the_listed_blocks() {
+    let mut rng = StdRng::seed_from_u64(6);
+    // Llama-3.1-8B's block: 8 KV heads of 128, K and V, 16 slots.
+    let (layers, num_blocks, block_elems) = (2usize, 6usize, 2 * 8 * BLOCK_SIZE * 128);
+    let cache: Vec<bf16> = random(&mut rng, layers * num_blocks * block_elems, 1.0)
+        .into_iter()
+        .map(bf16::from_f32)
+        .collect();
+    let blocks = [4i32, 0, 5];
+    let layer = 1usize;
+    let layer_offset = (layer * num_blocks * block_elems) as i64;
+    let block_at = |c: &[bf16], b: i32| {
+        let off = layer_offset as usize + b as usize * block_elems;
+        c[off..off + block_elems].to_vec()
+    };
+    let Some(out) = launch(
+        "gather_kv_blocks",
+        blocks.len() as u32,
+        256,
+        &[
+            Arg::Buf(bf16_bytes(&cache)),
+            Arg::I64(layer_offset),
+            Arg::Buf(i32_bytes(&blocks)),
+            Arg::I32(blocks.len() as i32),
+            Arg::I32(block_elems as i32),
+            Arg::Buf(vec![0; blocks.len() * block_elems * 2]),
+        ],
+    ) else {
+        return;
+    };
+    let packed = bf16s(&out[2]);
+    for (i, &b) in blocks.iter().enumerate() {
+        assert_eq!(
+            packed[i * block_elems..(i + 1) * block_elems],
+            block_at(&cache, b)[..],
+            "gathered block {b}"
+        );
+    }
+    // Scatter the packed blocks back into a zeroed pool, at other ids.
+    let targets = [1i32, 3, 2];
+    let out = launch(
+        "scatter_kv_blocks",
+        targets.len() as u32,
+        256,
+        &[
+            Arg::Buf(bf16_bytes(&packed)),
+            Arg::Buf(i32_bytes(&targets)),
+            Arg::I32(targets.len() as i32),
+            Arg::I32(block_elems as i32),
+            Arg::Buf(vec![0; cache.len() * 2]),
+            Arg::I64(layer_offset),
+        ],
+    )
+    .expect("harness");
+    let pool = bf16s(&out[2]);
+    let mut expected = vec![bf16::ZERO; cache.len()];
+    for (&src, &dst) in blocks.iter().zip(&targets) {
+        let off = layer_offset as usize + dst as usize * block_elems;
+        expected[off..off + block_elems].copy_from_slice(&block_at(&cache, src));
+    }
+    assert!(
+        pool == expected,
+        "scatter wrote outside the listed blocks or misplaced one"
+    );
+}

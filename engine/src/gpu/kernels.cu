@@ -193,3 +193,26 @@ extern "C" __global__ void fill_uniform_bf16(bf16* __restrict__ out, long long n
         out[i] = f2bf((unit * 2.f - 1.f) * amp);
     }
 }
+
+// Host staging of the paged cache, one launch per layer instead of a copy per block: one CUDA
+// block per listed cache block, copying its K and V (`block_elems` bf16, an even count) as
+// 32-bit words between the cache and a dense buffer of the listed blocks in list order.
+extern "C" __global__ void gather_kv_blocks(const bf16* __restrict__ cache, long long layer_offset,
+                                            const int* __restrict__ blocks, int count, int block_elems,
+                                            bf16* __restrict__ out) {
+    int i = blockIdx.x;
+    if (i >= count) return;
+    const unsigned int* src = (const unsigned int*)(cache + layer_offset + (size_t)blocks[i] * block_elems);
+    unsigned int* dst = (unsigned int*)(out + (size_t)i * block_elems);
+    for (int w = threadIdx.x; w < block_elems / 2; w += blockDim.x) dst[w] = src[w];
+}
+
+extern "C" __global__ void scatter_kv_blocks(const bf16* __restrict__ staged, const int* __restrict__ blocks,
+                                             int count, int block_elems, bf16* __restrict__ cache,
+                                             long long layer_offset) {
+    int i = blockIdx.x;
+    if (i >= count) return;
+    const unsigned int* src = (const unsigned int*)(staged + (size_t)i * block_elems);
+    unsigned int* dst = (unsigned int*)(cache + layer_offset + (size_t)blocks[i] * block_elems);
+    for (int w = threadIdx.x; w < block_elems / 2; w += blockDim.x) dst[w] = src[w];
+}

@@ -31,7 +31,7 @@ use crate::error::{EngineError, Result};
 pub const KERNELS_SRC: &str = include_str!("kernels.cu");
 
 /// Names of every kernel in [`KERNELS_SRC`].
-pub const KERNEL_NAMES: [&str; 9] = [
+pub const KERNEL_NAMES: [&str; 11] = [
     "embed_rows",
     "rms_norm_bf16",
     "rope_qk",
@@ -41,6 +41,8 @@ pub const KERNEL_NAMES: [&str; 9] = [
     "add_in_place",
     "gather_rows",
     "fill_uniform_bf16",
+    "gather_kv_blocks",
+    "scatter_kv_blocks",
 ];
 
 pub(crate) fn cuda_err(what: &str, e: impl std::fmt::Display) -> EngineError {
@@ -86,6 +88,8 @@ pub(crate) struct Kernels {
     pub add_in_place: CudaFunction,
     pub gather_rows: CudaFunction,
     pub fill_uniform_bf16: CudaFunction,
+    pub gather_kv_blocks: CudaFunction,
+    pub scatter_kv_blocks: CudaFunction,
 }
 
 /// A device, the stream the forward pass runs on, cuBLAS and the kernels.
@@ -153,6 +157,8 @@ impl GpuContext {
             add_in_place: f("add_in_place")?,
             gather_rows: f("gather_rows")?,
             fill_uniform_bf16: f("fill_uniform_bf16")?,
+            gather_kv_blocks: f("gather_kv_blocks")?,
+            scatter_kv_blocks: f("scatter_kv_blocks")?,
         };
         let blas = CudaBlas::new(stream.clone()).map_err(|e| cuda_err("cuBLAS", e))?;
         Ok(Self {
