@@ -79,6 +79,9 @@ pub(crate) struct Inner {
     pub draining: AtomicBool,
     /// The engine's device KV pool, on a GPU (nccl receives into it).
     pub device_kv: Option<DeviceKv>,
+    /// One nccl receiver per prefill worker; a new link replaces (aborts) the old one.
+    #[cfg(feature = "nccl")]
+    pub nccl_receivers: tandem_transfer::NcclReceivers,
 }
 
 /// The gRPC face of the worker.
@@ -203,6 +206,8 @@ impl DecodeWorker {
                 info,
                 draining: AtomicBool::new(false),
                 device_kv,
+                #[cfg(feature = "nccl")]
+                nccl_receivers: Default::default(),
             }),
         })
     }
@@ -284,8 +289,12 @@ impl DecodeService for DecodeWorker {
             && tandem_transfer::nccl_supported()
         {
             let prefill = req.into_inner().prefill_id;
-            let unique_id =
-                tandem_transfer::spawn_nccl_receiver(self.inner.leases.clone(), kv, prefill)?;
+            let unique_id = tandem_transfer::spawn_nccl_receiver(
+                self.inner.leases.clone(),
+                kv,
+                prefill,
+                &self.inner.nccl_receivers,
+            )?;
             return Ok(Response::new(OpenNcclResponse { unique_id }));
         }
         let _ = req;

@@ -33,6 +33,7 @@ mod lease;
 #[cfg(feature = "nccl")]
 mod nccl;
 pub mod nccl_wire;
+pub mod receivers;
 mod sender;
 mod service;
 mod shm;
@@ -43,7 +44,7 @@ pub use error::TransferError;
 pub use grpc::receive_push_kv;
 pub use lease::{Commit, DevicePool, Lease, LeaseTable, Progress};
 #[cfg(feature = "nccl")]
-pub use nccl::{DeviceLink, nccl_supported, spawn_nccl_receiver};
+pub use nccl::{DeviceLink, NcclReceivers, nccl_supported, spawn_nccl_receiver};
 pub use sender::{
     GRPC_CONNECTION_WINDOW, GRPC_STREAM_WINDOW, KvSender, Peers, SendFuture, SendStats, connect,
     kv_location, transport_name,

@@ -11,7 +11,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use tandem_engine::gpu::nccl::{self, DeviceScratch, NcclLink, OwnedStream};
+use tandem_engine::gpu::nccl::{self, DeviceScratch, NcclAbort, NcclLink, OwnedStream};
 use tandem_engine::kv::{DeviceKv, KvLayout};
 use tandem_proto::v1::decode_service_client::DecodeServiceClient;
 use tandem_proto::v1::{KvDestination, OpenNcclRequest, Transport};
@@ -20,6 +20,7 @@ use crate::error::TransferError;
 use crate::inplace::InPlace;
 use crate::lease::{DevicePool, LeaseTable};
 use crate::nccl_wire::{self, Link, MESSAGE_AREA_BYTES};
+use crate::receivers::{AbortLink, ReceiverSlot, Receivers};
 use crate::sender::{KvSender, Peers, SendFuture};
 
 /// How long a queued send or receive may take before the link is declared dead and
@@ -245,14 +246,25 @@ fn send_on(
     Ok(())
 }
 
+impl AbortLink for NcclAbort {
+    fn abort(&self) {
+        NcclAbort::abort(self);
+    }
+}
+
+/// The decode worker's receivers, one per prefill worker (see [`crate::receivers`]).
+pub type NcclReceivers = Receivers<NcclAbort>;
+
 /// Starts receiving `nccl` transfers from one prefill worker into the device pool `kv`:
 /// makes a communicator id and, on a thread of its own, joins it as rank 0 on a new stream
-/// and receives layer messages through `table` until the link fails. Returns the id for the
-/// prefill worker to join with.
+/// and receives layer messages through `table` until the link fails or a newer link from the
+/// same prefill worker replaces it (`receivers`). Returns the id for the prefill worker to
+/// join with.
 pub fn spawn_nccl_receiver(
     table: Arc<LeaseTable>,
     kv: DeviceKv,
     prefill: String,
+    receivers: &NcclReceivers,
 ) -> Result<Vec<u8>, TransferError> {
     let id = nccl::unique_id()?;
     let pool = DevicePool {
@@ -261,12 +273,17 @@ pub fn spawn_nccl_receiver(
         piece: kv.block_layer_bytes,
     };
     let joining = id.clone();
+    let slot: ReceiverSlot<NcclAbort> = receivers.replace(&prefill);
     std::thread::Builder::new()
         .name("nccl-receive".into())
         .spawn(move || {
             let run = || -> Result<(), TransferError> {
                 let stream = OwnedStream::new(kv.context)?;
                 let link = NcclLink::join(&joining, 0, kv.context, stream.raw)?;
+                if !slot.joined(link.abort_handle()) {
+                    tracing::info!(%prefill, "nccl link replaced before it came up");
+                    return Ok(());
+                }
                 let scratch = DeviceScratch::new(MESSAGE_AREA_BYTES + pool.piece, kv.context)?;
                 tracing::info!(%prefill, "nccl link up");
                 let mut wire = DeviceLink {

@@ -7,7 +7,7 @@
 //! each message means, where it lands) is in the transport crate.
 
 use std::ffi::c_void;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use cudarc::driver::sys as cu;
@@ -48,8 +48,44 @@ pub struct NcclLink {
     stream: usize,
     context: usize,
     pub rank: usize,
-    /// Set once the communicator was aborted (it must not be destroyed again).
-    aborted: AtomicBool,
+    /// `true` once the communicator was aborted. Every NCCL call on it holds this lock, so an
+    /// abort from another thread ([`NcclAbort`]) never overlaps a call, and none follows it.
+    aborted: Arc<Mutex<bool>>,
+}
+
+/// Aborts a link from another thread: the link's owner may be blocked waiting for a message
+/// from a peer that is gone, and the abort ends that wait (its stream's NCCL work ends).
+#[derive(Debug, Clone)]
+pub struct NcclAbort {
+    comm: sys::ncclComm_t,
+    aborted: Arc<Mutex<bool>>,
+}
+
+// SAFETY: `comm` is only used under the `aborted` lock, shared with the link, and never after
+// it was aborted (the link's `Drop` aborts it under that lock too, so it is never freed first).
+unsafe impl Send for NcclAbort {}
+unsafe impl Sync for NcclAbort {}
+
+impl NcclAbort {
+    /// Aborts the communicator unless it already was (idempotent).
+    pub fn abort(&self) {
+        abort_once(self.comm, &self.aborted);
+    }
+}
+
+fn lock(aborted: &Mutex<bool>) -> MutexGuard<'_, bool> {
+    // A panic while holding the lock cannot leave the flag half-written: keep going.
+    aborted.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Aborts `comm` under its lock, once.
+fn abort_once(comm: sys::ncclComm_t, aborted: &Mutex<bool>) {
+    let mut done = lock(aborted);
+    if !*done {
+        *done = true;
+        // SAFETY: the communicator was initialised in `join` and is released once, here.
+        let _ = unsafe { result::comm_abort(comm) };
+    }
 }
 
 // SAFETY: the communicator is used from one thread at a time (the owner holds it behind a
@@ -83,8 +119,16 @@ impl NcclLink {
             stream,
             context,
             rank,
-            aborted: AtomicBool::new(false),
+            aborted: Arc::new(Mutex::new(false)),
         })
+    }
+
+    /// A handle that aborts this link from another thread.
+    pub fn abort_handle(&self) -> NcclAbort {
+        NcclAbort {
+            comm: self.comm,
+            aborted: self.aborted.clone(),
+        }
     }
 
     fn peer(&self) -> i32 {
@@ -123,20 +167,14 @@ impl NcclLink {
             sys::cudaStream_t,
         ) -> std::result::Result<result::NcclStatus, result::NcclError>,
     ) -> Result<()> {
+        let aborted = lock(&self.aborted);
+        if *aborted {
+            return Err(nccl_err(what, "the link was aborted"));
+        }
         make_current(self.context)?;
         call(self.peer(), self.comm, self.stream as sys::cudaStream_t)
             .map(|_| ())
             .map_err(|e| nccl_err(what, e))
-    }
-
-    /// Runs `ops` (sends or receives) as one NCCL group.
-    pub fn group(&self, ops: impl FnOnce() -> Result<()>) -> Result<()> {
-        result::group_start().map_err(|e| nccl_err("group start", e))?;
-        let r = ops();
-        let end = result::group_end()
-            .map(|_| ())
-            .map_err(|e| nccl_err("group end", e));
-        r.and(end)
     }
 
     /// Waits for everything queued on the link's stream, at most `limit`. A peer that died
@@ -155,10 +193,7 @@ impl NcclLink {
                     std::thread::sleep(Duration::from_micros(50));
                 }
                 cu::CUresult::CUDA_ERROR_NOT_READY => {
-                    if !self.aborted.swap(true, Ordering::AcqRel) {
-                        // SAFETY: aborted once; Drop skips the destroy afterwards.
-                        let _ = unsafe { result::comm_abort(self.comm) };
-                    }
+                    abort_once(self.comm, &self.aborted);
                     return Err(nccl_err(
                         "link",
                         format!("the peer did not complete within {limit:?}; link aborted"),
@@ -203,10 +238,7 @@ impl Drop for NcclLink {
     fn drop(&mut self) {
         // Abort rather than destroy: destroy waits for pending operations, which a dead or
         // out-of-step peer never completes, and a link is dropped exactly when that happened.
-        if !self.aborted.swap(true, Ordering::AcqRel) {
-            // SAFETY: the communicator was initialised in `join` and is released once.
-            let _ = unsafe { result::comm_abort(self.comm) };
-        }
+        abort_once(self.comm, &self.aborted);
     }
 }
 
