@@ -58,6 +58,7 @@ pub struct NcclLink {
 #[derive(Debug, Clone)]
 pub struct NcclAbort {
     comm: sys::ncclComm_t,
+    context: usize,
     aborted: Arc<Mutex<bool>>,
 }
 
@@ -69,6 +70,11 @@ unsafe impl Sync for NcclAbort {}
 impl NcclAbort {
     /// Aborts the communicator unless it already was (idempotent).
     pub fn abort(&self) {
+        // This runs on a thread that may have no context, or another one, current: bind the
+        // link's own (a green context is not the device's primary one).
+        if let Err(e) = make_current(self.context) {
+            tracing::warn!(error = %e, "could not bind the nccl link's context to abort it");
+        }
         abort_once(self.comm, &self.aborted);
     }
 }
@@ -127,6 +133,7 @@ impl NcclLink {
     pub fn abort_handle(&self) -> NcclAbort {
         NcclAbort {
             comm: self.comm,
+            context: self.context,
             aborted: self.aborted.clone(),
         }
     }
