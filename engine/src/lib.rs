@@ -4,6 +4,7 @@
 //!
 //! It knows nothing of networks or RPC: workers drive an [`Engine`] from their own threads.
 
+pub mod blas_layout;
 pub mod config;
 pub mod device;
 pub mod engine;

@@ -10,6 +10,7 @@ use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig, PushKerne
 use half::bf16;
 
 use super::{GpuContext, GpuKvCache, cuda_err};
+use crate::blas_layout::{Op, linear_call};
 use crate::config::ModelConfig;
 use crate::error::{EngineError, Result};
 use crate::kernels::{Matrix, RopeTable};
@@ -179,30 +180,35 @@ impl GpuModel {
     ) -> Result<()> {
         let stream = &self.gpu.stream;
         let (alpha, beta) = (1f32, 0f32);
+        let call = linear_call(rows, n, k);
+        let op = |o: Op| match o {
+            Op::N => blas_sys::cublasOperation_t::CUBLAS_OP_N,
+            Op::T => blas_sys::cublasOperation_t::CUBLAS_OP_T,
+        };
         let (a, _ga) = w.device_ptr(stream);
         let (b, _gb) = x.device_ptr(stream);
         let (c, _gc) = out.device_ptr_mut(stream);
-        // Column-major view: out^T (n × rows) = W (n × k, stored as k × n, transposed) · x^T.
-        // SAFETY: the buffers hold n·k, rows·k and rows·n elements, checked by the callers.
+        // SAFETY: the buffers hold n·k, rows·k and rows·n elements, checked by the callers;
+        // `linear_call` maps the row-major product onto these column-major arguments.
         unsafe {
             blas::gemm_ex(
                 *self.gpu.blas.handle(),
-                blas_sys::cublasOperation_t::CUBLAS_OP_T,
-                blas_sys::cublasOperation_t::CUBLAS_OP_N,
-                n as i32,
-                rows as i32,
-                k as i32,
+                op(call.transa),
+                op(call.transb),
+                call.m as i32,
+                call.n as i32,
+                call.k as i32,
                 (&alpha) as *const f32 as *const _,
                 a as *const _,
                 blas_sys::cudaDataType_t::CUDA_R_16BF,
-                k as i32,
+                call.lda as i32,
                 b as *const _,
                 blas_sys::cudaDataType_t::CUDA_R_16BF,
-                k as i32,
+                call.ldb as i32,
                 (&beta) as *const f32 as *const _,
                 c as *mut _,
                 blas_sys::cudaDataType_t::CUDA_R_32F,
-                n as i32,
+                call.ldc as i32,
                 blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
                 blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
             )
