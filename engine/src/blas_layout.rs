@@ -42,34 +42,35 @@ pub fn linear_call(rows: usize, n: usize, k: usize) -> GemmCall {
     }
 }
 
+/// `C = op(A) · op(B)` exactly as cuBLAS defines it (column-major, leading dimensions),
+/// checking the leading-dimension rules cuBLAS enforces (it panics where cuBLAS would
+/// refuse the call). Slow: for tests and emulated devices.
+pub fn reference_gemm(c: &GemmCall, a: &[f32], b: &[f32], out: &mut [f32]) {
+    let (a_rows, b_rows) = (
+        if c.transa == Op::N { c.m } else { c.k },
+        if c.transb == Op::N { c.k } else { c.n },
+    );
+    assert!(c.lda >= a_rows.max(1), "lda below the rows of A");
+    assert!(c.ldb >= b_rows.max(1), "ldb below the rows of B");
+    assert!(c.ldc >= c.m.max(1), "ldc below m");
+    let op_a = |i: usize, p: usize| match c.transa {
+        Op::N => a[i + p * c.lda],
+        Op::T => a[p + i * c.lda],
+    };
+    let op_b = |p: usize, j: usize| match c.transb {
+        Op::N => b[p + j * c.ldb],
+        Op::T => b[j + p * c.ldb],
+    };
+    for j in 0..c.n {
+        for i in 0..c.m {
+            out[i + j * c.ldc] = (0..c.k).map(|p| op_a(i, p) * op_b(p, j)).sum();
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// `C = op(A) · op(B)` exactly as cuBLAS defines it (column-major, leading dimensions),
-    /// checking the leading-dimension rules cuBLAS enforces.
-    fn reference_gemm(c: &GemmCall, a: &[f32], b: &[f32], out: &mut [f32]) {
-        let (a_rows, b_rows) = (
-            if c.transa == Op::N { c.m } else { c.k },
-            if c.transb == Op::N { c.k } else { c.n },
-        );
-        assert!(c.lda >= a_rows.max(1), "lda below the rows of A");
-        assert!(c.ldb >= b_rows.max(1), "ldb below the rows of B");
-        assert!(c.ldc >= c.m.max(1), "ldc below m");
-        let op_a = |i: usize, p: usize| match c.transa {
-            Op::N => a[i + p * c.lda],
-            Op::T => a[p + i * c.lda],
-        };
-        let op_b = |p: usize, j: usize| match c.transb {
-            Op::N => b[p + j * c.ldb],
-            Op::T => b[j + p * c.ldb],
-        };
-        for j in 0..c.n {
-            for i in 0..c.m {
-                out[i + j * c.ldc] = (0..c.k).map(|p| op_a(i, p) * op_b(p, j)).sum();
-            }
-        }
-    }
 
     #[test]
     fn linear_call_computes_x_times_w_transposed_row_major() {

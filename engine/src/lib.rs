@@ -7,6 +7,7 @@
 pub mod blas_layout;
 pub mod config;
 pub mod device;
+pub mod device_forward;
 pub mod engine;
 pub mod error;
 pub mod fetch;

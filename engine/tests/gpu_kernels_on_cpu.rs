@@ -11,10 +11,7 @@
 //! ordering between real warps, cuBLAS, streams. The GPU run (scripts/gpu/on-device.sh)
 //! covers those.
 
-use std::io::Write;
-use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
-use std::sync::OnceLock;
+mod cuda_on_cpu;
 
 use half::bf16;
 use rand::rngs::StdRng;
@@ -25,151 +22,10 @@ use tandem_engine::kernels::attention::{AttnSeq, paged_attention};
 use tandem_engine::kernels::{RopeTable, rms_norm, silu_mul};
 use tandem_engine::kv::{BLOCK_SIZE, KvCache, KvDtype, KvLayout, KvStorage, staging};
 
-/// One kernel argument, tagged as the harness expects.
-enum Arg {
-    Buf(Vec<u8>),
-    I32(i32),
-    I64(i64),
-    U64(u64),
-    F32(f32),
-}
-
-/// Compiles the harness once per test run; `None` when no C++ compiler is found (outside CI).
-fn harness() -> Option<&'static Path> {
-    static HARNESS: OnceLock<Option<PathBuf>> = OnceLock::new();
-    HARNESS
-        .get_or_init(|| {
-            let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/cuda_on_cpu");
-            let out = Path::new(env!("CARGO_TARGET_TMPDIR")).join("cuda_on_cpu_harness");
-            let cxx = std::env::var("CXX").unwrap_or_else(|_| "c++".into());
-            let status = Command::new(&cxx)
-                .args([
-                    "-std=c++20",
-                    "-O2",
-                    "-pthread",
-                    "-Wall",
-                    "-Wno-sign-compare",
-                    "-o",
-                ])
-                .arg(&out)
-                .arg(dir.join("harness.cpp"))
-                .status();
-            match status {
-                Ok(s) if s.success() => Some(out),
-                Ok(s) => panic!("the CUDA-on-CPU harness does not compile with {cxx}: {s}"),
-                Err(e) => {
-                    assert!(
-                        std::env::var_os("CI").is_none(),
-                        "CI needs a C++ compiler for the kernel tests ({cxx}: {e})"
-                    );
-                    eprintln!("skipping: no C++ compiler ({cxx}: {e})");
-                    None
-                }
-            }
-        })
-        .as_deref()
-}
-
-/// Runs `kernel` over `grid` blocks of `threads`; returns every buffer argument afterwards.
-fn try_launch(
-    kernel: &str,
-    grid: u32,
-    threads: u32,
-    args: &[Arg],
-) -> Option<Result<Vec<Vec<u8>>, String>> {
-    let exe = harness()?;
-    let mut req = Vec::new();
-    req.extend((kernel.len() as u32).to_le_bytes());
-    req.extend(kernel.as_bytes());
-    for v in [grid, threads, args.len() as u32] {
-        req.extend(v.to_le_bytes());
-    }
-    for a in args {
-        match a {
-            Arg::Buf(b) => {
-                req.push(b'B');
-                req.extend((b.len() as u64).to_le_bytes());
-                req.extend(b);
-            }
-            Arg::I32(v) => {
-                req.push(b'i');
-                req.extend(v.to_le_bytes());
-            }
-            Arg::I64(v) => {
-                req.push(b'l');
-                req.extend(v.to_le_bytes());
-            }
-            Arg::U64(v) => {
-                req.push(b'q');
-                req.extend(v.to_le_bytes());
-            }
-            Arg::F32(v) => {
-                req.push(b'f');
-                req.extend(v.to_le_bytes());
-            }
-        }
-    }
-    let mut child = Command::new(exe)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("start the harness");
-    let mut stdin = child.stdin.take().expect("stdin");
-    let writer = std::thread::spawn(move || stdin.write_all(&req));
-    let out = child.wait_with_output().expect("harness output");
-    writer.join().expect("writer").expect("request written");
-    if !out.status.success() {
-        return Some(Err(String::from_utf8_lossy(&out.stderr).into_owned()));
-    }
-    let mut bufs = Vec::new();
-    let mut rest = &out.stdout[..];
-    while !rest.is_empty() {
-        let (len, tail) = rest.split_at(8);
-        let len = u64::from_le_bytes(len.try_into().expect("8 bytes")) as usize;
-        bufs.push(tail[..len].to_vec());
-        rest = &tail[len..];
-    }
-    Some(Ok(bufs))
-}
-
-fn launch(kernel: &str, grid: u32, threads: u32, args: &[Arg]) -> Option<Vec<Vec<u8>>> {
-    try_launch(kernel, grid, threads, args)
-        .map(|r| r.unwrap_or_else(|e| panic!("{kernel} failed: {e}")))
-}
-
-/// `gpu/forward.rs`'s `per_row`: one block per row.
-fn per_row(rows: usize) -> u32 {
-    rows.max(1) as u32
-}
-
-/// `gpu/forward.rs`'s `grid`: enough blocks of `threads` for `n` threads.
-fn blocks_for(n: usize, threads: u32) -> u32 {
-    (n as u32).div_ceil(threads).max(1)
-}
-
-fn f32_bytes(v: &[f32]) -> Vec<u8> {
-    v.iter().flat_map(|x| x.to_le_bytes()).collect()
-}
-fn i32_bytes(v: &[i32]) -> Vec<u8> {
-    v.iter().flat_map(|x| x.to_le_bytes()).collect()
-}
-fn bf16_bytes(v: &[bf16]) -> Vec<u8> {
-    v.iter().flat_map(|x| x.to_bits().to_le_bytes()).collect()
-}
-fn f32s(b: &[u8]) -> Vec<f32> {
-    b.chunks_exact(4)
-        .map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes")))
-        .collect()
-}
-fn bf16s(b: &[u8]) -> Vec<bf16> {
-    b.chunks_exact(2)
-        .map(|c| bf16::from_bits(u16::from_le_bytes([c[0], c[1]])))
-        .collect()
-}
-fn to_f32(v: &[bf16]) -> Vec<f32> {
-    v.iter().map(|x| x.to_f32()).collect()
-}
+use cuda_on_cpu::{
+    Arg, bf16_bytes, bf16s, blocks_for, f32_bytes, f32s, i32_bytes, launch, per_row, to_f32,
+    try_launch,
+};
 
 /// Rounding a result to bf16 costs at most 2^-9 of it: anything past that is a kernel's error.
 const BF16_OUTPUT: f32 = 1.0 / 256.0;

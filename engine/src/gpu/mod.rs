@@ -8,6 +8,7 @@
 //! [`available`] says whether a device can be used.
 
 mod backend;
+mod device;
 mod forward;
 pub mod green;
 pub mod ipc;
@@ -16,6 +17,7 @@ mod kv;
 pub mod nccl;
 
 pub use backend::GpuBackend;
+pub use device::CudaDevice;
 pub use forward::GpuModel;
 pub use kv::GpuKvCache;
 

@@ -51,28 +51,38 @@ struct Block {
 
 inline Block* current_block = nullptr;
 
-// Runs `kernel(args...)` over `grid` blocks of `threads` threads.
+// Runs `kernel(args...)` over `grid` blocks of `threads` threads. One OS thread per CUDA
+// thread of a block, reused block after block (starting threads is the emulator's main
+// cost); a barrier between blocks swaps in the next block's barriers.
 template <class Kernel, class... Args>
 void launch(unsigned int grid, unsigned int threads, Kernel kernel, Args... args) {
     gridDim = dim3{grid, 1, 1};
     blockDim = dim3{threads, 1, 1};
-    for (unsigned int b = 0; b < grid; b++) {
-        Block block(threads);
-        current_block = &block;
-        std::vector<std::thread> team;
-        team.reserve(threads);
-        for (unsigned int t = 0; t < threads; t++) {
-            team.emplace_back([&, b, t] {
+    auto block = std::make_unique<Block>(threads);
+    current_block = block.get();
+    auto next_block = [&]() noexcept {
+        block = std::make_unique<Block>(threads);
+        current_block = block.get();
+    };
+    std::barrier end_of_block(threads, next_block);
+    std::vector<std::thread> team;
+    team.reserve(threads);
+    for (unsigned int t = 0; t < threads; t++) {
+        team.emplace_back([&, t] {
+            threadIdx = dim3{t, 0, 0};
+            for (unsigned int b = 0; b < grid; b++) {
                 blockIdx = dim3{b, 0, 0};
-                threadIdx = dim3{t, 0, 0};
+                Block* mine = current_block;
                 kernel(args...);
-                block.barrier.arrive_and_drop();
-                block.warps[t / 32]->barrier.arrive_and_drop();
-            });
-        }
-        for (auto& thread : team) thread.join();
-        current_block = nullptr;
+                // Done with this block (returned early or not): leave its barriers.
+                mine->barrier.arrive_and_drop();
+                mine->warps[t / 32]->barrier.arrive_and_drop();
+                end_of_block.arrive_and_wait();
+            }
+        });
     }
+    for (auto& thread : team) thread.join();
+    current_block = nullptr;
 }
 
 }  // namespace emu

@@ -1,0 +1,163 @@
+//! The client side of the CUDA-on-CPU harness (`harness.cpp` beside this file, over
+//! `emu.h`), shared by the integration tests that run tandem's CUDA kernels on the CPU: it
+//! compiles the harness once per test binary and runs one kernel launch per process.
+#![allow(dead_code)] // each test binary uses its own part of this module
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::OnceLock;
+
+use half::bf16;
+
+/// One kernel argument, tagged as the harness expects.
+pub enum Arg {
+    Buf(Vec<u8>),
+    I32(i32),
+    I64(i64),
+    U64(u64),
+    F32(f32),
+}
+
+/// Compiles the harness once per test run; `None` when no C++ compiler is found (outside CI).
+pub fn harness() -> Option<&'static Path> {
+    static HARNESS: OnceLock<Option<PathBuf>> = OnceLock::new();
+    HARNESS
+        .get_or_init(|| {
+            let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/cuda_on_cpu");
+            // One harness per test binary: binaries may run at once (nextest).
+            let binary = std::env::current_exe()
+                .ok()
+                .and_then(|p| p.file_stem().map(|s| s.to_string_lossy().into_owned()))
+                .unwrap_or_default();
+            let out = Path::new(env!("CARGO_TARGET_TMPDIR"))
+                .join(format!("cuda_on_cpu_harness-{binary}"));
+            let cxx = std::env::var("CXX").unwrap_or_else(|_| "c++".into());
+            let status = Command::new(&cxx)
+                .args([
+                    "-std=c++20",
+                    "-O2",
+                    "-pthread",
+                    "-Wall",
+                    "-Wno-sign-compare",
+                    "-o",
+                ])
+                .arg(&out)
+                .arg(dir.join("harness.cpp"))
+                .status();
+            match status {
+                Ok(s) if s.success() => Some(out),
+                Ok(s) => panic!("the CUDA-on-CPU harness does not compile with {cxx}: {s}"),
+                Err(e) => {
+                    assert!(
+                        std::env::var_os("CI").is_none(),
+                        "CI needs a C++ compiler for the kernel tests ({cxx}: {e})"
+                    );
+                    eprintln!("skipping: no C++ compiler ({cxx}: {e})");
+                    None
+                }
+            }
+        })
+        .as_deref()
+}
+
+/// Runs `kernel` over `grid` blocks of `threads`; returns every buffer argument afterwards.
+pub fn try_launch(
+    kernel: &str,
+    grid: u32,
+    threads: u32,
+    args: &[Arg],
+) -> Option<Result<Vec<Vec<u8>>, String>> {
+    let exe = harness()?;
+    let mut req = Vec::new();
+    req.extend((kernel.len() as u32).to_le_bytes());
+    req.extend(kernel.as_bytes());
+    for v in [grid, threads, args.len() as u32] {
+        req.extend(v.to_le_bytes());
+    }
+    for a in args {
+        match a {
+            Arg::Buf(b) => {
+                req.push(b'B');
+                req.extend((b.len() as u64).to_le_bytes());
+                req.extend(b);
+            }
+            Arg::I32(v) => {
+                req.push(b'i');
+                req.extend(v.to_le_bytes());
+            }
+            Arg::I64(v) => {
+                req.push(b'l');
+                req.extend(v.to_le_bytes());
+            }
+            Arg::U64(v) => {
+                req.push(b'q');
+                req.extend(v.to_le_bytes());
+            }
+            Arg::F32(v) => {
+                req.push(b'f');
+                req.extend(v.to_le_bytes());
+            }
+        }
+    }
+    let mut child = Command::new(exe)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start the harness");
+    let mut stdin = child.stdin.take().expect("stdin");
+    let writer = std::thread::spawn(move || stdin.write_all(&req));
+    let out = child.wait_with_output().expect("harness output");
+    writer.join().expect("writer").expect("request written");
+    if !out.status.success() {
+        return Some(Err(String::from_utf8_lossy(&out.stderr).into_owned()));
+    }
+    let mut bufs = Vec::new();
+    let mut rest = &out.stdout[..];
+    while !rest.is_empty() {
+        let (len, tail) = rest.split_at(8);
+        let len = u64::from_le_bytes(len.try_into().expect("8 bytes")) as usize;
+        bufs.push(tail[..len].to_vec());
+        rest = &tail[len..];
+    }
+    Some(Ok(bufs))
+}
+
+pub fn launch(kernel: &str, grid: u32, threads: u32, args: &[Arg]) -> Option<Vec<Vec<u8>>> {
+    try_launch(kernel, grid, threads, args)
+        .map(|r| r.unwrap_or_else(|e| panic!("{kernel} failed: {e}")))
+}
+
+/// `gpu/forward.rs`'s `per_row`: one block per row.
+pub fn per_row(rows: usize) -> u32 {
+    rows.max(1) as u32
+}
+
+/// `gpu/forward.rs`'s `grid`: enough blocks of `threads` for `n` threads.
+pub fn blocks_for(n: usize, threads: u32) -> u32 {
+    (n as u32).div_ceil(threads).max(1)
+}
+
+pub fn f32_bytes(v: &[f32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+pub fn i32_bytes(v: &[i32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+pub fn bf16_bytes(v: &[bf16]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_bits().to_le_bytes()).collect()
+}
+pub fn f32s(b: &[u8]) -> Vec<f32> {
+    b.chunks_exact(4)
+        .map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes")))
+        .collect()
+}
+pub fn bf16s(b: &[u8]) -> Vec<bf16> {
+    b.chunks_exact(2)
+        .map(|c| bf16::from_bits(u16::from_le_bytes([c[0], c[1]])))
+        .collect()
+}
+pub fn to_f32(v: &[bf16]) -> Vec<f32> {
+    v.iter().map(|x| x.to_f32()).collect()
+}
