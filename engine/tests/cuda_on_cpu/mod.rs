@@ -32,31 +32,38 @@ pub fn harness() -> Option<&'static Path> {
                 .unwrap_or_default();
             let out = Path::new(env!("CARGO_TARGET_TMPDIR"))
                 .join(format!("cuda_on_cpu_harness-{binary}"));
-            let cxx = std::env::var("CXX").unwrap_or_else(|_| "c++".into());
-            let status = Command::new(&cxx)
-                .args([
-                    "-std=c++20",
-                    "-O2",
-                    "-pthread",
-                    "-Wall",
-                    "-Wno-sign-compare",
-                    "-o",
-                ])
-                .arg(&out)
-                .arg(dir.join("harness.cpp"))
-                .status();
-            match status {
-                Ok(s) if s.success() => Some(out),
-                Ok(s) => panic!("the CUDA-on-CPU harness does not compile with {cxx}: {s}"),
-                Err(e) => {
-                    assert!(
-                        std::env::var_os("CI").is_none(),
-                        "CI needs a C++ compiler for the kernel tests ({cxx}: {e})"
-                    );
-                    eprintln!("skipping: no C++ compiler ({cxx}: {e})");
-                    None
+            // $CXX, else the usual names of a C++ compiler.
+            let candidates: Vec<String> = match std::env::var("CXX") {
+                Ok(cxx) => vec![cxx],
+                Err(_) => vec!["c++".into(), "g++".into(), "clang++".into()],
+            };
+            let mut missing = Vec::new();
+            for cxx in &candidates {
+                let status = Command::new(cxx)
+                    .args([
+                        "-std=c++20",
+                        "-O2",
+                        "-pthread",
+                        "-Wall",
+                        "-Wno-sign-compare",
+                        "-o",
+                    ])
+                    .arg(&out)
+                    .arg(dir.join("harness.cpp"))
+                    .status();
+                match status {
+                    Ok(s) if s.success() => return Some(out),
+                    Ok(s) => panic!("the CUDA-on-CPU harness does not compile with {cxx}: {s}"),
+                    Err(e) => missing.push(format!("{cxx}: {e}")),
                 }
             }
+            let missing = missing.join("; ");
+            assert!(
+                std::env::var_os("CI").is_none(),
+                "CI needs a C++ compiler for the kernel tests ({missing})"
+            );
+            eprintln!("skipping: no C++ compiler ({missing})");
+            None
         })
         .as_deref()
 }
