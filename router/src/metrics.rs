@@ -97,13 +97,6 @@ fn describe() {
     describe_counter!(KV_TRANSFER_BYTES_TOTAL, Unit::Bytes, "KV bytes moved");
     describe_histogram!(KV_TRANSFER_SECONDS, Unit::Seconds, "KV transfer time");
     describe_histogram!(KV_WAIT_SECONDS, Unit::Seconds, "Lease to commit on decode");
-    describe_gauge!(WORKER_HEALTHY, "1 if the worker is healthy and routable");
-    describe_gauge!(WORKER_KV_BLOCKS_IN_USE, "KV blocks in use on the worker");
-    describe_gauge!(WORKER_KV_BLOCKS_TOTAL, "KV blocks on the worker");
-    describe_gauge!(
-        WORKER_QUEUED_PREFILL_TOKENS,
-        "Prompt tokens queued on the worker"
-    );
     describe_gauge!(
         DISCOVERED_WORKERS,
         "Workers in the pool (listed or found through DNS), by role"
@@ -119,4 +112,115 @@ pub fn register_static_series() {
         metrics::counter!(FALLBACKS_TOTAL, "reason" => reason).increment(0);
     }
     metrics::counter!(PREFILL_RETRIES_TOTAL).increment(0);
+}
+
+/// One worker's samples for the per-worker families, read from the pool at scrape time.
+#[derive(Debug, Clone, PartialEq)]
+pub struct WorkerSamples {
+    pub worker: String,
+    pub role: &'static str,
+    pub healthy: bool,
+    /// `(total, in use)` KV blocks, once the worker has reported its load.
+    pub kv_blocks: Option<(u32, u32)>,
+    /// Prefill workers, once they have reported their load.
+    pub queued_prefill_tokens: Option<u64>,
+}
+
+/// Escapes a label value for the Prometheus text format.
+fn label_value(v: &str) -> String {
+    v.replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
+}
+
+/// The per-worker families in Prometheus text, for the workers in the pool now.
+///
+/// These are not kept in the recorder, because the recorder cannot delete a series: a worker
+/// that left the pool (a pod scaled down, or restarted with a new address) would linger as a
+/// zero forever, and under DNS discovery the series would only ever grow. Rendered from the
+/// pool at each scrape, a worker's series end when it leaves.
+pub fn render_worker_families(samples: &[WorkerSamples]) -> String {
+    use std::fmt::Write;
+    type Value = fn(&WorkerSamples) -> Option<String>;
+    let families: [(&str, &str, Value); 4] = [
+        (
+            WORKER_HEALTHY,
+            "1 if the worker is healthy and routable",
+            |s| Some(u8::from(s.healthy).to_string()),
+        ),
+        (
+            WORKER_KV_BLOCKS_IN_USE,
+            "KV blocks in use on the worker",
+            |s| s.kv_blocks.map(|(_, used)| used.to_string()),
+        ),
+        (WORKER_KV_BLOCKS_TOTAL, "KV blocks on the worker", |s| {
+            s.kv_blocks.map(|(total, _)| total.to_string())
+        }),
+        (
+            WORKER_QUEUED_PREFILL_TOKENS,
+            "Prompt tokens queued on the worker",
+            |s| s.queued_prefill_tokens.map(|n| n.to_string()),
+        ),
+    ];
+    let mut out = String::new();
+    for (name, help, value) in families {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge");
+        for s in samples {
+            if let Some(v) = value(s) {
+                let _ = writeln!(
+                    out,
+                    "{name}{{worker=\"{}\",role=\"{}\"}} {v}",
+                    label_value(&s.worker),
+                    s.role
+                );
+            }
+        }
+        out.push('\n');
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn worker_families_render_only_what_each_worker_reported() {
+        let samples = [
+            WorkerSamples {
+                worker: "http://10.0.0.1:7201".into(),
+                role: "decode",
+                healthy: true,
+                kv_blocks: Some((64, 4)),
+                queued_prefill_tokens: None,
+            },
+            WorkerSamples {
+                worker: "http://p\"q".into(),
+                role: "prefill",
+                healthy: false,
+                kv_blocks: None,
+                queued_prefill_tokens: None,
+            },
+        ];
+        let text = render_worker_families(&samples);
+        let expected = "\
+# HELP tandem_router_worker_healthy 1 if the worker is healthy and routable
+# TYPE tandem_router_worker_healthy gauge
+tandem_router_worker_healthy{worker=\"http://10.0.0.1:7201\",role=\"decode\"} 1
+tandem_router_worker_healthy{worker=\"http://p\\\"q\",role=\"prefill\"} 0
+
+# HELP tandem_router_worker_kv_blocks_in_use KV blocks in use on the worker
+# TYPE tandem_router_worker_kv_blocks_in_use gauge
+tandem_router_worker_kv_blocks_in_use{worker=\"http://10.0.0.1:7201\",role=\"decode\"} 4
+
+# HELP tandem_router_worker_kv_blocks_total KV blocks on the worker
+# TYPE tandem_router_worker_kv_blocks_total gauge
+tandem_router_worker_kv_blocks_total{worker=\"http://10.0.0.1:7201\",role=\"decode\"} 64
+
+# HELP tandem_router_worker_queued_prefill_tokens Prompt tokens queued on the worker
+# TYPE tandem_router_worker_queued_prefill_tokens gauge
+
+";
+        assert_eq!(text, expected);
+    }
 }

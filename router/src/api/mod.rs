@@ -215,14 +215,17 @@ async fn health(State(state): State<AppState>) -> Response {
     (status, axum::Json(body)).into_response()
 }
 
-/// `GET /metrics`: Prometheus text. Open, no API key.
+/// `GET /metrics`: Prometheus text. Open, no API key. The recorder's series, then the
+/// per-worker families of the workers in the pool now (see `render_worker_families`).
 async fn prometheus_metrics(State(state): State<AppState>) -> Response {
+    let mut text = state.0.prometheus.render();
+    text.push_str(&m::render_worker_families(&state.0.pool.worker_samples()));
     (
         [(
             header::CONTENT_TYPE,
             HeaderValue::from_static("text/plain; version=0.0.4"),
         )],
-        state.0.prometheus.render(),
+        text,
     )
         .into_response()
 }

@@ -10,7 +10,8 @@
 //! decode workers whose KV layouts differ are never paired (`pair_incompatibility`).
 //!
 //! Workers found through DNS (`discovery`) come and go: one that leaves the pool is
-//! `retire`d — its poll task stops, its metric series drop to zero, routing stops seeing it —
+//! `retire`d — its poll task stops, its metric series end (they are rendered from the pool
+//! at each scrape), routing stops seeing it —
 //! while requests already running on it keep their `Arc<Worker>` and end as they would.
 
 mod pool;
@@ -64,7 +65,7 @@ struct WorkerState {
     healthy: bool,
     /// Set when the worker can never be used (protocol version or role mismatch).
     refused: Option<String>,
-    /// Set when the worker left the pool: it gets no new requests and publishes no metrics.
+    /// Set when the worker left the pool: it gets no new requests and reports no metrics.
     retired: bool,
 }
 
@@ -184,28 +185,24 @@ impl Worker {
         if was {
             tracing::warn!(worker = %self.url, role = self.role.as_str(), reason = why, "worker marked unhealthy");
         }
-        self.publish_health();
     }
 
-    fn metric_labels(&self) -> [(&'static str, String); 2] {
-        [
-            ("worker", self.url.clone()),
-            ("role", self.role.as_str().to_string()),
-        ]
-    }
-
-    /// Sets the health gauge. The gauges are written under the state lock, so that a poll
-    /// finishing while the worker is retired cannot bring a zeroed series back.
-    fn publish_health(&self) {
+    /// This worker's per-worker metric samples; `None` once it left the pool.
+    pub(crate) fn metric_samples(&self) -> Option<m::WorkerSamples> {
         let s = self.state();
         if s.retired {
-            return;
+            return None;
         }
-        metrics::gauge!(m::WORKER_HEALTHY, &self.metric_labels()).set(if s.routable() {
-            1.0
-        } else {
-            0.0
-        });
+        let load = s.load.as_ref();
+        Some(m::WorkerSamples {
+            worker: self.url.clone(),
+            role: self.role.as_str(),
+            healthy: s.routable(),
+            kv_blocks: load.map(|l| (l.total_blocks, l.total_blocks.saturating_sub(l.free_blocks))),
+            queued_prefill_tokens: load
+                .filter(|_| self.role == WorkerRole::Prefill)
+                .map(|l| l.queued_prefill_tokens),
+        })
     }
 
     fn set_load(&self, load: LoadReport) {
@@ -217,37 +214,20 @@ impl Worker {
             self.pending_blocks.store(0, Ordering::Relaxed);
             self.pending_requests.store(0, Ordering::Relaxed);
             self.pending_tokens.store(0, Ordering::Relaxed);
-            let labels = self.metric_labels();
-            metrics::gauge!(m::WORKER_KV_BLOCKS_TOTAL, &labels).set(f64::from(load.total_blocks));
-            metrics::gauge!(m::WORKER_KV_BLOCKS_IN_USE, &labels).set(f64::from(
-                load.total_blocks.saturating_sub(load.free_blocks),
-            ));
-            if self.role == WorkerRole::Prefill {
-                metrics::gauge!(m::WORKER_QUEUED_PREFILL_TOKENS, &labels)
-                    .set(load.queued_prefill_tokens as f64);
-            }
             s.load = Some(load);
             std::mem::replace(&mut s.healthy, true)
         };
         if !was {
             tracing::info!(worker = %self.url, role = self.role.as_str(), "worker healthy");
         }
-        self.publish_health();
     }
 
-    /// Takes the worker out of service for good: no new requests, no more metrics, and its
-    /// series zeroed (the `metrics` crate cannot delete a series; a zero says "nothing here").
+    /// Takes the worker out of service for good: no new requests, and no metric series (a
+    /// poll already under way when it left cannot bring them back: `set_load` skips it).
     fn retire(&self) {
         let mut s = self.state();
         s.retired = true;
         s.healthy = false;
-        let labels = self.metric_labels();
-        metrics::gauge!(m::WORKER_HEALTHY, &labels).set(0.0);
-        metrics::gauge!(m::WORKER_KV_BLOCKS_TOTAL, &labels).set(0.0);
-        metrics::gauge!(m::WORKER_KV_BLOCKS_IN_USE, &labels).set(0.0);
-        if self.role == WorkerRole::Prefill {
-            metrics::gauge!(m::WORKER_QUEUED_PREFILL_TOKENS, &labels).set(0.0);
-        }
     }
 
     fn decode_candidate(&self) -> Option<DecodeCandidate> {

@@ -120,7 +120,6 @@ impl WorkerPool {
             return Ok(());
         }
         let worker = Arc::new(Worker::new(role, id, url)?);
-        worker.publish_health();
         members.of(role).push(Member {
             worker,
             sources: BTreeSet::from([WorkerSource::Listed]),
@@ -137,6 +136,15 @@ impl WorkerPool {
 
     fn write(&self) -> RwLockWriteGuard<'_, Members> {
         self.members.write().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The per-worker metric samples of every worker in the pool now, prefill first.
+    pub fn worker_samples(&self) -> Vec<m::WorkerSamples> {
+        [WorkerRole::Prefill, WorkerRole::Decode]
+            .into_iter()
+            .flat_map(|role| self.workers(role))
+            .filter_map(|w| w.metric_samples())
+            .collect()
     }
 
     /// The workers of `role` now, oldest first.
@@ -276,7 +284,6 @@ impl WorkerPool {
                         continue;
                     }
                 };
-                worker.publish_health();
                 let stop = polling
                     .as_ref()
                     .map(|p| self.spawn_poll(Arc::clone(&worker), p));
@@ -426,7 +433,7 @@ impl WorkerPool {
                 Err(_) => return worker.mark_unhealthy("GetInfo timed out"),
             }
             if worker.state().refused.is_some() {
-                return worker.publish_health();
+                return;
             }
         }
         // Long enough for a busy worker, short enough that a dead one is noticed within about
@@ -459,9 +466,9 @@ mod tests {
 
     use super::*;
 
-    /// The value of the series of `metric` for `worker`, from the process's `/metrics` text.
-    fn series(metric: &str, worker: &str) -> Option<f64> {
-        let text = crate::metrics::prometheus().render();
+    /// The value of the series of `metric` for `worker`, from the pool's per-worker families.
+    fn series(pool: &WorkerPool, metric: &str, worker: &str) -> Option<f64> {
+        let text = m::render_worker_families(&pool.worker_samples());
         text.lines()
             .filter(|l| l.starts_with(&format!("{metric}{{")))
             .find(|l| l.contains(&format!("worker=\"{worker}\"")))
@@ -470,8 +477,7 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn a_worker_that_leaves_has_its_series_zeroed_for_good() {
-        let _ = crate::metrics::prometheus();
+    async fn a_worker_that_leaves_has_no_series_any_more() {
         let pool = Arc::new(
             WorkerPool::new(&[], &["dns://d.test:7201".into()], Transport::Tcp, None).unwrap(),
         );
@@ -482,24 +488,40 @@ mod tests {
             &BTreeSet::from([url.to_string()]),
         );
         let worker = Arc::clone(&pool.workers(WorkerRole::Decode)[0]);
+        // Before any load report: only its health, and it is not routable yet.
+        assert_eq!(series(&pool, m::WORKER_HEALTHY, url), Some(0.0));
+        assert_eq!(series(&pool, m::WORKER_KV_BLOCKS_TOTAL, url), None);
         let load = LoadReport {
             total_blocks: 64,
             free_blocks: 60,
             ..Default::default()
         };
         worker.set_load(load);
-        assert_eq!(series(m::WORKER_KV_BLOCKS_TOTAL, url), Some(64.0));
-        assert_eq!(series(m::WORKER_KV_BLOCKS_IN_USE, url), Some(4.0));
+        assert_eq!(series(&pool, m::WORKER_KV_BLOCKS_TOTAL, url), Some(64.0));
+        assert_eq!(series(&pool, m::WORKER_KV_BLOCKS_IN_USE, url), Some(4.0));
+        assert_eq!(
+            series(&pool, m::WORKER_QUEUED_PREFILL_TOKENS, url),
+            None,
+            "a decode worker queues no prefill tokens"
+        );
 
         pool.set_source_urls(WorkerRole::Decode, WorkerSource::Dns(0), &BTreeSet::new());
         assert_eq!(pool.worker_counts(), (0, 0));
-        assert_eq!(series(m::WORKER_HEALTHY, url), Some(0.0));
-        assert_eq!(series(m::WORKER_KV_BLOCKS_TOTAL, url), Some(0.0));
-        assert_eq!(series(m::WORKER_KV_BLOCKS_IN_USE, url), Some(0.0));
+        for metric in [
+            m::WORKER_HEALTHY,
+            m::WORKER_KV_BLOCKS_TOTAL,
+            m::WORKER_KV_BLOCKS_IN_USE,
+        ] {
+            assert_eq!(
+                series(&pool, metric, url),
+                None,
+                "{metric} outlived the worker"
+            );
+        }
         // A poll that was already under way when the worker left changes nothing.
         worker.set_load(load);
         worker.mark_unhealthy("late failure");
-        assert_eq!(series(m::WORKER_KV_BLOCKS_TOTAL, url), Some(0.0));
+        assert_eq!(worker.metric_samples(), None);
         assert!(!worker.is_routable());
     }
 }

@@ -145,6 +145,9 @@ async fn workers_behind_a_name_join_serve_and_leave() {
     let third = format!("http://127.0.0.3:{port}");
     let healthy = format!("tandem_router_worker_healthy{{worker=\"{third}\",role=\"decode\"}}");
     assert_eq!(series(&router.url, &healthy).await, Some(1.0));
+    let kv_total =
+        format!("tandem_router_worker_kv_blocks_total{{worker=\"{third}\",role=\"decode\"}}");
+    assert!(series(&router.url, &kv_total).await.is_some());
     assert!(
         series(
             &router.url,
@@ -176,7 +179,7 @@ async fn workers_behind_a_name_join_serve_and_leave() {
     );
 
     // It goes away while that request runs: nothing new is routed to it, the request ends
-    // normally, and its series drops to zero.
+    // normally, and its series are gone from /metrics (not left at zero).
     resolver.answer("decode.test", &["127.0.0.1", "127.0.0.2"]);
     wait_pool_size(&router, 2, 1).await;
     assert!(
@@ -190,7 +193,8 @@ async fn workers_behind_a_name_join_serve_and_leave() {
     assert_eq!(status, 200);
     assert_eq!(body["choices"][0]["text"], "Hello from");
     assert_eq!(decodes[2].generate_calls().len(), 1);
-    assert_eq!(series(&router.url, &healthy).await, Some(0.0));
+    assert_eq!(series(&router.url, &healthy).await, None);
+    assert_eq!(series(&router.url, &kv_total).await, None);
 
     // A failing lookup keeps the last known workers.
     resolver.fail("decode.test");
