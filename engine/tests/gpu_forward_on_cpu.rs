@@ -6,6 +6,10 @@
 //! (`examples/gpu_check.rs`): a mixed-length batch, decode steps with sequences leaving, a
 //! chunked prefill. The bar is the GPU issue's: 1e-2 relative (max |Δ| / max |cpu|).
 //!
+//! The host staging a GPU engine does for the KV transports (`device_staging`: gather,
+//! download, layout conversion; conversion, upload, scatter) runs here too, between the
+//! emulated pass and CPU caches.
+//!
 //! This checks the pass's batch layout, buffer sizes, argument order, launch shapes and GEMM
 //! mapping; what only a GPU can check (cuBLAS itself, streams, the device's rounding) stays
 //! with `gpu_check` on the device.
@@ -14,260 +18,15 @@ mod cuda_on_cpu;
 
 use std::sync::Arc;
 
-use half::bf16;
-use tandem_engine::blas_layout::{linear_call, reference_gemm};
 use tandem_engine::config::{ModelConfig, WeightDtype};
-use tandem_engine::device_forward::{
-    self, AttnShape, BatchBuffers, DeviceWeights, Launch, LaunchDevice,
-};
+use tandem_engine::device_forward::{self, DeviceWeights};
+use tandem_engine::device_staging::{KvStaging, PoolGeometry};
 use tandem_engine::kv::{BlockPool, KvCache, blocks_for};
 use tandem_engine::model::dummy_model;
-use tandem_engine::{EngineError, Model, Result, SeqInput};
+use tandem_engine::{EngineError, Model, SeqInput};
 
-use cuda_on_cpu::{Arg, bf16_bytes, bf16s, f32_bytes, f32s, harness, i32_bytes, try_launch};
-
-/// Device buffers are plain bytes on the host; every launch is one harness run.
-struct EmulatedDevice;
-
-type Bytes = Vec<u8>;
-
-impl EmulatedDevice {
-    /// Runs `kernel`, then copies the buffers it may write (`writes`: their positions among
-    /// the buffer arguments) back into `outs`, in order.
-    fn run(
-        &self,
-        kernel: &str,
-        at: Launch,
-        args: &[Arg],
-        outs: &mut [(&mut Bytes, usize)],
-    ) -> Result<()> {
-        let bufs = match try_launch(kernel, at.blocks, at.threads, args) {
-            Some(Ok(bufs)) => bufs,
-            Some(Err(e)) => return Err(EngineError::Unsupported(format!("{kernel}: {e}"))),
-            None => return Err(EngineError::Unsupported("no C++ compiler".into())),
-        };
-        for (out, index) in outs.iter_mut() {
-            **out = bufs[*index].clone();
-        }
-        Ok(())
-    }
-}
-
-impl LaunchDevice for EmulatedDevice {
-    type F32 = Bytes;
-    type Bf16 = Bytes;
-    type I32 = Bytes;
-    type U32 = Bytes;
-
-    fn upload_f32(&self, host: &[f32]) -> Result<Bytes> {
-        Ok(f32_bytes(host))
-    }
-    fn upload_bf16(&self, host: &[bf16]) -> Result<Bytes> {
-        Ok(bf16_bytes(host))
-    }
-    fn upload_i32(&self, host: &[i32]) -> Result<Bytes> {
-        Ok(i32_bytes(host))
-    }
-    fn upload_u32(&self, host: &[u32]) -> Result<Bytes> {
-        Ok(host.iter().flat_map(|x| x.to_le_bytes()).collect())
-    }
-    fn zeros_f32(&self, n: usize) -> Result<Bytes> {
-        Ok(vec![0; n * 4])
-    }
-    fn zeros_bf16(&self, n: usize) -> Result<Bytes> {
-        Ok(vec![0; n * 2])
-    }
-    fn download_f32(&self, buf: &Bytes) -> Result<Vec<f32>> {
-        Ok(f32s(buf))
-    }
-    fn synchronize(&self) -> Result<()> {
-        Ok(())
-    }
-
-    fn embed_rows(
-        &self,
-        at: Launch,
-        table: &Bytes,
-        tokens: &Bytes,
-        out: &mut Bytes,
-        rows: i32,
-        hidden: i32,
-    ) -> Result<()> {
-        let args = [
-            Arg::Buf(table.clone()),
-            Arg::Buf(tokens.clone()),
-            Arg::Buf(out.clone()),
-            Arg::I32(rows),
-            Arg::I32(hidden),
-        ];
-        self.run("embed_rows", at, &args, &mut [(out, 2)])
-    }
-
-    fn rms_norm_bf16(
-        &self,
-        at: Launch,
-        x: &Bytes,
-        weight: &Bytes,
-        out: &mut Bytes,
-        rows: i32,
-        hidden: i32,
-        eps: f32,
-    ) -> Result<()> {
-        let args = [
-            Arg::Buf(x.clone()),
-            Arg::Buf(weight.clone()),
-            Arg::Buf(out.clone()),
-            Arg::I32(rows),
-            Arg::I32(hidden),
-            Arg::F32(eps),
-        ];
-        self.run("rms_norm_bf16", at, &args, &mut [(out, 2)])
-    }
-
-    fn rope_qk(
-        &self,
-        at: Launch,
-        qkv: &mut Bytes,
-        positions: &Bytes,
-        inv_freq: &Bytes,
-        rows: i32,
-        row_width: i32,
-        q_heads: i32,
-        kv_heads: i32,
-        head_dim: i32,
-    ) -> Result<()> {
-        let args = [
-            Arg::Buf(qkv.clone()),
-            Arg::Buf(positions.clone()),
-            Arg::Buf(inv_freq.clone()),
-            Arg::I32(rows),
-            Arg::I32(row_width),
-            Arg::I32(q_heads),
-            Arg::I32(kv_heads),
-            Arg::I32(head_dim),
-        ];
-        self.run("rope_qk", at, &args, &mut [(qkv, 0)])
-    }
-
-    fn kv_write(
-        &self,
-        at: Launch,
-        qkv: &Bytes,
-        batch: &BatchBuffers<Self>,
-        cache: &mut Bytes,
-        layer_offset: i64,
-        s: &AttnShape,
-    ) -> Result<()> {
-        let args = [
-            Arg::Buf(qkv.clone()),
-            Arg::Buf(batch.positions.clone()),
-            Arg::Buf(batch.token_seq.clone()),
-            Arg::Buf(batch.tables.clone()),
-            Arg::I32(batch.max_blocks),
-            Arg::Buf(cache.clone()),
-            Arg::I64(layer_offset),
-            Arg::I32(s.rows),
-            Arg::I32(s.row_width),
-            Arg::I32(s.q_width),
-            Arg::I32(s.kv_heads),
-            Arg::I32(s.head_dim),
-        ];
-        self.run("kv_write", at, &args, &mut [(cache, 4)])
-    }
-
-    fn paged_attention(
-        &self,
-        at: Launch,
-        qkv: &Bytes,
-        batch: &BatchBuffers<Self>,
-        cache: &Bytes,
-        layer_offset: i64,
-        out: &mut Bytes,
-        s: &AttnShape,
-    ) -> Result<()> {
-        let args = [
-            Arg::Buf(qkv.clone()),
-            Arg::Buf(batch.positions.clone()),
-            Arg::Buf(batch.token_seq.clone()),
-            Arg::Buf(batch.tables.clone()),
-            Arg::I32(batch.max_blocks),
-            Arg::Buf(cache.clone()),
-            Arg::I64(layer_offset),
-            Arg::Buf(out.clone()),
-            Arg::I32(s.rows),
-            Arg::I32(s.row_width),
-            Arg::I32(s.q_heads),
-            Arg::I32(s.kv_heads),
-            Arg::I32(s.head_dim),
-            Arg::F32(s.scale),
-        ];
-        self.run("paged_attention", at, &args, &mut [(out, 5)])
-    }
-
-    fn silu_mul_bf16(
-        &self,
-        at: Launch,
-        gate_up: &Bytes,
-        out: &mut Bytes,
-        rows: i32,
-        f: i32,
-    ) -> Result<()> {
-        let args = [
-            Arg::Buf(gate_up.clone()),
-            Arg::Buf(out.clone()),
-            Arg::I32(rows),
-            Arg::I32(f),
-        ];
-        self.run("silu_mul_bf16", at, &args, &mut [(out, 1)])
-    }
-
-    fn add_in_place(&self, at: Launch, x: &mut Bytes, y: &Bytes, n: i64) -> Result<()> {
-        let args = [Arg::Buf(x.clone()), Arg::Buf(y.clone()), Arg::I64(n)];
-        self.run("add_in_place", at, &args, &mut [(x, 0)])
-    }
-
-    fn gather_rows(
-        &self,
-        at: Launch,
-        x: &Bytes,
-        rows_idx: &Bytes,
-        out: &mut Bytes,
-        count: i32,
-        width: i32,
-    ) -> Result<()> {
-        let args = [
-            Arg::Buf(x.clone()),
-            Arg::Buf(rows_idx.clone()),
-            Arg::Buf(out.clone()),
-            Arg::I32(count),
-            Arg::I32(width),
-        ];
-        self.run("gather_rows", at, &args, &mut [(out, 2)])
-    }
-
-    fn gemm(
-        &self,
-        x: &Bytes,
-        w: &Bytes,
-        out: &mut Bytes,
-        rows: usize,
-        n: usize,
-        k: usize,
-    ) -> Result<()> {
-        let widen = |b: &Bytes| -> Vec<f32> { bf16s(b).iter().map(|v| v.to_f32()).collect() };
-        let (x, w) = (widen(x), widen(w));
-        assert!(
-            x.len() >= rows * k && w.len() >= n * k,
-            "gemm inputs too small"
-        );
-        let mut c = f32s(out);
-        assert!(c.len() >= rows * n, "gemm output too small");
-        // A = W, B = x, C = out: the CUDA device's cublasGemmEx arguments.
-        reference_gemm(&linear_call(rows, n, k), &w, &x, &mut c);
-        *out = f32_bytes(&c);
-        Ok(())
-    }
-}
+use cuda_on_cpu::device::{Bytes, EmulatedDevice};
+use cuda_on_cpu::harness;
 
 fn relative_error(got: &[f32], want: &[f32]) -> f32 {
     let worst = got
@@ -464,6 +223,117 @@ fn a_bad_batch_is_an_error_before_any_launch() {
     ));
     assert!(matches!(
         run(&mut cache, &[1; 17], &[0]),
+        Err(EngineError::InvalidKv(_))
+    ));
+}
+
+/// One sequence of `tokens` at `start_pos` over `table`, asking for logits.
+fn seq<'a>(tokens: &'a [u32], start_pos: usize, table: &'a [u32]) -> SeqInput<'a> {
+    SeqInput {
+        tokens,
+        start_pos,
+        block_table: table,
+        logits: true,
+    }
+}
+
+#[test]
+fn host_staging_carries_prompt_kv_to_the_cpu_cache_and_back_exactly() {
+    if harness().is_none() {
+        return;
+    }
+    let cfg = ModelConfig::preset("tiny").expect("preset");
+    let cpu = dummy_model(cfg.clone(), WeightDtype::Bf16, 5, "tiny").expect("model");
+    let weights = DeviceWeights::upload(&EmulatedDevice, &cpu).expect("upload");
+    let layout = cpu.kv_layout();
+    let blocks = 12;
+    let pool = PoolGeometry {
+        num_layers: cfg.num_hidden_layers,
+        num_blocks: blocks,
+        block_elems: device_forward::block_layer_elems(&cfg),
+    };
+    let pool_bytes = 2 * pool.num_layers * blocks * pool.block_elems;
+    let host_cache = || KvCache::with_budget(layout.clone(), blocks * layout.block_bytes());
+    // Scattered blocks, 37 tokens: the last block partly filled.
+    let table = [7u32, 2, 9];
+    let prompt: Vec<u32> = (0..37u32)
+        .map(|i| (i * 31 + 5) % cfg.vocab_size as u32)
+        .collect();
+
+    // Prefill side: the emulated pass writes the prompt's KV on the device, and staging
+    // copies it to a host cache, layer by layer, as a GPU prefill worker does for shm, tcp
+    // and grpc.
+    let mut device = vec![0u8; pool_bytes];
+    device_forward::forward(
+        &EmulatedDevice,
+        &cfg,
+        &weights,
+        &mut device,
+        blocks,
+        &[seq(&prompt, 0, &table)],
+    )
+    .expect("prefill pass");
+    let mut staged = host_cache().expect("cache");
+    let mut staging = KvStaging::new(&EmulatedDevice, &pool, &table)
+        .expect("staging")
+        .expect("blocks to stage");
+    for layer in 0..pool.num_layers {
+        staging
+            .download_layer(&EmulatedDevice, &pool, &device, &mut staged, layer, &table)
+            .expect("download");
+    }
+    // It matches the KV the CPU engine computes for the same prompt, to bf16.
+    let mut cpu_cache = host_cache().expect("cache");
+    cpu.forward(&mut cpu_cache, &[seq(&prompt, 0, &table)], &mut |_, _| {})
+        .expect("CPU prefill");
+    for layer in 0..pool.num_layers {
+        for &b in &table {
+            let got = staged.block_layer(layer, b).expect("block");
+            let want = cpu_cache.block_layer(layer, b).expect("block");
+            let err = relative_error(got, want);
+            assert!(
+                err <= 1e-2,
+                "layer {layer} block {b}: relative error {err:.2e}"
+            );
+        }
+    }
+
+    // Decode side: KV received into a host cache goes up to a fresh device pool, bit for bit
+    // what the prefill pass wrote (bf16 → f32 → bf16 is exact).
+    let mut received = vec![0u8; pool_bytes];
+    KvStaging::new(&EmulatedDevice, &pool, &table)
+        .expect("staging")
+        .expect("blocks to stage")
+        .upload_all(&EmulatedDevice, &pool, &staged, &mut received, &table)
+        .expect("upload");
+    assert!(
+        received == device,
+        "the uploaded pool differs from the one the KV came from"
+    );
+
+    // And a decode step on it agrees with the CPU engine's.
+    let next = [prompt[36]];
+    let want = cpu
+        .forward(&mut cpu_cache, &[seq(&next, 37, &table)], &mut |_, _| {})
+        .expect("CPU decode");
+    let got = device_forward::forward(
+        &EmulatedDevice,
+        &cfg,
+        &weights,
+        &mut received,
+        blocks,
+        &[seq(&next, 37, &table)],
+    )
+    .expect("decode pass");
+    let err = relative_error(&got[0], &want[0]);
+    assert!(
+        err <= 1e-2,
+        "decode after staging: relative error {err:.2e}"
+    );
+
+    // A block outside the pool is refused before any launch.
+    assert!(matches!(
+        KvStaging::new(&EmulatedDevice, &pool, &[3, blocks as u32]),
         Err(EngineError::InvalidKv(_))
     ));
 }

@@ -1,7 +1,7 @@
 //! [`CudaDevice`]: the CUDA implementation of [`LaunchDevice`], so the generic forward pass
 //! ([`crate::device_forward`]) runs on a GPU: cudarc buffers on the context's stream, the
 //! NVRTC kernels launched with exactly the arguments `kernels.cu` declares, and cuBLAS
-//! bf16 GEMMs with f32 accumulation.
+//! bf16 GEMMs with f32 accumulation; and [`StagingDevice`] for the host staging of its KV.
 
 use std::sync::Arc;
 
@@ -14,6 +14,7 @@ use half::bf16;
 use super::{GpuContext, cuda_err};
 use crate::blas_layout::{Op, linear_call};
 use crate::device_forward::{AttnShape, BatchBuffers, Launch, LaunchDevice};
+use crate::device_staging::StagingDevice;
 use crate::error::Result;
 
 /// A GPU context as a [`LaunchDevice`].
@@ -298,5 +299,65 @@ impl LaunchDevice for CudaDevice {
             )
         }
         .map_err(|e| cuda_err("cuBLAS gemm", e))
+    }
+}
+
+impl StagingDevice for CudaDevice {
+    fn gather_kv_blocks(
+        &self,
+        at: Launch,
+        cache: &Self::Bf16,
+        layer_offset: i64,
+        ids: &Self::I32,
+        count: i32,
+        block_elems: i32,
+        out: &mut Self::Bf16,
+    ) -> Result<()> {
+        let mut b = self.builder(&self.gpu.kernels.gather_kv_blocks);
+        b.arg(cache)
+            .arg(&layer_offset)
+            .arg(ids)
+            .arg(&count)
+            .arg(&block_elems)
+            .arg(out);
+        // SAFETY: gather_kv_blocks(bf16*, long long, int*, int, int, bf16*); `KvStaging`
+        // checked every id against the pool and sized `out` for `count` blocks.
+        unsafe { go(b, at, "gather_kv_blocks") }
+    }
+
+    fn scatter_kv_blocks(
+        &self,
+        at: Launch,
+        staged: &Self::Bf16,
+        ids: &Self::I32,
+        count: i32,
+        block_elems: i32,
+        cache: &mut Self::Bf16,
+        layer_offset: i64,
+    ) -> Result<()> {
+        let mut b = self.builder(&self.gpu.kernels.scatter_kv_blocks);
+        b.arg(staged)
+            .arg(ids)
+            .arg(&count)
+            .arg(&block_elems)
+            .arg(cache)
+            .arg(&layer_offset);
+        // SAFETY: scatter_kv_blocks(bf16*, int*, int, int, bf16*, long long); as above.
+        unsafe { go(b, at, "scatter_kv_blocks") }
+    }
+
+    fn download_bf16_into(&self, buf: &Self::Bf16, host: &mut [bf16]) -> Result<()> {
+        self.gpu
+            .stream
+            .memcpy_dtoh(buf, host)
+            .map_err(|e| cuda_err("KV download", e))?;
+        self.gpu.synchronize()
+    }
+
+    fn upload_bf16_into(&self, host: &[bf16], buf: &mut Self::Bf16) -> Result<()> {
+        self.gpu
+            .stream
+            .memcpy_htod(host, buf)
+            .map_err(|e| cuda_err("KV upload", e))
     }
 }

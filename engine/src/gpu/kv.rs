@@ -12,6 +12,7 @@ use half::bf16;
 
 use super::{GpuContext, cuda_err, ipc};
 use crate::config::ModelConfig;
+use crate::device_staging::PoolGeometry;
 use crate::error::{EngineError, Result};
 use crate::kv::{BLOCK_SIZE, DeviceKv, ExportedKv};
 
@@ -75,9 +76,13 @@ impl GpuKvCache {
         2 * self.kv_heads * BLOCK_SIZE * self.head_dim
     }
 
-    /// Element offset of `layer`'s first block.
-    pub(crate) fn layer_offset(&self, layer: usize) -> i64 {
-        (layer * self.num_blocks * self.block_layer_elems()) as i64
+    /// The pool's shape, for host staging.
+    pub fn geometry(&self) -> PoolGeometry {
+        PoolGeometry {
+            num_layers: self.num_layers,
+            num_blocks: self.num_blocks,
+            block_elems: self.block_layer_elems(),
+        }
     }
 
     /// Element offset of `(layer, block)`: where a transport copies that block.

@@ -3,6 +3,8 @@
 //! compiles the harness once per test binary and runs one kernel launch per process.
 #![allow(dead_code)] // each test binary uses its own part of this module
 
+pub mod device;
+
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};

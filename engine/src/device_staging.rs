@@ -1,0 +1,172 @@
+//! Host staging of a device KV pool, generic over the device ([`StagingDevice`]): a GPU
+//! engine keeps the CPU cache as the transports' view of its KV, so after a forward pass with
+//! prompt work the blocks it wrote are copied device → host, and KV received from a peer is
+//! copied host → device before its first step. Each layer's blocks move in one transfer:
+//! a gather (or scatter) kernel packs them into a dense buffer, so a 2048-token
+//! Llama-3.1-8B prompt costs 32 transfers of 8 MiB rather than 4096 of 64 KiB. The layouts
+//! differ (`kv/staging.rs` converts on the host).
+//!
+//! Like [`crate::device_forward`], this runs on CUDA in production and on an emulated device
+//! in the tests.
+
+use half::bf16;
+
+use crate::device_forward::{Launch, LaunchDevice};
+use crate::error::{EngineError, Result};
+use crate::kv::KvCache;
+use crate::kv::staging::{from_device_layout, to_device_layout};
+
+/// What staging needs beyond the forward pass: the two packing kernels of `kernels.cu` and
+/// transfers into existing buffers.
+pub trait StagingDevice: LaunchDevice {
+    /// `out[i] = cache[layer][ids[i]]` for `count` blocks of `block_elems`.
+    #[allow(clippy::too_many_arguments)]
+    fn gather_kv_blocks(
+        &self,
+        at: Launch,
+        cache: &Self::Bf16,
+        layer_offset: i64,
+        ids: &Self::I32,
+        count: i32,
+        block_elems: i32,
+        out: &mut Self::Bf16,
+    ) -> Result<()>;
+    /// `cache[layer][ids[i]] = staged[i]` for `count` blocks of `block_elems`.
+    #[allow(clippy::too_many_arguments)]
+    fn scatter_kv_blocks(
+        &self,
+        at: Launch,
+        staged: &Self::Bf16,
+        ids: &Self::I32,
+        count: i32,
+        block_elems: i32,
+        cache: &mut Self::Bf16,
+        layer_offset: i64,
+    ) -> Result<()>;
+    /// Waits for queued work, then copies `buf` into `host` (of the same length).
+    fn download_bf16_into(&self, buf: &Self::Bf16, host: &mut [bf16]) -> Result<()>;
+    /// Copies `host` into `buf` (of the same length); `host` may be reused on return.
+    fn upload_bf16_into(&self, host: &[bf16], buf: &mut Self::Bf16) -> Result<()>;
+}
+
+/// A device pool: `[layer][block][K|V][kv_head][slot][head_dim]` bf16.
+#[derive(Debug, Clone, Copy)]
+pub struct PoolGeometry {
+    pub num_layers: usize,
+    pub num_blocks: usize,
+    /// Elements of one block of one layer.
+    pub block_elems: usize,
+}
+
+impl PoolGeometry {
+    fn layer_offset(&self, layer: usize) -> i64 {
+        (layer * self.num_blocks * self.block_elems) as i64
+    }
+}
+
+/// The buffers that move one list of blocks between the pool and the host cache, layer by
+/// layer: the block ids on the device, and the blocks packed densely on both sides.
+pub struct KvStaging<D: StagingDevice> {
+    ids: D::I32,
+    device: D::Bf16,
+    host: Vec<bf16>,
+    count: i32,
+    block_elems: i32,
+}
+
+impl<D: StagingDevice> KvStaging<D> {
+    /// `None` for no blocks (nothing to copy; a zero-block launch would be invalid). Every
+    /// block must lie in the pool: the kernels index it unchecked.
+    pub fn new(dev: &D, pool: &PoolGeometry, blocks: &[u32]) -> Result<Option<Self>> {
+        if blocks.is_empty() {
+            return Ok(None);
+        }
+        if let Some(bad) = blocks.iter().find(|&&b| b as usize >= pool.num_blocks) {
+            return Err(EngineError::InvalidKv(format!(
+                "block {bad} is outside the GPU cache of {} blocks",
+                pool.num_blocks
+            )));
+        }
+        let ids: Vec<i32> = blocks.iter().map(|&b| b as i32).collect();
+        let elems = pool.block_elems * blocks.len();
+        Ok(Some(Self {
+            ids: dev.upload_i32(&ids)?,
+            device: dev.zeros_bf16(elems)?,
+            host: vec![bf16::ZERO; elems],
+            count: blocks.len() as i32,
+            block_elems: pool.block_elems as i32,
+        }))
+    }
+
+    /// One CUDA block per listed cache block.
+    fn launch(&self) -> Launch {
+        Launch {
+            blocks: self.count as u32,
+            threads: 256,
+        }
+    }
+
+    /// Copies `layer`'s `blocks` (the list this staging was made for) from the pool to `host`.
+    pub fn download_layer(
+        &mut self,
+        dev: &D,
+        pool: &PoolGeometry,
+        cache: &D::Bf16,
+        host: &mut KvCache,
+        layer: usize,
+        blocks: &[u32],
+    ) -> Result<()> {
+        let layout = host.layout().clone();
+        let n = layout.block_layer_elems();
+        let at = self.launch();
+        let offset = pool.layer_offset(layer);
+        dev.gather_kv_blocks(
+            at,
+            cache,
+            offset,
+            &self.ids,
+            self.count,
+            self.block_elems,
+            &mut self.device,
+        )?;
+        dev.download_bf16_into(&self.device, &mut self.host)?;
+        for (&block, buf) in blocks.iter().zip(self.host.chunks(n)) {
+            from_device_layout(&layout, buf, host.block_layer_mut(layer, block)?)?;
+        }
+        Ok(())
+    }
+
+    /// Copies every layer of `blocks` (the list this staging was made for) from `host` into
+    /// the pool.
+    pub fn upload_all(
+        &mut self,
+        dev: &D,
+        pool: &PoolGeometry,
+        host: &KvCache,
+        cache: &mut D::Bf16,
+        blocks: &[u32],
+    ) -> Result<()> {
+        let layout = host.layout().clone();
+        let n = layout.block_layer_elems();
+        let at = self.launch();
+        for layer in 0..pool.num_layers {
+            for (&block, buf) in blocks.iter().zip(self.host.chunks_mut(n)) {
+                to_device_layout(&layout, host.block_layer(layer, block)?, buf)?;
+            }
+            dev.upload_bf16_into(&self.host, &mut self.device)?;
+            let offset = pool.layer_offset(layer);
+            dev.scatter_kv_blocks(
+                at,
+                &self.device,
+                &self.ids,
+                self.count,
+                self.block_elems,
+                cache,
+                offset,
+            )?;
+            // The buffers are reused for the next layer: wait for the copy and the scatter.
+            dev.synchronize()?;
+        }
+        Ok(())
+    }
+}
