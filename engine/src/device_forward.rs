@@ -2,7 +2,7 @@
 //! that runs them ([`LaunchDevice`]): the CUDA device (`gpu::CudaDevice`, feature `cuda`)
 //! in production, and in tests an emulated device that runs the same CUDA kernels on the CPU
 //! (`engine/tests/gpu_forward_on_cpu.rs`). So the whole pass (batch layout, buffer sizes,
-//! argument order, launch shapes, the GEMM mapping) is checked against the CPU engine on
+//! argument lists, launch shapes, the GEMM mapping) is checked against the CPU engine on
 //! every machine, not only where a GPU is lent.
 //!
 //! Layouts: activations are row-major `rows × width`; the residual stream and everything
@@ -12,156 +12,11 @@
 use half::bf16;
 
 use crate::config::ModelConfig;
+use crate::device_launch::{Kernel, KernelArg, Launch, LaunchDevice};
 use crate::error::{EngineError, Result};
 use crate::kernels::{Matrix, RopeTable};
 use crate::kv::BLOCK_SIZE;
 use crate::model::{Model, SeqInput};
-
-/// Grid and block size of one launch (1-D).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Launch {
-    pub blocks: u32,
-    pub threads: u32,
-}
-
-impl Launch {
-    /// Enough blocks of `threads` for `n` threads (at least one block).
-    pub fn covering(n: usize, threads: u32) -> Self {
-        Self {
-            blocks: (n as u32).div_ceil(threads).max(1),
-            threads,
-        }
-    }
-
-    /// One block per row.
-    pub fn per_row(rows: usize, threads: u32) -> Self {
-        Self {
-            blocks: rows.max(1) as u32,
-            threads,
-        }
-    }
-}
-
-/// What the forward pass needs from a device: buffers, the kernels of `gpu/kernels.cu` (one
-/// method each, arguments in the kernel's order and types), and `out = x · Wᵀ` GEMMs.
-#[allow(clippy::too_many_arguments)]
-pub trait LaunchDevice {
-    type F32;
-    type Bf16;
-    type I32;
-    type U32;
-
-    fn upload_f32(&self, host: &[f32]) -> Result<Self::F32>;
-    fn upload_bf16(&self, host: &[bf16]) -> Result<Self::Bf16>;
-    fn upload_i32(&self, host: &[i32]) -> Result<Self::I32>;
-    fn upload_u32(&self, host: &[u32]) -> Result<Self::U32>;
-    fn zeros_f32(&self, n: usize) -> Result<Self::F32>;
-    fn zeros_bf16(&self, n: usize) -> Result<Self::Bf16>;
-    /// Waits for queued work, then copies `buf` to the host.
-    fn download_f32(&self, buf: &Self::F32) -> Result<Vec<f32>>;
-    fn synchronize(&self) -> Result<()>;
-
-    fn embed_rows(
-        &self,
-        at: Launch,
-        table: &Self::Bf16,
-        tokens: &Self::U32,
-        out: &mut Self::F32,
-        rows: i32,
-        hidden: i32,
-    ) -> Result<()>;
-    fn rms_norm_bf16(
-        &self,
-        at: Launch,
-        x: &Self::F32,
-        weight: &Self::F32,
-        out: &mut Self::Bf16,
-        rows: i32,
-        hidden: i32,
-        eps: f32,
-    ) -> Result<()>;
-    fn rope_qk(
-        &self,
-        at: Launch,
-        qkv: &mut Self::F32,
-        positions: &Self::I32,
-        inv_freq: &Self::F32,
-        rows: i32,
-        row_width: i32,
-        q_heads: i32,
-        kv_heads: i32,
-        head_dim: i32,
-    ) -> Result<()>;
-    fn kv_write(
-        &self,
-        at: Launch,
-        qkv: &Self::F32,
-        batch: &BatchBuffers<Self>,
-        cache: &mut Self::Bf16,
-        layer_offset: i64,
-        shape: &AttnShape,
-    ) -> Result<()>;
-    fn paged_attention(
-        &self,
-        at: Launch,
-        qkv: &Self::F32,
-        batch: &BatchBuffers<Self>,
-        cache: &Self::Bf16,
-        layer_offset: i64,
-        out: &mut Self::Bf16,
-        shape: &AttnShape,
-    ) -> Result<()>;
-    fn silu_mul_bf16(
-        &self,
-        at: Launch,
-        gate_up: &Self::F32,
-        out: &mut Self::Bf16,
-        rows: i32,
-        f: i32,
-    ) -> Result<()>;
-    fn add_in_place(&self, at: Launch, x: &mut Self::F32, y: &Self::F32, n: i64) -> Result<()>;
-    fn gather_rows(
-        &self,
-        at: Launch,
-        x: &Self::F32,
-        rows_idx: &Self::I32,
-        out: &mut Self::F32,
-        count: i32,
-        width: i32,
-    ) -> Result<()>;
-    /// `out[rows × n] (f32) = x[rows × k] (bf16) · Wᵀ`, `W` row-major `n × k`
-    /// ([`crate::blas_layout::linear_call`] on cuBLAS).
-    fn gemm(
-        &self,
-        x: &Self::Bf16,
-        w: &Self::Bf16,
-        out: &mut Self::F32,
-        rows: usize,
-        n: usize,
-        k: usize,
-    ) -> Result<()>;
-}
-
-/// The per-token description of a batch, on the device (the KV write and attention read it).
-pub struct BatchBuffers<D: LaunchDevice + ?Sized> {
-    pub positions: D::I32,
-    pub token_seq: D::I32,
-    /// `sequences × max_blocks` physical block ids, zero-padded.
-    pub tables: D::I32,
-    pub max_blocks: i32,
-}
-
-/// The attention geometry the KV write and attention kernels take.
-#[derive(Debug, Clone, Copy)]
-pub struct AttnShape {
-    pub rows: i32,
-    pub row_width: i32,
-    pub q_width: i32,
-    pub q_heads: i32,
-    pub kv_heads: i32,
-    pub head_dim: i32,
-    pub scale: f32,
-}
 
 /// One transformer block's weights on a device.
 pub struct DeviceLayer<D: LaunchDevice> {
@@ -300,6 +155,7 @@ pub fn forward<D: LaunchDevice>(
     cache_blocks: usize,
     seqs: &[SeqInput<'_>],
 ) -> Result<Vec<Vec<f32>>> {
+    use KernelArg::*;
     let (h, d) = (cfg.hidden_size, cfg.head_dim);
     let (qw, kw) = (cfg.q_width(), cfg.kv_width());
     let qkv_w = qw + 2 * kw;
@@ -313,12 +169,10 @@ pub fn forward<D: LaunchDevice>(
     let host = describe_batch(cfg, cache_blocks, seqs)?;
     let t = host.tokens.len();
     let tokens = dev.upload_u32(&host.tokens)?;
-    let batch = BatchBuffers::<D> {
-        positions: dev.upload_i32(&host.positions)?,
-        token_seq: dev.upload_i32(&host.token_seq)?,
-        tables: dev.upload_i32(&host.tables)?,
-        max_blocks: host.max_blocks as i32,
-    };
+    let positions = dev.upload_i32(&host.positions)?;
+    let token_seq = dev.upload_i32(&host.token_seq)?;
+    let tables = dev.upload_i32(&host.tables)?;
+    let max_blocks = host.max_blocks as i32;
     let mut x = dev.zeros_f32(t * h)?;
     let mut normed = dev.zeros_bf16(t * h)?;
     let mut qkv = dev.zeros_f32(t * qkv_w)?;
@@ -327,76 +181,143 @@ pub fn forward<D: LaunchDevice>(
     let mut gate_up = dev.zeros_f32(t * 2 * f)?;
     let mut act = dev.zeros_bf16(t * f)?;
     let (rows, hidden, eps) = (t as i32, h as i32, cfg.rms_norm_eps as f32);
-    let shape = AttnShape {
-        rows,
-        row_width: qkv_w as i32,
-        q_width: qw as i32,
-        q_heads: cfg.num_attention_heads as i32,
-        kv_heads: cfg.num_key_value_heads as i32,
-        head_dim: d as i32,
-        scale: 1.0 / (d as f32).sqrt(),
-    };
+    let (row_width, q_width) = (qkv_w as i32, qw as i32);
+    let (q_heads, kv_heads, head_dim) = (
+        cfg.num_attention_heads as i32,
+        cfg.num_key_value_heads as i32,
+        d as i32,
+    );
+    let scale = 1.0 / (d as f32).sqrt();
+    let n_x = (t * h) as i64;
     // Grid-stride kernels are capped at 2^22 threads: enough to fill any GPU.
     let elementwise = |n: usize| Launch::covering(n.min(1 << 22), 256);
-    dev.embed_rows(
-        Launch::per_row(t, 256),
-        &w.embed,
-        &tokens,
-        &mut x,
-        rows,
-        hidden,
-    )?;
+    let norm_at = Launch::per_row(t, 256);
+    // SAFETY (every launch below): each argument list is its kernel's parameter list in
+    // `kernels.cu` (the emulated device of the tests checks every type), and every buffer was
+    // sized above for this batch; `describe_batch` checked the tokens against the vocabulary
+    // and the block tables against the cache.
+    unsafe {
+        dev.launch(
+            Kernel::EmbedRows,
+            Launch::per_row(t, 256),
+            &mut [
+                Bf16(&w.embed),
+                U32s(&tokens),
+                F32Mut(&mut x),
+                Int(rows),
+                Int(hidden),
+            ],
+        )?;
+    }
     let layer_elems = cache_blocks * block_layer_elems(cfg);
     for (l, layer) in w.layers.iter().enumerate() {
         let layer_offset = (l * layer_elems) as i64;
-        let norm_at = Launch::per_row(t, 256);
-        dev.rms_norm_bf16(
-            norm_at,
-            &x,
-            &layer.attn_norm,
-            &mut normed,
-            rows,
-            hidden,
-            eps,
-        )?;
+        unsafe {
+            dev.launch(
+                Kernel::RmsNormBf16,
+                norm_at,
+                &mut [
+                    F32(&x),
+                    F32(&layer.attn_norm),
+                    Bf16Mut(&mut normed),
+                    Int(rows),
+                    Int(hidden),
+                    Float(eps),
+                ],
+            )?;
+        }
         dev.gemm(&normed, &layer.qkv, &mut qkv, t, qkv_w, h)?;
-        dev.rope_qk(
-            Launch::per_row(t, 128),
-            &mut qkv,
-            &batch.positions,
-            &w.inv_freq,
-            rows,
-            shape.row_width,
-            shape.q_heads,
-            shape.kv_heads,
-            shape.head_dim,
-        )?;
-        dev.kv_write(
-            Launch::per_row(t, 128),
-            &qkv,
-            &batch,
-            cache,
-            layer_offset,
-            &shape,
-        )?;
-        // One warp per (token, query head).
-        let attn_at = Launch::covering(t * cfg.num_attention_heads * 32, 128);
-        dev.paged_attention(
-            attn_at,
-            &qkv,
-            &batch,
-            cache,
-            layer_offset,
-            &mut attn,
-            &shape,
-        )?;
+        unsafe {
+            dev.launch(
+                Kernel::RopeQk,
+                Launch::per_row(t, 128),
+                &mut [
+                    F32Mut(&mut qkv),
+                    I32s(&positions),
+                    F32(&w.inv_freq),
+                    Int(rows),
+                    Int(row_width),
+                    Int(q_heads),
+                    Int(kv_heads),
+                    Int(head_dim),
+                ],
+            )?;
+            dev.launch(
+                Kernel::KvWrite,
+                Launch::per_row(t, 128),
+                &mut [
+                    F32(&qkv),
+                    I32s(&positions),
+                    I32s(&token_seq),
+                    I32s(&tables),
+                    Int(max_blocks),
+                    Bf16Mut(cache),
+                    Long(layer_offset),
+                    Int(rows),
+                    Int(row_width),
+                    Int(q_width),
+                    Int(kv_heads),
+                    Int(head_dim),
+                ],
+            )?;
+            // One warp per (token, query head).
+            dev.launch(
+                Kernel::PagedAttention,
+                Launch::covering(t * cfg.num_attention_heads * 32, 128),
+                &mut [
+                    F32(&qkv),
+                    I32s(&positions),
+                    I32s(&token_seq),
+                    I32s(&tables),
+                    Int(max_blocks),
+                    Bf16(cache),
+                    Long(layer_offset),
+                    Bf16Mut(&mut attn),
+                    Int(rows),
+                    Int(row_width),
+                    Int(q_heads),
+                    Int(kv_heads),
+                    Int(head_dim),
+                    Float(scale),
+                ],
+            )?;
+        }
         dev.gemm(&attn, &layer.o, &mut proj, t, h, qw)?;
-        dev.add_in_place(elementwise(t * h), &mut x, &proj, (t * h) as i64)?;
-        dev.rms_norm_bf16(norm_at, &x, &layer.ffn_norm, &mut normed, rows, hidden, eps)?;
+        unsafe {
+            dev.launch(
+                Kernel::AddInPlace,
+                elementwise(t * h),
+                &mut [F32Mut(&mut x), F32(&proj), Long(n_x)],
+            )?;
+            dev.launch(
+                Kernel::RmsNormBf16,
+                norm_at,
+                &mut [
+                    F32(&x),
+                    F32(&layer.ffn_norm),
+                    Bf16Mut(&mut normed),
+                    Int(rows),
+                    Int(hidden),
+                    Float(eps),
+                ],
+            )?;
+        }
         dev.gemm(&normed, &layer.gate_up, &mut gate_up, t, 2 * f, h)?;
-        dev.silu_mul_bf16(elementwise(t * f), &gate_up, &mut act, rows, f as i32)?;
+        unsafe {
+            dev.launch(
+                Kernel::SiluMulBf16,
+                elementwise(t * f),
+                &mut [F32(&gate_up), Bf16Mut(&mut act), Int(rows), Int(f as i32)],
+            )?;
+        }
         dev.gemm(&act, &layer.down, &mut proj, t, h, f)?;
-        dev.add_in_place(elementwise(t * h), &mut x, &proj, (t * h) as i64)?;
+        unsafe {
+            dev.launch(
+                Kernel::AddInPlace,
+                elementwise(t * h),
+                &mut [F32Mut(&mut x), F32(&proj), Long(n_x)],
+            )?;
+        }
     }
     if host.wanted.is_empty() {
         dev.synchronize()?;
@@ -407,23 +328,31 @@ pub fn forward<D: LaunchDevice>(
     let mut last = dev.zeros_f32(s * h)?;
     let mut last_normed = dev.zeros_bf16(s * h)?;
     let count = s as i32;
-    dev.gather_rows(
-        Launch::per_row(s, 256),
-        &x,
-        &wanted,
-        &mut last,
-        count,
-        hidden,
-    )?;
-    dev.rms_norm_bf16(
-        Launch::per_row(s, 256),
-        &last,
-        &w.final_norm,
-        &mut last_normed,
-        count,
-        hidden,
-        eps,
-    )?;
+    unsafe {
+        dev.launch(
+            Kernel::GatherRows,
+            Launch::per_row(s, 256),
+            &mut [
+                F32(&x),
+                I32s(&wanted),
+                F32Mut(&mut last),
+                Int(count),
+                Int(hidden),
+            ],
+        )?;
+        dev.launch(
+            Kernel::RmsNormBf16,
+            Launch::per_row(s, 256),
+            &mut [
+                F32(&last),
+                F32(&w.final_norm),
+                Bf16Mut(&mut last_normed),
+                Int(count),
+                Int(hidden),
+                Float(eps),
+            ],
+        )?;
+    }
     let vocab = cfg.vocab_size;
     let mut logits = dev.zeros_f32(s * vocab)?;
     let head = w.lm_head.as_ref().unwrap_or(&w.embed);
@@ -433,17 +362,4 @@ pub fn forward<D: LaunchDevice>(
         .chunks_exact(vocab)
         .map(<[f32]>::to_vec)
         .collect())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn launch_shapes_cover_their_work() {
-        assert_eq!(Launch::covering(0, 256).blocks, 1);
-        assert_eq!(Launch::covering(257, 256).blocks, 2);
-        assert_eq!(Launch::per_row(0, 128).blocks, 1);
-        assert_eq!(Launch::per_row(5, 128).blocks, 5);
-    }
 }

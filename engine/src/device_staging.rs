@@ -1,4 +1,4 @@
-//! Host staging of a device KV pool, generic over the device ([`StagingDevice`]): a GPU
+//! Host staging of a device KV pool, generic over the device ([`LaunchDevice`]): a GPU
 //! engine keeps the CPU cache as the transports' view of its KV, so after a forward pass with
 //! prompt work the blocks it wrote are copied device → host, and KV received from a peer is
 //! copied host → device before its first step. Each layer's blocks move in one transfer:
@@ -11,43 +11,10 @@
 
 use half::bf16;
 
-use crate::device_forward::{Launch, LaunchDevice};
+use crate::device_launch::{Kernel, KernelArg, Launch, LaunchDevice};
 use crate::error::{EngineError, Result};
 use crate::kv::KvCache;
 use crate::kv::staging::{from_device_layout, to_device_layout};
-
-/// What staging needs beyond the forward pass: the two packing kernels of `kernels.cu` and
-/// transfers into existing buffers.
-pub trait StagingDevice: LaunchDevice {
-    /// `out[i] = cache[layer][ids[i]]` for `count` blocks of `block_elems`.
-    #[allow(clippy::too_many_arguments)]
-    fn gather_kv_blocks(
-        &self,
-        at: Launch,
-        cache: &Self::Bf16,
-        layer_offset: i64,
-        ids: &Self::I32,
-        count: i32,
-        block_elems: i32,
-        out: &mut Self::Bf16,
-    ) -> Result<()>;
-    /// `cache[layer][ids[i]] = staged[i]` for `count` blocks of `block_elems`.
-    #[allow(clippy::too_many_arguments)]
-    fn scatter_kv_blocks(
-        &self,
-        at: Launch,
-        staged: &Self::Bf16,
-        ids: &Self::I32,
-        count: i32,
-        block_elems: i32,
-        cache: &mut Self::Bf16,
-        layer_offset: i64,
-    ) -> Result<()>;
-    /// Waits for queued work, then copies `buf` into `host` (of the same length).
-    fn download_bf16_into(&self, buf: &Self::Bf16, host: &mut [bf16]) -> Result<()>;
-    /// Copies `host` into `buf` (of the same length); `host` may be reused on return.
-    fn upload_bf16_into(&self, host: &[bf16], buf: &mut Self::Bf16) -> Result<()>;
-}
 
 /// A device pool: `[layer][block][K|V][kv_head][slot][head_dim]` bf16.
 #[derive(Debug, Clone, Copy)]
@@ -66,7 +33,7 @@ impl PoolGeometry {
 
 /// The buffers that move one list of blocks between the pool and the host cache, layer by
 /// layer: the block ids on the device, and the blocks packed densely on both sides.
-pub struct KvStaging<D: StagingDevice> {
+pub struct KvStaging<D: LaunchDevice> {
     ids: D::I32,
     device: D::Bf16,
     host: Vec<bf16>,
@@ -74,7 +41,7 @@ pub struct KvStaging<D: StagingDevice> {
     block_elems: i32,
 }
 
-impl<D: StagingDevice> KvStaging<D> {
+impl<D: LaunchDevice> KvStaging<D> {
     /// `None` for no blocks (nothing to copy; a zero-block launch would be invalid). Every
     /// block must lie in the pool: the kernels index it unchecked.
     pub fn new(dev: &D, pool: &PoolGeometry, blocks: &[u32]) -> Result<Option<Self>> {
@@ -120,15 +87,22 @@ impl<D: StagingDevice> KvStaging<D> {
         let n = layout.block_layer_elems();
         let at = self.launch();
         let offset = pool.layer_offset(layer);
-        dev.gather_kv_blocks(
-            at,
-            cache,
-            offset,
-            &self.ids,
-            self.count,
-            self.block_elems,
-            &mut self.device,
-        )?;
+        // SAFETY: gather_kv_blocks(bf16*, long long, int*, int, int, bf16*); `new` checked
+        // every id against the pool and sized `device` for `count` blocks.
+        unsafe {
+            dev.launch(
+                Kernel::GatherKvBlocks,
+                at,
+                &mut [
+                    KernelArg::Bf16(cache),
+                    KernelArg::Long(offset),
+                    KernelArg::I32s(&self.ids),
+                    KernelArg::Int(self.count),
+                    KernelArg::Int(self.block_elems),
+                    KernelArg::Bf16Mut(&mut self.device),
+                ],
+            )?;
+        }
         dev.download_bf16_into(&self.device, &mut self.host)?;
         for (&block, buf) in blocks.iter().zip(self.host.chunks(n)) {
             from_device_layout(&layout, buf, host.block_layer_mut(layer, block)?)?;
@@ -155,15 +129,21 @@ impl<D: StagingDevice> KvStaging<D> {
             }
             dev.upload_bf16_into(&self.host, &mut self.device)?;
             let offset = pool.layer_offset(layer);
-            dev.scatter_kv_blocks(
-                at,
-                &self.device,
-                &self.ids,
-                self.count,
-                self.block_elems,
-                cache,
-                offset,
-            )?;
+            // SAFETY: scatter_kv_blocks(bf16*, int*, int, int, bf16*, long long); as above.
+            unsafe {
+                dev.launch(
+                    Kernel::ScatterKvBlocks,
+                    at,
+                    &mut [
+                        KernelArg::Bf16(&self.device),
+                        KernelArg::I32s(&self.ids),
+                        KernelArg::Int(self.count),
+                        KernelArg::Int(self.block_elems),
+                        KernelArg::Bf16Mut(cache),
+                        KernelArg::Long(offset),
+                    ],
+                )?;
+            }
             // The buffers are reused for the next layer: wait for the copy and the scatter.
             dev.synchronize()?;
         }

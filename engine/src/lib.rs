@@ -8,6 +8,7 @@ pub mod blas_layout;
 pub mod config;
 pub mod device;
 pub mod device_forward;
+pub mod device_launch;
 pub mod device_staging;
 pub mod engine;
 pub mod error;

@@ -462,21 +462,41 @@ fn fill_uniform_is_seeded_bounded_and_uniform() {
 
 #[test]
 fn a_mistyped_argument_is_refused_not_misread() {
-    // add_in_place's count is a 64-bit integer: a 32-bit one would be misread on the device.
-    let Some(result) = try_launch(
+    // add_in_place(float*, float*, long long): a 32-bit count, or a bf16 buffer where a float
+    // one belongs, would be misread on the device.
+    let refused = |args: &[Arg]| -> Option<String> {
+        let result = try_launch("add_in_place", 1, 32, args)?;
+        Some(result.expect_err("a mistyped argument must be refused"))
+    };
+    let Some(err) = refused(&[
+        Arg::F32s(f32_bytes(&[1.0])),
+        Arg::F32s(f32_bytes(&[2.0])),
+        Arg::I32(1),
+    ]) else {
+        return;
+    };
+    assert!(err.contains("argument 2"), "{err}");
+    let err = refused(&[
+        Arg::F32s(f32_bytes(&[1.0])),
+        Arg::Bf16s(vec![0; 4]),
+        Arg::I64(1),
+    ])
+    .expect("harness");
+    assert!(err.contains("argument 1"), "{err}");
+    // The same call, typed right, runs.
+    let ok = try_launch(
         "add_in_place",
         1,
         32,
         &[
-            Arg::Buf(f32_bytes(&[1.0])),
-            Arg::Buf(f32_bytes(&[2.0])),
-            Arg::I32(1),
+            Arg::F32s(f32_bytes(&[1.0])),
+            Arg::F32s(f32_bytes(&[2.0])),
+            Arg::I64(1),
         ],
-    ) else {
-        return;
-    };
-    let err = result.expect_err("a 32-bit count must be refused");
-    assert!(err.contains("argument 2"), "{err}");
+    )
+    .expect("harness")
+    .expect("typed right");
+    assert_eq!(f32s(&ok[0]), vec![3.0]);
 }
 
 #[test]

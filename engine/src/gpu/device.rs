@@ -1,52 +1,23 @@
 //! [`CudaDevice`]: the CUDA implementation of [`LaunchDevice`], so the generic forward pass
-//! ([`crate::device_forward`]) runs on a GPU: cudarc buffers on the context's stream, the
-//! NVRTC kernels launched with exactly the arguments `kernels.cu` declares, and cuBLAS
-//! bf16 GEMMs with f32 accumulation; and [`StagingDevice`] for the host staging of its KV.
+//! ([`crate::device_forward`]) and KV staging ([`crate::device_staging`]) run on a GPU:
+//! cudarc buffers on the context's stream, the NVRTC kernels launched with the argument
+//! lists their callers give, and cuBLAS bf16 GEMMs with f32 accumulation.
 
 use std::sync::Arc;
 
 use cudarc::cublas::{result as blas, sys as blas_sys};
-use cudarc::driver::{
-    CudaFunction, CudaSlice, DevicePtr, DevicePtrMut, LaunchArgs, LaunchConfig, PushKernelArg,
-};
+use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
 use half::bf16;
 
 use super::{GpuContext, cuda_err};
 use crate::blas_layout::{Op, linear_call};
-use crate::device_forward::{AttnShape, BatchBuffers, Launch, LaunchDevice};
-use crate::device_staging::StagingDevice;
+use crate::device_launch::{Kernel, KernelArg, Launch, LaunchDevice};
 use crate::error::Result;
 
 /// A GPU context as a [`LaunchDevice`].
 #[derive(Debug, Clone)]
 pub struct CudaDevice {
     pub gpu: Arc<GpuContext>,
-}
-
-fn config(at: Launch) -> LaunchConfig {
-    LaunchConfig {
-        grid_dim: (at.blocks, 1, 1),
-        block_dim: (at.threads, 1, 1),
-        shared_mem_bytes: 0,
-    }
-}
-
-impl CudaDevice {
-    fn builder<'a>(&'a self, kernel: &'a CudaFunction) -> LaunchArgs<'a> {
-        self.gpu.stream.launch_builder(kernel)
-    }
-}
-
-/// Launches a filled builder.
-///
-/// # Safety
-/// The arguments must be those the kernel declares, and every buffer must be as large as
-/// the launch reads and writes (the generic forward pass sizes them).
-unsafe fn go(mut b: LaunchArgs<'_>, at: Launch, what: &str) -> Result<()> {
-    // SAFETY: as the caller promised.
-    unsafe { b.launch(config(at)) }
-        .map(|_| ())
-        .map_err(|e| cuda_err(&format!("{what} launch"), e))
 }
 
 impl LaunchDevice for CudaDevice {
@@ -101,157 +72,55 @@ impl LaunchDevice for CudaDevice {
         self.gpu.synchronize()
     }
 
-    fn embed_rows(
-        &self,
-        at: Launch,
-        table: &Self::Bf16,
-        tokens: &Self::U32,
-        out: &mut Self::F32,
-        rows: i32,
-        hidden: i32,
-    ) -> Result<()> {
-        let mut b = self.builder(&self.gpu.kernels.embed_rows);
-        b.arg(table).arg(tokens).arg(out).arg(&rows).arg(&hidden);
-        // SAFETY: embed_rows(bf16*, u32*, f32*, int, int).
-        unsafe { go(b, at, "embed_rows") }
+    fn download_bf16_into(&self, buf: &Self::Bf16, host: &mut [bf16]) -> Result<()> {
+        self.gpu
+            .stream
+            .memcpy_dtoh(buf, host)
+            .map_err(|e| cuda_err("KV download", e))?;
+        self.gpu.synchronize()
     }
 
-    fn rms_norm_bf16(
-        &self,
-        at: Launch,
-        x: &Self::F32,
-        weight: &Self::F32,
-        out: &mut Self::Bf16,
-        rows: i32,
-        hidden: i32,
-        eps: f32,
-    ) -> Result<()> {
-        let mut b = self.builder(&self.gpu.kernels.rms_norm_bf16);
-        b.arg(x)
-            .arg(weight)
-            .arg(out)
-            .arg(&rows)
-            .arg(&hidden)
-            .arg(&eps);
-        // SAFETY: rms_norm_bf16(f32*, f32*, bf16*, int, int, float).
-        unsafe { go(b, at, "rms_norm_bf16") }
+    fn upload_bf16_into(&self, host: &[bf16], buf: &mut Self::Bf16) -> Result<()> {
+        self.gpu
+            .stream
+            .memcpy_htod(host, buf)
+            .map_err(|e| cuda_err("KV upload", e))
     }
 
-    fn rope_qk(
+    unsafe fn launch(
         &self,
+        kernel: Kernel,
         at: Launch,
-        qkv: &mut Self::F32,
-        positions: &Self::I32,
-        inv_freq: &Self::F32,
-        rows: i32,
-        row_width: i32,
-        q_heads: i32,
-        kv_heads: i32,
-        head_dim: i32,
+        args: &mut [KernelArg<'_, Self>],
     ) -> Result<()> {
-        let mut b = self.builder(&self.gpu.kernels.rope_qk);
-        b.arg(qkv)
-            .arg(positions)
-            .arg(inv_freq)
-            .arg(&rows)
-            .arg(&row_width)
-            .arg(&q_heads)
-            .arg(&kv_heads)
-            .arg(&head_dim);
-        // SAFETY: rope_qk(f32*, int*, f32*, int × 5).
-        unsafe { go(b, at, "rope_qk") }
-    }
-
-    fn kv_write(
-        &self,
-        at: Launch,
-        qkv: &Self::F32,
-        batch: &BatchBuffers<Self>,
-        cache: &mut Self::Bf16,
-        layer_offset: i64,
-        s: &AttnShape,
-    ) -> Result<()> {
-        let mut b = self.builder(&self.gpu.kernels.kv_write);
-        b.arg(qkv)
-            .arg(&batch.positions)
-            .arg(&batch.token_seq)
-            .arg(&batch.tables)
-            .arg(&batch.max_blocks)
-            .arg(cache)
-            .arg(&layer_offset)
-            .arg(&s.rows)
-            .arg(&s.row_width)
-            .arg(&s.q_width)
-            .arg(&s.kv_heads)
-            .arg(&s.head_dim);
-        // SAFETY: kv_write(f32*, int*, int*, int*, int, bf16*, long long, int × 5).
-        unsafe { go(b, at, "kv_write") }
-    }
-
-    fn paged_attention(
-        &self,
-        at: Launch,
-        qkv: &Self::F32,
-        batch: &BatchBuffers<Self>,
-        cache: &Self::Bf16,
-        layer_offset: i64,
-        out: &mut Self::Bf16,
-        s: &AttnShape,
-    ) -> Result<()> {
-        let mut b = self.builder(&self.gpu.kernels.paged_attention);
-        b.arg(qkv)
-            .arg(&batch.positions)
-            .arg(&batch.token_seq)
-            .arg(&batch.tables)
-            .arg(&batch.max_blocks)
-            .arg(cache)
-            .arg(&layer_offset)
-            .arg(out)
-            .arg(&s.rows)
-            .arg(&s.row_width)
-            .arg(&s.q_heads)
-            .arg(&s.kv_heads)
-            .arg(&s.head_dim)
-            .arg(&s.scale);
-        // SAFETY: paged_attention(f32*, int*, int*, int*, int, bf16*, long long, bf16*,
-        // int × 5, float).
-        unsafe { go(b, at, "paged_attention") }
-    }
-
-    fn silu_mul_bf16(
-        &self,
-        at: Launch,
-        gate_up: &Self::F32,
-        out: &mut Self::Bf16,
-        rows: i32,
-        f: i32,
-    ) -> Result<()> {
-        let mut b = self.builder(&self.gpu.kernels.silu_mul_bf16);
-        b.arg(gate_up).arg(out).arg(&rows).arg(&f);
-        // SAFETY: silu_mul_bf16(f32*, bf16*, int, int).
-        unsafe { go(b, at, "silu_mul_bf16") }
-    }
-
-    fn add_in_place(&self, at: Launch, x: &mut Self::F32, y: &Self::F32, n: i64) -> Result<()> {
-        let mut b = self.builder(&self.gpu.kernels.add_in_place);
-        b.arg(x).arg(y).arg(&n);
-        // SAFETY: add_in_place(f32*, f32*, long long).
-        unsafe { go(b, at, "add_in_place") }
-    }
-
-    fn gather_rows(
-        &self,
-        at: Launch,
-        x: &Self::F32,
-        rows_idx: &Self::I32,
-        out: &mut Self::F32,
-        count: i32,
-        width: i32,
-    ) -> Result<()> {
-        let mut b = self.builder(&self.gpu.kernels.gather_rows);
-        b.arg(x).arg(rows_idx).arg(out).arg(&count).arg(&width);
-        // SAFETY: gather_rows(f32*, int*, f32*, int, int).
-        unsafe { go(b, at, "gather_rows") }
+        let mut b = self
+            .gpu
+            .stream
+            .launch_builder(self.gpu.kernels.function(kernel));
+        for arg in args.iter_mut() {
+            match arg {
+                KernelArg::F32(s) => b.arg(*s),
+                KernelArg::F32Mut(s) => b.arg(&mut **s),
+                KernelArg::Bf16(s) => b.arg(*s),
+                KernelArg::Bf16Mut(s) => b.arg(&mut **s),
+                KernelArg::I32s(s) => b.arg(*s),
+                KernelArg::U32s(s) => b.arg(*s),
+                KernelArg::Int(v) => b.arg(&*v),
+                KernelArg::Long(v) => b.arg(&*v),
+                KernelArg::ULong(v) => b.arg(&*v),
+                KernelArg::Float(v) => b.arg(&*v),
+            };
+        }
+        let config = LaunchConfig {
+            grid_dim: (at.blocks, 1, 1),
+            block_dim: (at.threads, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: as the caller promised (the arguments are the kernel's parameters, the
+        // buffers large enough).
+        unsafe { b.launch(config) }
+            .map(|_| ())
+            .map_err(|e| cuda_err(&format!("{} launch", kernel.name()), e))
     }
 
     fn gemm(
@@ -299,65 +168,5 @@ impl LaunchDevice for CudaDevice {
             )
         }
         .map_err(|e| cuda_err("cuBLAS gemm", e))
-    }
-}
-
-impl StagingDevice for CudaDevice {
-    fn gather_kv_blocks(
-        &self,
-        at: Launch,
-        cache: &Self::Bf16,
-        layer_offset: i64,
-        ids: &Self::I32,
-        count: i32,
-        block_elems: i32,
-        out: &mut Self::Bf16,
-    ) -> Result<()> {
-        let mut b = self.builder(&self.gpu.kernels.gather_kv_blocks);
-        b.arg(cache)
-            .arg(&layer_offset)
-            .arg(ids)
-            .arg(&count)
-            .arg(&block_elems)
-            .arg(out);
-        // SAFETY: gather_kv_blocks(bf16*, long long, int*, int, int, bf16*); `KvStaging`
-        // checked every id against the pool and sized `out` for `count` blocks.
-        unsafe { go(b, at, "gather_kv_blocks") }
-    }
-
-    fn scatter_kv_blocks(
-        &self,
-        at: Launch,
-        staged: &Self::Bf16,
-        ids: &Self::I32,
-        count: i32,
-        block_elems: i32,
-        cache: &mut Self::Bf16,
-        layer_offset: i64,
-    ) -> Result<()> {
-        let mut b = self.builder(&self.gpu.kernels.scatter_kv_blocks);
-        b.arg(staged)
-            .arg(ids)
-            .arg(&count)
-            .arg(&block_elems)
-            .arg(cache)
-            .arg(&layer_offset);
-        // SAFETY: scatter_kv_blocks(bf16*, int*, int, int, bf16*, long long); as above.
-        unsafe { go(b, at, "scatter_kv_blocks") }
-    }
-
-    fn download_bf16_into(&self, buf: &Self::Bf16, host: &mut [bf16]) -> Result<()> {
-        self.gpu
-            .stream
-            .memcpy_dtoh(buf, host)
-            .map_err(|e| cuda_err("KV download", e))?;
-        self.gpu.synchronize()
-    }
-
-    fn upload_bf16_into(&self, host: &[bf16], buf: &mut Self::Bf16) -> Result<()> {
-        self.gpu
-            .stream
-            .memcpy_htod(host, buf)
-            .map_err(|e| cuda_err("KV upload", e))
     }
 }

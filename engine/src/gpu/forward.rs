@@ -6,13 +6,14 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use cudarc::driver::CudaSlice;
 use half::bf16;
 
 use super::device::CudaDevice;
-use super::{GpuContext, GpuKvCache, cuda_err};
+use super::{GpuContext, GpuKvCache};
 use crate::config::ModelConfig;
-use crate::device_forward::{self, DeviceLayer, DeviceWeights, Launch, LaunchDevice};
+use crate::device_forward::{self, DeviceLayer, DeviceWeights};
+use crate::device_launch::{Kernel, KernelArg, Launch, LaunchDevice};
 use crate::error::Result;
 use crate::model::{Model, SeqInput};
 
@@ -58,17 +59,20 @@ impl GpuModel {
                 seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ next,
                 std * 3f32.sqrt(),
             );
-            let mut b = gpu.stream.launch_builder(&gpu.kernels.fill_uniform_bf16);
-            b.arg(&mut out).arg(&n64).arg(&s).arg(&amp);
-            let at = Launch::covering(n.min(1 << 24), 256);
-            let config = LaunchConfig {
-                grid_dim: (at.blocks, 1, 1),
-                block_dim: (at.threads, 1, 1),
-                shared_mem_bytes: 0,
-            };
             // SAFETY: fill_uniform_bf16(bf16*, long long, unsigned long long, float) writes
-            // n elements of `out`.
-            unsafe { b.launch(config) }.map_err(|e| cuda_err("launch", e))?;
+            // the n elements of `out`.
+            unsafe {
+                device.launch(
+                    Kernel::FillUniformBf16,
+                    Launch::covering(n.min(1 << 24), 256),
+                    &mut [
+                        KernelArg::Bf16Mut(&mut out),
+                        KernelArg::Long(n64),
+                        KernelArg::ULong(s),
+                        KernelArg::Float(amp),
+                    ],
+                )?;
+            }
             Ok(out)
         };
         let fan_in = |n: usize| 1.0 / (n as f32).sqrt();

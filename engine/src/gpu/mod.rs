@@ -27,25 +27,11 @@ use cudarc::cublas::CudaBlas;
 use cudarc::driver::{CudaContext, CudaFunction, CudaStream};
 use cudarc::nvrtc::{CompileOptions, compile_ptx_with_opts};
 
+use crate::device_launch::Kernel;
 use crate::error::{EngineError, Result};
 
 /// The kernels' CUDA C source (compiled at run time by NVRTC).
 pub const KERNELS_SRC: &str = include_str!("kernels.cu");
-
-/// Names of every kernel in [`KERNELS_SRC`].
-pub const KERNEL_NAMES: [&str; 11] = [
-    "embed_rows",
-    "rms_norm_bf16",
-    "rope_qk",
-    "kv_write",
-    "paged_attention",
-    "silu_mul_bf16",
-    "add_in_place",
-    "gather_rows",
-    "fill_uniform_bf16",
-    "gather_kv_blocks",
-    "scatter_kv_blocks",
-];
 
 pub(crate) fn cuda_err(what: &str, e: impl std::fmt::Display) -> EngineError {
     EngineError::Unsupported(format!("CUDA {what}: {e}"))
@@ -92,6 +78,24 @@ pub(crate) struct Kernels {
     pub fill_uniform_bf16: CudaFunction,
     pub gather_kv_blocks: CudaFunction,
     pub scatter_kv_blocks: CudaFunction,
+}
+
+impl Kernels {
+    pub(crate) fn function(&self, kernel: Kernel) -> &CudaFunction {
+        match kernel {
+            Kernel::EmbedRows => &self.embed_rows,
+            Kernel::RmsNormBf16 => &self.rms_norm_bf16,
+            Kernel::RopeQk => &self.rope_qk,
+            Kernel::KvWrite => &self.kv_write,
+            Kernel::PagedAttention => &self.paged_attention,
+            Kernel::SiluMulBf16 => &self.silu_mul_bf16,
+            Kernel::AddInPlace => &self.add_in_place,
+            Kernel::GatherRows => &self.gather_rows,
+            Kernel::FillUniformBf16 => &self.fill_uniform_bf16,
+            Kernel::GatherKvBlocks => &self.gather_kv_blocks,
+            Kernel::ScatterKvBlocks => &self.scatter_kv_blocks,
+        }
+    }
 }
 
 /// A device, the stream the forward pass runs on, cuBLAS and the kernels.
@@ -144,23 +148,23 @@ impl GpuContext {
         let module = ctx
             .load_module(compile_kernels(arch)?)
             .map_err(|e| cuda_err("module load", e))?;
-        let f = |name: &str| {
+        let f = |kernel: Kernel| {
             module
-                .load_function(name)
-                .map_err(|e| cuda_err(&format!("kernel {name}"), e))
+                .load_function(kernel.name())
+                .map_err(|e| cuda_err(&format!("kernel {}", kernel.name()), e))
         };
         let kernels = Kernels {
-            embed_rows: f("embed_rows")?,
-            rms_norm_bf16: f("rms_norm_bf16")?,
-            rope_qk: f("rope_qk")?,
-            kv_write: f("kv_write")?,
-            paged_attention: f("paged_attention")?,
-            silu_mul_bf16: f("silu_mul_bf16")?,
-            add_in_place: f("add_in_place")?,
-            gather_rows: f("gather_rows")?,
-            fill_uniform_bf16: f("fill_uniform_bf16")?,
-            gather_kv_blocks: f("gather_kv_blocks")?,
-            scatter_kv_blocks: f("scatter_kv_blocks")?,
+            embed_rows: f(Kernel::EmbedRows)?,
+            rms_norm_bf16: f(Kernel::RmsNormBf16)?,
+            rope_qk: f(Kernel::RopeQk)?,
+            kv_write: f(Kernel::KvWrite)?,
+            paged_attention: f(Kernel::PagedAttention)?,
+            silu_mul_bf16: f(Kernel::SiluMulBf16)?,
+            add_in_place: f(Kernel::AddInPlace)?,
+            gather_rows: f(Kernel::GatherRows)?,
+            fill_uniform_bf16: f(Kernel::FillUniformBf16)?,
+            gather_kv_blocks: f(Kernel::GatherKvBlocks)?,
+            scatter_kv_blocks: f(Kernel::ScatterKvBlocks)?,
         };
         let blas = CudaBlas::new(stream.clone()).map_err(|e| cuda_err("cuBLAS", e))?;
         Ok(Self {
@@ -221,7 +225,8 @@ mod tests {
         }
         let ptx = compile_kernels(Some("compute_90")).expect("kernels compile");
         let text = ptx.to_src();
-        for name in KERNEL_NAMES {
+        for kernel in Kernel::ALL {
+            let name = kernel.name();
             assert!(text.contains(name), "{name} missing from the PTX");
         }
     }

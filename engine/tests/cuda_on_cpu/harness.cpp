@@ -2,9 +2,10 @@
 // integration test `gpu_kernels_on_cpu.rs`, which compares the results with the CPU engine.
 //
 // Request on stdin (little-endian): u32 name length, name, u32 grid blocks, u32 threads per
-// block, u32 argument count, then per argument a tag byte and its value: 'B' u64 length and
-// the bytes of a buffer, 'i' i32, 'l' i64, 'q' u64, 'f' f32. Every argument's tag must match
-// the kernel's parameter type (a mismatch is an error, where a real launch would misread it).
+// block, u32 argument count, then per argument a tag byte and its value: a buffer as u64
+// length and bytes, tagged 'F' (float*), 'H' (bf16*), 'I' (int*), 'U' (unsigned int*) or 'B'
+// (any pointer); or 'i' i32, 'l' i64, 'q' u64, 'f' f32. Every argument's tag must match the
+// kernel's parameter type (a mismatch is an error, where a real launch would misread it).
 // Reply on stdout: each buffer, in argument order, as it is after the kernel ran.
 #include "emu.h"
 
@@ -44,7 +45,14 @@ T take(Arg& arg, size_t index) {
         }
     };
     if constexpr (std::is_pointer_v<T>) {
-        expect('B');
+        using Pointee = std::remove_cv_t<std::remove_pointer_t<T>>;
+        if (arg.tag != 'B') {
+            if constexpr (std::is_same_v<Pointee, float>) expect('F');
+            else if constexpr (std::is_same_v<Pointee, bf16>) expect('H');
+            else if constexpr (std::is_same_v<Pointee, int>) expect('I');
+            else if constexpr (std::is_same_v<Pointee, unsigned int>) expect('U');
+            else expect('B');
+        }
         return reinterpret_cast<T>(arg.bytes.data());
     } else {
         if constexpr (std::is_same_v<T, int>) expect('i');
@@ -100,7 +108,7 @@ int main() {
             arg.tag = read_value<char>();
             size_t len = 0;
             switch (arg.tag) {
-                case 'B': len = read_value<uint64_t>(); break;
+                case 'B': case 'F': case 'H': case 'I': case 'U': len = read_value<uint64_t>(); break;
                 case 'i': case 'f': len = 4; break;
                 case 'l': case 'q': len = 8; break;
                 default: throw std::runtime_error("unknown argument tag");
@@ -112,7 +120,7 @@ int main() {
         if (kernel == kernels.end()) throw std::runtime_error("no kernel named " + name);
         kernel->second(args, grid, threads);
         for (const Arg& arg : args) {
-            if (arg.tag != 'B') continue;
+            if (arg.tag != 'B' && arg.tag != 'F' && arg.tag != 'H' && arg.tag != 'I' && arg.tag != 'U') continue;
             uint64_t len = arg.bytes.size();
             std::fwrite(&len, sizeof len, 1, stdout);
             std::fwrite(arg.bytes.data(), 1, arg.bytes.size(), stdout);

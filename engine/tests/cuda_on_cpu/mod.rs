@@ -14,7 +14,13 @@ use half::bf16;
 
 /// One kernel argument, tagged as the harness expects.
 pub enum Arg {
+    /// A buffer for any pointer parameter.
     Buf(Vec<u8>),
+    /// Buffers for `float*`, `bf16*` (`unsigned short*`), `int*` and `unsigned int*` only.
+    F32s(Vec<u8>),
+    Bf16s(Vec<u8>),
+    I32s(Vec<u8>),
+    U32s(Vec<u8>),
     I32(i32),
     I64(i64),
     U64(u64),
@@ -86,8 +92,14 @@ pub fn try_launch(
     }
     for a in args {
         match a {
-            Arg::Buf(b) => {
-                req.push(b'B');
+            Arg::Buf(b) | Arg::F32s(b) | Arg::Bf16s(b) | Arg::I32s(b) | Arg::U32s(b) => {
+                req.push(match a {
+                    Arg::F32s(_) => b'F',
+                    Arg::Bf16s(_) => b'H',
+                    Arg::I32s(_) => b'I',
+                    Arg::U32s(_) => b'U',
+                    _ => b'B',
+                });
                 req.extend((b.len() as u64).to_le_bytes());
                 req.extend(b);
             }

@@ -1,0 +1,171 @@
+//! The device interface that tandem's GPU code is written against ([`LaunchDevice`]): device
+//! buffers, transfers, launches of the kernels in `gpu/kernels.cu` ([`Kernel`]) and GEMMs.
+//!
+//! A launch is a kernel, a grid and its arguments as a list of [`KernelArg`], in the kernel's
+//! parameter order. The lists are written once, by the code that launches (the forward pass,
+//! KV staging); a device only turns them into its own call. So the CUDA device
+//! (`gpu::CudaDevice`) and the emulated device of the tests (which runs the kernels on the
+//! CPU and checks every argument's type against the kernel's parameters) launch the very
+//! same lists.
+
+use half::bf16;
+
+use crate::error::Result;
+
+/// Grid and block size of one launch (1-D).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Launch {
+    pub blocks: u32,
+    pub threads: u32,
+}
+
+impl Launch {
+    /// Enough blocks of `threads` for `n` threads (at least one block).
+    pub fn covering(n: usize, threads: u32) -> Self {
+        Self {
+            blocks: (n as u32).div_ceil(threads).max(1),
+            threads,
+        }
+    }
+
+    /// One block per row.
+    pub fn per_row(rows: usize, threads: u32) -> Self {
+        Self {
+            blocks: rows.max(1) as u32,
+            threads,
+        }
+    }
+}
+
+/// The kernels of `gpu/kernels.cu`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kernel {
+    EmbedRows,
+    RmsNormBf16,
+    RopeQk,
+    KvWrite,
+    PagedAttention,
+    SiluMulBf16,
+    AddInPlace,
+    GatherRows,
+    FillUniformBf16,
+    GatherKvBlocks,
+    ScatterKvBlocks,
+}
+
+impl Kernel {
+    pub const ALL: [Kernel; 11] = [
+        Kernel::EmbedRows,
+        Kernel::RmsNormBf16,
+        Kernel::RopeQk,
+        Kernel::KvWrite,
+        Kernel::PagedAttention,
+        Kernel::SiluMulBf16,
+        Kernel::AddInPlace,
+        Kernel::GatherRows,
+        Kernel::FillUniformBf16,
+        Kernel::GatherKvBlocks,
+        Kernel::ScatterKvBlocks,
+    ];
+
+    /// The kernel's name in `kernels.cu`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Kernel::EmbedRows => "embed_rows",
+            Kernel::RmsNormBf16 => "rms_norm_bf16",
+            Kernel::RopeQk => "rope_qk",
+            Kernel::KvWrite => "kv_write",
+            Kernel::PagedAttention => "paged_attention",
+            Kernel::SiluMulBf16 => "silu_mul_bf16",
+            Kernel::AddInPlace => "add_in_place",
+            Kernel::GatherRows => "gather_rows",
+            Kernel::FillUniformBf16 => "fill_uniform_bf16",
+            Kernel::GatherKvBlocks => "gather_kv_blocks",
+            Kernel::ScatterKvBlocks => "scatter_kv_blocks",
+        }
+    }
+}
+
+/// One argument of a launch: a device buffer (read, or written: `…Mut`) or a scalar, typed as
+/// the kernel's parameter (`float*`, `bf16*`, `int*`, `unsigned int*`, `int`, `long long`,
+/// `unsigned long long`, `float`).
+pub enum KernelArg<'a, D: LaunchDevice + ?Sized> {
+    F32(&'a D::F32),
+    F32Mut(&'a mut D::F32),
+    Bf16(&'a D::Bf16),
+    Bf16Mut(&'a mut D::Bf16),
+    I32s(&'a D::I32),
+    U32s(&'a D::U32),
+    Int(i32),
+    Long(i64),
+    ULong(u64),
+    Float(f32),
+}
+
+/// What tandem's GPU code needs from a device.
+pub trait LaunchDevice {
+    type F32;
+    type Bf16;
+    type I32;
+    type U32;
+
+    fn upload_f32(&self, host: &[f32]) -> Result<Self::F32>;
+    fn upload_bf16(&self, host: &[bf16]) -> Result<Self::Bf16>;
+    fn upload_i32(&self, host: &[i32]) -> Result<Self::I32>;
+    fn upload_u32(&self, host: &[u32]) -> Result<Self::U32>;
+    fn zeros_f32(&self, n: usize) -> Result<Self::F32>;
+    fn zeros_bf16(&self, n: usize) -> Result<Self::Bf16>;
+    /// Waits for queued work, then copies `buf` to the host.
+    fn download_f32(&self, buf: &Self::F32) -> Result<Vec<f32>>;
+    /// Waits for queued work, then copies `buf` into `host` (of the same length).
+    fn download_bf16_into(&self, buf: &Self::Bf16, host: &mut [bf16]) -> Result<()>;
+    /// Copies `host` into `buf` (of the same length); `host` may be reused on return.
+    fn upload_bf16_into(&self, host: &[bf16], buf: &mut Self::Bf16) -> Result<()>;
+    fn synchronize(&self) -> Result<()>;
+
+    /// Queues `kernel` over `at` with `args`, in the kernel's parameter order.
+    ///
+    /// # Safety
+    /// `args` must match the kernel's parameters, and every buffer must be as large as the
+    /// launch reads and writes: the kernels index them unchecked.
+    unsafe fn launch(
+        &self,
+        kernel: Kernel,
+        at: Launch,
+        args: &mut [KernelArg<'_, Self>],
+    ) -> Result<()>;
+
+    /// `out[rows × n] (f32) = x[rows × k] (bf16) · Wᵀ`, `W` row-major `n × k`
+    /// ([`crate::blas_layout::linear_call`] on cuBLAS).
+    fn gemm(
+        &self,
+        x: &Self::Bf16,
+        w: &Self::Bf16,
+        out: &mut Self::F32,
+        rows: usize,
+        n: usize,
+        k: usize,
+    ) -> Result<()>;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn launch_shapes_cover_their_work() {
+        assert_eq!(Launch::covering(0, 256).blocks, 1);
+        assert_eq!(Launch::covering(257, 256).blocks, 2);
+        assert_eq!(Launch::per_row(0, 128).blocks, 1);
+        assert_eq!(Launch::per_row(5, 128).blocks, 5);
+    }
+
+    #[test]
+    fn every_kernel_is_in_the_source_under_its_name() {
+        let source = include_str!("gpu/kernels.cu");
+        for k in Kernel::ALL {
+            let decl = format!("__global__ void {}(", k.name());
+            assert!(source.contains(&decl), "{decl} missing from kernels.cu");
+        }
+    }
+}
