@@ -145,6 +145,53 @@ fn describe_batch(
     Ok(b)
 }
 
+/// A grid-stride launch over `n` elements, capped at 2^22 threads: enough to fill any GPU.
+fn elementwise(n: usize) -> Launch {
+    Launch::covering(n.min(1 << 22), 256)
+}
+
+/// `out = bf16(rmsnorm(x) * weight)` for `rows` rows of `hidden` (one block per row).
+fn rms_norm<D: LaunchDevice>(
+    dev: &D,
+    x: &D::F32,
+    weight: &D::F32,
+    out: &mut D::Bf16,
+    rows: i32,
+    hidden: i32,
+    eps: f32,
+) -> Result<()> {
+    use KernelArg::*;
+    // SAFETY: rms_norm_bf16(float*, float*, bf16*, int, int, float); the callers size x and
+    // out for `rows` rows of `hidden`, and weight for `hidden`.
+    unsafe {
+        dev.launch(
+            Kernel::RmsNormBf16,
+            Launch::per_row(rows as usize, 256),
+            &mut [
+                F32(x),
+                F32(weight),
+                Bf16Mut(out),
+                Int(rows),
+                Int(hidden),
+                Float(eps),
+            ],
+        )
+    }
+}
+
+/// `x += y` over `n` elements (the residual stream).
+fn add_in_place<D: LaunchDevice>(dev: &D, x: &mut D::F32, y: &D::F32, n: usize) -> Result<()> {
+    use KernelArg::*;
+    // SAFETY: add_in_place(float*, float*, long long); x and y hold n elements.
+    unsafe {
+        dev.launch(
+            Kernel::AddInPlace,
+            elementwise(n),
+            &mut [F32Mut(x), F32(y), Long(n as i64)],
+        )
+    }
+}
+
 /// Runs one batch (same contract as [`Model::forward`]): K/V of every token into `cache`
 /// (`cache_blocks` blocks per layer), last-token logits of every sequence that asked.
 pub fn forward<D: LaunchDevice>(
@@ -188,10 +235,6 @@ pub fn forward<D: LaunchDevice>(
         d as i32,
     );
     let scale = 1.0 / (d as f32).sqrt();
-    let n_x = (t * h) as i64;
-    // Grid-stride kernels are capped at 2^22 threads: enough to fill any GPU.
-    let elementwise = |n: usize| Launch::covering(n.min(1 << 22), 256);
-    let norm_at = Launch::per_row(t, 256);
     // SAFETY (every launch below): each argument list is its kernel's parameter list in
     // `kernels.cu` (the emulated device of the tests checks every type), and every buffer was
     // sized above for this batch; `describe_batch` checked the tokens against the vocabulary
@@ -212,20 +255,7 @@ pub fn forward<D: LaunchDevice>(
     let layer_elems = cache_blocks * block_layer_elems(cfg);
     for (l, layer) in w.layers.iter().enumerate() {
         let layer_offset = (l * layer_elems) as i64;
-        unsafe {
-            dev.launch(
-                Kernel::RmsNormBf16,
-                norm_at,
-                &mut [
-                    F32(&x),
-                    F32(&layer.attn_norm),
-                    Bf16Mut(&mut normed),
-                    Int(rows),
-                    Int(hidden),
-                    Float(eps),
-                ],
-            )?;
-        }
+        rms_norm(dev, &x, &layer.attn_norm, &mut normed, rows, hidden, eps)?;
         dev.gemm(&normed, &layer.qkv, &mut qkv, t, qkv_w, h)?;
         unsafe {
             dev.launch(
@@ -283,25 +313,8 @@ pub fn forward<D: LaunchDevice>(
             )?;
         }
         dev.gemm(&attn, &layer.o, &mut proj, t, h, qw)?;
-        unsafe {
-            dev.launch(
-                Kernel::AddInPlace,
-                elementwise(t * h),
-                &mut [F32Mut(&mut x), F32(&proj), Long(n_x)],
-            )?;
-            dev.launch(
-                Kernel::RmsNormBf16,
-                norm_at,
-                &mut [
-                    F32(&x),
-                    F32(&layer.ffn_norm),
-                    Bf16Mut(&mut normed),
-                    Int(rows),
-                    Int(hidden),
-                    Float(eps),
-                ],
-            )?;
-        }
+        add_in_place(dev, &mut x, &proj, t * h)?;
+        rms_norm(dev, &x, &layer.ffn_norm, &mut normed, rows, hidden, eps)?;
         dev.gemm(&normed, &layer.gate_up, &mut gate_up, t, 2 * f, h)?;
         unsafe {
             dev.launch(
@@ -311,13 +324,7 @@ pub fn forward<D: LaunchDevice>(
             )?;
         }
         dev.gemm(&act, &layer.down, &mut proj, t, h, f)?;
-        unsafe {
-            dev.launch(
-                Kernel::AddInPlace,
-                elementwise(t * h),
-                &mut [F32Mut(&mut x), F32(&proj), Long(n_x)],
-            )?;
-        }
+        add_in_place(dev, &mut x, &proj, t * h)?;
     }
     if host.wanted.is_empty() {
         dev.synchronize()?;
@@ -340,19 +347,16 @@ pub fn forward<D: LaunchDevice>(
                 Int(hidden),
             ],
         )?;
-        dev.launch(
-            Kernel::RmsNormBf16,
-            Launch::per_row(s, 256),
-            &mut [
-                F32(&last),
-                F32(&w.final_norm),
-                Bf16Mut(&mut last_normed),
-                Int(count),
-                Int(hidden),
-                Float(eps),
-            ],
-        )?;
     }
+    rms_norm(
+        dev,
+        &last,
+        &w.final_norm,
+        &mut last_normed,
+        count,
+        hidden,
+        eps,
+    )?;
     let vocab = cfg.vocab_size;
     let mut logits = dev.zeros_f32(s * vocab)?;
     let head = w.lm_head.as_ref().unwrap_or(&w.embed);

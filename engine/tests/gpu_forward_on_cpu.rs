@@ -16,8 +16,6 @@
 
 mod cuda_on_cpu;
 
-use std::sync::Arc;
-
 use tandem_engine::config::{ModelConfig, WeightDtype};
 use tandem_engine::device_forward::{self, DeviceWeights};
 use tandem_engine::device_staging::{KvStaging, PoolGeometry};
@@ -42,33 +40,58 @@ fn relative_error(got: &[f32], want: &[f32]) -> f32 {
     }
 }
 
-/// Runs `seqs` through the CPU engine and the emulated GPU pass; returns the worst relative
-/// error over the logit rows.
-fn compare(
-    cpu: &Model,
-    cpu_cache: &mut KvCache,
-    weights: &DeviceWeights<EmulatedDevice>,
-    gpu_cache: &mut Bytes,
+/// One model on the CPU engine and on the emulated GPU pass, each with its own KV cache of
+/// the same blocks, and the worst relative error seen between their logits so far.
+struct SideBySide {
+    cpu: Model,
+    weights: DeviceWeights<EmulatedDevice>,
+    cpu_cache: KvCache,
+    gpu_cache: Bytes,
     blocks: usize,
-    seqs: &[SeqInput<'_>],
-) -> f32 {
-    let want = cpu
-        .forward(cpu_cache, seqs, &mut |_, _| {})
-        .expect("CPU forward");
-    let got = device_forward::forward(
-        &EmulatedDevice,
-        cpu.config(),
-        weights,
-        gpu_cache,
-        blocks,
-        seqs,
-    )
-    .expect("emulated GPU forward");
-    assert_eq!(got.len(), want.len(), "logit rows");
-    got.iter()
-        .zip(&want)
-        .map(|(g, w)| relative_error(g, w))
-        .fold(0f32, f32::max)
+    worst: f32,
+}
+
+impl SideBySide {
+    fn new(cfg: &ModelConfig, name: &str, blocks: usize) -> Self {
+        let cpu = dummy_model(cfg.clone(), WeightDtype::Bf16, 3, name).expect("model");
+        let weights = DeviceWeights::upload(&EmulatedDevice, &cpu).expect("upload");
+        let layout = cpu.kv_layout();
+        Self {
+            cpu_cache: KvCache::with_budget(layout.clone(), blocks * layout.block_bytes())
+                .expect("cache"),
+            gpu_cache: vec![
+                0u8;
+                2 * blocks
+                    * device_forward::block_layer_elems(cfg)
+                    * cfg.num_hidden_layers
+            ],
+            cpu,
+            weights,
+            blocks,
+            worst: 0.0,
+        }
+    }
+
+    /// Runs `seqs` on both sides and folds the logits' relative error into `worst`.
+    fn step(&mut self, seqs: &[SeqInput<'_>]) {
+        let want = self
+            .cpu
+            .forward(&mut self.cpu_cache, seqs, &mut |_, _| {})
+            .expect("CPU forward");
+        let got = device_forward::forward(
+            &EmulatedDevice,
+            self.cpu.config(),
+            &self.weights,
+            &mut self.gpu_cache,
+            self.blocks,
+            seqs,
+        )
+        .expect("emulated GPU forward");
+        assert_eq!(got.len(), want.len(), "logit rows");
+        for (g, w) in got.iter().zip(&want) {
+            self.worst = self.worst.max(relative_error(g, w));
+        }
+    }
 }
 
 #[test]
@@ -90,14 +113,8 @@ fn the_gpu_forward_pass_matches_the_cpu_engine() {
         ("tiny", ModelConfig::preset("tiny").expect("preset")),
         ("smol-attention", smol_attention),
     ] {
-        let cpu = Arc::new(dummy_model(cfg.clone(), WeightDtype::Bf16, 3, name).expect("model"));
-        let weights = DeviceWeights::upload(&EmulatedDevice, &cpu).expect("upload");
-        let layout = cpu.kv_layout();
         let blocks = 24;
-        let mut cpu_cache =
-            KvCache::with_budget(layout.clone(), blocks * layout.block_bytes()).expect("cache");
-        let mut gpu_cache =
-            vec![0u8; 2 * blocks * device_forward::block_layer_elems(&cfg) * cfg.num_hidden_layers];
+        let mut pair = SideBySide::new(&cfg, name, blocks);
         let mut pool = BlockPool::new(blocks);
         let vocab = cfg.vocab_size as u32;
         let prompt = |seed: u32, len: usize| -> Vec<u32> {
@@ -105,7 +122,6 @@ fn the_gpu_forward_pass_matches_the_cpu_engine() {
                 .map(|i| (i.wrapping_mul(2_654_435_761) ^ seed.wrapping_mul(97)) % vocab)
                 .collect()
         };
-        let mut worst = 0f32;
         // 1. A mixed-length batch, from one token to past two blocks.
         let lens = [1usize, 7, 16, 33];
         let prompts: Vec<Vec<u32>> = lens
@@ -120,21 +136,9 @@ fn the_gpu_forward_pass_matches_the_cpu_engine() {
         let inputs: Vec<SeqInput<'_>> = prompts
             .iter()
             .zip(&tables)
-            .map(|(p, t)| SeqInput {
-                tokens: p,
-                start_pos: 0,
-                block_table: t,
-                logits: true,
-            })
+            .map(|(p, t)| seq(p, 0, t))
             .collect();
-        worst = worst.max(compare(
-            &cpu,
-            &mut cpu_cache,
-            &weights,
-            &mut gpu_cache,
-            blocks,
-            &inputs,
-        ));
+        pair.step(&inputs);
         // 2. Decode steps on top, one sequence leaving each step.
         for step in 0..3 {
             let next: Vec<Vec<u32>> = prompts
@@ -146,21 +150,9 @@ fn the_gpu_forward_pass_matches_the_cpu_engine() {
                 .zip(&tables)
                 .zip(&prompts)
                 .take(lens.len() - step)
-                .map(|((n, t), p)| SeqInput {
-                    tokens: n,
-                    start_pos: p.len() + step,
-                    block_table: t,
-                    logits: true,
-                })
+                .map(|((n, t), p)| seq(n, p.len() + step, t))
                 .collect();
-            worst = worst.max(compare(
-                &cpu,
-                &mut cpu_cache,
-                &weights,
-                &mut gpu_cache,
-                blocks,
-                &inputs,
-            ));
+            pair.step(&inputs);
         }
         // 3. A chunked prefill of 50 tokens, the middle chunk asking for no logits.
         let long = prompt(99, 50);
@@ -173,16 +165,10 @@ fn the_gpu_forward_pass_matches_the_cpu_engine() {
                 block_table: &table,
                 logits,
             }];
-            worst = worst.max(compare(
-                &cpu,
-                &mut cpu_cache,
-                &weights,
-                &mut gpu_cache,
-                blocks,
-                &input,
-            ));
+            pair.step(&input);
             pos += chunk;
         }
+        let worst = pair.worst;
         assert!(
             worst <= 1e-2,
             "{name}: worst relative error {worst:.2e} (limit 1e-2)"
