@@ -36,10 +36,12 @@ struct KvReport {
     transport: Transport,
 }
 
-/// Validates, then starts the request; the returned stream carries its events.
+/// Validates, then starts the request; the returned stream carries its events. `caller`
+/// (the calling address) is charged for the blocks of a reservation until its KV arrives.
 pub(crate) async fn start(
     inner: Arc<Inner>,
     req: GenerateRequest,
+    caller: String,
 ) -> Result<ReceiverStream<Result<GenerateEvent, Status>>, Status> {
     let sampling = sampling_from_proto(req.sampling.as_ref());
     let stop = stop_from_proto(req.stop.as_ref());
@@ -56,25 +58,40 @@ pub(crate) async fn start(
     let span = tracing::info_span!("generate", request_id = %req.request_id);
     match Mode::try_from(req.mode).unwrap_or(Mode::Unspecified) {
         Mode::Disaggregated => {
+            let claim = inner
+                .leases
+                .claim(&caller, tandem_engine::kv::blocks_for(req.prompt.len()))
+                .map_err(Status::from)?;
             let blocks = pool
                 .reserve(req.prompt.len())
                 .map_err(|e| engine_status(&e))?;
-            let (lease, commit) = inner
-                .leases
-                .create(blocks, req.prompt.len(), &req.request_id);
-            tracing::debug!(parent: &span, lease = lease.id, blocks = lease.blocks.len(), "reserved");
+            let (lease, commit) = match inner.leases.create_claimed(
+                claim,
+                blocks.clone(),
+                req.prompt.len(),
+                &req.request_id,
+            ) {
+                Ok(opened) => opened,
+                Err(e) => {
+                    release(&inner, blocks, false);
+                    return Err(e.into());
+                }
+            };
+            tracing::debug!(parent: &span, blocks = lease.blocks.len(), "reserved");
             let event = GenerateEvent {
                 event: Some(generate_event::Event::Lease(tandem_proto::v1::Lease {
-                    lease_id: lease.id,
+                    token: lease.token().as_bytes().to_vec(),
                     block_ids: lease.blocks.clone(),
                 })),
             };
             // The channel is fresh and has room; a failure means the client is gone already.
             let _ = out.try_send(Ok(event));
+            // Whatever the caller asks, a reservation waits at most the configured maximum.
             let ttl = match req.lease_ttl_ms {
                 0 => inner.config.default_lease_ttl,
                 ms => Duration::from_millis(u64::from(ms)),
-            };
+            }
+            .min(inner.config.max_lease_ttl);
             tokio::spawn(
                 disaggregated(inner, lease, commit, out, req.prompt, sampling, stop, ttl)
                     .instrument(span),
@@ -111,29 +128,35 @@ async fn disaggregated(
 ) {
     let started = Instant::now();
     let check = ttl.min(Duration::from_millis(100));
+    let lifetime = inner.config.max_lease_lifetime;
     let result = loop {
         tokio::select! {
             r = &mut commit => break r,
             () = out.closed() => {
-                tracing::debug!(lease = lease.id, "request went away before its KV arrived");
+                tracing::debug!("request went away before its KV arrived");
                 abandon(&inner, &lease);
                 return;
             }
             () = tokio::time::sleep(check) => {
                 let progress = lease.progress();
-                if progress.idle > ttl {
-                    tracing::warn!(lease = lease.id, bytes = progress.bytes, "lease expired without KV");
-                    abandon(&inner, &lease);
-                    let _ = out.send(Err(Status::deadline_exceeded(format!("no KV arrived for {} ms", ttl.as_millis())))).await;
-                    return;
-                }
+                let why = if progress.idle > ttl {
+                    format!("no KV arrived for {} ms", ttl.as_millis())
+                } else if progress.age > lifetime {
+                    format!("the reservation was open for {} s, the most this worker allows", lifetime.as_secs())
+                } else {
+                    continue;
+                };
+                tracing::warn!(bytes = progress.bytes, reason = %why, "lease expired");
+                abandon(&inner, &lease);
+                let _ = out.send(Err(Status::deadline_exceeded(why))).await;
+                return;
             }
         }
     };
     let commit = match result {
         Ok(Ok(c)) => c,
         Ok(Err(reason)) => {
-            tracing::warn!(lease = lease.id, %reason, "KV transfer failed");
+            tracing::warn!(%reason, "KV transfer failed");
             abandon(&inner, &lease);
             let _ = out
                 .send(Err(Status::data_loss(format!(
@@ -221,7 +244,7 @@ async fn forward(
                     return;
                 }
             }
-            Some(SeqEvent::Failed(reason)) => {
+            Some(SeqEvent::Failed(reason) | SeqEvent::TransferFailed(reason)) => {
                 let _ = out.send(Err(Status::internal(reason))).await;
                 return;
             }
@@ -264,7 +287,7 @@ fn finished_event(o: &StepOutput, kv: KvReport) -> GenerateEvent {
 /// Ends the lease if still open and gives its blocks back. Once a lease is no longer open
 /// (cancelled here, failed, or committed with nobody left to admit it) its blocks are ours.
 fn abandon(inner: &Inner, lease: &Lease) {
-    inner.leases.cancel(lease.id);
+    inner.leases.cancel(lease.token());
     release(
         inner,
         lease.blocks.clone(),

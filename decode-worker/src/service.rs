@@ -6,13 +6,17 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
+use tandem_auth::InternalAuth;
 use tandem_engine::kv::{DeviceKv, KvCache, KvStorage};
 use tandem_engine::{Engine, EngineConfig, Model};
 use tandem_proto::PROTOCOL_VERSION;
 use tandem_proto::v1::decode_service_server::{DecodeService, DecodeServiceServer};
 use tandem_proto::v1::*;
 use tandem_text::TextTokenizer;
-use tandem_transfer::{LeaseTable, OwnerTags, kv_rpcs, serve_tcp, tags_path};
+use tandem_transfer::{
+    LeaseTable, OwnerTags, POOL_PREFIX, TcpLimits, file_identity, kv_rpcs, serve_tcp, sweep_stale,
+    tags_path,
+};
 use tandem_worker::convert::{kv_layout_to_proto, tokenizer_spec};
 use tandem_worker::{EngineHandle, spawn_engine};
 use tokio::net::TcpListener;
@@ -29,6 +33,8 @@ pub enum DecodeError {
     Io(#[from] std::io::Error),
     #[error("gRPC server: {0}")]
     Server(#[from] tonic::transport::Error),
+    #[error("internal authentication: {0}")]
+    Auth(#[from] tandem_auth::AuthError),
     #[error("{0}")]
     Config(String),
 }
@@ -48,6 +54,17 @@ pub struct DecodeConfig {
     pub quarantine: Duration,
     /// How long shutdown waits for running requests.
     pub drain_timeout: Duration,
+    /// The longest a reservation may wait for KV without progress, whatever the caller asks.
+    pub max_lease_ttl: Duration,
+    /// The longest a reservation may stay open, renewals included.
+    pub max_lease_lifetime: Duration,
+    /// Share of the KV pool one caller (one address) may hold in reservations awaiting
+    /// their KV, in (0, 1].
+    pub caller_lease_share: f64,
+    /// Bounds of the raw TCP KV listener.
+    pub kv_tcp: TcpLimits,
+    /// Who may call: call tokens, the info proof, the KV hello.
+    pub auth: InternalAuth,
 }
 
 impl Default for DecodeConfig {
@@ -59,6 +76,11 @@ impl Default for DecodeConfig {
             default_lease_ttl: Duration::from_secs(30),
             quarantine: Duration::from_millis(200),
             drain_timeout: Duration::from_secs(30),
+            max_lease_ttl: Duration::from_secs(60),
+            max_lease_lifetime: Duration::from_secs(600),
+            caller_lease_share: 0.9,
+            kv_tcp: TcpLimits::default(),
+            auth: InternalAuth::none(),
         }
     }
 }
@@ -119,8 +141,11 @@ impl DecodeWorker {
         let bytes = num_blocks * layout.block_bytes();
         let (storage, tags, shm_path) = match &config.shm_dir {
             Some(dir) => {
+                for stale in sweep_stale(dir) {
+                    tracing::info!(file = %stale.display(), "removed a shared KV file left by a decode worker that is gone");
+                }
                 let path = dir.join(format!(
-                    "tandem-kv-{}-{}",
+                    "{POOL_PREFIX}{}-{}",
                     sanitize(&config.worker_id),
                     std::process::id()
                 ));
@@ -129,6 +154,10 @@ impl DecodeWorker {
                 (storage, Some(tags), path.to_string_lossy().into_owned())
             }
             None => (KvStorage::anonymous(bytes)?, None, String::new()),
+        };
+        let (shm_device, shm_inode) = match &config.shm_dir {
+            Some(_) => file_identity(std::path::Path::new(&shm_path))?,
+            None => (0, 0),
         };
         let cache = KvCache::new(layout.clone(), num_blocks, storage)?;
         let writer = cache.block_writer();
@@ -163,7 +192,14 @@ impl DecodeWorker {
         if device_kv.is_some() && tandem_transfer::nccl_supported() {
             transports.push(Transport::Nccl as i32);
         }
-        let mut leases = LeaseTable::new(writer, layout.hash(), tags);
+        if !(config.caller_lease_share > 0.0 && config.caller_lease_share <= 1.0) {
+            return Err(DecodeError::Config(format!(
+                "the share of the pool one caller may hold must be in (0, 1], got {}",
+                config.caller_lease_share
+            )));
+        }
+        let quota = ((num_blocks as f64 * config.caller_lease_share).ceil() as usize).max(1);
+        let mut leases = LeaseTable::new(writer, layout.hash(), tags).with_caller_quota(quota);
         if let Some(kv) = &device_kv {
             leases = leases.with_device_pool(kv.block_layer_bytes);
         }
@@ -194,6 +230,10 @@ impl DecodeWorker {
                 .map(|e| e.ipc_handle.clone())
                 .unwrap_or_default(),
             cuda_pool_blocks: cuda_ipc.as_ref().map_or(0, |e| e.num_blocks as u32),
+            instance_id: tandem_auth::random_bytes::<16>()?.to_vec(),
+            shm_device,
+            shm_inode,
+            proof: Vec::new(),
         };
         let handle = spawn_engine(engine)?;
         Ok(Self {
@@ -228,6 +268,27 @@ impl DecodeWorker {
             queued_prefill_tokens: load.queued_prefill_tokens.load(Relaxed),
             leases: self.inner.leases.len() as u32,
             draining: self.inner.draining.load(Ordering::Relaxed),
+            instance_id: self.inner.info.instance_id.clone(),
+        }
+    }
+
+    /// Removes the shared-memory pool and tag files now (the mappings stay valid): at
+    /// shutdown, so that they go even if the engine thread still holds the pool when the
+    /// process exits.
+    fn remove_shared_files(&self) {
+        let pool = &self.inner.info.shm_path;
+        if pool.is_empty() {
+            return;
+        }
+        let pool = std::path::Path::new(pool);
+        for path in [pool.to_path_buf(), tags_path(pool)] {
+            match std::fs::remove_file(&path) {
+                Ok(()) => tracing::debug!(file = %path.display(), "removed"),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => {
+                    tracing::warn!(file = %path.display(), error = %e, "cannot remove a shared KV file")
+                }
+            }
         }
     }
 }
@@ -249,10 +310,15 @@ impl DecodeService for DecodeWorker {
     type GenerateStream = tokio_stream::wrappers::ReceiverStream<Result<GenerateEvent, Status>>;
 
     async fn get_info(&self, req: Request<InfoRequest>) -> Result<Response<WorkerInfo>, Status> {
+        let req = req.into_inner();
         let mut info = self.inner.info.clone();
-        if req.into_inner().include_tokenizer {
+        if req.include_tokenizer {
             info.tokenizer = Some(tokenizer_spec(&self.inner.tokenizer)?);
         }
+        self.inner
+            .config
+            .auth
+            .sign_worker_info(&mut info, &req.challenge);
         Ok(Response::new(info))
     }
 
@@ -267,7 +333,11 @@ impl DecodeService for DecodeWorker {
         if self.inner.draining.load(Ordering::Relaxed) {
             return Err(Status::unavailable("this decode worker is shutting down"));
         }
-        crate::generate::start(self.inner.clone(), req.into_inner())
+        // Reservations are counted per calling address (see `caller_lease_share`).
+        let caller = req
+            .remote_addr()
+            .map_or_else(|| "unknown".to_string(), |a| a.ip().to_string());
+        crate::generate::start(self.inner.clone(), req.into_inner(), caller)
             .await
             .map(Response::new)
     }
@@ -330,9 +400,16 @@ pub async fn serve(
     if let Some(kv) = kv {
         let table = worker.inner.leases.clone();
         let mut rx = stop_rx.clone();
-        tokio::spawn(serve_tcp(kv, table, async move {
-            let _ = rx.changed().await;
-        }));
+        let config = &worker.inner.config;
+        tokio::spawn(serve_tcp(
+            kv,
+            table,
+            config.auth.clone(),
+            config.kv_tcp,
+            async move {
+                let _ = rx.changed().await;
+            },
+        ));
     }
     let drain_worker = worker.clone();
     let mut grpc_stop = stop_rx.clone();
@@ -356,8 +433,14 @@ pub async fn serve(
         let _ = stop_tx.send(true);
     };
     tokio::spawn(drain);
-    let svc = DecodeServiceServer::new(worker).max_decoding_message_size(16 << 20);
-    tonic::transport::Server::builder()
+    let files = worker.clone();
+    // KV messages are at most 1 MiB of payload; prompts of a long context are a few MiB.
+    let svc = DecodeServiceServer::new(worker.clone()).max_decoding_message_size(4 << 20);
+    let served = worker
+        .inner
+        .config
+        .auth
+        .server_builder()?
         .initial_stream_window_size(tandem_transfer::GRPC_STREAM_WINDOW)
         .initial_connection_window_size(tandem_transfer::GRPC_CONNECTION_WINDOW)
         .add_service(health_service)
@@ -370,6 +453,8 @@ pub async fn serve(
                 let _ = grpc_stop.changed().await;
             },
         )
-        .await?;
+        .await;
+    files.remove_shared_files();
+    served?;
     Ok(())
 }

@@ -7,18 +7,21 @@
 //!    decode worker alone over gRPC.
 //!
 //! Run by `scripts/bench-transfer`, which builds the release binaries first. Prints a table,
-//! then one JSON line.
+//! then one JSON line. Everything runs as a deployment does: calls carry call tokens, the
+//! decode side proves the secret before the first transfer, TCP transfers answer the
+//! listener's challenge.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
-use tandem_e2e::{Proc, decode_client, prefill_client, wait_http_ok};
+use tandem_e2e::{DecodeClient, Proc, decode_client, prefill_client, test_auth, wait_http_ok};
 use tandem_engine::kv::{KvCache, KvDtype, KvLayout, KvStorage};
 use tandem_proto::v1::decode_service_server::DecodeServiceServer;
 use tandem_proto::v1::*;
 use tandem_transfer::{
-    KvOnlyDecode, KvSender, LeaseTable, OwnerTags, Peers, connect, serve_tcp, tags_path,
+    KvOnlyDecode, KvSender, LeaseTable, OwnerTags, POOL_PREFIX, Peers, TcpLimits, connect,
+    file_identity, serve_tcp, tags_path,
 };
 use tokio::net::TcpListener;
 
@@ -87,9 +90,9 @@ fn loopback_tcp_rate(bytes: usize) -> anyhow::Result<f64> {
 struct Sink {
     table: Arc<LeaseTable>,
     endpoint: String,
-    kv_tcp_addr: String,
-    shm_path: String,
-    shm_bytes: u64,
+    /// The folder of its shared pool, and the pool.
+    dir: std::path::PathBuf,
+    shm_path: std::path::PathBuf,
     _cache: KvCache,
 }
 
@@ -100,7 +103,10 @@ async fn sink(layout: &KvLayout, blocks: usize) -> anyhow::Result<Sink> {
     } else {
         std::env::temp_dir()
     };
-    let path = dir.join(format!("tandem-transfer-bench-{}", std::process::id()));
+    let path = dir.join(format!(
+        "{POOL_PREFIX}transfer-bench-{}",
+        std::process::id()
+    ));
     let bytes = blocks * layout.block_bytes();
     let cache = KvCache::new(
         layout.clone(),
@@ -115,12 +121,31 @@ async fn sink(layout: &KvLayout, blocks: usize) -> anyhow::Result<Sink> {
     ));
     let grpc = TcpListener::bind("127.0.0.1:0").await?;
     let endpoint = format!("http://{}", grpc.local_addr()?);
+    let kv = TcpListener::bind("127.0.0.1:0").await?;
+    let (shm_device, shm_inode) = file_identity(&path)?;
+    let info = WorkerInfo {
+        worker_id: "transfer-bench".into(),
+        role: Role::Decode as i32,
+        kv_layout_hash: layout.hash(),
+        shm_path: path.to_string_lossy().into(),
+        shm_bytes: bytes as u64,
+        shm_device,
+        shm_inode,
+        kv_tcp_port: u32::from(kv.local_addr()?.port()),
+        total_blocks: blocks as u32,
+        protocol_version: tandem_proto::PROTOCOL_VERSION,
+        instance_id: vec![7; 16],
+        ..WorkerInfo::default()
+    };
+    let auth = test_auth();
     let svc = DecodeServiceServer::new(KvOnlyDecode {
         table: table.clone(),
+        info,
+        auth: auth.clone(),
     })
-    .max_decoding_message_size(16 << 20);
+    .max_decoding_message_size(4 << 20);
     tokio::spawn(
-        tonic::transport::Server::builder()
+        auth.server_builder()?
             .initial_stream_window_size(tandem_transfer::GRPC_STREAM_WINDOW)
             .initial_connection_window_size(tandem_transfer::GRPC_CONNECTION_WINDOW)
             .add_service(svc)
@@ -128,15 +153,18 @@ async fn sink(layout: &KvLayout, blocks: usize) -> anyhow::Result<Sink> {
                 tonic::transport::server::TcpIncoming::from(grpc).with_nodelay(Some(true)),
             ),
     );
-    let kv = TcpListener::bind("127.0.0.1:0").await?;
-    let kv_tcp_addr = kv.local_addr()?.to_string();
-    tokio::spawn(serve_tcp(kv, table.clone(), std::future::pending()));
+    tokio::spawn(serve_tcp(
+        kv,
+        table.clone(),
+        auth,
+        TcpLimits::default(),
+        std::future::pending(),
+    ));
     Ok(Sink {
         table,
         endpoint,
-        kv_tcp_addr,
-        shm_path: path.to_string_lossy().into(),
-        shm_bytes: bytes as u64,
+        dir,
+        shm_path: path,
         _cache: cache,
     })
 }
@@ -152,14 +180,11 @@ async fn transfer_once(
     let layout = source.layout().clone();
     let nblocks = TOKENS / layout.block_size;
     let blocks: Vec<u32> = (0..nblocks as u32).collect();
-    let (lease, done) = sink.table.create(blocks.clone(), TOKENS, "bench");
+    let (lease, done) = sink.table.create(blocks.clone(), TOKENS, "bench")?;
     let dest = KvDestination {
         transport: transport as i32,
         decode_endpoint: sink.endpoint.clone(),
-        kv_tcp_addr: sink.kv_tcp_addr.clone(),
-        shm_path: sink.shm_path.clone(),
-        shm_bytes: sink.shm_bytes,
-        lease_id: lease.id,
+        lease: lease.token().as_bytes().to_vec(),
         block_ids: blocks,
         kv_layout_hash: layout.hash(),
         ..KvDestination::default()
@@ -211,9 +236,7 @@ async fn router_ttft(client: &reqwest::Client, url: &str, prompt: &[u32]) -> any
 async fn router_overhead(
     client: &reqwest::Client,
     url: &str,
-    dclient: &mut tandem_proto::v1::decode_service_client::DecodeServiceClient<
-        tonic::transport::Channel,
-    >,
+    dclient: &mut DecodeClient,
     prompt: &[u32],
     n: usize,
 ) -> anyhow::Result<(Vec<f64>, Vec<f64>)> {
@@ -272,7 +295,7 @@ async fn main() -> anyhow::Result<()> {
     }
     let source = Arc::new(source);
     let sink = sink(&layout, nblocks).await?;
-    let peers = Peers::new();
+    let peers = Peers::new(test_auth(), Some(sink.dir.clone()));
     let mut rates = Vec::new();
     for transport in [Transport::Shm, Transport::Tcp, Transport::Grpc] {
         let mut best = f64::MAX;
@@ -434,6 +457,6 @@ async fn main() -> anyhow::Result<()> {
     println!("{json}");
     drop((tiny_router, tiny_decode));
     let _ = std::fs::remove_file(&sink.shm_path);
-    let _ = std::fs::remove_file(tags_path(std::path::Path::new(&sink.shm_path)));
+    let _ = std::fs::remove_file(tags_path(&sink.shm_path));
     Ok(())
 }

@@ -8,6 +8,10 @@
 //! binaries are then never missing nor stale (a no-op when they are fresh).
 //! `TANDEM_E2E_NO_BUILD=1` skips that build (the binaries must then exist).
 //!
+//! Every process gets the deployment secret [`TEST_SECRET`] (as `tandem up` would give its
+//! own), and the clients here sign their calls with it ([`test_auth`]); attack tests start
+//! clients without it.
+//!
 //! `netns`: several hosts on one machine (network namespaces) for multi-host tests.
 
 pub mod netns;
@@ -19,10 +23,29 @@ use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
+use tandem_auth::{AuthChannel, InternalAuth, Secret};
 use tandem_proto::v1::decode_service_client::DecodeServiceClient;
 use tandem_proto::v1::prefill_service_client::PrefillServiceClient;
 use tandem_proto::v1::{InfoRequest, WorkerInfo};
-use tonic::transport::Channel;
+
+/// The internal secret of every deployment the tests start.
+pub const TEST_SECRET: &str = "e2e-test-deployment-secret-0123456789abcdef";
+
+/// Credentials holding [`TEST_SECRET`].
+pub fn test_auth() -> InternalAuth {
+    InternalAuth::with_secret(&Secret::new(TEST_SECRET).expect("the test secret is long enough"))
+}
+
+/// A decode worker client that signs its calls with `auth`.
+pub type DecodeClient = DecodeServiceClient<AuthChannel>;
+/// A prefill worker client that signs its calls with `auth`.
+pub type PrefillClient = PrefillServiceClient<AuthChannel>;
+
+/// A channel to `endpoint` whose calls carry `auth`'s tokens (none for `InternalAuth::none`).
+pub async fn channel(endpoint: &str, auth: &InternalAuth) -> anyhow::Result<AuthChannel> {
+    let channel = auth.endpoint(endpoint)?.connect().await?;
+    Ok(auth.channel(channel))
+}
 
 /// Path of a workspace binary built beside the tests (built first if missing or stale).
 pub fn binary(name: &str) -> anyhow::Result<PathBuf> {
@@ -104,11 +127,19 @@ pub struct Proc {
 }
 
 impl Proc {
-    /// Starts `binary` with `args` and `--port PORT` on a free port.
+    /// Starts `binary` with `args` and `--port PORT` on a free port, holding the test
+    /// deployment's secret.
     pub fn start(bin: &str, args: &[&str]) -> anyhow::Result<Self> {
+        Self::start_with_env(bin, args, &[("TANDEM_INTERNAL_SECRET", TEST_SECRET)])
+    }
+
+    /// [`Proc::start`] with this environment instead of the test secret.
+    pub fn start_with_env(bin: &str, args: &[&str], env: &[(&str, &str)]) -> anyhow::Result<Self> {
         let port = free_port();
         let mut cmd = Command::new(binary(bin)?);
         cmd.args(args).arg("--port").arg(port.to_string());
+        cmd.env_remove("TANDEM_INTERNAL_SECRET");
+        cmd.envs(env.iter().copied());
         cmd.env(
             "RUST_LOG",
             std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".into()),
@@ -148,21 +179,25 @@ impl Drop for Proc {
     }
 }
 
-/// Waits until a decode worker answers `GetInfo`.
+/// Waits until a decode worker answers `GetInfo` (with the test secret).
 pub async fn decode_client(
     endpoint: &str,
     timeout: Duration,
-) -> anyhow::Result<(DecodeServiceClient<Channel>, WorkerInfo)> {
+) -> anyhow::Result<(DecodeClient, WorkerInfo)> {
     let deadline = Instant::now() + timeout;
+    let auth = test_auth();
     loop {
-        if let Ok(mut c) = DecodeServiceClient::connect(endpoint.to_string()).await
-            && let Ok(info) = c
+        if let Ok(channel) = channel(endpoint, &auth).await {
+            let mut c = DecodeServiceClient::new(channel);
+            if let Ok(info) = c
                 .get_info(InfoRequest {
                     include_tokenizer: true,
+                    challenge: Vec::new(),
                 })
                 .await
-        {
-            return Ok((c, info.into_inner()));
+            {
+                return Ok((c, info.into_inner()));
+            }
         }
         if Instant::now() > deadline {
             bail!("decode worker at {endpoint} did not answer within {timeout:?}");
@@ -171,21 +206,25 @@ pub async fn decode_client(
     }
 }
 
-/// Waits until a prefill worker answers `GetInfo`.
+/// Waits until a prefill worker answers `GetInfo` (with the test secret).
 pub async fn prefill_client(
     endpoint: &str,
     timeout: Duration,
-) -> anyhow::Result<(PrefillServiceClient<Channel>, WorkerInfo)> {
+) -> anyhow::Result<(PrefillClient, WorkerInfo)> {
     let deadline = Instant::now() + timeout;
+    let auth = test_auth();
     loop {
-        if let Ok(mut c) = PrefillServiceClient::connect(endpoint.to_string()).await
-            && let Ok(info) = c
+        if let Ok(channel) = channel(endpoint, &auth).await {
+            let mut c = PrefillServiceClient::new(channel);
+            if let Ok(info) = c
                 .get_info(InfoRequest {
                     include_tokenizer: false,
+                    challenge: Vec::new(),
                 })
                 .await
-        {
-            return Ok((c, info.into_inner()));
+            {
+                return Ok((c, info.into_inner()));
+            }
         }
         if Instant::now() > deadline {
             bail!("prefill worker at {endpoint} did not answer within {timeout:?}");
@@ -393,15 +432,14 @@ impl Deployment {
 /// KV blocks in use on a worker (decode or prefill), from its `GetLoad`.
 pub async fn blocks_in_use(endpoint: &str, decode: bool) -> anyhow::Result<u32> {
     use tandem_proto::v1::LoadRequest;
+    let channel = channel(endpoint, &test_auth()).await?;
     let load = if decode {
-        DecodeServiceClient::connect(endpoint.to_string())
-            .await?
+        DecodeServiceClient::new(channel)
             .get_load(LoadRequest {})
             .await?
             .into_inner()
     } else {
-        PrefillServiceClient::connect(endpoint.to_string())
-            .await?
+        PrefillServiceClient::new(channel)
             .get_load(LoadRequest {})
             .await?
             .into_inner()

@@ -4,17 +4,14 @@
 
 use std::time::{Duration, Instant};
 
-use tandem_e2e::{Proc, decode_client, prefill_client};
-use tandem_proto::v1::decode_service_client::DecodeServiceClient;
-use tandem_proto::v1::prefill_service_client::PrefillServiceClient;
+use tandem_e2e::{DecodeClient, PrefillClient, Proc, decode_client, prefill_client};
 use tandem_proto::v1::*;
-use tonic::transport::Channel;
 
 struct Pair {
     decode: Proc,
     _prefill: Proc,
-    d: DecodeServiceClient<Channel>,
-    p: PrefillServiceClient<Channel>,
+    d: DecodeClient,
+    p: PrefillClient,
     info: WorkerInfo,
 }
 
@@ -92,14 +89,10 @@ async fn disaggregated(
     let dest = KvDestination {
         transport: transport as i32,
         decode_endpoint: pair.decode.endpoint(),
-        kv_tcp_addr: format!("127.0.0.1:{}", pair.info.kv_tcp_port),
-        shm_path: pair.info.shm_path.clone(),
-        shm_bytes: pair.info.shm_bytes,
-        lease_id: lease.lease_id,
+        decode_instance: pair.info.instance_id.clone(),
+        lease: lease.token,
         block_ids: lease.block_ids,
         kv_layout_hash: pair.info.kv_layout_hash.clone(),
-        cuda_ipc_handle: pair.info.cuda_ipc_handle.clone(),
-        cuda_pool_blocks: pair.info.cuda_pool_blocks,
     };
     let prefill = pair
         .p
@@ -116,12 +109,12 @@ async fn disaggregated(
     (toks, fin.unwrap(), prefill)
 }
 
-async fn used_blocks(d: &mut DecodeServiceClient<Channel>) -> u32 {
+async fn used_blocks(d: &mut DecodeClient) -> u32 {
     let l = d.get_load(LoadRequest {}).await.unwrap().into_inner();
     l.total_blocks - l.free_blocks
 }
 
-async fn wait_blocks_free(d: &mut DecodeServiceClient<Channel>, within: Duration) -> Duration {
+async fn wait_blocks_free(d: &mut DecodeClient, within: Duration) -> Duration {
     let start = Instant::now();
     loop {
         if used_blocks(d).await == 0 {
@@ -287,8 +280,7 @@ async fn device_transports_are_refused_by_cpu_workers() {
         let dest = KvDestination {
             transport: transport as i32,
             decode_endpoint: pair.decode.endpoint(),
-            shm_path: pair.info.shm_path.clone(),
-            lease_id: lease.lease_id,
+            lease: lease.token,
             block_ids: lease.block_ids,
             kv_layout_hash: pair.info.kv_layout_hash.clone(),
             ..Default::default()

@@ -45,10 +45,10 @@ impl SamplingParams {
 
     pub fn validate(&self) -> Result<()> {
         let bad = |param, reason: String| Err(EngineError::InvalidSampling { param, reason });
-        if !self.temperature.is_finite() || !(0.0..=100.0).contains(&self.temperature) {
+        if !self.temperature.is_finite() || !(0.0..=MAX_TEMPERATURE).contains(&self.temperature) {
             return bad(
                 "temperature",
-                format!("{} is not in [0, 100]", self.temperature),
+                format!("{} is not in [0, {MAX_TEMPERATURE}]", self.temperature),
             );
         }
         if !self.top_p.is_finite() || self.top_p <= 0.0 || self.top_p > 1.0 {
@@ -56,11 +56,14 @@ impl SamplingParams {
         }
         if !self.repetition_penalty.is_finite()
             || self.repetition_penalty <= 0.0
-            || self.repetition_penalty > 10.0
+            || self.repetition_penalty > MAX_REPETITION_PENALTY
         {
             return bad(
                 "repetition_penalty",
-                format!("{} is not in (0, 10]", self.repetition_penalty),
+                format!(
+                    "{} is not in (0, {MAX_REPETITION_PENALTY}]",
+                    self.repetition_penalty
+                ),
             );
         }
         Ok(())
@@ -95,15 +98,27 @@ impl Default for StopParams {
     }
 }
 
-/// Bounds that keep one request from costing the server unbounded work per token.
+/// Bounds that keep one request from costing the server unbounded work per token. (The
+/// router refuses the same bounds first: `tandem-worker` tests that they agree with
+/// `tandem_proto::limits`.)
 pub const MAX_STOP_STRINGS: usize = 16;
+/// Bytes per stop string.
 pub const MAX_STOP_STRING_LEN: usize = 256;
+pub const MAX_STOP_TOKEN_IDS: usize = 64;
+pub const MAX_TEMPERATURE: f32 = 100.0;
+pub const MAX_REPETITION_PENALTY: f32 = 10.0;
 
 impl StopParams {
     pub fn validate(&self, vocab: usize) -> Result<()> {
         let bad = |param, reason: String| Err(EngineError::InvalidSampling { param, reason });
         if self.max_tokens == 0 {
             return bad("max_tokens", "must be at least 1".into());
+        }
+        if self.stop_token_ids.len() > MAX_STOP_TOKEN_IDS {
+            return bad(
+                "stop_token_ids",
+                format!("at most {MAX_STOP_TOKEN_IDS} stop token ids"),
+            );
         }
         if let Some(id) = self.stop_token_ids.iter().find(|&&id| id as usize >= vocab) {
             return bad(

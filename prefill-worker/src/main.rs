@@ -36,10 +36,19 @@ fn main() -> anyhow::Result<()> {
         .enable_all()
         .build()
         .context("starting the async runtime")?;
-    runtime.block_on(run(args, engine_config))
+    let result = runtime.block_on(run(args, engine_config));
+    // A model load still running on a blocking thread (stopped during startup) must not
+    // hold the exit.
+    runtime.shutdown_timeout(Duration::from_secs(2));
+    result
 }
 
 async fn run(args: Args, engine_config: EngineConfig) -> anyhow::Result<()> {
+    let mut shutdown = shutdown_signal();
+    let auth = args
+        .server
+        .internal_auth()
+        .context("internal authentication")?;
     let port = args.server.port.unwrap_or(7101);
     let grpc = TcpListener::bind((args.server.host.as_str(), port))
         .await
@@ -52,13 +61,22 @@ async fn run(args: Args, engine_config: EngineConfig) -> anyhow::Result<()> {
             .clone()
             .unwrap_or_else(|| format!("prefill@{local}")),
         drain_timeout: Duration::from_secs(args.drain_timeout_s),
+        shm_dir: args.server.shm_dir(),
+        auth,
     };
     tracing::info!(model = %args.model.model, "loading model");
-    let (model, tokenizer) = args.model.load().context("loading the model")?;
+    let Some((model, tokenizer)) = args
+        .model
+        .load_until(&mut shutdown)
+        .await
+        .context("loading the model")?
+    else {
+        return Ok(());
+    };
     let worker = PrefillWorker::new(model, tokenizer, engine_config, config)
         .context("starting the engine")?;
     tracing::info!(grpc = %local, "prefill worker ready");
-    serve(worker, grpc, shutdown_signal()).await?;
+    serve(worker, grpc, shutdown).await?;
     tracing::info!("prefill worker stopped");
     Ok(())
 }

@@ -4,13 +4,14 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
+use tandem_auth::InternalAuth;
 use tandem_engine::engine::validate_request;
 use tandem_engine::{Engine, EngineConfig, Model, StopParams};
 use tandem_proto::PROTOCOL_VERSION;
 use tandem_proto::v1::prefill_service_server::{PrefillService, PrefillServiceServer};
 use tandem_proto::v1::*;
 use tandem_text::TextTokenizer;
-use tandem_transfer::{Peers, connect, transport_name};
+use tandem_transfer::{Peers, TransferError, connect, transport_name};
 use tandem_worker::convert::{
     engine_status, kv_layout_to_proto, sampling_from_proto, tokenizer_spec,
 };
@@ -29,6 +30,8 @@ pub enum PrefillError {
     Io(#[from] std::io::Error),
     #[error("gRPC server: {0}")]
     Server(#[from] tonic::transport::Error),
+    #[error("internal authentication: {0}")]
+    Auth(#[from] tandem_auth::AuthError),
 }
 
 /// How this worker runs, beyond the engine's sizing.
@@ -36,14 +39,35 @@ pub enum PrefillError {
 pub struct PrefillConfig {
     pub worker_id: String,
     pub drain_timeout: Duration,
+    /// Where decode workers' shared-memory pools may be mapped from.
+    pub shm_dir: Option<std::path::PathBuf>,
+    /// Who may call, and the credentials this worker shows decode workers.
+    pub auth: InternalAuth,
 }
 
 impl Default for PrefillConfig {
     fn default() -> Self {
+        let dev_shm = std::path::Path::new("/dev/shm");
         Self {
             worker_id: "prefill".into(),
             drain_timeout: Duration::from_secs(30),
+            shm_dir: dev_shm.is_dir().then(|| dev_shm.to_path_buf()),
+            auth: InternalAuth::none(),
         }
+    }
+}
+
+/// A failed transfer as the router sees it: `ABORTED`, the code of a failure on the way to
+/// (or at) the decode worker, so that it does not count against this worker's health. A
+/// request the transfer found invalid stays `INVALID_ARGUMENT`.
+fn transfer_status(e: TransferError) -> Status {
+    let status = Status::from(e);
+    match status.code() {
+        tonic::Code::InvalidArgument => status,
+        _ => Status::aborted(format!(
+            "KV transfer to the decode worker failed: {}",
+            status.message()
+        )),
     }
 }
 
@@ -96,6 +120,7 @@ impl PrefillWorker {
             }
         }
         let cfg = model.config();
+        let instance_id = tandem_auth::random_bytes::<16>()?.to_vec();
         let info = WorkerInfo {
             worker_id: config.worker_id.clone(),
             role: Role::Prefill as i32,
@@ -108,6 +133,7 @@ impl PrefillWorker {
             transports,
             total_blocks: total_blocks as u32,
             protocol_version: PROTOCOL_VERSION,
+            instance_id,
             ..WorkerInfo::default()
         };
         Ok(Self {
@@ -115,7 +141,7 @@ impl PrefillWorker {
                 engine: spawn_engine(engine)?,
                 model,
                 tokenizer: Arc::new(tokenizer),
-                peers: Peers::new(),
+                peers: Peers::new(config.auth.clone(), config.shm_dir.clone()),
                 info,
                 config,
                 draining: AtomicBool::new(false),
@@ -136,6 +162,7 @@ impl PrefillWorker {
             queued_prefill_tokens: load.queued_prefill_tokens.load(Relaxed),
             leases: 0,
             draining: self.inner.draining.load(Relaxed),
+            instance_id: self.inner.info.instance_id.clone(),
         }
     }
 }
@@ -152,10 +179,15 @@ impl Drop for InFlight<'_> {
 #[tonic::async_trait]
 impl PrefillService for PrefillWorker {
     async fn get_info(&self, req: Request<InfoRequest>) -> Result<Response<WorkerInfo>, Status> {
+        let req = req.into_inner();
         let mut info = self.inner.info.clone();
-        if req.into_inner().include_tokenizer {
+        if req.include_tokenizer {
             info.tokenizer = Some(tokenizer_spec(&self.inner.tokenizer)?);
         }
+        self.inner
+            .config
+            .auth
+            .sign_worker_info(&mut info, &req.challenge);
         Ok(Response::new(info))
     }
 
@@ -217,7 +249,7 @@ async fn prefill(inner: &Inner, req: PrefillRequest) -> Result<PrefillResponse, 
         Ok(s) => s,
         Err(e) => {
             inner.peers.forget(&dest);
-            return Err(e.into());
+            return Err(transfer_status(e));
         }
     };
     let (events_tx, mut events) = mpsc::unbounded_channel();
@@ -241,7 +273,7 @@ async fn prefill(inner: &Inner, req: PrefillRequest) -> Result<PrefillResponse, 
                 .await
                 .map_err(|e| {
                     inner.peers.forget(&dest);
-                    Status::from(e)
+                    transfer_status(e)
                 })?;
             tracing::debug!(
                 bytes = stats.bytes,
@@ -259,6 +291,10 @@ async fn prefill(inner: &Inner, req: PrefillRequest) -> Result<PrefillResponse, 
                 queue_seconds,
                 transport: stats.transport as i32,
             })
+        }
+        SeqEvent::TransferFailed(reason) => {
+            inner.peers.forget(&dest);
+            Err(Status::aborted(reason))
         }
         SeqEvent::Failed(reason) => Err(Status::unavailable(reason)),
         SeqEvent::Token(_) => Err(Status::internal("a prefill produced a decode token")),
@@ -292,7 +328,8 @@ pub async fn serve(
         }
         let _ = stop_tx.send(true);
     });
-    tonic::transport::Server::builder()
+    let auth = worker.inner.config.auth.clone();
+    auth.server_builder()?
         .add_service(health_service)
         .add_service(PrefillServiceServer::new(worker))
         .serve_with_incoming_shutdown(

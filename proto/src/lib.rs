@@ -5,7 +5,28 @@
 //! pairs workers that speak different revisions.
 
 /// Bumped on any incompatible change to the messages or the raw TCP framing.
-pub const PROTOCOL_VERSION: u32 = 1;
+/// 2: leases are 128-bit capabilities; KV destinations name the decode worker, not addresses;
+/// the raw TCP hello answers the listener's challenge.
+pub const PROTOCOL_VERSION: u32 = 2;
+
+/// What one request may ask for. The router refuses anything outside these bounds itself,
+/// naming the field, before a worker sees it; the workers' engines hold the same bounds
+/// (`tandem-worker` tests that they agree), so a request the router admits is never refused
+/// by a worker for its parameters.
+pub mod limits {
+    /// `temperature` at most (0 is greedy).
+    pub const MAX_TEMPERATURE: f32 = 100.0;
+    /// `repetition_penalty` at most (it must also be > 0).
+    pub const MAX_REPETITION_PENALTY: f32 = 10.0;
+    /// Stop strings per request.
+    pub const MAX_STOP_STRINGS: usize = 16;
+    /// Bytes (UTF-8) per stop string.
+    pub const MAX_STOP_STRING_BYTES: usize = 256;
+    /// `stop_token_ids` per request.
+    pub const MAX_STOP_TOKEN_IDS: usize = 64;
+    /// Bytes of a lease capability.
+    pub const LEASE_TOKEN_BYTES: usize = 16;
+}
 
 pub mod v1 {
     #![allow(clippy::all, missing_docs)]

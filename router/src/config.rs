@@ -10,6 +10,8 @@ use clap::{Parser, ValueEnum};
 use serde::Deserialize;
 use tandem_proto::v1::Transport;
 
+use tandem_auth::{InternalAuth, InternalAuthArgs};
+
 use crate::auth::ApiKey;
 use crate::discovery::WorkerEntry;
 
@@ -133,6 +135,25 @@ pub struct RouterArgs {
     /// Log format [default: text].
     #[arg(long, env = "TANDEM_ROUTER_LOG_FORMAT", value_enum)]
     pub log_format: Option<LogFormat>,
+    /// Close a client connection that has not sent a whole request head within this long,
+    /// idle keep-alive connections included [default: 10000].
+    #[arg(long, env = "TANDEM_ROUTER_HEADER_READ_TIMEOUT_MS")]
+    pub header_read_timeout_ms: Option<u64>,
+    /// Answer 408 to a request whose body has not fully arrived within this long
+    /// [default: 30000].
+    #[arg(long, env = "TANDEM_ROUTER_BODY_READ_TIMEOUT_MS")]
+    pub body_read_timeout_ms: Option<u64>,
+    /// Client connections open at once; more are closed as they arrive [default: 1024].
+    #[arg(long, env = "TANDEM_ROUTER_MAX_CONNECTIONS")]
+    pub max_connections: Option<usize>,
+    /// A stream with nothing to send for this long gets an SSE comment (`: keep-alive`),
+    /// also before its first token; 0 disables [default: 15000].
+    #[arg(long, env = "TANDEM_ROUTER_SSE_KEEPALIVE_MS")]
+    pub sse_keepalive_ms: Option<u64>,
+    /// The credentials for the workers' internal services (environment, files, flags only).
+    #[command(flatten)]
+    #[serde(skip)]
+    pub internal: InternalAuthArgs,
 }
 
 /// A configuration value that cannot be used.
@@ -179,6 +200,13 @@ pub struct RouterConfig {
     pub shutdown_grace: Duration,
     pub api_key: Option<ApiKey>,
     pub log_format: LogFormat,
+    pub header_read_timeout: Duration,
+    pub body_read_timeout: Duration,
+    pub max_connections: usize,
+    /// None: no keep-alive comments.
+    pub sse_keepalive: Option<Duration>,
+    /// What calls to workers carry, and what workers must prove.
+    pub internal_auth: InternalAuth,
 }
 
 impl RouterConfig {
@@ -204,6 +232,11 @@ impl RouterConfig {
             shutdown_grace: Duration::from_secs(30),
             api_key: None,
             log_format: LogFormat::Text,
+            header_read_timeout: Duration::from_secs(10),
+            body_read_timeout: Duration::from_secs(30),
+            max_connections: 1024,
+            sse_keepalive: Some(Duration::from_secs(15)),
+            internal_auth: InternalAuth::none(),
         }
     }
 
@@ -279,6 +312,27 @@ impl RouterConfig {
                 .log_format
                 .or(file.log_format)
                 .unwrap_or(defaults.log_format),
+            header_read_timeout: args
+                .header_read_timeout_ms
+                .or(file.header_read_timeout_ms)
+                .map_or(defaults.header_read_timeout, Duration::from_millis),
+            body_read_timeout: args
+                .body_read_timeout_ms
+                .or(file.body_read_timeout_ms)
+                .map_or(defaults.body_read_timeout, Duration::from_millis),
+            max_connections: args
+                .max_connections
+                .or(file.max_connections)
+                .unwrap_or(defaults.max_connections),
+            sse_keepalive: match args.sse_keepalive_ms.or(file.sse_keepalive_ms) {
+                Some(0) => None,
+                Some(ms) => Some(Duration::from_millis(ms)),
+                None => defaults.sse_keepalive,
+            },
+            internal_auth: args
+                .internal
+                .load()
+                .map_err(|e| ConfigError::Invalid(format!("internal authentication: {e}")))?,
         };
         config.validate()?;
         Ok(config)
@@ -319,6 +373,15 @@ impl RouterConfig {
         }
         if self.served_model_name.as_deref().is_some_and(str::is_empty) {
             return invalid("--served-model-name must not be empty");
+        }
+        if self.header_read_timeout < Duration::from_millis(100) {
+            return invalid("--header-read-timeout-ms must be at least 100");
+        }
+        if self.body_read_timeout < Duration::from_millis(100) {
+            return invalid("--body-read-timeout-ms must be at least 100");
+        }
+        if self.max_connections == 0 {
+            return invalid("--max-connections must be at least 1");
         }
         Ok(())
     }

@@ -331,7 +331,16 @@ mod tests {
 
     fn pool(decode: &[&str], prefill: &[&str]) -> Arc<WorkerPool> {
         let owned = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
-        Arc::new(WorkerPool::new(&owned(prefill), &owned(decode), Transport::Tcp, None).unwrap())
+        Arc::new(
+            WorkerPool::new(
+                &owned(prefill),
+                &owned(decode),
+                Transport::Tcp,
+                None,
+                tandem_auth::InternalAuth::none(),
+            )
+            .unwrap(),
+        )
     }
 
     fn urls(pool: &WorkerPool, role: WorkerRole) -> Vec<String> {

@@ -32,7 +32,7 @@ use crate::api::error::ApiError;
 use crate::config::FallbackPolicy;
 use crate::metrics as m;
 use crate::routing::{self, FallbackReason, ModeDecision};
-use crate::workers::{Worker, WorkerPool, WorkerRole, kv_tcp_addr, status_means_worker_down};
+use crate::workers::{Worker, WorkerPool, WorkerRole, status_means_worker_down};
 
 /// Events buffered between the request task and a slow client.
 const EVENT_BUFFER: usize = 64;
@@ -143,24 +143,52 @@ pub struct FlowStream {
     pub events: mpsc::Receiver<FlowEvent>,
 }
 
-/// Starts the request task and waits for its head. An error here has not sent anything to
-/// the client, so it becomes a real HTTP status.
-pub async fn start(
-    ctx: Arc<FlowContext>,
-    req: FlowRequest,
-    in_flight: InFlight,
-) -> Result<FlowStream, ApiError> {
+/// A generation whose request task runs, before its head: the head comes with the first
+/// token (or an error that has sent nothing to the client yet).
+#[derive(Debug)]
+pub struct FlowPending {
+    head: oneshot::Receiver<Result<Head, ApiError>>,
+    events: mpsc::Receiver<FlowEvent>,
+}
+
+impl FlowPending {
+    /// Waits for the head. An error here has not sent anything to the client, so it becomes
+    /// a real HTTP status.
+    pub async fn head(self) -> Result<FlowStream, ApiError> {
+        match self.head.await {
+            Ok(Ok(head)) => Ok(FlowStream {
+                head,
+                events: self.events,
+            }),
+            Ok(Err(e)) => Err(e),
+            Err(_) => {
+                tracing::error!("request task ended without an answer");
+                Err(ApiError::Internal)
+            }
+        }
+    }
+
+    /// The head's receiver and the events, for a caller that must not wait for the head
+    /// alone (a stream that sends keep-alives meanwhile).
+    pub fn into_parts(
+        self,
+    ) -> (
+        oneshot::Receiver<Result<Head, ApiError>>,
+        mpsc::Receiver<FlowEvent>,
+    ) {
+        (self.head, self.events)
+    }
+}
+
+/// Starts the request task. Dropping the returned value (the client went away) cancels it.
+pub fn start(ctx: Arc<FlowContext>, req: FlowRequest, in_flight: InFlight) -> FlowPending {
     let (head_tx, head_rx) = oneshot::channel();
     let (tx, rx) = mpsc::channel(EVENT_BUFFER);
     let task = drive(ctx, req, head_tx, tx, in_flight).instrument(tracing::Span::current());
     tokio::spawn(task);
-    match head_rx.await {
-        Ok(Ok(head)) => Ok(FlowStream { head, events: rx }),
-        Ok(Err(e)) => Err(e),
-        Err(_) => {
-            tracing::error!("request task ended without an answer");
-            Err(ApiError::Internal)
-        }
+    FlowPending {
+        head: head_rx,
+        events: rx,
     }
 }
 
@@ -567,19 +595,17 @@ async fn run_disaggregated(
     tracing::debug!(
         decode = %decode.url,
         prefill = %prefill.url,
-        lease_id = lease.lease_id,
         blocks = lease.block_ids.len(),
         "lease granted"
     );
+    // The prefill worker gets the decode worker (its endpoint and the instance we verified),
+    // never addresses: it verifies the worker itself and uses what that worker advertises.
+    let lease_token = lease.token;
     let destination = KvDestination {
         transport: ctx.pool.transport() as i32,
         decode_endpoint: decode.url.clone(),
-        kv_tcp_addr: kv_tcp_addr(&decode.url, &decode_info),
-        shm_path: decode_info.shm_path.clone(),
-        shm_bytes: decode_info.shm_bytes,
-        cuda_ipc_handle: decode_info.cuda_ipc_handle.clone(),
-        cuda_pool_blocks: decode_info.cuda_pool_blocks,
-        lease_id: lease.lease_id,
+        decode_instance: decode_info.instance_id.clone(),
+        lease: lease_token.clone(),
         block_ids: lease.block_ids,
         kv_layout_hash: decode_info.kv_layout_hash.clone(),
     };
@@ -603,13 +629,23 @@ async fn run_disaggregated(
     let renew_every = Duration::from_millis(u64::from(ctx.lease_ttl_ms.max(300)) / 3);
     let mut renew =
         tokio::time::interval_at(tokio::time::Instant::now() + renew_every, renew_every);
-    let lease_id = lease.lease_id;
     // Both the prefill's answer (for the KV accounting in the head) and the first token are
     // needed before the head goes out; the decode stream stays open meanwhile.
     while prefill_answer.is_none() || early.is_empty() {
         tokio::select! {
             answer = &mut prefill_call, if prefill_answer.is_none() => match answer {
                 Ok(response) => prefill_answer = Some(response.into_inner()),
+                Err(status) if status.code() == tonic::Code::Aborted => {
+                    // The prefill worker is fine: the KV could not reach this decode worker
+                    // (it refused, died, or could not be verified). Another decode worker
+                    // may do; the decode worker's own poll finds out about it.
+                    tracing::warn!(prefill = %prefill.url, decode = %decode.url, message = status.message(), "KV transfer to the decode worker failed");
+                    decode.probe_now();
+                    // Returning drops the Generate stream, which cancels the reservation.
+                    return Err(DisaggError::Decode(AttemptError::DecodeDown(
+                        ApiError::WorkerUnavailable,
+                    )));
+                }
                 Err(status) => {
                     tracing::warn!(prefill = %prefill.url, code = ?status.code(), message = status.message(), "prefill failed");
                     prefill.report_failure(&status);
@@ -623,7 +659,7 @@ async fn run_disaggregated(
             }
             _ = renew.tick(), if prefill_answer.is_none() => {
                 let mut renewer = client.clone();
-                let request = grpc_request(RenewLeaseRequest { lease_id }, &req.request_id);
+                let request = grpc_request(RenewLeaseRequest { lease: lease_token.clone() }, &req.request_id);
                 tokio::spawn(async move {
                     if let Err(status) = renewer.renew_lease(request).await {
                         tracing::debug!(code = ?status.code(), "lease renewal failed");

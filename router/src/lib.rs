@@ -6,10 +6,11 @@
 //! It must not depend on the engine or the worker crates: everything it knows about a worker
 //! comes over the wire (`GetInfo`, `GetLoad`, `Generate`, `Prefill`).
 //!
-//! Modules: `config` (flags → `RouterConfig`), `api` (HTTP), `flow` (one request across the
-//! workers), `routing` (pure policy), `workers` (pool and health), `discovery` (`dns://`
-//! entries, re-resolved), `admission` (concurrency and queue bounds), `model` (tokenizer,
-//! template), `auth`, `metrics`.
+//! Modules: `config` (flags → `RouterConfig`), `serve` (the bounded accept loop), `api`
+//! (HTTP), `flow` (one request across the workers), `routing` (pure policy), `workers` (pool
+//! and health), `discovery` (`dns://` entries, re-resolved), `admission` (concurrency and
+//! queue bounds), `model` (tokenizer, template), `auth` (the public API key; the workers'
+//! internal credentials are `tandem-auth`'s), `metrics`.
 
 pub mod admission;
 pub mod api;
@@ -20,6 +21,7 @@ pub mod flow;
 pub mod metrics;
 pub mod model;
 pub mod routing;
+pub mod serve;
 pub mod workers;
 
 use std::sync::Arc;
@@ -78,6 +80,7 @@ pub async fn run_with_resolver(
             &config.decode_urls,
             config.transport,
             config.served_model_name.clone(),
+            config.internal_auth.clone(),
         )
         .map_err(RouterError::Workers)?,
     );
@@ -112,16 +115,12 @@ pub async fn run_with_resolver(
     if config.prefill_urls.is_empty() {
         tracing::info!("no prefill workers configured: every request runs aggregated");
     }
+    let limits = serve::ConnectionLimits {
+        max_connections: config.max_connections,
+        header_read_timeout: config.header_read_timeout,
+    };
     let app = api::app(api::AppState::new(config, Arc::clone(&pool), prometheus));
-    // Token streams are many small writes: without TCP_NODELAY, Nagle's algorithm and the
-    // client's delayed ACKs hold each SSE chunk back by up to tens of milliseconds.
-    let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
-        if let Err(e) = tcp.set_nodelay(true) {
-            tracing::warn!(error = %e, "cannot set TCP_NODELAY on a client connection");
-        }
-    });
-    let server =
-        axum::serve(listener, app).with_graceful_shutdown(shutdown.clone().cancelled_owned());
+    let server = serve::serve(listener, app, limits, shutdown.clone());
     let startup = wait_for_model(&pool, startup_timeout, pool.discovers_decode_workers());
     let drain_limit = async {
         shutdown.cancelled().await;
@@ -129,7 +128,7 @@ pub async fn run_with_resolver(
         tokio::time::sleep(shutdown_grace).await;
     };
     tokio::select! {
-        result = server.into_future() => result?,
+        result = server => result?,
         error = startup => return Err(error),
         _ = drain_limit => tracing::warn!("shutdown grace period over; cutting remaining requests"),
     }

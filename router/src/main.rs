@@ -10,6 +10,7 @@ use tracing_subscriber::EnvFilter;
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
+    tandem_auth::refuse_secret_on_command_line(std::env::args_os())?;
     let args = RouterArgs::parse();
     let config = RouterConfig::from_args(args).context("invalid configuration")?;
     init_tracing(config.log_format);

@@ -45,6 +45,12 @@ pub const WORKER_QUEUED_PREFILL_TOKENS: &str = "tandem_router_worker_queued_pref
 pub const DISCOVERED_WORKERS: &str = "tandem_router_discovered_workers";
 /// Prompt and completion tokens of finished requests, by `kind`.
 pub const TOKENS_TOTAL: &str = "tandem_router_tokens_total";
+/// Client connections open now.
+pub const OPEN_CONNECTIONS: &str = "tandem_router_open_connections";
+/// Client connections closed on arrival because `--max-connections` were open.
+pub const CONNECTIONS_REFUSED_TOTAL: &str = "tandem_router_connections_refused_total";
+/// SSE keep-alive comments sent on streams that had nothing else to send.
+pub const SSE_KEEPALIVES_TOTAL: &str = "tandem_router_sse_keepalives_total";
 
 /// Histogram buckets (seconds) shared by the latency metrics: 1 ms to 5 minutes.
 const LATENCY_BUCKETS: &[f64] = &[
@@ -112,6 +118,9 @@ pub fn register_static_series() {
         metrics::counter!(FALLBACKS_TOTAL, "reason" => reason).increment(0);
     }
     metrics::counter!(PREFILL_RETRIES_TOTAL).increment(0);
+    metrics::gauge!(OPEN_CONNECTIONS).increment(0.0);
+    metrics::counter!(CONNECTIONS_REFUSED_TOTAL).increment(0);
+    metrics::counter!(SSE_KEEPALIVES_TOTAL).increment(0);
 }
 
 /// One worker's samples for the per-worker families, read from the pool at scrape time.

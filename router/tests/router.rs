@@ -93,13 +93,18 @@ async fn disaggregated_completion_end_to_end() {
     let dest = p.destination.as_ref().unwrap();
     assert_eq!(dest.transport, Transport::Shm as i32);
     assert_eq!(dest.decode_endpoint, ds.url);
-    assert_eq!(dest.kv_tcp_addr, format!("127.0.0.1:{KV_TCP_PORT}"));
-    assert_eq!(dest.shm_path, "/dev/shm/decode-0");
-    assert_eq!(dest.shm_bytes, 1 << 20);
-    assert_eq!(dest.lease_id, lease.lease_id);
+    // The prefill worker gets the decode worker and the capability, not addresses: it
+    // verifies the decode worker itself and uses what that worker advertises.
+    assert_eq!(dest.lease, lease.token);
+    assert_eq!(dest.lease.len(), 16);
+    assert_eq!(
+        dest.decode_instance,
+        lock(&decode.0.info).instance_id,
+        "the instance the router verified"
+    );
     assert_eq!(dest.block_ids, lease.block_ids);
     assert_eq!(dest.kv_layout_hash, "hash-A");
-    assert_eq!(lock(&decode.0.commits)[0].lease_id, lease.lease_id);
+    assert_eq!(lock(&decode.0.commits)[0].lease, lease.token);
     // Only the first decode worker was asked for the tokenizer.
     router.stop().await;
 }

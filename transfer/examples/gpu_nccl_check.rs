@@ -15,7 +15,7 @@ use tandem_engine::gpu::{GpuContext, GpuKvCache, available};
 use tandem_engine::kv::{BLOCK_SIZE, KvCache, KvDtype, KvLayout};
 use tandem_proto::v1::{KvCommit, Transport};
 use tandem_transfer::nccl_wire::{self, Link, MESSAGE_AREA_BYTES};
-use tandem_transfer::{DeviceLink, DevicePool, LeaseTable};
+use tandem_transfer::{DeviceLink, DevicePool, LeaseTable, LeaseToken};
 
 const PROMPT_TOKENS: usize = 2048;
 const SRC_BLOCKS: usize = PROMPT_TOKENS / BLOCK_SIZE;
@@ -47,8 +47,10 @@ fn cfg() -> anyhow::Result<ModelConfig> {
     Ok(ModelConfig::preset("llama-3.1-8b")?)
 }
 
-/// The prefill side: joins as rank 1 and sends every layer of lease `lease`.
-fn child(id: &str, lease: u64, ordinal: usize) -> anyhow::Result<()> {
+/// The prefill side: joins as rank 1 and sends every layer of lease `lease` (its
+/// capability, hex: this check's two processes are one test, so argv carries it).
+fn child(id: &str, lease: &str, ordinal: usize) -> anyhow::Result<()> {
+    let lease = LeaseToken::from_wire(&unhex(lease)?)?;
     let gpu = GpuContext::new(ordinal, None)?;
     let src = GpuKvCache::with_blocks(&gpu, &cfg()?, SRC_BLOCKS)?;
     let kv = src.describe(&gpu);
@@ -71,7 +73,7 @@ fn child(id: &str, lease: u64, ordinal: usize) -> anyhow::Result<()> {
             .collect();
         nccl_wire::send_layer(
             &mut wire,
-            lease,
+            &lease,
             layer,
             kv.block_layer_bytes,
             &logical,
@@ -85,7 +87,7 @@ fn child(id: &str, lease: u64, ordinal: usize) -> anyhow::Result<()> {
 fn main() -> anyhow::Result<()> {
     let args: Vec<String> = std::env::args().collect();
     if args.len() == 5 && args[1] == "--child" {
-        return child(&args[2], args[3].parse()?, args[4].parse()?);
+        return child(&args[2], &args[3], args[4].parse()?);
     }
     if !available() || !nccl::available() {
         println!("SKIP: no CUDA device or no libnccl.so here");
@@ -109,13 +111,13 @@ fn main() -> anyhow::Result<()> {
     let table = LeaseTable::new(host.block_writer(), layout.hash(), None)
         .with_device_pool(kv.block_layer_bytes);
     let blocks: Vec<u32> = (0..SRC_BLOCKS).map(dst_block).collect();
-    let (lease, mut committed) = table.create(blocks, PROMPT_TOKENS, "nccl-check");
+    let (lease, mut committed) = table.create(blocks, PROMPT_TOKENS, "nccl-check")?;
     let id = nccl::unique_id()?;
     let mut child = std::process::Command::new(&args[0])
         .args([
             "--child",
             &hex(&id),
-            &lease.id.to_string(),
+            &hex(lease.token().as_bytes()),
             &(devices - 1).to_string(),
         ])
         .spawn()?;
@@ -173,7 +175,7 @@ fn main() -> anyhow::Result<()> {
         }
     }
     let commit = KvCommit {
-        lease_id: lease.id,
+        lease: lease.token().as_bytes().to_vec(),
         kv_layout_hash: table.layout_hash().into(),
         num_tokens: PROMPT_TOKENS as u32,
         transport: Transport::Nccl as i32,

@@ -12,17 +12,17 @@
 //! quarantine.
 
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
 use tandem_engine::gpu::ipc::{self, OpenedPeer};
-use tandem_engine::kv::{DeviceKv, KvLayout, plan_layer_copy};
-use tandem_proto::v1::{KvDestination, Transport};
+use tandem_engine::kv::{DeviceKv, plan_layer_copy};
+use tandem_proto::v1::{Transport, WorkerInfo};
 
 use crate::error::TransferError;
 use crate::inplace::InPlace;
-use crate::sender::{KvSender, Peers, SendFuture};
-use crate::shm::{OwnerTags, tags_path};
+use crate::sender::{KvSender, Opening, Peers, SendFuture};
+use crate::shm::OwnerTags;
 
 /// A prefill worker's opened device pools and owner-tag files, kept across requests.
 #[derive(Debug, Default)]
@@ -32,13 +32,20 @@ pub(crate) struct CudaIpcPeers {
 }
 
 impl CudaIpcPeers {
-    fn tags(&self, pool: &Path, blocks: usize) -> Result<Arc<OwnerTags>, TransferError> {
+    /// The owner tags of a verified decode worker's pool, opened the first time.
+    fn tags(
+        &self,
+        peers: &Peers,
+        info: &WorkerInfo,
+        blocks: usize,
+    ) -> Result<Arc<OwnerTags>, TransferError> {
+        let pool = PathBuf::from(&info.shm_path);
         let mut tags = self.tags.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(t) = tags.get(pool) {
+        if let Some(t) = tags.get(&pool) {
             return Ok(t.clone());
         }
-        let t = Arc::new(OwnerTags::open(&tags_path(pool), blocks)?);
-        tags.insert(pool.to_owned(), t.clone());
+        let t = Arc::new(peers.open_tags(info, blocks)?);
+        tags.insert(pool, t.clone());
         Ok(t)
     }
 
@@ -56,15 +63,15 @@ impl CudaIpcPeers {
         Ok(peer)
     }
 
-    pub(crate) fn forget(&self, dest: &KvDestination) {
+    pub(crate) fn forget(&self, info: &WorkerInfo) {
         self.opened
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .remove(&dest.cuda_ipc_handle);
+            .remove(&info.cuda_ipc_handle);
         self.tags
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .remove(Path::new(&dest.shm_path));
+            .remove(&PathBuf::from(&info.shm_path));
     }
 }
 
@@ -72,41 +79,33 @@ impl CudaIpcPeers {
 pub(crate) struct CudaIpcSender {
     peers: Arc<CudaIpcPeers>,
     tags: Arc<OwnerTags>,
+    /// The decode worker's device pool, from its verified info.
+    handle: Vec<u8>,
+    pool_blocks: usize,
     transfer: InPlace,
 }
 
 impl CudaIpcSender {
-    pub(crate) fn new(
-        peers: &Peers,
-        dest: KvDestination,
-        layout: &KvLayout,
-        request_id: &str,
-        num_tokens: usize,
-    ) -> Result<Self, TransferError> {
-        if dest.cuda_ipc_handle.is_empty() || dest.cuda_pool_blocks == 0 {
+    pub(crate) fn new(op: Opening<'_>) -> Result<Self, TransferError> {
+        let info = &op.decode.info;
+        if info.cuda_ipc_handle.is_empty() || info.cuda_pool_blocks == 0 {
             return Err(TransferError::Connect(
                 "the decode worker has no device KV pool (cuda-ipc needs it on a GPU)".into(),
             ));
         }
-        if dest.shm_path.is_empty() {
+        if info.shm_path.is_empty() {
             return Err(TransferError::Connect(
                 "the decode worker has no owner-tag file (cuda-ipc needs its shm folder)".into(),
             ));
         }
-        let tags = peers
-            .cuda
-            .tags(Path::new(&dest.shm_path), dest.cuda_pool_blocks as usize)?;
+        let pool_blocks = info.cuda_pool_blocks as usize;
+        let tags = op.peers.cuda.tags(op.peers, info, pool_blocks)?;
         Ok(Self {
-            peers: peers.cuda.clone(),
+            peers: op.peers.cuda.clone(),
             tags,
-            transfer: InPlace::new(
-                peers,
-                dest,
-                layout,
-                request_id,
-                num_tokens,
-                Transport::CudaIpc,
-            )?,
+            handle: info.cuda_ipc_handle.clone(),
+            pool_blocks,
+            transfer: InPlace::new(op, Transport::CudaIpc)?,
         })
     }
 }
@@ -132,8 +131,8 @@ impl KvSender for CudaIpcSender {
         for &(lb, physical) in blocks {
             let block = t.block(lb)?;
             // The fence: write only while the decode worker still says this block is ours.
-            if self.tags.get(block) != t.dest.lease_id {
-                return Err(TransferError::Cancelled(t.dest.lease_id));
+            if self.tags.get(block) != t.fence {
+                return Err(TransferError::Cancelled);
             }
             pairs.push((physical, block));
         }
@@ -142,10 +141,10 @@ impl KvSender for CudaIpcSender {
             t.layers,
             src.block_layer_bytes,
             src.num_blocks,
-            t.dest.cuda_pool_blocks as usize,
+            self.pool_blocks,
             &pairs,
         )?;
-        let peer = self.peers.open(&t.dest.cuda_ipc_handle, src.context)?;
+        let peer = self.peers.open(&self.handle, src.context)?;
         // SAFETY: the runs lie inside both pools (checked by the plan), the destination blocks
         // are reserved for our lease (owner tags), and the copies are queued on the stream of
         // the forward pass that wrote the source, before anything can reuse it.

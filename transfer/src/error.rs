@@ -6,10 +6,18 @@ use tandem_engine::EngineError;
 pub enum TransferError {
     #[error("KV layout mismatch: {0}")]
     LayoutMismatch(String),
-    #[error("unknown or finished lease {0}")]
-    UnknownLease(u64),
-    #[error("lease {0} was cancelled")]
-    Cancelled(u64),
+    /// No open lease has this capability (never existed, ended, or a guess): the same answer
+    /// in every case, naming nothing.
+    #[error("no open lease holds this capability")]
+    UnknownLease,
+    #[error("the lease was cancelled")]
+    Cancelled,
+    /// The caller holds as many reserved blocks as it may.
+    #[error("{0}")]
+    QuotaExceeded(String),
+    /// The peer could not prove it belongs to the deployment.
+    #[error("{0}")]
+    Unauthenticated(String),
     #[error("corrupt KV transfer: {0}")]
     Corrupt(String),
     #[error("incomplete KV transfer: {0}")]
@@ -31,8 +39,10 @@ impl From<TransferError> for tonic::Status {
         let msg = e.to_string();
         match e {
             TransferError::LayoutMismatch(_) => tonic::Status::failed_precondition(msg),
-            TransferError::UnknownLease(_) => tonic::Status::not_found(msg),
-            TransferError::Cancelled(_) => tonic::Status::cancelled(msg),
+            TransferError::UnknownLease => tonic::Status::not_found(msg),
+            TransferError::Cancelled => tonic::Status::cancelled(msg),
+            TransferError::QuotaExceeded(_) => tonic::Status::resource_exhausted(msg),
+            TransferError::Unauthenticated(_) => tonic::Status::unauthenticated(msg),
             TransferError::Corrupt(_) | TransferError::Incomplete(_) => {
                 tonic::Status::data_loss(msg)
             }

@@ -4,18 +4,14 @@
 use std::time::Instant;
 
 use bytes::Bytes;
-use tandem_engine::kv::KvLayout;
-use tandem_proto::v1::decode_service_client::DecodeServiceClient;
-use tandem_proto::v1::{
-    KvBlocks, KvCommit, KvDestination, KvHeader, KvMessage, Transport, kv_message,
-};
+use tandem_proto::v1::{KvBlocks, KvCommit, KvHeader, KvMessage, Transport, kv_message};
 use tokio::sync::{mpsc, oneshot};
 use tokio_stream::wrappers::ReceiverStream;
 
 use crate::checksum::crc32;
 use crate::error::TransferError;
-use crate::lease::LeaseTable;
-use crate::sender::{KvSender, Peers, SendFuture, SendStats};
+use crate::lease::{LeaseTable, LeaseToken};
+use crate::sender::{KvSender, Opening, SendFuture, SendStats};
 
 /// Payload bytes per message, well under tonic's 4 MiB default limit.
 const MAX_PAYLOAD: usize = 1 << 20;
@@ -25,7 +21,8 @@ const QUEUE: usize = 16;
 pub(crate) struct GrpcSender {
     tx: mpsc::Sender<KvMessage>,
     done: oneshot::Receiver<Result<u64, TransferError>>,
-    dest: KvDestination,
+    lease: LeaseToken,
+    layout_hash: String,
     request_id: String,
     num_tokens: usize,
     bytes: u64,
@@ -33,20 +30,14 @@ pub(crate) struct GrpcSender {
 }
 
 impl GrpcSender {
-    pub(crate) async fn start(
-        peers: &Peers,
-        dest: KvDestination,
-        _layout: &KvLayout,
-        request_id: &str,
-        num_tokens: usize,
-    ) -> Result<Self, TransferError> {
-        let mut client = DecodeServiceClient::new(peers.channel(&dest.decode_endpoint)?);
+    pub(crate) async fn start(op: Opening<'_>) -> Result<Self, TransferError> {
+        let mut client = op.peers.decode_client(&op.decode.endpoint)?;
         let (tx, rx) = mpsc::channel(QUEUE);
         let header = KvMessage {
             msg: Some(kv_message::Msg::Header(KvHeader {
-                lease_id: dest.lease_id,
-                kv_layout_hash: dest.kv_layout_hash.clone(),
-                request_id: request_id.to_string(),
+                lease: op.lease.as_bytes().to_vec(),
+                kv_layout_hash: op.dest.kv_layout_hash.clone(),
+                request_id: op.request_id.to_string(),
             })),
         };
         tx.send(header)
@@ -64,9 +55,10 @@ impl GrpcSender {
         Ok(Self {
             tx,
             done,
-            dest,
-            request_id: request_id.to_string(),
-            num_tokens,
+            lease: op.lease,
+            layout_hash: op.dest.kv_layout_hash,
+            request_id: op.request_id.to_string(),
+            num_tokens: op.num_tokens,
             bytes: 0,
             started: None,
         })
@@ -117,8 +109,8 @@ impl KvSender for GrpcSender {
             let started = me.started.unwrap_or_else(Instant::now);
             let commit = KvMessage {
                 msg: Some(kv_message::Msg::Commit(KvCommit {
-                    lease_id: me.dest.lease_id,
-                    kv_layout_hash: me.dest.kv_layout_hash.clone(),
+                    lease: me.lease.as_bytes().to_vec(),
+                    kv_layout_hash: me.layout_hash.clone(),
                     request_id: me.request_id.clone(),
                     first_token,
                     first_logprob,
@@ -161,7 +153,7 @@ pub async fn receive_push_kv(
             "a transfer must start with its header".into(),
         ));
     };
-    let lease = table.check_header(header.lease_id, &header.kv_layout_hash)?;
+    let lease = table.check_header(&header.lease, &header.kv_layout_hash)?;
     while let Some(msg) = stream.message().await.map_err(next)? {
         match msg.msg {
             Some(kv_message::Msg::Blocks(b)) => {
@@ -174,8 +166,10 @@ pub async fn receive_push_kv(
                 )?;
             }
             Some(kv_message::Msg::Commit(c)) => {
-                if c.lease_id != lease.id {
-                    return Err(TransferError::Protocol("commit for another lease".into()));
+                if c.lease != lease.token().as_bytes() {
+                    return Err(TransferError::Protocol(
+                        "a transfer commits the lease its header named".into(),
+                    ));
                 }
                 return table.commit(&c);
             }
@@ -186,8 +180,7 @@ pub async fn receive_push_kv(
             }
         }
     }
-    Err(TransferError::Incomplete(format!(
-        "transfer for lease {} ended without a commit",
-        lease.id
-    )))
+    Err(TransferError::Incomplete(
+        "the transfer ended without a commit".into(),
+    ))
 }

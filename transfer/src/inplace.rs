@@ -4,21 +4,24 @@
 
 use std::time::Instant;
 
+use tandem_auth::AuthChannel;
 #[cfg(feature = "cuda")]
 use tandem_engine::kv::DeviceKv;
-use tandem_engine::kv::KvLayout;
 use tandem_proto::v1::decode_service_client::DecodeServiceClient;
 use tandem_proto::v1::{KvCommit, KvDestination, Transport};
-use tonic::transport::Channel;
 
 use crate::error::TransferError;
-use crate::sender::{Peers, SendFuture, SendStats};
+use crate::lease::LeaseToken;
+use crate::sender::{Opening, SendFuture, SendStats};
 
 /// One request's in-place transfer, up to its commit.
 pub(crate) struct InPlace {
     pub dest: KvDestination,
     pub layers: usize,
-    client: DecodeServiceClient<Channel>,
+    /// The lease's owner-tag value: a block may be written only while its tag says this.
+    pub fence: u64,
+    pub lease: LeaseToken,
+    client: DecodeServiceClient<AuthChannel>,
     request_id: String,
     num_tokens: usize,
     transport: Transport,
@@ -29,24 +32,19 @@ pub(crate) struct InPlace {
 }
 
 impl InPlace {
-    pub fn new(
-        peers: &Peers,
-        dest: KvDestination,
-        layout: &KvLayout,
-        request_id: &str,
-        num_tokens: usize,
-        transport: Transport,
-    ) -> Result<Self, TransferError> {
+    pub fn new(op: Opening<'_>, transport: Transport) -> Result<Self, TransferError> {
         Ok(Self {
-            client: DecodeServiceClient::new(peers.channel(&dest.decode_endpoint)?),
-            layers: layout.num_layers,
-            written: vec![false; layout.num_layers * dest.block_ids.len()],
+            client: op.peers.decode_client(&op.decode.endpoint)?,
+            layers: op.layout.num_layers,
+            fence: op.lease.fence(),
+            lease: op.lease,
+            written: vec![false; op.layout.num_layers * op.dest.block_ids.len()],
             bytes: 0,
             started: None,
-            request_id: request_id.to_string(),
-            num_tokens,
+            request_id: op.request_id.to_string(),
+            num_tokens: op.num_tokens,
             transport,
-            dest,
+            dest: op.dest,
         })
     }
 
@@ -96,7 +94,7 @@ impl InPlace {
             let started = self.started.unwrap_or_else(Instant::now);
             let mut client = self.client.clone();
             let commit = KvCommit {
-                lease_id: self.dest.lease_id,
+                lease: self.lease.as_bytes().to_vec(),
                 kv_layout_hash: self.dest.kv_layout_hash.clone(),
                 request_id: self.request_id.clone(),
                 first_token,

@@ -12,7 +12,9 @@ use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
 use rayon::prelude::*;
+use sha2::{Digest, Sha256};
 use tandem_engine::kv::KvBlockWriter;
+use tandem_proto::limits::LEASE_TOKEN_BYTES;
 use tandem_proto::v1::{KvCommit, Transport};
 use tokio::sync::oneshot;
 
@@ -25,6 +27,51 @@ enum State {
     Open,
     Committed,
     Cancelled,
+}
+
+/// A lease's capability: 128 random bits from the OS. Holding it is the only way to write
+/// the lease's blocks or commit them, so nothing else names a lease on the wire, and it is
+/// never logged (its `Debug` is redacted; logs use the request id).
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct LeaseToken([u8; LEASE_TOKEN_BYTES]);
+
+impl std::fmt::Debug for LeaseToken {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("LeaseToken(<redacted>)")
+    }
+}
+
+impl LeaseToken {
+    /// A fresh capability.
+    pub fn generate() -> Result<Self, TransferError> {
+        tandem_auth::random_bytes::<LEASE_TOKEN_BYTES>()
+            .map(Self)
+            .map_err(|e| TransferError::Protocol(e.to_string()))
+    }
+
+    /// A capability as it came over the wire; anything but 16 bytes names no lease.
+    pub fn from_wire(bytes: &[u8]) -> Result<Self, TransferError> {
+        <[u8; LEASE_TOKEN_BYTES]>::try_from(bytes)
+            .map(Self)
+            .map_err(|_| TransferError::UnknownLease)
+    }
+
+    pub fn as_bytes(&self) -> &[u8; LEASE_TOKEN_BYTES] {
+        &self.0
+    }
+
+    /// The value written to the owner tags of the lease's blocks (shared memory, cuda-ipc):
+    /// derived one way from the capability, so a process that can read the tag file learns
+    /// nothing it could commit with. Never 0 (0 means "no owner").
+    pub fn fence(&self) -> u64 {
+        let digest = Sha256::new()
+            .chain_update(b"tandem/v1/fence")
+            .chain_update(self.0)
+            .finalize();
+        let mut head = [0u8; 8];
+        head.copy_from_slice(&digest[..8]);
+        u64::from_le_bytes(head).max(1)
+    }
 }
 
 /// What a verified commit hands to the request waiting on the lease.
@@ -51,12 +98,48 @@ pub struct DevicePool {
 pub struct Progress {
     pub bytes: u64,
     pub idle: Duration,
+    /// Since the lease was opened.
+    pub age: Duration,
+}
+
+/// A new lease, and the receiver that resolves on its commit (or says why it failed).
+pub type Opened = (Arc<Lease>, oneshot::Receiver<Result<Commit, String>>);
+
+/// Blocks held in open leases, per caller (the address a reservation came from), bounded by
+/// [`LeaseTable::with_caller_quota`]. A claim is taken before blocks are reserved and given
+/// back when its lease ends (committed blocks belong to the engine, not to the caller).
+#[derive(Debug, Default)]
+struct Quota {
+    max_blocks: Option<usize>,
+    held: Mutex<HashMap<String, usize>>,
+}
+
+/// Blocks one caller may hold in an open lease; released on drop.
+#[derive(Debug)]
+pub struct QuotaClaim {
+    quota: Arc<Quota>,
+    caller: String,
+    blocks: usize,
+}
+
+impl Drop for QuotaClaim {
+    fn drop(&mut self) {
+        let mut held = self.quota.held.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(n) = held.get_mut(&self.caller) {
+            *n = n.saturating_sub(self.blocks);
+            if *n == 0 {
+                held.remove(&self.caller);
+            }
+        }
+    }
 }
 
 /// One reservation.
 #[derive(Debug)]
 pub struct Lease {
-    pub id: u64,
+    token: LeaseToken,
+    /// `token.fence()`, computed once.
+    fence: u64,
     /// Physical block of each logical block of the prompt.
     pub blocks: Vec<u32>,
     pub num_tokens: usize,
@@ -65,17 +148,25 @@ pub struct Lease {
     /// `layers × blocks` flags of pieces received and checked.
     received: Mutex<Vec<bool>>,
     bytes: AtomicU64,
+    opened: Instant,
     last_progress: Mutex<Instant>,
     commit_tx: Mutex<Option<oneshot::Sender<Result<Commit, String>>>>,
+    claim: Mutex<Option<QuotaClaim>>,
 }
 
 impl Lease {
-    /// Bytes so far and time since the last piece arrived.
+    /// The capability, for the one party that must get it (the router, in the Lease event).
+    pub fn token(&self) -> &LeaseToken {
+        &self.token
+    }
+
+    /// Bytes so far, time since the last piece arrived, and age.
     pub fn progress(&self) -> Progress {
         let last = *self.last_progress.lock().unwrap_or_else(|p| p.into_inner());
         Progress {
             bytes: self.bytes.load(Ordering::Relaxed),
             idle: last.elapsed(),
+            age: self.opened.elapsed(),
         }
     }
 
@@ -87,14 +178,14 @@ impl Lease {
 /// All open leases of one decode worker.
 #[derive(Debug)]
 pub struct LeaseTable {
-    leases: Mutex<HashMap<u64, Arc<Lease>>>,
+    leases: Mutex<HashMap<LeaseToken, Arc<Lease>>>,
     writer: KvBlockWriter,
     layout_hash: String,
-    next_id: AtomicU64,
     tags: Option<OwnerTags>,
     /// Bytes of one (layer, block) piece of the device pool, when a GPU engine exported it
     /// (the `cuda-ipc` transport writes there).
     device_block_layer_bytes: Option<usize>,
+    quota: Arc<Quota>,
 }
 
 impl LeaseTable {
@@ -104,14 +195,9 @@ impl LeaseTable {
             leases: Mutex::new(HashMap::new()),
             writer,
             layout_hash,
-            // Start from the clock so lease ids from a restarted worker do not repeat.
-            next_id: AtomicU64::new(
-                std::time::SystemTime::now()
-                    .duration_since(std::time::UNIX_EPOCH)
-                    .map_or(1, |d| d.as_nanos() as u64 | 1),
-            ),
             tags,
             device_block_layer_bytes: None,
+            quota: Arc::default(),
         }
     }
 
@@ -122,8 +208,26 @@ impl LeaseTable {
         self
     }
 
+    /// Lets one caller hold at most `max_blocks` blocks in open leases.
+    pub fn with_caller_quota(mut self, max_blocks: usize) -> Self {
+        self.quota = Arc::new(Quota {
+            max_blocks: Some(max_blocks),
+            held: Mutex::default(),
+        });
+        self
+    }
+
     pub fn layout_hash(&self) -> &str {
         &self.layout_hash
+    }
+
+    /// Bytes of one (layer, block) piece of the host pool.
+    pub fn piece_bytes(&self) -> usize {
+        self.writer.layout().block_layer_bytes()
+    }
+
+    pub fn num_layers(&self) -> usize {
+        self.writer.layout().num_layers
     }
 
     pub fn len(&self) -> usize {
@@ -134,46 +238,97 @@ impl LeaseTable {
         self.len() == 0
     }
 
-    fn map(&self) -> std::sync::MutexGuard<'_, HashMap<u64, Arc<Lease>>> {
+    fn map(&self) -> std::sync::MutexGuard<'_, HashMap<LeaseToken, Arc<Lease>>> {
         self.leases.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Opens a lease over blocks the engine reserved; the receiver resolves on commit.
-    ///
-    /// The receiver yields the commit, or why the transfer failed (corrupt or incomplete data).
+    fn get(&self, token: &LeaseToken) -> Option<Arc<Lease>> {
+        self.map().get(token).cloned()
+    }
+
+    /// Takes `blocks` of `caller`'s quota for a lease about to be opened, or refuses when the
+    /// caller already holds too many in open leases.
+    pub fn claim(&self, caller: &str, blocks: usize) -> Result<QuotaClaim, TransferError> {
+        let mut held = self.quota.held.lock().unwrap_or_else(|p| p.into_inner());
+        let now = held.get(caller).copied().unwrap_or(0);
+        if let Some(max) = self.quota.max_blocks
+            && now + blocks > max
+        {
+            return Err(TransferError::QuotaExceeded(format!(
+                "this caller holds {now} KV blocks in reservations awaiting their KV and may \
+                 hold at most {max}; {blocks} more were asked for"
+            )));
+        }
+        *held.entry(caller.to_string()).or_default() += blocks;
+        Ok(QuotaClaim {
+            quota: Arc::clone(&self.quota),
+            caller: caller.to_string(),
+            blocks,
+        })
+    }
+
+    /// Opens a lease over blocks the engine reserved, outside any caller's quota (tests and
+    /// tools); the receiver resolves on commit.
     pub fn create(
         &self,
         blocks: Vec<u32>,
         num_tokens: usize,
         request_id: &str,
-    ) -> (Arc<Lease>, oneshot::Receiver<Result<Commit, String>>) {
-        let id = self.next_id.fetch_add(2, Ordering::Relaxed);
+    ) -> Result<Opened, TransferError> {
+        self.open(None, blocks, num_tokens, request_id)
+    }
+
+    /// Opens a lease whose blocks count against `claim` until it ends.
+    pub fn create_claimed(
+        &self,
+        claim: QuotaClaim,
+        blocks: Vec<u32>,
+        num_tokens: usize,
+        request_id: &str,
+    ) -> Result<Opened, TransferError> {
+        self.open(Some(claim), blocks, num_tokens, request_id)
+    }
+
+    fn open(
+        &self,
+        claim: Option<QuotaClaim>,
+        blocks: Vec<u32>,
+        num_tokens: usize,
+        request_id: &str,
+    ) -> Result<Opened, TransferError> {
+        let token = LeaseToken::generate()?;
         let (tx, rx) = oneshot::channel();
         let layers = self.writer.layout().num_layers;
+        let now = Instant::now();
         let lease = Arc::new(Lease {
-            id,
+            fence: token.fence(),
+            token,
             received: Mutex::new(vec![false; layers * blocks.len()]),
             blocks,
             num_tokens,
             request_id: request_id.to_string(),
             state: RwLock::new(State::Open),
             bytes: AtomicU64::new(0),
-            last_progress: Mutex::new(Instant::now()),
+            opened: now,
+            last_progress: Mutex::new(now),
             commit_tx: Mutex::new(Some(tx)),
+            claim: Mutex::new(claim),
         });
         if let Some(tags) = &self.tags {
             for &b in &lease.blocks {
-                tags.set(b, id);
+                tags.set(b, lease.fence);
             }
         }
-        self.map().insert(id, lease.clone());
-        (lease, rx)
+        self.map().insert(token, lease.clone());
+        Ok((lease, rx))
     }
 
-    /// Checks a transfer's opening: the lease exists and the sender's layout is ours.
+    /// Checks a transfer's opening: the sender's layout is ours and it holds a live lease.
+    /// A token that names no open lease gets the same answer whether it never existed or
+    /// ended, and touches nothing.
     pub fn check_header(
         &self,
-        lease_id: u64,
+        lease: &[u8],
         layout_hash: &str,
     ) -> Result<Arc<Lease>, TransferError> {
         if layout_hash != self.layout_hash {
@@ -182,10 +337,8 @@ impl LeaseTable {
                 self.layout_hash
             )));
         }
-        self.map()
-            .get(&lease_id)
-            .cloned()
-            .ok_or(TransferError::UnknownLease(lease_id))
+        let token = LeaseToken::from_wire(lease)?;
+        self.get(&token).ok_or(TransferError::UnknownLease)
     }
 
     /// Writes some blocks of one layer (`payload` holds them back to back) after checking
@@ -233,12 +386,11 @@ impl LeaseTable {
         let state = lease.state.read().unwrap_or_else(|p| p.into_inner());
         match *state {
             State::Open => {}
-            State::Cancelled => return Err(TransferError::Cancelled(lease.id)),
+            State::Cancelled => return Err(TransferError::Cancelled),
             State::Committed => {
-                return Err(TransferError::Protocol(format!(
-                    "lease {} already committed",
-                    lease.id
-                )));
+                return Err(TransferError::Protocol(
+                    "the lease is already committed".into(),
+                ));
             }
         }
         for ((&lb, &crc), bytes) in logical.iter().zip(checksums).zip(payload.chunks_exact(bb)) {
@@ -269,10 +421,10 @@ impl LeaseTable {
     /// Verifies a commit and hands the KV to the waiting request. In-process transports must
     /// have delivered every (layer, block); shared memory is verified by its checksums.
     pub fn commit(&self, c: &KvCommit) -> Result<u64, TransferError> {
-        let lease = self.check_header(c.lease_id, &c.kv_layout_hash)?;
+        let lease = self.check_header(&c.lease, &c.kv_layout_hash)?;
         let mut state = lease.state.write().unwrap_or_else(|p| p.into_inner());
         if *state != State::Open {
-            return Err(TransferError::Cancelled(lease.id));
+            return Err(TransferError::Cancelled);
         }
         let transport = Transport::try_from(c.transport).unwrap_or(Transport::Unspecified);
         let bytes = match self.verify(&lease, c, transport) {
@@ -393,7 +545,6 @@ impl LeaseTable {
         }
     }
 
-    /// Counts as progress on an open lease (its prompt is queued at a live prefill worker).
     /// Receives one layer of a lease's blocks straight into this worker's device pool (the
     /// `nccl` transport). `land` gets the device address of each of `logical`'s blocks in
     /// `pool`, or `None` when they must be drained instead (lease unknown or ended, layer or
@@ -402,13 +553,13 @@ impl LeaseTable {
     /// Received pieces count toward the commit. Returns whether the data was kept.
     pub fn receive_device(
         &self,
-        lease_id: u64,
+        lease: &LeaseToken,
         layer: usize,
         logical: &[u32],
         pool: &DevicePool,
         land: impl FnOnce(Option<&[u64]>) -> Result<(), TransferError>,
     ) -> Result<bool, TransferError> {
-        let lease = self.map().get(&lease_id).cloned();
+        let lease = self.get(lease);
         let layers = self.writer.layout().num_layers;
         let Some(lease) = lease else {
             land(None)?;
@@ -449,10 +600,13 @@ impl LeaseTable {
 
     /// Waits until every piece of an open lease has been received, up to `timeout` (a
     /// device transport's commit can overtake its last receive). Returns whether it has.
-    pub async fn wait_received(&self, lease_id: u64, timeout: Duration) -> bool {
+    pub async fn wait_received(&self, lease: &[u8], timeout: Duration) -> bool {
+        let Ok(token) = LeaseToken::from_wire(lease) else {
+            return false;
+        };
         let deadline = Instant::now() + timeout;
         loop {
-            let complete = match self.map().get(&lease_id) {
+            let complete = match self.get(&token) {
                 Some(l) => l
                     .received
                     .lock()
@@ -468,9 +622,10 @@ impl LeaseTable {
         }
     }
 
+    /// Counts as progress on an open lease (its prompt is queued at a live prefill worker).
     /// Returns whether the lease is still open.
-    pub fn renew(&self, lease_id: u64) -> bool {
-        let Some(lease) = self.map().get(&lease_id).cloned() else {
+    pub fn renew(&self, lease: &[u8]) -> bool {
+        let Some(lease) = LeaseToken::from_wire(lease).ok().and_then(|t| self.get(&t)) else {
             return false;
         };
         lease.touch();
@@ -479,8 +634,8 @@ impl LeaseTable {
 
     /// Ends an open lease (request cancelled, lease expired, transfer failed). Returns its
     /// blocks for the caller to release, or `None` if it had already committed or ended.
-    pub fn cancel(&self, lease_id: u64) -> Option<Vec<u32>> {
-        let lease = self.map().get(&lease_id).cloned()?;
+    pub fn cancel(&self, lease: &LeaseToken) -> Option<Vec<u32>> {
+        let lease = self.get(lease)?;
         let mut state = lease.state.write().unwrap_or_else(|p| p.into_inner());
         if *state != State::Open {
             return None;
@@ -503,7 +658,9 @@ impl LeaseTable {
                 tags.set(b, 0);
             }
         }
-        self.map().remove(&lease.id);
+        self.map().remove(&lease.token);
+        // The blocks are the engine's or back in the pool now: no longer the caller's.
+        drop(lease.claim.lock().unwrap_or_else(|p| p.into_inner()).take());
     }
 }
 
@@ -529,7 +686,7 @@ mod tests {
 
     fn commit_msg(table: &LeaseTable, lease: &Lease, transport: Transport) -> KvCommit {
         KvCommit {
-            lease_id: lease.id,
+            lease: lease.token().as_bytes().to_vec(),
             kv_layout_hash: table.layout_hash().into(),
             first_token: 7,
             first_logprob: -0.5,
@@ -543,7 +700,7 @@ mod tests {
     fn full_transfer_commits_and_lands_in_the_blocks() {
         let (cache, table) = setup();
         let bb = cache.layout().block_layer_bytes();
-        let (lease, mut rx) = table.create(vec![5, 2], 20, "r1");
+        let (lease, mut rx) = table.create(vec![5, 2], 20, "r1").unwrap();
         let payload = |layer: usize| -> Vec<u8> {
             (0..2 * bb).map(|i| (i % 200) as u8 + layer as u8).collect()
         };
@@ -570,7 +727,7 @@ mod tests {
         assert_eq!(cache.block_layer_bytes(0, 5).unwrap(), &payload(0)[..bb]);
         assert!(table.is_empty());
         assert!(
-            table.cancel(lease.id).is_none(),
+            table.cancel(lease.token()).is_none(),
             "a committed lease cannot be cancelled"
         );
     }
@@ -588,37 +745,37 @@ mod tests {
             (0, 0, good, &payload[1..]),
         ];
         for (layer, lb, crc, data) in bad_cases {
-            let (lease, _rx) = table.create(vec![0], 5, "r");
+            let (lease, _rx) = table.create(vec![0], 5, "r").unwrap();
             assert!(matches!(
                 table.write_blocks(&lease, layer, &[lb], &[crc], data),
                 Err(TransferError::Corrupt(_))
             ));
         }
-        let (lease, mut rx) = table.create(vec![0], 5, "r");
+        let (lease, mut rx) = table.create(vec![0], 5, "r").unwrap();
         assert!(
             table
                 .write_blocks(&lease, 0, &[0], &[good ^ 1], &payload)
                 .is_err()
         );
         assert!(matches!(
-            table.check_header(lease.id, "other"),
+            table.check_header(lease.token().as_bytes(), "other"),
             Err(TransferError::LayoutMismatch(_))
         ));
         assert!(matches!(
-            table.check_header(12345, table.layout_hash()),
-            Err(TransferError::UnknownLease(_))
+            table.check_header(&[7u8; 16], table.layout_hash()),
+            Err(TransferError::UnknownLease)
         ));
         // The first corrupt piece failed the lease and told the waiting request why.
         let why = rx.try_recv().unwrap().unwrap_err();
         assert!(why.contains("checksum"), "{why}");
         assert!(matches!(
             table.write_blocks(&lease, 0, &[0], &[good], &payload),
-            Err(TransferError::Cancelled(_))
+            Err(TransferError::Cancelled)
         ));
-        assert!(table.cancel(lease.id).is_none(), "already ended");
+        assert!(table.cancel(lease.token()).is_none(), "already ended");
 
         // An incomplete transfer fails at commit.
-        let (lease, mut rx) = table.create(vec![1], 5, "r2");
+        let (lease, mut rx) = table.create(vec![1], 5, "r2").unwrap();
         table
             .write_blocks(&lease, 0, &[0], &[good], &payload)
             .unwrap();
@@ -628,7 +785,7 @@ mod tests {
         assert!(rx.try_recv().unwrap().is_err());
 
         // Cancel returns the blocks once; writes after it are refused.
-        let (lease, _rx) = table.create(vec![2], 5, "r3");
+        let (lease, _rx) = table.create(vec![2], 5, "r3").unwrap();
         table
             .write_blocks(&lease, 0, &[0], &[good], &payload)
             .unwrap();
@@ -636,19 +793,19 @@ mod tests {
             table.commit(&commit_msg(&table, &lease, Transport::Grpc)),
             Err(TransferError::Incomplete(_))
         ));
-        let (lease, _rx) = table.create(vec![2], 5, "r4");
-        assert_eq!(table.cancel(lease.id), Some(vec![2]));
-        assert!(table.cancel(lease.id).is_none());
+        let (lease, _rx) = table.create(vec![2], 5, "r4").unwrap();
+        assert_eq!(table.cancel(lease.token()), Some(vec![2]));
+        assert!(table.cancel(lease.token()).is_none());
         assert!(matches!(
             table.write_blocks(&lease, 1, &[0], &[good], &payload),
-            Err(TransferError::Cancelled(_))
+            Err(TransferError::Cancelled)
         ));
     }
 
     #[test]
     fn cuda_ipc_commits_must_cover_the_device_pieces() {
         let (_cache, table) = setup();
-        let (lease, _rx) = table.create(vec![1, 2], 20, "r");
+        let (lease, _rx) = table.create(vec![1, 2], 20, "r").unwrap();
         let refused = table.commit(&commit_msg(&table, &lease, Transport::CudaIpc));
         assert!(
             refused
@@ -660,7 +817,7 @@ mod tests {
 
         let (_cache, table) = setup();
         let table = table.with_device_pool(100);
-        let (lease, mut rx) = table.create(vec![1, 2], 20, "r");
+        let (lease, mut rx) = table.create(vec![1, 2], 20, "r").unwrap();
         let mut short = commit_msg(&table, &lease, Transport::CudaIpc);
         short.bytes = 2 * 2 * 100 - 1;
         let why = table.commit(&short).unwrap_err().to_string();
@@ -670,7 +827,7 @@ mod tests {
             "a short commit fails the lease"
         );
 
-        let (lease, mut rx) = table.create(vec![3, 4], 20, "r");
+        let (lease, mut rx) = table.create(vec![3, 4], 20, "r").unwrap();
         let mut whole = commit_msg(&table, &lease, Transport::CudaIpc);
         whole.bytes = 2 * 2 * 100;
         assert_eq!(table.commit(&whole).unwrap(), 400);
@@ -682,7 +839,7 @@ mod tests {
     fn shm_commits_are_verified_by_checksum_in_place() {
         let (mut cache, table) = setup();
         let bb = cache.layout().block_layer_bytes();
-        let (lease, mut rx) = table.create(vec![3], 16, "r");
+        let (lease, mut rx) = table.create(vec![3], 16, "r").unwrap();
         let mut checksums = Vec::new();
         for layer in 0..2 {
             let data = vec![layer as u8 + 9; bb];
@@ -696,10 +853,80 @@ mod tests {
             rx.try_recv().unwrap().is_err(),
             "a bad checksum fails the lease"
         );
-        let (lease, mut rx) = table.create(vec![3], 16, "r2");
+        let (lease, mut rx) = table.create(vec![3], 16, "r2").unwrap();
         let mut c = commit_msg(&table, &lease, Transport::Shm);
         c.checksums = checksums;
         table.commit(&c).unwrap();
         assert_eq!(rx.try_recv().unwrap().unwrap().transport, Transport::Shm);
+    }
+
+    #[test]
+    fn only_the_holder_of_the_capability_reaches_a_lease() {
+        let (cache, table) = setup();
+        let bb = cache.layout().block_layer_bytes();
+        let (lease, mut rx) = table.create(vec![1], 5, "victim").unwrap();
+        let (other, _rx) = table.create(vec![2], 5, "other").unwrap();
+        assert_ne!(lease.token(), other.token(), "capabilities are random");
+        assert_ne!(lease.token().fence(), 0);
+        assert_eq!(format!("{:?}", lease.token()), "LeaseToken(<redacted>)");
+        // Guesses and near misses name no lease, whatever their length, and fail nothing.
+        let mut near = *lease.token().as_bytes();
+        near[15] ^= 1;
+        for guess in [&near[..], &[0u8; 16], &[], &lease.token().as_bytes()[..15]] {
+            assert!(matches!(
+                table.check_header(guess, table.layout_hash()),
+                Err(TransferError::UnknownLease)
+            ));
+            let forged = KvCommit {
+                lease: guess.to_vec(),
+                kv_layout_hash: table.layout_hash().into(),
+                num_tokens: 5,
+                transport: Transport::Grpc as i32,
+                ..Default::default()
+            };
+            let e = table.commit(&forged).unwrap_err();
+            assert!(matches!(e, TransferError::UnknownLease));
+            assert!(
+                !e.to_string().contains('5'),
+                "the error describes no request: {e}"
+            );
+            assert!(!table.renew(guess));
+        }
+        assert!(rx.try_recv().is_err(), "the victim's lease is still open");
+        let payload = vec![3u8; bb];
+        table
+            .write_blocks(&lease, 0, &[0], &[crc32(&payload)], &payload)
+            .unwrap();
+        table
+            .write_blocks(&lease, 1, &[0], &[crc32(&payload)], &payload)
+            .unwrap();
+        table
+            .commit(&commit_msg(&table, &lease, Transport::Grpc))
+            .unwrap();
+        assert!(rx.try_recv().unwrap().is_ok(), "and it completes");
+    }
+
+    #[test]
+    fn a_caller_holds_at_most_its_quota_until_its_leases_end() {
+        let (_cache, table) = setup();
+        let table = table.with_caller_quota(3);
+        let a = table.claim("10.0.0.1", 2).unwrap();
+        let e = table.claim("10.0.0.1", 2).unwrap_err();
+        assert!(matches!(e, TransferError::QuotaExceeded(_)), "{e}");
+        assert!(
+            table.claim("10.0.0.2", 3).is_ok(),
+            "another caller has its own"
+        );
+        let (lease, _rx) = table.create_claimed(a, vec![1, 2], 20, "r").unwrap();
+        assert!(
+            table.claim("10.0.0.1", 2).is_err(),
+            "the lease holds the claim"
+        );
+        assert!(table.cancel(lease.token()).is_some());
+        let b = table
+            .claim("10.0.0.1", 3)
+            .expect("an ended lease gives its claim back");
+        drop(b);
+        assert!(table.claim("10.0.0.1", 3).is_ok(), "a dropped claim too");
     }
 }

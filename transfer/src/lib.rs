@@ -20,6 +20,13 @@
 //! pieces have arrived with a good CRC-32, and the commit that hands it to the engine. Every
 //! transfer is checked: the layout hash at the start, sizes and a checksum per block-layer,
 //! completeness at commit. A bad transfer fails its request; it never produces wrong tokens.
+//!
+//! Nobody is trusted for being able to reach a port (see `tandem-auth`): a lease is a random
+//! 128-bit capability ([`LeaseToken`]) known only to the router and the prefill worker it
+//! chose; a prefill worker sends KV only to a decode worker that proved it holds the
+//! deployment secret, at the addresses that worker advertised ([`VerifiedDecode`]); the TCP
+//! listener reads nothing a stranger sizes ([`TcpLimits`]); shared-memory files are private,
+//! never followed through links, and swept when their worker is gone ([`sweep_stale`]).
 
 mod bufpool;
 mod checksum;
@@ -42,13 +49,13 @@ mod tcp;
 pub use checksum::crc32;
 pub use error::TransferError;
 pub use grpc::receive_push_kv;
-pub use lease::{Commit, DevicePool, Lease, LeaseTable, Progress};
+pub use lease::{Commit, DevicePool, Lease, LeaseTable, LeaseToken, Progress, QuotaClaim};
 #[cfg(feature = "nccl")]
 pub use nccl::{DeviceLink, NcclReceivers, nccl_supported, spawn_nccl_receiver};
 pub use sender::{
-    GRPC_CONNECTION_WINDOW, GRPC_STREAM_WINDOW, KvSender, Peers, SendFuture, SendStats, connect,
-    kv_location, transport_name,
+    GRPC_CONNECTION_WINDOW, GRPC_STREAM_WINDOW, KvSender, Peers, SendFuture, SendStats,
+    VerifiedDecode, connect, kv_location, transport_name,
 };
 pub use service::{KvOnlyDecode, kv_rpcs};
-pub use shm::{OwnerTags, tags_path};
-pub use tcp::serve_tcp;
+pub use shm::{OwnerTags, POOL_PREFIX, file_identity, sweep_stale, tags_path};
+pub use tcp::{TcpLimits, serve_tcp};

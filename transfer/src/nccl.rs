@@ -12,16 +12,15 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tandem_engine::gpu::nccl::{self, DeviceScratch, NcclAbort, NcclLink, OwnedStream};
-use tandem_engine::kv::{DeviceKv, KvLayout};
-use tandem_proto::v1::decode_service_client::DecodeServiceClient;
+use tandem_engine::kv::DeviceKv;
 use tandem_proto::v1::{KvDestination, OpenNcclRequest, Transport};
 
 use crate::error::TransferError;
 use crate::inplace::InPlace;
-use crate::lease::{DevicePool, LeaseTable};
+use crate::lease::{DevicePool, LeaseTable, LeaseToken};
 use crate::nccl_wire::{self, Link, MESSAGE_AREA_BYTES};
 use crate::receivers::{AbortLink, ReceiverSlot, Receivers};
-use crate::sender::{KvSender, Peers, SendFuture};
+use crate::sender::{KvSender, Opening, Peers, SendFuture};
 
 /// How long a queued send or receive may take before the link is declared dead and
 /// aborted (a peer died mid-message; NCCL itself would wait forever).
@@ -99,16 +98,16 @@ impl NcclPeers {
     async fn get(
         &self,
         peers: &Peers,
-        dest: &KvDestination,
+        endpoint: &str,
         request_id: &str,
     ) -> Result<Arc<Mutex<PeerLink>>, TransferError> {
         let mut links = self.links.lock().await;
-        if let Some(l) = links.get(&dest.decode_endpoint)
+        if let Some(l) = links.get(endpoint)
             && !l.lock().unwrap_or_else(|p| p.into_inner()).broken
         {
             return Ok(l.clone());
         }
-        let mut client = DecodeServiceClient::new(peers.channel(&dest.decode_endpoint)?);
+        let mut client = peers.decode_client(endpoint)?;
         let id = client
             .open_nccl(OpenNcclRequest {
                 prefill_id: request_id.to_string(),
@@ -122,7 +121,7 @@ impl NcclPeers {
             joined: None,
             broken: false,
         }));
-        links.insert(dest.decode_endpoint.clone(), link.clone());
+        links.insert(endpoint.to_string(), link.clone());
         Ok(link)
     }
 
@@ -140,16 +139,15 @@ pub(crate) struct NcclSender {
 }
 
 impl NcclSender {
-    pub(crate) async fn start(
-        peers: &Peers,
-        dest: KvDestination,
-        layout: &KvLayout,
-        request_id: &str,
-        num_tokens: usize,
-    ) -> Result<Self, TransferError> {
+    pub(crate) async fn start(op: Opening<'_>) -> Result<Self, TransferError> {
+        let link = op
+            .peers
+            .nccl
+            .get(op.peers, &op.decode.endpoint, op.request_id)
+            .await?;
         Ok(Self {
-            link: peers.nccl.get(peers, &dest, request_id).await?,
-            transfer: InPlace::new(peers, dest, layout, request_id, num_tokens, Transport::Nccl)?,
+            link,
+            transfer: InPlace::new(op, Transport::Nccl)?,
         })
     }
 }
@@ -189,8 +187,7 @@ impl KvSender for NcclSender {
         }
         let mut peer = self.link.lock().unwrap_or_else(|p| p.into_inner());
         let last = layer + 1 == t.layers;
-        let lease_id = t.dest.lease_id;
-        if let Err(e) = send_on(&mut peer, src, lease_id, layer, &logical, &sources, last) {
+        if let Err(e) = send_on(&mut peer, src, &t.lease, layer, &logical, &sources, last) {
             // The pair's message stream is out of step or dead: drop it (aborted if it
             // stalled) so that the next request opens a fresh one.
             peer.broken = true;
@@ -211,7 +208,7 @@ impl KvSender for NcclSender {
 fn send_on(
     peer: &mut PeerLink,
     src: &DeviceKv,
-    lease_id: u64,
+    lease: &LeaseToken,
     layer: usize,
     logical: &[u32],
     sources: &[u64],
@@ -234,7 +231,7 @@ fn send_on(
     let mut wire = DeviceLink { link, scratch };
     nccl_wire::send_layer(
         &mut wire,
-        lease_id,
+        lease,
         layer,
         src.block_layer_bytes,
         logical,
@@ -293,7 +290,10 @@ pub fn spawn_nccl_receiver(
                 loop {
                     let got = nccl_wire::receive_layer(&mut wire, &table, &pool)?;
                     if !got.kept {
-                        tracing::debug!(lease = got.header.lease_id, "nccl blocks drained");
+                        tracing::debug!(
+                            layer = got.header.layer,
+                            "nccl blocks drained: their lease had ended"
+                        );
                     }
                 }
             };

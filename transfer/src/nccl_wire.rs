@@ -3,7 +3,8 @@
 //!
 //! NCCL matches each send with the receive posted in the same position on the other rank, and
 //! both must name the same size; it carries no addresses. So before a layer's blocks the
-//! sender announces them: a 32-byte header (magic, lease, layer, block count, piece size), then
+//! sender announces them: a 40-byte header (magic, lease capability, layer, block count, piece
+//! size), then
 //! the logical block indices (4 bytes each), then one message per block. The receiver reads
 //! the header and indices back to the host, asks the lease table where those blocks live in
 //! its device pool (or drains them into scratch if the lease has ended), posts one receive per
@@ -12,21 +13,21 @@
 //! receiver reads them.
 
 use crate::error::TransferError;
-use crate::lease::{DevicePool, LeaseTable};
+use crate::lease::{DevicePool, LeaseTable, LeaseToken};
 
 /// Bytes of a layer header.
-pub const HEADER_BYTES: usize = 32;
+pub const HEADER_BYTES: usize = 40;
 /// The most blocks one layer message may announce (256k tokens of 16).
 pub const MAX_BLOCKS_PER_LAYER: usize = 16 * 1024;
 /// Device scratch a link needs for messages (header and indices).
 pub const MESSAGE_AREA_BYTES: usize = HEADER_BYTES + 4 * MAX_BLOCKS_PER_LAYER;
 const MAGIC: u32 = 0x4b56_4e43;
-const VERSION: u32 = 1;
+const VERSION: u32 = 2;
 
 /// What one layer message carries.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct LayerHeader {
-    pub lease_id: u64,
+    pub lease: LeaseToken,
     pub layer: u32,
     pub count: u32,
     pub piece: u64,
@@ -37,10 +38,10 @@ impl LayerHeader {
         let mut out = [0u8; HEADER_BYTES];
         out[0..4].copy_from_slice(&MAGIC.to_le_bytes());
         out[4..8].copy_from_slice(&VERSION.to_le_bytes());
-        out[8..16].copy_from_slice(&self.lease_id.to_le_bytes());
-        out[16..20].copy_from_slice(&self.layer.to_le_bytes());
-        out[20..24].copy_from_slice(&self.count.to_le_bytes());
-        out[24..32].copy_from_slice(&self.piece.to_le_bytes());
+        out[8..24].copy_from_slice(self.lease.as_bytes());
+        out[24..28].copy_from_slice(&self.layer.to_le_bytes());
+        out[28..32].copy_from_slice(&self.count.to_le_bytes());
+        out[32..40].copy_from_slice(&self.piece.to_le_bytes());
         out
     }
 
@@ -59,10 +60,10 @@ impl LayerHeader {
             ));
         }
         let header = Self {
-            lease_id: long(8),
-            layer: word(16),
-            count: word(20),
-            piece: long(24),
+            lease: LeaseToken::from_wire(&bytes[8..24])?,
+            layer: word(24),
+            count: word(28),
+            piece: long(32),
         };
         if header.count as usize > MAX_BLOCKS_PER_LAYER {
             return Err(TransferError::Protocol(format!(
@@ -97,7 +98,7 @@ pub trait Link {
 /// device address of each of `logical`'s blocks in the sender's pool).
 pub fn send_layer(
     link: &mut impl Link,
-    lease_id: u64,
+    lease: &LeaseToken,
     layer: usize,
     piece: usize,
     logical: &[u32],
@@ -111,7 +112,7 @@ pub fn send_layer(
         )));
     }
     let header = LayerHeader {
-        lease_id,
+        lease: *lease,
         layer: layer as u32,
         count: logical.len() as u32,
         piece: piece as u64,
@@ -164,7 +165,7 @@ pub fn receive_layer(
     let ours = DevicePool { piece, ..*pool };
     let drain = link.drain_area();
     let kept = table.receive_device(
-        header.lease_id,
+        &header.lease,
         header.layer as usize,
         &logical,
         &ours,
@@ -318,8 +319,8 @@ mod tests {
     #[test]
     fn two_leases_interleaved_land_in_their_blocks_and_commit() {
         let (_cache, table) = table();
-        let (a, mut a_rx) = table.create(vec![9, 3], 20, "a");
-        let (b, mut b_rx) = table.create(vec![12], 10, "b");
+        let (a, mut a_rx) = table.create(vec![9, 3], 20, "a").unwrap();
+        let (b, mut b_rx) = table.create(vec![12], 10, "b").unwrap();
         let mut mem = memory();
         let mut wire = VecDeque::new();
         let mut link = sender_link(&mut mem, &mut wire);
@@ -327,14 +328,22 @@ mod tests {
         for layer in 0..LAYERS {
             send_layer(
                 &mut link,
-                a.id,
+                a.token(),
                 layer,
                 PIECE,
                 &[0, 1],
                 &[src_addr(layer, 0), src_addr(layer, 1)],
             )
             .unwrap();
-            send_layer(&mut link, b.id, layer, PIECE, &[0], &[src_addr(layer, 5)]).unwrap();
+            send_layer(
+                &mut link,
+                b.token(),
+                layer,
+                PIECE,
+                &[0],
+                &[src_addr(layer, 5)],
+            )
+            .unwrap();
         }
         link.message = RECV_MSG;
         for _ in 0..2 * LAYERS {
@@ -354,7 +363,7 @@ mod tests {
         }
         for (lease, rx) in [(&a, &mut a_rx), (&b, &mut b_rx)] {
             let commit = KvCommit {
-                lease_id: lease.id,
+                lease: lease.token().as_bytes().to_vec(),
                 kv_layout_hash: table.layout_hash().into(),
                 num_tokens: lease.num_tokens as u32,
                 transport: Transport::Nccl as i32,
@@ -369,17 +378,17 @@ mod tests {
     #[test]
     fn an_ended_lease_is_drained_and_the_link_stays_in_step() {
         let (_cache, table) = table();
-        let (gone, _rx) = table.create(vec![4], 10, "gone");
-        let (live, _rx2) = table.create(vec![6], 10, "live");
-        assert!(table.cancel(gone.id).is_some());
+        let (gone, _rx) = table.create(vec![4], 10, "gone").unwrap();
+        let (live, _rx2) = table.create(vec![6], 10, "live").unwrap();
+        assert!(table.cancel(gone.token()).is_some());
         let mut mem = memory();
         let before = mem[dst_addr(0, 4)..][..PIECE].to_vec();
         let mut wire = VecDeque::new();
         let mut link = sender_link(&mut mem, &mut wire);
-        send_layer(&mut link, gone.id, 0, PIECE, &[0], &[src_addr(0, 1)]).unwrap();
-        send_layer(&mut link, live.id, 0, PIECE, &[0], &[src_addr(0, 2)]).unwrap();
+        send_layer(&mut link, gone.token(), 0, PIECE, &[0], &[src_addr(0, 1)]).unwrap();
+        send_layer(&mut link, live.token(), 0, PIECE, &[0], &[src_addr(0, 2)]).unwrap();
         // A block outside the lease is drained too.
-        send_layer(&mut link, live.id, 1, PIECE, &[3], &[src_addr(1, 2)]).unwrap();
+        send_layer(&mut link, live.token(), 1, PIECE, &[3], &[src_addr(1, 2)]).unwrap();
         link.message = RECV_MSG;
         assert!(!receive_layer(&mut link, &table, &pool()).unwrap().kept);
         assert!(receive_layer(&mut link, &table, &pool()).unwrap().kept);
@@ -397,13 +406,13 @@ mod tests {
     #[test]
     fn a_commit_before_every_piece_arrived_is_incomplete() {
         let (_cache, table) = table();
-        let (lease, _rx) = table.create(vec![1, 2], 20, "r");
+        let (lease, _rx) = table.create(vec![1, 2], 20, "r").unwrap();
         let mut mem = memory();
         let mut wire = VecDeque::new();
         let mut link = sender_link(&mut mem, &mut wire);
         send_layer(
             &mut link,
-            lease.id,
+            lease.token(),
             0,
             PIECE,
             &[0, 1],
@@ -413,7 +422,7 @@ mod tests {
         link.message = RECV_MSG;
         receive_layer(&mut link, &table, &pool()).unwrap();
         let commit = KvCommit {
-            lease_id: lease.id,
+            lease: lease.token().as_bytes().to_vec(),
             kv_layout_hash: table.layout_hash().into(),
             num_tokens: 20,
             transport: Transport::Nccl as i32,
@@ -426,23 +435,23 @@ mod tests {
     #[test]
     fn a_stalled_receive_fails_without_keeping_the_lease_locked() {
         let (_cache, table) = table();
-        let (lease, _rx) = table.create(vec![2], 10, "r");
+        let (lease, _rx) = table.create(vec![2], 10, "r").unwrap();
         let mut mem = memory();
         let mut wire = VecDeque::new();
         let mut link = sender_link(&mut mem, &mut wire);
         link.stalls = true;
-        send_layer(&mut link, lease.id, 0, PIECE, &[0], &[src_addr(0, 0)]).unwrap();
+        send_layer(&mut link, lease.token(), 0, PIECE, &[0], &[src_addr(0, 0)]).unwrap();
         link.message = RECV_MSG;
         assert!(receive_layer(&mut link, &table, &pool()).is_err());
         // The lease can still end (its waiter is told), and nothing counted as received.
-        assert_eq!(table.cancel(lease.id), Some(vec![2]));
+        assert_eq!(table.cancel(lease.token()), Some(vec![2]));
         assert_eq!(lease.progress().bytes, 0);
     }
 
     #[test]
     fn headers_round_trip_and_garbage_is_refused() {
         let h = LayerHeader {
-            lease_id: u64::MAX - 3,
+            lease: LeaseToken::generate().unwrap(),
             layer: 31,
             count: 128,
             piece: 65536,

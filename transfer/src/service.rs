@@ -1,12 +1,14 @@
 //! The decode side's KV RPCs (`PushKv`, `CommitKv`, `RenewLease`) answered from a
 //! [`LeaseTable`]: the decode worker's service delegates to [`kv_rpcs`], and
-//! [`KvOnlyDecode`] serves them alone, to test and measure the transports without a model.
+//! [`KvOnlyDecode`] serves them alone (with a signed `GetInfo`, so prefill workers verify it as
+//! they verify a decode worker), to test and measure the transports without a model.
 //! (`OpenNccl` belongs to the worker: it needs the device pool.)
 
 use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
+use tandem_auth::InternalAuth;
 use tandem_proto::v1::decode_service_server::DecodeService;
 use tandem_proto::v1::{
     GenerateEvent, GenerateRequest, InfoRequest, KvAck, KvCommit, KvMessage, LoadReport,
@@ -42,9 +44,7 @@ pub mod kv_rpcs {
         if commit.transport == Transport::Nccl as i32 {
             // The sender's stream finished its sends; our receiver may still be landing the
             // last layer. The commit checks completeness either way.
-            table
-                .wait_received(commit.lease_id, DEVICE_COMMIT_WAIT)
-                .await;
+            table.wait_received(&commit.lease, DEVICE_COMMIT_WAIT).await;
         }
         let bytes = table.commit(&commit)?;
         Ok(Response::new(KvAck {
@@ -56,16 +56,19 @@ pub mod kv_rpcs {
         table: &LeaseTable,
         req: Request<RenewLeaseRequest>,
     ) -> Response<RenewLeaseResponse> {
-        let open = table.renew(req.into_inner().lease_id);
+        let open = table.renew(&req.into_inner().lease);
         Response::new(RenewLeaseResponse { open })
     }
 }
 
-/// A decode service that only receives KV into a lease table (everything else is
-/// `UNIMPLEMENTED`).
+/// A decode service that only receives KV into a lease table and describes itself (everything
+/// else is `UNIMPLEMENTED`).
 #[derive(Debug)]
 pub struct KvOnlyDecode {
     pub table: Arc<LeaseTable>,
+    /// What `GetInfo` answers (signed with `auth` for each caller's challenge).
+    pub info: WorkerInfo,
+    pub auth: InternalAuth,
 }
 
 type Events = Pin<Box<dyn futures::Stream<Item = Result<GenerateEvent, Status>> + Send>>;
@@ -74,8 +77,11 @@ type Events = Pin<Box<dyn futures::Stream<Item = Result<GenerateEvent, Status>> 
 impl DecodeService for KvOnlyDecode {
     type GenerateStream = Events;
 
-    async fn get_info(&self, _: Request<InfoRequest>) -> Result<Response<WorkerInfo>, Status> {
-        Err(Status::unimplemented("this service only receives KV"))
+    async fn get_info(&self, req: Request<InfoRequest>) -> Result<Response<WorkerInfo>, Status> {
+        let mut info = self.info.clone();
+        self.auth
+            .sign_worker_info(&mut info, &req.into_inner().challenge);
+        Ok(Response::new(info))
     }
 
     async fn get_load(&self, _: Request<LoadRequest>) -> Result<Response<LoadReport>, Status> {

@@ -1,31 +1,42 @@
 //! Shared memory: the decode worker's KV pool lives in a file under /dev/shm that prefill
 //! workers on the same host map and write into directly, one copy per block and no
-//! serialization. Beside it, an owner-tag file holds one `u64` per block: the lease that may
-//! be written into it, or 0. A prefill worker checks the tag before each block write and the
-//! decode worker clears the tags (and waits a short quarantine) before reusing the blocks of
-//! a lease that ended early, so a late or stalled writer can never touch another request's
-//! KV.
+//! serialization. Beside it, an owner-tag file holds one `u64` per block: the fence of the
+//! lease that may be written into it (see [`crate::LeaseToken::fence`]), or 0. A prefill worker
+//! checks the tag before each block write and the decode worker clears the tags (and waits a
+//! short quarantine) before reusing the blocks of a lease that ended early, so a late or
+//! stalled writer can never touch another request's KV.
+//!
+//! Both files are created fresh (never an existing file or a symlink), readable by their
+//! owner only, and removed when the decode worker stops; a decode worker that starts removes
+//! the files of workers that died without cleaning up ([`sweep_stale`]). A prefill worker maps
+//! a pool only inside its shared-memory folder, without following links, and only the very
+//! file (device and inode) that the decode worker advertised in its verified `GetInfo`.
 
 use std::collections::HashMap;
-use std::fs::OpenOptions;
-use std::path::{Path, PathBuf};
+use std::fs::{File, OpenOptions};
+use std::path::{Component, Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use memmap2::MmapMut;
 use tandem_engine::kv::{KvBlockWriter, KvCache, KvLayout, KvStorage};
-use tandem_proto::v1::{KvDestination, Transport};
+use tandem_proto::v1::{Transport, WorkerInfo};
 
 use crate::checksum::crc32;
 use crate::error::TransferError;
 use crate::inplace::InPlace;
-use crate::sender::{KvSender, Peers, SendFuture};
+use crate::sender::{KvSender, Opening, SendFuture};
+
+/// Every shared file of a decode worker starts with this.
+pub const POOL_PREFIX: &str = "tandem-kv-";
 
 /// The owner-tag file that sits beside a shared KV pool.
 #[derive(Debug)]
 pub struct OwnerTags {
     map: MmapMut,
     count: usize,
+    /// The file this process created (and removes on drop).
+    created: Option<PathBuf>,
 }
 
 /// Path of the tag file of a pool file.
@@ -35,33 +46,74 @@ pub fn tags_path(pool: &Path) -> PathBuf {
     PathBuf::from(name)
 }
 
+/// Device and inode of a file: what a decode worker advertises of its pool.
+pub fn file_identity(path: &Path) -> std::io::Result<(u64, u64)> {
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::MetadataExt;
+        let m = std::fs::symlink_metadata(path)?;
+        Ok((m.dev(), m.ino()))
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = path;
+        Ok((0, 0))
+    }
+}
+
+fn tags_len(blocks: usize) -> u64 {
+    (blocks.max(1) * 8) as u64
+}
+
 impl OwnerTags {
-    /// Creates the tag file for `blocks` blocks, all unowned.
+    /// Creates the tag file for `blocks` blocks, all unowned: a new file (never an existing
+    /// one or a link), readable by this user only, removed on drop.
     pub fn create(path: &Path, blocks: usize) -> Result<Self, TransferError> {
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .open(path)?;
-        file.set_len((blocks.max(1) * 8) as u64)?;
-        // SAFETY: our own fresh file; peers only touch it through atomics.
-        let map = unsafe { MmapMut::map_mut(&file)? };
-        Ok(Self { map, count: blocks })
+        let mut options = OpenOptions::new();
+        options.read(true).write(true).create_new(true);
+        #[cfg(unix)]
+        std::os::unix::fs::OpenOptionsExt::mode(&mut options, 0o600);
+        let file = options.open(path)?;
+        let mapped = (|| {
+            file.set_len(tags_len(blocks))?;
+            // SAFETY: our own fresh file; peers only touch it through atomics.
+            unsafe { MmapMut::map_mut(&file) }
+        })();
+        match mapped {
+            Ok(map) => Ok(Self {
+                map,
+                count: blocks,
+                created: Some(path.to_owned()),
+            }),
+            Err(e) => {
+                let _ = std::fs::remove_file(path);
+                Err(e.into())
+            }
+        }
     }
 
-    /// Maps an existing tag file of exactly `blocks` blocks.
-    pub fn open(path: &Path, blocks: usize) -> Result<Self, TransferError> {
-        let file = OpenOptions::new().read(true).write(true).open(path)?;
-        if file.metadata()?.len() != (blocks.max(1) * 8) as u64 {
+    /// Maps an existing tag file of exactly `blocks` blocks, opened by the caller.
+    fn map(file: &File, blocks: usize, name: &Path) -> Result<Self, TransferError> {
+        if file.metadata()?.len() != tags_len(blocks) {
             return Err(TransferError::LayoutMismatch(format!(
                 "{} is not a tag file for {blocks} blocks",
-                path.display()
+                name.display()
             )));
         }
-        // SAFETY: as in `create`.
-        let map = unsafe { MmapMut::map_mut(&file)? };
-        Ok(Self { map, count: blocks })
+        // SAFETY: peers only touch the tags through atomics (see `slot`).
+        let map = unsafe { MmapMut::map_mut(file)? };
+        Ok(Self {
+            map,
+            count: blocks,
+            created: None,
+        })
+    }
+
+    /// Maps the tag file beside a decode worker's pool `pool` (in `dir`, not through a link).
+    pub(crate) fn open_peer(dir: &Path, pool: &Path, blocks: usize) -> Result<Self, TransferError> {
+        let path = tags_path(pool);
+        let file = open_peer_file(dir, &path, tags_len(blocks), None)?;
+        Self::map(&file, blocks, &path)
     }
 
     fn slot(&self, block: u32) -> Option<&AtomicU64> {
@@ -73,9 +125,9 @@ impl OwnerTags {
         Some(unsafe { &*(self.map.as_ptr().cast::<AtomicU64>().add(block as usize)) })
     }
 
-    pub fn set(&self, block: u32, lease: u64) {
+    pub fn set(&self, block: u32, fence: u64) {
         if let Some(s) = self.slot(block) {
-            s.store(lease, Ordering::Release);
+            s.store(fence, Ordering::Release);
         }
     }
 
@@ -84,10 +136,112 @@ impl OwnerTags {
     }
 }
 
+impl Drop for OwnerTags {
+    fn drop(&mut self) {
+        if let Some(path) = &self.created {
+            let _ = std::fs::remove_file(path);
+        }
+    }
+}
+
+/// Opens a decode worker's shared file for writing, refusing anything but a regular file
+/// named `tandem-kv-*` directly inside `dir`, reached without following a link, of exactly
+/// `len` bytes and, when `identity` is given, that very file (device, inode).
+pub(crate) fn open_peer_file(
+    dir: &Path,
+    path: &Path,
+    len: u64,
+    identity: Option<(u64, u64)>,
+) -> Result<File, TransferError> {
+    let refuse = |why: &str| {
+        TransferError::Unauthenticated(format!(
+            "refusing the shared-memory file {}: {why}",
+            path.display()
+        ))
+    };
+    let name = path
+        .file_name()
+        .and_then(|n| n.to_str())
+        .ok_or_else(|| refuse("it has no file name"))?;
+    if !name.starts_with(POOL_PREFIX)
+        || path.parent() != Some(dir)
+        || path.components().any(|c| matches!(c, Component::ParentDir))
+    {
+        return Err(refuse(&format!(
+            "only {POOL_PREFIX}* files directly in {} are KV pools",
+            dir.display()
+        )));
+    }
+    let mut options = OpenOptions::new();
+    options.read(true).write(true);
+    #[cfg(unix)]
+    std::os::unix::fs::OpenOptionsExt::custom_flags(&mut options, libc::O_NOFOLLOW);
+    let file = options
+        .open(path)
+        .map_err(|e| refuse(&format!("cannot open it without following links: {e}")))?;
+    let meta = file.metadata()?;
+    if !meta.is_file() {
+        return Err(refuse("not a regular file"));
+    }
+    if meta.len() != len {
+        return Err(refuse(&format!(
+            "{} bytes where the decode worker advertised {len}",
+            meta.len()
+        )));
+    }
+    #[cfg(unix)]
+    if let Some(expected) = identity {
+        use std::os::unix::fs::MetadataExt;
+        if (meta.dev(), meta.ino()) != expected {
+            return Err(refuse("not the file the decode worker advertised"));
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = identity;
+    Ok(file)
+}
+
+/// Removes the shared files (`tandem-kv-*`, pools and tags) in `dir` left by decode workers
+/// that are gone: their name ends with the pid that created them, and no such process runs
+/// (or it is this very process, which has not created its files yet). Returns what it removed.
+pub fn sweep_stale(dir: &Path) -> Vec<PathBuf> {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return Vec::new();
+    };
+    // Without /proc we cannot tell a live owner from a dead one: keep everything.
+    if !Path::new("/proc/self").exists() {
+        return Vec::new();
+    }
+    let me = std::process::id();
+    let mut removed = Vec::new();
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some(name) = name.to_str() else { continue };
+        let Some(pid) = owner_pid(name) else { continue };
+        let alive = pid != me && Path::new(&format!("/proc/{pid}")).exists();
+        if alive {
+            continue;
+        }
+        let path = entry.path();
+        if std::fs::remove_file(&path).is_ok() {
+            removed.push(path);
+        }
+    }
+    removed
+}
+
+/// The pid at the end of a decode worker's shared file name (`tandem-kv-<worker>-<pid>`,
+/// optionally `.tags`).
+fn owner_pid(name: &str) -> Option<u32> {
+    let stem = name.strip_prefix(POOL_PREFIX)?;
+    let stem = stem.strip_suffix(".tags").unwrap_or(stem);
+    stem.rsplit('-').next()?.parse().ok()
+}
+
 /// A prefill worker's mappings of decode workers' pools, opened once per pool file.
 #[derive(Debug, Default)]
 pub(crate) struct ShmPeers {
-    peers: Mutex<HashMap<PathBuf, Arc<ShmPeer>>>,
+    peers: Mutex<HashMap<(PathBuf, u64, u64), Arc<ShmPeer>>>,
 }
 
 #[derive(Debug)]
@@ -99,16 +253,20 @@ pub(crate) struct ShmPeer {
 }
 
 impl ShmPeers {
+    /// The pool a verified decode worker advertised, mapped the first time.
     pub(crate) fn get(
         &self,
-        path: &Path,
-        bytes: u64,
+        dir: &Path,
+        info: &WorkerInfo,
         layout: &KvLayout,
     ) -> Result<Arc<ShmPeer>, TransferError> {
+        let path = PathBuf::from(&info.shm_path);
+        let key = (path.clone(), info.shm_device, info.shm_inode);
         let mut peers = self.peers.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(p) = peers.get(path) {
+        if let Some(p) = peers.get(&key) {
             return Ok(p.clone());
         }
+        let bytes = info.shm_bytes;
         let block_bytes = layout.block_bytes() as u64;
         if bytes == 0 || !bytes.is_multiple_of(block_bytes) {
             return Err(TransferError::LayoutMismatch(format!(
@@ -116,14 +274,17 @@ impl ShmPeers {
             )));
         }
         let blocks = (bytes / block_bytes) as usize;
-        let storage = KvStorage::open_shared(path, bytes as usize)?;
+        let pool = open_peer_file(dir, &path, bytes, Some((info.shm_device, info.shm_inode)))?;
+        let storage = KvStorage::open_shared_file(&pool, bytes as usize, &path)?;
         let cache = KvCache::new(layout.clone(), blocks, storage)?;
         let peer = Arc::new(ShmPeer {
             writer: cache.block_writer(),
-            tags: OwnerTags::open(&tags_path(path), blocks)?,
+            tags: OwnerTags::open_peer(dir, &path, blocks)?,
             _cache: cache,
         });
-        peers.insert(path.to_owned(), peer.clone());
+        // A decode worker that restarted has a new file: forget the old one's mapping.
+        peers.retain(|(p, ..), _| p != &path);
+        peers.insert(key, peer.clone());
         Ok(peer)
     }
 
@@ -132,7 +293,7 @@ impl ShmPeers {
         self.peers
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .remove(path);
+            .retain(|(p, ..), _| p != path);
     }
 }
 
@@ -145,26 +306,13 @@ pub(crate) struct ShmSender {
 }
 
 impl ShmSender {
-    pub(crate) fn new(
-        peers: &Peers,
-        dest: KvDestination,
-        layout: &KvLayout,
-        request_id: &str,
-        num_tokens: usize,
-    ) -> Result<Self, TransferError> {
-        if dest.shm_path.is_empty() {
-            return Err(TransferError::Connect(
-                "the decode worker has no shared-memory pool".into(),
-            ));
-        }
-        let peer = peers
-            .shm
-            .get(Path::new(&dest.shm_path), dest.shm_bytes, layout)?;
-        let n = layout.num_layers * dest.block_ids.len();
+    pub(crate) fn new(op: Opening<'_>) -> Result<Self, TransferError> {
+        let peer = op.peers.shm_peer(&op.decode.info, op.layout)?;
+        let n = op.layout.num_layers * op.dest.block_ids.len();
         Ok(Self {
             peer,
             checksums: vec![0; n],
-            transfer: InPlace::new(peers, dest, layout, request_id, num_tokens, Transport::Shm)?,
+            transfer: InPlace::new(op, Transport::Shm)?,
         })
     }
 }
@@ -178,8 +326,8 @@ impl KvSender for ShmSender {
         for &(lb, bytes) in blocks {
             let block = t.block(lb)?;
             // The fence: write only while the decode worker still says this block is ours.
-            if self.peer.tags.get(block) != t.dest.lease_id {
-                return Err(TransferError::Cancelled(t.dest.lease_id));
+            if self.peer.tags.get(block) != t.fence {
+                return Err(TransferError::Cancelled);
             }
             // SAFETY: the owner tag names our lease, so the decode worker reserved this block
             // for us and reads it only after our commit.
@@ -193,5 +341,92 @@ impl KvSender for ShmSender {
     fn commit(self: Box<Self>, first_token: u32, first_logprob: f32) -> SendFuture {
         self.transfer
             .commit(first_token, first_logprob, self.checksums)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn owner_pids_come_from_the_name() {
+        assert_eq!(owner_pid("tandem-kv-decode-0-4242"), Some(4242));
+        assert_eq!(owner_pid("tandem-kv-decode-0-4242.tags"), Some(4242));
+        assert_eq!(owner_pid("tandem-kv-x"), None);
+        assert_eq!(owner_pid("other-1"), None);
+    }
+
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn stale_files_of_dead_workers_are_swept_and_live_ones_kept() {
+        let dir = tempfile::tempdir().unwrap();
+        // A pid that surely ran and is gone: a child we started and waited for.
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let dead = child.id();
+        child.wait().unwrap();
+        let stale = dir.path().join(format!("{POOL_PREFIX}decode-{dead}"));
+        let stale_tags = tags_path(&stale);
+        let own = dir
+            .path()
+            .join(format!("{POOL_PREFIX}decode-{}", std::process::id()));
+        let live = dir.path().join(format!("{POOL_PREFIX}decode-1"));
+        let other = dir.path().join("unrelated-7");
+        for p in [&stale, &stale_tags, &own, &live, &other] {
+            std::fs::write(p, b"x").unwrap();
+        }
+        let mut removed = sweep_stale(dir.path());
+        removed.sort();
+        let mut want = vec![stale, stale_tags, own];
+        want.sort();
+        assert_eq!(removed, want);
+        assert!(live.exists(), "pid 1 is alive");
+        assert!(other.exists(), "not ours");
+    }
+
+    #[cfg(unix)]
+    #[test]
+    fn peer_files_are_opened_only_when_they_are_the_advertised_pool() {
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path();
+        let pool = d.join(format!("{POOL_PREFIX}decode-1"));
+        std::fs::write(&pool, vec![0u8; 64]).unwrap();
+        let id = file_identity(&pool).unwrap();
+        assert!(open_peer_file(d, &pool, 64, Some(id)).is_ok());
+        assert!(open_peer_file(d, &pool, 65, Some(id)).is_err(), "size");
+        assert!(
+            open_peer_file(d, &pool, 64, Some((id.0, id.1 + 1))).is_err(),
+            "inode"
+        );
+        // A link in the folder, pointing at a victim, is never followed.
+        let victim = d.join("victim");
+        std::fs::write(&victim, vec![1u8; 64]).unwrap();
+        let link = d.join(format!("{POOL_PREFIX}decode-2"));
+        std::os::unix::fs::symlink(&victim, &link).unwrap();
+        let e = open_peer_file(d, &link, 64, None).unwrap_err();
+        assert!(e.to_string().contains("without following links"), "{e}");
+        // Outside the folder, or not a pool's name.
+        let outside = tempfile::tempdir().unwrap();
+        let far = outside.path().join(format!("{POOL_PREFIX}decode-3"));
+        std::fs::write(&far, vec![0u8; 64]).unwrap();
+        assert!(open_peer_file(d, &far, 64, None).is_err());
+        assert!(open_peer_file(d, &victim, 64, None).is_err());
+        let dotdot = d.join("..").join(format!("{POOL_PREFIX}decode-1"));
+        assert!(open_peer_file(d, &dotdot, 64, None).is_err());
+    }
+
+    #[cfg(unix)]
+    #[test]
+    fn tag_files_are_private_fresh_and_removed() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("t.tags");
+        let tags = OwnerTags::create(&path, 4).unwrap();
+        let mode = std::fs::metadata(&path).unwrap().permissions().mode();
+        assert_eq!(mode & 0o777, 0o600);
+        assert!(OwnerTags::create(&path, 4).is_err(), "never reused");
+        tags.set(2, 99);
+        assert_eq!(tags.get(2), 99);
+        drop(tags);
+        assert!(!path.exists(), "removed on drop");
     }
 }

@@ -1,62 +1,125 @@
-//! The raw TCP transport: one connection per request to the decode worker's KV port. The
-//! sender writes a hello (protocol version, lease, layout hash), then one frame per layer's
-//! blocks as layers complete, then the commit, and reads back an ack or an error. The payload
-//! travels as raw bytes: no protobuf encoding, one copy out of the cache.
+//! The raw TCP transport: one connection per request to the decode worker's KV port.
+//!
+//! The listener speaks first: a challenge (protocol version, 32 random bytes). The sender
+//! answers with its hello (version, lease capability, layout hash, request id, and a proof
+//! of the deployment secret over the challenge and the lease), then one frame per layer's
+//! blocks as layers complete, then the commit, and reads back an ack or an error. The
+//! payload travels as raw bytes: no protobuf encoding, one copy out of the cache.
+//!
+//! The listener cannot be made to allocate by a stranger: it reads nothing but a bounded
+//! hello until the proof and the lease check out; after that, each frame's declared sizes must
+//! be exactly what its block count and the lease allow, and payloads stream through a buffer
+//! of the listener's size into the lease's blocks. Every read has a timeout, and connections
+//! beyond [`TcpLimits::max_connections`] are closed at once.
 
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
-use tandem_engine::kv::KvLayout;
+use tandem_auth::InternalAuth;
 use tandem_proto::PROTOCOL_VERSION;
-use tandem_proto::v1::{KvCommit, KvDestination, Transport};
+use tandem_proto::v1::{KvCommit, Transport};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::tcp::OwnedReadHalf;
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::mpsc;
+use tokio::sync::{Semaphore, mpsc};
 use tokio::task::JoinHandle;
 
 use crate::bufpool;
 use crate::checksum::crc32;
 use crate::error::TransferError;
 use crate::frame::{self, HeaderReader, HeaderWriter, Kind};
-use crate::lease::LeaseTable;
-use crate::sender::{KvSender, SendFuture, SendStats};
+use crate::lease::{Lease, LeaseTable};
+use crate::sender::{KvSender, Opening, SendFuture, SendStats};
 
-/// Payload bytes per frame.
+/// Payload bytes per frame the sender builds.
 const MAX_FRAME_PAYLOAD: usize = 8 << 20;
 const QUEUE: usize = 16;
+/// Payload bytes the listener reads at once (whole pieces), per connection.
+const RECEIVE_CHUNK: usize = 1 << 20;
+/// The sender's patience: connecting, and the listener's challenge.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long the sender waits for the ack after its commit.
+const ACK_TIMEOUT: Duration = Duration::from_secs(60);
+/// A commit frame's header: first token, logprob, tokens, bytes.
+const COMMIT_HEADER: u32 = 4 + 4 + 4 + 8;
+
+/// The listener's bounds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TcpLimits {
+    /// Connections served at once; more are closed as they arrive.
+    pub max_connections: usize,
+    /// From accepting a connection to a verified hello.
+    pub hello_timeout: Duration,
+    /// Any later read (a frame, a chunk of payload).
+    pub read_timeout: Duration,
+}
+
+impl Default for TcpLimits {
+    fn default() -> Self {
+        Self {
+            max_connections: 256,
+            hello_timeout: Duration::from_secs(5),
+            read_timeout: Duration::from_secs(30),
+        }
+    }
+}
 
 pub(crate) struct TcpSender {
     tx: mpsc::Sender<Vec<u8>>,
     writer: JoinHandle<Result<(), TransferError>>,
     reader: OwnedReadHalf,
-    dest: KvDestination,
+    addr: String,
     num_tokens: usize,
     bytes: u64,
     started: Option<Instant>,
 }
 
 impl TcpSender {
-    pub(crate) async fn start(
-        dest: KvDestination,
-        _layout: &KvLayout,
-        request_id: &str,
-        num_tokens: usize,
-    ) -> Result<Self, TransferError> {
-        let stream = TcpStream::connect(&dest.kv_tcp_addr)
-            .await
-            .map_err(|e| TransferError::Connect(format!("KV port {}: {e}", dest.kv_tcp_addr)))?;
+    pub(crate) async fn start(op: Opening<'_>) -> Result<Self, TransferError> {
+        let addr =
+            op.decode.kv_tcp_addr.clone().ok_or_else(|| {
+                TransferError::Connect("the decode worker has no KV TCP port".into())
+            })?;
+        let stream = match tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(&addr)).await {
+            Ok(Ok(s)) => s,
+            Ok(Err(e)) => return Err(TransferError::Connect(format!("KV port {addr}: {e}"))),
+            Err(_) => {
+                return Err(TransferError::Connect(format!(
+                    "KV port {addr}: no connection within {} s",
+                    CONNECT_TIMEOUT.as_secs()
+                )));
+            }
+        };
         stream.set_nodelay(true)?;
-        let (reader, mut write_half) = stream.into_split();
+        let (mut reader, mut write_half) = stream.into_split();
+        let challenge = frame::read_control(&mut reader, CONNECT_TIMEOUT)
+            .await?
+            .ok_or_else(|| TransferError::Connect(format!("{addr} closed before its challenge")))?;
+        if challenge.kind != Kind::Challenge {
+            return Err(TransferError::Protocol(format!(
+                "{addr} opened with a {:?} frame instead of a challenge",
+                challenge.kind
+            )));
+        }
+        let mut h = HeaderReader(&challenge.header);
+        let version = h.u32()?;
+        if version != PROTOCOL_VERSION {
+            return Err(TransferError::Protocol(format!(
+                "{addr} speaks KV protocol {version}, this worker {PROTOCOL_VERSION}"
+            )));
+        }
+        let nonce = h.bytes()?;
+        let lease = op.lease.as_bytes();
         let mut hello = HeaderWriter::default();
         hello
             .u32(PROTOCOL_VERSION)
-            .u64(dest.lease_id)
-            .str(&dest.kv_layout_hash)
-            .str(request_id);
-        frame::write(&mut write_half, Kind::Hello, &hello.0, &[]).await?;
+            .bytes(lease)
+            .str(&op.dest.kv_layout_hash)
+            .str(op.request_id)
+            .bytes(&op.peers.auth().kv_hello_proof(&nonce, lease));
+        frame::write(&mut write_half, Kind::Hello, &hello.0).await?;
         let (tx, mut rx) = mpsc::channel::<Vec<u8>>(QUEUE);
         let writer = tokio::spawn(async move {
-            use tokio::io::AsyncWriteExt;
             while let Some(buf) = rx.recv().await {
                 write_half.write_all(&buf).await?;
                 bufpool::give(buf);
@@ -68,8 +131,8 @@ impl TcpSender {
             tx,
             writer,
             reader,
-            dest,
-            num_tokens,
+            addr,
+            num_tokens: op.num_tokens,
             bytes: 0,
             started: None,
         })
@@ -89,12 +152,10 @@ impl KvSender for TcpSender {
                 header.u32(lb).u32(crc32(bytes));
             }
             let payload_len: usize = group.iter().map(|(_, b)| b.len()).sum();
-            let header_frame = frame::encode(Kind::Blocks, &header.0, &[]);
-            let mut buf = bufpool::take(header_frame.len() + payload_len);
-            buf.extend_from_slice(&header_frame);
-            // Patch the payload length into the prefix, then append the blocks: one copy.
-            buf[12..20].copy_from_slice(&(payload_len as u64).to_le_bytes());
-            buf.reserve(payload_len);
+            let prefix = frame::encode_prefix(Kind::Blocks, header.0.len(), payload_len as u64);
+            let mut buf = bufpool::take(prefix.len() + header.0.len() + payload_len);
+            buf.extend_from_slice(&prefix);
+            buf.extend_from_slice(&header.0);
             for &(_, bytes) in group {
                 buf.extend_from_slice(bytes);
             }
@@ -116,17 +177,14 @@ impl KvSender for TcpSender {
                 .f32(first_logprob)
                 .u32(me.num_tokens as u32)
                 .u64(me.bytes);
-            let sent = me
-                .tx
-                .send(frame::encode(Kind::Commit, &header.0, &[]))
-                .await;
+            let sent = me.tx.send(frame::encode(Kind::Commit, &header.0)).await;
             drop(me.tx);
             let wrote = me
                 .writer
                 .await
                 .map_err(|e| TransferError::Connect(format!("KV writer: {e}")))?;
             // The peer's answer explains a failed write better than the write error does.
-            let reply = frame::read(&mut me.reader).await;
+            let reply = frame::read_control(&mut me.reader, ACK_TIMEOUT).await;
             match reply {
                 Ok(Some(f)) if f.kind == Kind::Ack => {
                     sent.map_err(|_| TransferError::Connect("the KV connection closed".into()))?;
@@ -142,7 +200,7 @@ impl KvSender for TcpSender {
                 )),
                 Ok(_) => Err(TransferError::Protocol(format!(
                     "no acknowledgement from {}",
-                    me.dest.kv_tcp_addr
+                    me.addr
                 ))),
                 Err(e) => Err(e),
             }
@@ -150,57 +208,104 @@ impl KvSender for TcpSender {
     }
 }
 
-/// Accepts KV connections until `shutdown` resolves; each is served on its own task.
+/// Accepts KV connections until `shutdown` resolves; each is served on its own task, at most
+/// `limits.max_connections` at once.
 pub async fn serve_tcp(
     listener: TcpListener,
     table: Arc<LeaseTable>,
+    auth: InternalAuth,
+    limits: TcpLimits,
     shutdown: impl Future<Output = ()>,
 ) {
+    let slots = Arc::new(Semaphore::new(limits.max_connections));
     tokio::pin!(shutdown);
     loop {
         tokio::select! {
             _ = &mut shutdown => break,
             accepted = listener.accept() => match accepted {
                 Ok((stream, peer)) => {
+                    let Ok(slot) = Arc::clone(&slots).try_acquire_owned() else {
+                        REFUSED.note(|suppressed| tracing::warn!(
+                            %peer,
+                            suppressed,
+                            limit = limits.max_connections,
+                            "KV connection closed: the listener serves at most this many at once"
+                        ));
+                        drop(stream);
+                        continue;
+                    };
                     let table = table.clone();
+                    let auth = auth.clone();
                     tokio::spawn(async move {
-                        if let Err(e) = serve_connection(stream, &table).await {
+                        let _slot = slot;
+                        if let Err(e) = serve_connection(stream, &table, &auth, limits).await {
                             tracing::warn!(%peer, error = %e, "KV transfer over tcp failed");
                         }
                     });
                 }
                 Err(e) => {
                     tracing::warn!(error = %e, "accepting a KV connection failed");
-                    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                    tokio::time::sleep(Duration::from_millis(50)).await;
                 }
             }
         }
     }
 }
 
-async fn serve_connection(stream: TcpStream, table: &LeaseTable) -> Result<(), TransferError> {
+/// Refused connections are logged at most once a second.
+static REFUSED: tandem_auth::RateLimitedLog =
+    tandem_auth::RateLimitedLog::new(Duration::from_secs(1));
+
+async fn serve_connection(
+    stream: TcpStream,
+    table: &LeaseTable,
+    auth: &InternalAuth,
+    limits: TcpLimits,
+) -> Result<(), TransferError> {
     stream.set_nodelay(true)?;
     let (mut reader, mut writer) = stream.into_split();
-    let result = receive(&mut reader, table).await;
+    let nonce = tandem_auth::challenge().map_err(|e| TransferError::Protocol(e.to_string()))?;
+    let mut challenge = HeaderWriter::default();
+    challenge.u32(PROTOCOL_VERSION).bytes(&nonce);
+    frame::write(&mut writer, Kind::Challenge, &challenge.0).await?;
+    let result = receive(&mut reader, table, auth, &nonce, limits).await;
     match &result {
         Ok(bytes) => {
             let mut h = HeaderWriter::default();
             h.u64(*bytes);
-            frame::write(&mut writer, Kind::Ack, &h.0, &[]).await?;
+            frame::write(&mut writer, Kind::Ack, &h.0).await?;
         }
         Err(e) => {
             let mut h = HeaderWriter::default();
             h.str(&e.to_string());
-            let _ = frame::write(&mut writer, Kind::Error, &h.0, &[]).await;
+            let _ = frame::write(&mut writer, Kind::Error, &h.0).await;
         }
     }
     result.map(|_| ())
 }
 
-async fn receive(reader: &mut OwnedReadHalf, table: &LeaseTable) -> Result<u64, TransferError> {
-    let hello = frame::read(reader)
-        .await?
-        .ok_or_else(|| TransferError::Protocol("connection closed before hello".into()))?;
+/// The hello: bounded, within `hello_timeout`, checked before anything else is read.
+async fn hello<R: AsyncReadExt + Unpin>(
+    reader: &mut R,
+    table: &LeaseTable,
+    auth: &InternalAuth,
+    nonce: &[u8],
+    limits: TcpLimits,
+) -> Result<(Arc<Lease>, KvCommit), TransferError> {
+    // One deadline for the whole hello (prefix and header): a peer dripping bytes cannot
+    // stretch it. (The per-read limit inside is only a backstop.)
+    let hello = tokio::time::timeout(
+        limits.hello_timeout,
+        frame::read_control(reader, 2 * limits.hello_timeout),
+    )
+    .await
+    .map_err(|_| {
+        TransferError::Protocol(format!(
+            "no hello within {} ms",
+            limits.hello_timeout.as_millis()
+        ))
+    })??
+    .ok_or_else(|| TransferError::Protocol("connection closed before hello".into()))?;
     if hello.kind != Kind::Hello {
         return Err(TransferError::Protocol(
             "a transfer must start with hello".into(),
@@ -213,76 +318,123 @@ async fn receive(reader: &mut OwnedReadHalf, table: &LeaseTable) -> Result<u64, 
             "protocol version {version}, this worker speaks {PROTOCOL_VERSION}"
         )));
     }
-    let lease_id = h.u64()?;
+    let lease = h.bytes()?;
     let layout_hash = h.str()?;
     let request_id = h.str()?;
-    let lease = table.check_header(lease_id, &layout_hash)?;
-    let mut payload = bufpool::take(0);
-    let result = receive_frames(
-        reader,
-        table,
-        &lease,
-        lease_id,
-        layout_hash,
+    let proof = h.bytes()?;
+    h.end()?;
+    auth.verify_kv_hello(nonce, &lease, &proof).map_err(|_| {
+        TransferError::Unauthenticated(
+            "the KV hello does not prove the deployment's internal secret".into(),
+        )
+    })?;
+    let open = table.check_header(&lease, &layout_hash)?;
+    // What the commit will need besides the commit frame's own fields.
+    let commit = KvCommit {
+        lease,
+        kv_layout_hash: layout_hash,
         request_id,
-        &mut payload,
-    )
-    .await;
-    bufpool::give(payload);
-    result
+        transport: Transport::Tcp as i32,
+        ..KvCommit::default()
+    };
+    Ok((open, commit))
 }
 
-#[allow(clippy::too_many_arguments)]
-async fn receive_frames(
-    reader: &mut OwnedReadHalf,
+async fn receive<R: AsyncReadExt + Unpin>(
+    reader: &mut R,
     table: &LeaseTable,
-    lease: &crate::lease::Lease,
-    lease_id: u64,
-    layout_hash: String,
-    request_id: String,
-    payload: &mut Vec<u8>,
+    auth: &InternalAuth,
+    nonce: &[u8],
+    limits: TcpLimits,
 ) -> Result<u64, TransferError> {
-    loop {
-        let (kind, header) = frame::read_into(reader, payload).await?.ok_or_else(|| {
-            TransferError::Incomplete(format!("lease {lease_id}: connection closed before commit"))
-        })?;
-        let mut h = HeaderReader(&header);
-        match kind {
-            Kind::Blocks => {
-                let layer = h.u32()? as usize;
-                let count = h.u32()? as usize;
-                if count > header.len() / 8 {
-                    return Err(TransferError::Protocol(
-                        "block count exceeds the header".into(),
-                    ));
+    let (lease, mut commit) = hello(reader, table, auth, nonce, limits).await?;
+    let piece = table.piece_bytes();
+    let nblocks = lease.blocks.len();
+    // Frames may not announce more blocks than the lease has.
+    let max_header = 8 + 8 * nblocks as u32;
+    let chunk_pieces = (RECEIVE_CHUNK / piece.max(1)).max(1);
+    let mut buf = bufpool::take(chunk_pieces * piece);
+    let result = async {
+        loop {
+            let prefix = frame::read_prefix(reader, limits.read_timeout)
+                .await?
+                .ok_or_else(|| {
+                    TransferError::Incomplete("the connection closed before the commit".into())
+                })?;
+            match prefix.kind {
+                Kind::Blocks => {
+                    let header = frame::read_header(
+                        reader,
+                        prefix.header_len,
+                        max_header,
+                        limits.read_timeout,
+                    )
+                    .await?;
+                    let mut h = HeaderReader(&header);
+                    let layer = h.u32()? as usize;
+                    let count = h.u32()? as usize;
+                    if count == 0 || count > nblocks || header.len() != 8 + 8 * count {
+                        return Err(TransferError::Protocol(format!(
+                            "a blocks frame of {count} blocks in a {}-byte header (the lease \
+                             has {nblocks})",
+                            header.len()
+                        )));
+                    }
+                    if prefix.payload_len != (count * piece) as u64 {
+                        return Err(TransferError::Protocol(format!(
+                            "{count} blocks of {piece} bytes announced with {} payload bytes",
+                            prefix.payload_len
+                        )));
+                    }
+                    let mut logical = Vec::with_capacity(count);
+                    let mut checksums = Vec::with_capacity(count);
+                    for _ in 0..count {
+                        logical.push(h.u32()?);
+                        checksums.push(h.u32()?);
+                    }
+                    for start in (0..count).step_by(chunk_pieces) {
+                        let end = (start + chunk_pieces).min(count);
+                        buf.resize((end - start) * piece, 0);
+                        frame::read_payload(reader, &mut buf, limits.read_timeout).await?;
+                        table.write_blocks(
+                            &lease,
+                            layer,
+                            &logical[start..end],
+                            &checksums[start..end],
+                            &buf,
+                        )?;
+                    }
                 }
-                let mut logical = Vec::with_capacity(count);
-                let mut checksums = Vec::with_capacity(count);
-                for _ in 0..count {
-                    logical.push(h.u32()?);
-                    checksums.push(h.u32()?);
+                Kind::Commit => {
+                    if prefix.payload_len != 0 {
+                        return Err(TransferError::Protocol(
+                            "a commit carries no payload".into(),
+                        ));
+                    }
+                    let header = frame::read_header(
+                        reader,
+                        prefix.header_len,
+                        COMMIT_HEADER,
+                        limits.read_timeout,
+                    )
+                    .await?;
+                    let mut h = HeaderReader(&header);
+                    commit.first_token = h.u32()?;
+                    commit.first_logprob = h.f32()?;
+                    commit.num_tokens = h.u32()?;
+                    commit.bytes = h.u64()?;
+                    h.end()?;
+                    return table.commit(&commit);
                 }
-                table.write_blocks(lease, layer, &logical, &checksums, payload)?;
-            }
-            Kind::Commit => {
-                let commit = KvCommit {
-                    lease_id,
-                    kv_layout_hash: layout_hash,
-                    request_id,
-                    first_token: h.u32()?,
-                    first_logprob: h.f32()?,
-                    num_tokens: h.u32()?,
-                    bytes: h.u64()?,
-                    checksums: Vec::new(),
-                    transport: Transport::Tcp as i32,
-                };
-                return table.commit(&commit);
-            }
-            other => {
-                return Err(TransferError::Protocol(format!(
-                    "unexpected {other:?} frame"
-                )));
+                other => {
+                    return Err(TransferError::Protocol(format!(
+                        "unexpected {other:?} frame"
+                    )));
+                }
             }
         }
     }
+    .await;
+    bufpool::give(buf);
+    result
 }

@@ -3,13 +3,16 @@
 //! bytes checked where they land; and the failures: layout mismatch, corrupt or incomplete
 //! data, a lease cancelled mid-transfer.
 
+use std::path::PathBuf;
 use std::sync::Arc;
 
+use tandem_auth::{InternalAuth, Secret};
 use tandem_engine::kv::{KvCache, KvDtype, KvLayout, KvStorage};
 use tandem_proto::v1::decode_service_server::DecodeServiceServer;
 use tandem_proto::v1::*;
 use tandem_transfer::{
-    KvOnlyDecode, LeaseTable, OwnerTags, Peers, TransferError, connect, serve_tcp, tags_path,
+    KvOnlyDecode, Lease, LeaseTable, OwnerTags, POOL_PREFIX, Peers, TcpLimits, TransferError,
+    connect, file_identity, serve_tcp, tags_path,
 };
 use tokio::net::TcpListener;
 
@@ -24,20 +27,61 @@ fn layout(fingerprint: &str) -> KvLayout {
     }
 }
 
+/// The deployment's credentials in these tests.
+fn deployment() -> InternalAuth {
+    InternalAuth::with_secret(&Secret::new(&"transport-tests-secret-".repeat(2)).unwrap())
+}
+
+fn stranger() -> InternalAuth {
+    InternalAuth::with_secret(&Secret::new(&"not-the-deployment-key-".repeat(2)).unwrap())
+}
+
 struct DecodeSide {
     cache: KvCache,
     table: Arc<LeaseTable>,
     endpoint: String,
     kv_tcp_addr: String,
-    shm_path: String,
-    shm_bytes: u64,
-    _dir: tempfile::TempDir,
+    dir: tempfile::TempDir,
+    _tags: PathBuf,
+}
+
+impl DecodeSide {
+    /// A prefill worker's peers with `auth`, mapping pools from this side's folder.
+    fn peers(&self, auth: InternalAuth) -> Peers {
+        Peers::new(auth, Some(self.dir.path().to_path_buf()))
+    }
+}
+
+/// How the fake decode worker behaves.
+struct Side {
+    /// Its credentials: checks calls with them and signs its info.
+    auth: InternalAuth,
+    /// Whether its gRPC server checks call tokens (off: anyone gets its signed info).
+    guard_calls: bool,
+    /// Advertise this shared-memory path instead of its own pool.
+    shm_path: Option<PathBuf>,
+    limits: TcpLimits,
+}
+
+impl Default for Side {
+    fn default() -> Self {
+        Self {
+            auth: deployment(),
+            guard_calls: true,
+            shm_path: None,
+            limits: TcpLimits::default(),
+        }
+    }
 }
 
 async fn decode_side(blocks: usize) -> DecodeSide {
+    decode_side_with(blocks, Side::default()).await
+}
+
+async fn decode_side_with(blocks: usize, side: Side) -> DecodeSide {
     let dir = tempfile::tempdir().unwrap();
     let l = layout("m");
-    let path = dir.path().join("pool.kv");
+    let path = dir.path().join(format!("{POOL_PREFIX}test-1"));
     let bytes = blocks * l.block_bytes();
     let cache = KvCache::new(
         l.clone(),
@@ -49,27 +93,61 @@ async fn decode_side(blocks: usize) -> DecodeSide {
     let table = Arc::new(LeaseTable::new(cache.block_writer(), l.hash(), Some(tags)));
     let grpc = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let endpoint = format!("http://{}", grpc.local_addr().unwrap());
-    let svc = DecodeServiceServer::new(KvOnlyDecode {
-        table: table.clone(),
-    });
-    tokio::spawn(
-        tonic::transport::Server::builder()
-            .add_service(svc)
-            .serve_with_incoming(
-                tonic::transport::server::TcpIncoming::from(grpc).with_nodelay(Some(true)),
-            ),
-    );
     let kv = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let kv_tcp_addr = kv.local_addr().unwrap().to_string();
-    tokio::spawn(serve_tcp(kv, table.clone(), std::future::pending()));
+    let (device, inode) = file_identity(&path).unwrap();
+    let info = WorkerInfo {
+        worker_id: "decode-test".into(),
+        role: Role::Decode as i32,
+        kv_layout_hash: l.hash(),
+        transports: vec![
+            Transport::Grpc as i32,
+            Transport::Tcp as i32,
+            Transport::Shm as i32,
+        ],
+        shm_path: side
+            .shm_path
+            .clone()
+            .unwrap_or_else(|| path.clone())
+            .to_string_lossy()
+            .into(),
+        shm_bytes: bytes as u64,
+        shm_device: device,
+        shm_inode: inode,
+        kv_tcp_port: u32::from(kv.local_addr().unwrap().port()),
+        total_blocks: blocks as u32,
+        protocol_version: tandem_proto::PROTOCOL_VERSION,
+        instance_id: vec![1; 16],
+        ..WorkerInfo::default()
+    };
+    let svc = DecodeServiceServer::new(KvOnlyDecode {
+        table: table.clone(),
+        info,
+        auth: side.auth.clone(),
+    });
+    let incoming = tonic::transport::server::TcpIncoming::from(grpc).with_nodelay(Some(true));
+    let server = tonic::transport::Server::builder();
+    if side.guard_calls {
+        let mut server = server.layer(side.auth.server_layer());
+        tokio::spawn(server.add_service(svc).serve_with_incoming(incoming));
+    } else {
+        let mut server = server;
+        tokio::spawn(server.add_service(svc).serve_with_incoming(incoming));
+    }
+    tokio::spawn(serve_tcp(
+        kv,
+        table.clone(),
+        side.auth.clone(),
+        side.limits,
+        std::future::pending(),
+    ));
     DecodeSide {
         cache,
         table,
         endpoint,
         kv_tcp_addr,
-        shm_path: path.to_string_lossy().into(),
-        shm_bytes: bytes as u64,
-        _dir: dir,
+        _tags: tags_path(&path),
+        dir,
     }
 }
 
@@ -80,20 +158,12 @@ fn source(l: &KvLayout, layer: usize, lb: u32) -> Vec<u8> {
         .collect()
 }
 
-fn destination(
-    d: &DecodeSide,
-    transport: Transport,
-    lease_id: u64,
-    blocks: &[u32],
-) -> KvDestination {
+fn destination(d: &DecodeSide, transport: Transport, lease: &Lease) -> KvDestination {
     KvDestination {
         transport: transport as i32,
         decode_endpoint: d.endpoint.clone(),
-        kv_tcp_addr: d.kv_tcp_addr.clone(),
-        shm_path: d.shm_path.clone(),
-        shm_bytes: d.shm_bytes,
-        lease_id,
-        block_ids: blocks.to_vec(),
+        lease: lease.token().as_bytes().to_vec(),
+        block_ids: lease.blocks.clone(),
         kv_layout_hash: d.table.layout_hash().to_string(),
         ..KvDestination::default()
     }
@@ -130,13 +200,13 @@ async fn send_all(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_transport_delivers_verified_blocks() {
     let d = decode_side(32).await;
-    let peers = Peers::new();
+    let peers = d.peers(deployment());
     let l = layout("m");
     for transport in [Transport::Grpc, Transport::Tcp, Transport::Shm] {
         let tokens = 40; // 3 blocks, the last partly filled
         let blocks = vec![9, 2, 17];
-        let (lease, rx) = d.table.create(blocks.clone(), tokens, "req");
-        let dest = destination(&d, transport, lease.id, &blocks);
+        let (lease, rx) = d.table.create(blocks.clone(), tokens, "req").unwrap();
+        let dest = destination(&d, transport, &lease);
         let sender = connect(&peers, &dest, &l, "req", tokens).await.unwrap();
         let sender = send_all(sender, &l, 3, None).await.unwrap();
         let stats = sender.commit(42, -0.25).await.unwrap();
@@ -163,9 +233,9 @@ async fn every_transport_delivers_verified_blocks() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn mismatches_and_incomplete_transfers_fail_loudly() {
     let d = decode_side(16).await;
-    let peers = Peers::new();
-    let (lease, rx) = d.table.create(vec![1, 2], 20, "req");
-    let dest = destination(&d, Transport::Tcp, lease.id, &[1, 2]);
+    let peers = d.peers(deployment());
+    let (lease, rx) = d.table.create(vec![1, 2], 20, "req").unwrap();
+    let dest = destination(&d, Transport::Tcp, &lease);
     // A prefill worker with another model's layout is refused before any byte moves.
     let other = layout("another-model");
     assert!(matches!(
@@ -181,8 +251,8 @@ async fn mismatches_and_incomplete_transfers_fail_loudly() {
 
     // A transfer missing a layer fails at commit, on every transport, and fails the lease.
     for transport in [Transport::Tcp, Transport::Grpc, Transport::Shm] {
-        let (lease, rx) = d.table.create(vec![3, 4], 20, "req");
-        let dest = destination(&d, transport, lease.id, &[3, 4]);
+        let (lease, rx) = d.table.create(vec![3, 4], 20, "req").unwrap();
+        let dest = destination(&d, transport, &lease);
         let sender = connect(&peers, &dest, &layout("m"), "req", 20)
             .await
             .unwrap();
@@ -195,26 +265,26 @@ async fn mismatches_and_incomplete_transfers_fail_loudly() {
             );
         }
     }
-    d.table.cancel(lease.id);
+    d.table.cancel(lease.token());
     drop(rx);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cancelled_lease_fences_every_transport() {
     let d = decode_side(16).await;
-    let peers = Peers::new();
+    let peers = d.peers(deployment());
     let l = layout("m");
     for transport in [Transport::Shm, Transport::Tcp, Transport::Grpc] {
         let blocks = vec![5, 6];
-        let (lease, _rx) = d.table.create(blocks.clone(), 32, "req");
-        let dest = destination(&d, transport, lease.id, &blocks);
+        let (lease, _rx) = d.table.create(blocks.clone(), 32, "req").unwrap();
+        let dest = destination(&d, transport, &lease);
         let sender = connect(&peers, &dest, &l, "req", 32).await.unwrap();
         let before: Vec<u8> = d.cache.block_layer_bytes(0, 5).unwrap().to_vec();
-        assert_eq!(d.table.cancel(lease.id), Some(blocks.clone()));
+        assert_eq!(d.table.cancel(lease.token()), Some(blocks.clone()));
         let result = send_all(sender, &l, 2, None).await;
         match result {
             // Shared memory refuses to write at once (the owner tag is gone) ...
-            Err(TransferError::Cancelled(_)) => assert_eq!(transport, Transport::Shm),
+            Err(TransferError::Cancelled) => assert_eq!(transport, Transport::Shm),
             // ... the network transports learn it from the peer, at the latest at commit.
             Ok(sender) => assert!(sender.commit(1, 0.0).await.is_err(), "{transport:?}"),
             Err(_) => {}
@@ -233,11 +303,11 @@ async fn a_cancelled_lease_fences_every_transport() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cuda_ipc_without_a_device_pool_is_refused_up_front() {
     let d = decode_side(8).await;
-    let peers = Peers::new();
+    let peers = d.peers(deployment());
     let l = layout("m");
-    let (lease, _rx) = d.table.create(vec![1], 10, "req");
+    let (lease, _rx) = d.table.create(vec![1], 10, "req").unwrap();
     for transport in [Transport::CudaIpc, Transport::Nccl] {
-        let dest = destination(&d, transport, lease.id, &[1]);
+        let dest = destination(&d, transport, &lease);
         let err = match connect(&peers, &dest, &l, "req", 10).await {
             Ok(_) => panic!("{transport:?} to a pool-less decode worker was accepted"),
             Err(e) => e,
@@ -250,7 +320,7 @@ async fn cuda_ipc_without_a_device_pool_is_refused_up_front() {
         );
     }
 
-    let dest = destination(&d, Transport::Shm, lease.id, &[1]);
+    let dest = destination(&d, Transport::Shm, &lease);
     let mut sender = connect(&peers, &dest, &l, "req", 10).await.unwrap();
     assert!(!sender.reads_device());
     let src = tandem_engine::kv::DeviceKv {
@@ -262,4 +332,264 @@ async fn cuda_ipc_without_a_device_pool_is_refused_up_front() {
         context: 0,
     };
     assert!(sender.send_device_layer(0, &src, &[(0, 1)]).is_err());
+}
+
+/// The pool's bytes of `layer`, `block`, to check nothing was written.
+fn snapshot(d: &DecodeSide, block: u32) -> Vec<Vec<u8>> {
+    (0..3)
+        .map(|layer| d.cache.block_layer_bytes(layer, block).unwrap().to_vec())
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kv_goes_only_to_a_decode_worker_that_proves_the_secret() {
+    // A service at the endpoint that answers GetInfo, but signed with another secret (an
+    // impostor, or a worker of another deployment): refused before any byte moves.
+    let impostor = decode_side_with(
+        8,
+        Side {
+            auth: stranger(),
+            guard_calls: false,
+            ..Side::default()
+        },
+    )
+    .await;
+    let (lease, _rx) = impostor.table.create(vec![1], 10, "req").unwrap();
+    let before = snapshot(&impostor, 1);
+    for transport in [Transport::Shm, Transport::Tcp, Transport::Grpc] {
+        let dest = destination(&impostor, transport, &lease);
+        let peers = impostor.peers(deployment());
+        let err = connect(&peers, &dest, &layout("m"), "req", 10)
+            .await
+            .err()
+            .expect("an impostor gets no KV");
+        assert!(matches!(err, TransferError::Unauthenticated(_)), "{err}");
+        assert!(err.to_string().contains("did not prove"), "{err}");
+    }
+    assert_eq!(snapshot(&impostor, 1), before);
+
+    // A prefill worker without the secret is refused by a real decode worker.
+    let d = decode_side(8).await;
+    let (lease, _rx) = d.table.create(vec![1], 10, "req").unwrap();
+    for auth in [stranger(), InternalAuth::none()] {
+        let dest = destination(&d, Transport::Grpc, &lease);
+        let err = connect(&d.peers(auth), &dest, &layout("m"), "req", 10)
+            .await
+            .err()
+            .expect("refused");
+        assert!(matches!(err, TransferError::Unauthenticated(_)), "{err}");
+    }
+    assert_eq!(d.table.len(), 1, "the lease is untouched");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn calls_without_the_secret_are_refused_and_fail_no_lease() {
+    use tandem_proto::v1::decode_service_client::DecodeServiceClient;
+    let d = decode_side(8).await;
+    let (lease, mut rx) = d.table.create(vec![1], 10, "victim").unwrap();
+    let mut raw = DecodeServiceClient::connect(d.endpoint.clone())
+        .await
+        .unwrap();
+    let commit = KvCommit {
+        lease: lease.token().as_bytes().to_vec(),
+        kv_layout_hash: d.table.layout_hash().into(),
+        first_token: 13,
+        num_tokens: 10,
+        transport: Transport::Grpc as i32,
+        ..Default::default()
+    };
+    // Even holding the capability, a caller without the secret gets nowhere.
+    let status = raw.commit_kv(commit.clone()).await.unwrap_err();
+    assert_eq!(status.code(), tonic::Code::Unauthenticated);
+    let renew = RenewLeaseRequest {
+        lease: lease.token().as_bytes().to_vec(),
+    };
+    assert_eq!(
+        raw.renew_lease(renew).await.unwrap_err().code(),
+        tonic::Code::Unauthenticated
+    );
+    let status = raw.get_info(InfoRequest::default()).await.unwrap_err();
+    assert_eq!(status.code(), tonic::Code::Unauthenticated);
+    // A member of the deployment guessing capabilities: not found, naming nothing.
+    let peers = d.peers(deployment());
+    let mut member = peers.decode_client(&d.endpoint).unwrap();
+    for guess in [vec![0u8; 16], vec![1u8; 16], Vec::new()] {
+        let status = member
+            .commit_kv(KvCommit {
+                lease: guess,
+                ..commit.clone()
+            })
+            .await
+            .unwrap_err();
+        assert_eq!(status.code(), tonic::Code::NotFound);
+        assert!(!status.message().contains("10"), "{}", status.message());
+    }
+    assert!(rx.try_recv().is_err(), "the victim's lease is still open");
+    assert_eq!(d.table.len(), 1);
+}
+
+#[cfg(unix)]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shared_memory_is_never_written_through_a_link_or_outside_its_folder() {
+    let victim_dir = tempfile::tempdir().unwrap();
+    let victim = victim_dir.path().join("victim");
+    std::fs::write(&victim, vec![7u8; 4096]).unwrap();
+    let holder = tempfile::tempdir().unwrap();
+    let link = holder.path().join(format!("{POOL_PREFIX}evil-1"));
+    std::os::unix::fs::symlink(&victim, &link).unwrap();
+    let outside = victim_dir.path().join(format!("{POOL_PREFIX}elsewhere-1"));
+    std::fs::write(&outside, vec![7u8; 4096]).unwrap();
+    for advertised in [link.clone(), outside.clone(), victim.clone()] {
+        // A worker of the deployment (it signs with the secret) advertising a bad path: the
+        // prefill side still refuses.
+        let d = decode_side_with(
+            8,
+            Side {
+                shm_path: Some(advertised.clone()),
+                ..Side::default()
+            },
+        )
+        .await;
+        // The link sits in the decode side's own folder for the first case.
+        if advertised == link {
+            let inside = d.dir.path().join(format!("{POOL_PREFIX}evil-1"));
+            std::os::unix::fs::symlink(&victim, &inside).unwrap();
+        }
+        let (lease, _rx) = d.table.create(vec![1], 10, "req").unwrap();
+        let dest = destination(&d, Transport::Shm, &lease);
+        let err = connect(&d.peers(deployment()), &dest, &layout("m"), "req", 10)
+            .await
+            .err()
+            .expect("refused");
+        assert!(
+            err.to_string().contains("refusing the shared-memory file"),
+            "{err}"
+        );
+    }
+    assert_eq!(std::fs::read(&victim).unwrap(), vec![7u8; 4096]);
+    assert_eq!(std::fs::read(&outside).unwrap(), vec![7u8; 4096]);
+}
+
+mod raw_tcp {
+    use std::time::{Duration, Instant};
+
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::net::TcpStream;
+
+    use super::*;
+
+    fn prefix(kind: u8, header_len: u32, payload_len: u64) -> Vec<u8> {
+        let mut out = b"TKV2".to_vec();
+        out.extend_from_slice(&[kind, 0, 0, 0]);
+        out.extend_from_slice(&header_len.to_le_bytes());
+        out.extend_from_slice(&payload_len.to_le_bytes());
+        out
+    }
+
+    /// Reads until the peer closes, at most `limit`; returns what came and whether it closed.
+    async fn drain(s: &mut TcpStream, limit: Duration) -> (Vec<u8>, bool) {
+        let mut got = Vec::new();
+        let deadline = Instant::now() + limit;
+        let mut buf = [0u8; 4096];
+        while Instant::now() < deadline {
+            match tokio::time::timeout_at(deadline.into(), s.read(&mut buf)).await {
+                Ok(Ok(0)) | Ok(Err(_)) => return (got, true),
+                Ok(Ok(n)) => got.extend_from_slice(&buf[..n]),
+                Err(_) => break,
+            }
+        }
+        (got, false)
+    }
+
+    fn quick() -> TcpLimits {
+        TcpLimits {
+            max_connections: 2,
+            hello_timeout: Duration::from_millis(300),
+            read_timeout: Duration::from_millis(300),
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_header_claiming_a_huge_payload_is_refused_before_anything_is_read() {
+        let d = decode_side(8).await;
+        let mut s = TcpStream::connect(&d.kv_tcp_addr).await.unwrap();
+        // The 20 bytes of the old attack: a frame header announcing 256 MiB.
+        s.write_all(&prefix(1, 0, 256 << 20)).await.unwrap();
+        let started = Instant::now();
+        let (reply, closed) = drain(&mut s, Duration::from_secs(5)).await;
+        assert!(closed, "the listener hangs up");
+        assert!(started.elapsed() < Duration::from_secs(2));
+        let text = String::from_utf8_lossy(&reply);
+        assert!(text.contains("carries no payload"), "{text}");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_hello_without_the_secret_is_refused_and_the_lease_survives() {
+        let d = decode_side(8).await;
+        let (lease, mut rx) = d.table.create(vec![2], 10, "victim").unwrap();
+        let mut s = TcpStream::connect(&d.kv_tcp_addr).await.unwrap();
+        // Skip the challenge, answer with a made-up proof for the real lease.
+        let mut header = Vec::new();
+        header.extend_from_slice(&tandem_proto::PROTOCOL_VERSION.to_le_bytes());
+        for field in [
+            &lease.token().as_bytes()[..],
+            d.table.layout_hash().as_bytes(),
+            b"attacker",
+            &[0u8; 32][..],
+        ] {
+            header.extend_from_slice(&(field.len() as u16).to_le_bytes());
+            header.extend_from_slice(field);
+        }
+        let mut hello = prefix(1, header.len() as u32, 0);
+        hello.extend_from_slice(&header);
+        s.write_all(&hello).await.unwrap();
+        let (reply, closed) = drain(&mut s, Duration::from_secs(5)).await;
+        assert!(closed);
+        let text = String::from_utf8_lossy(&reply);
+        assert!(text.contains("does not prove"), "{text}");
+        assert!(rx.try_recv().is_err(), "the lease is untouched");
+        assert_eq!(d.table.len(), 1);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn silent_and_surplus_connections_are_closed() {
+        let d = decode_side_with(
+            8,
+            Side {
+                limits: quick(),
+                ..Side::default()
+            },
+        )
+        .await;
+        let mut first = TcpStream::connect(&d.kv_tcp_addr).await.unwrap();
+        let mut second = TcpStream::connect(&d.kv_tcp_addr).await.unwrap();
+        // Give the listener time to hand both their slots.
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let mut third = TcpStream::connect(&d.kv_tcp_addr).await.unwrap();
+        let (got, closed) = drain(&mut third, Duration::from_millis(200)).await;
+        assert!(closed && got.is_empty(), "over the cap: closed at once");
+        for s in [&mut first, &mut second] {
+            let (got, closed) = drain(s, Duration::from_secs(3)).await;
+            assert!(
+                closed,
+                "a silent connection is closed after the hello timeout"
+            );
+            assert!(String::from_utf8_lossy(&got).contains("no hello"));
+        }
+        // Slots are free again: a proper transfer still works.
+        let (lease, rx) = d.table.create(vec![1], 10, "req").unwrap();
+        let peers = d.peers(deployment());
+        let sender = connect(
+            &peers,
+            &destination(&d, Transport::Tcp, &lease),
+            &layout("m"),
+            "req",
+            10,
+        )
+        .await
+        .unwrap();
+        let sender = send_all(sender, &layout("m"), 1, None).await.unwrap();
+        sender.commit(5, 0.0).await.unwrap();
+        assert!(rx.await.unwrap().is_ok());
+    }
 }

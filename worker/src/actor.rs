@@ -34,8 +34,11 @@ pub enum SeqEvent {
         /// Time from the first chunk to the first token.
         compute_seconds: f64,
     },
-    /// The sequence failed (KV transfer, engine error); it is gone from the engine.
+    /// The sequence failed in the engine; it is gone from the engine.
     Failed(String),
+    /// Its KV could not be sent to the decode worker (a problem of the destination or the
+    /// way there, not of this worker); the sequence is gone from the engine.
+    TransferFailed(String),
 }
 
 impl std::fmt::Debug for SeqEvent {
@@ -47,6 +50,7 @@ impl std::fmt::Debug for SeqEvent {
                 .field("output", output)
                 .finish_non_exhaustive(),
             SeqEvent::Failed(m) => f.debug_tuple("Failed").field(m).finish(),
+            SeqEvent::TransferFailed(m) => f.debug_tuple("TransferFailed").field(m).finish(),
         }
     }
 }
@@ -303,9 +307,9 @@ fn run(mut engine: Engine, rx: mpsc::Receiver<Command>, load: &LoadSnapshot) {
             if let Some(entry) = entries.remove(&id) {
                 let reason = entry.kv_error.unwrap_or_default();
                 tracing::warn!(seq = id, %reason, "KV transfer failed");
-                let _ = entry
-                    .events
-                    .send(SeqEvent::Failed(format!("KV transfer failed: {reason}")));
+                let _ = entry.events.send(SeqEvent::TransferFailed(format!(
+                    "KV transfer failed: {reason}"
+                )));
             }
         }
         publish(&engine, load);
@@ -508,7 +512,7 @@ mod tests {
             .unwrap()
             .unwrap();
         match event {
-            SeqEvent::Failed(why) => assert!(why.contains("runs on the CPU"), "{why}"),
+            SeqEvent::TransferFailed(why) => assert!(why.contains("runs on the CPU"), "{why}"),
             other => panic!("expected a failure, got {other:?}"),
         }
         let deadline = Instant::now() + Duration::from_secs(10);

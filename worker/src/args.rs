@@ -44,6 +44,26 @@ impl ModelArgs {
         let (model, tokenizer) = load_model(&source, &opts)?;
         Ok((Arc::new(model), tokenizer))
     }
+
+    /// Loads on a blocking thread (the first run downloads the default model), unless
+    /// `shutdown` resolves first: then `None`, and the worker can stop at once.
+    pub async fn load_until(
+        &self,
+        shutdown: &mut std::pin::Pin<Box<dyn Future<Output = ()> + Send>>,
+    ) -> Result<Option<(Arc<Model>, TextTokenizer)>, EngineError> {
+        let args = self.clone();
+        let loading = tokio::task::spawn_blocking(move || args.load());
+        tokio::select! {
+            loaded = loading => match loaded {
+                Ok(result) => result.map(Some),
+                Err(e) => Err(EngineError::Unsupported(format!("model loading failed: {e}"))),
+            },
+            () = shutdown.as_mut() => {
+                tracing::info!("stopped while loading the model");
+                Ok(None)
+            }
+        }
+    }
 }
 
 /// Engine sizing and threads.
@@ -119,7 +139,7 @@ impl EngineArgs {
     }
 }
 
-/// Where the gRPC server listens.
+/// Where the gRPC server listens, and the credentials it requires.
 #[derive(Debug, Clone, Args)]
 pub struct ServerArgs {
     #[arg(long, env = "TANDEM_HOST", default_value = "127.0.0.1")]
@@ -135,6 +155,31 @@ pub struct ServerArgs {
     /// A name for this worker in logs and metrics (default: role@host:port).
     #[arg(long, env = "TANDEM_WORKER_ID")]
     pub worker_id: Option<String>,
+    /// Folder of the decode workers' shared-memory KV pools (default /dev/shm). Prefill
+    /// workers map pools only from here.
+    #[arg(long, env = "TANDEM_SHM_DIR")]
+    pub shm_dir: Option<PathBuf>,
+    #[command(flatten)]
+    pub auth: tandem_auth::InternalAuthArgs,
+}
+
+impl ServerArgs {
+    /// The credentials, after refusing a secret on the command line and a non-loopback
+    /// listen address without one.
+    pub fn internal_auth(&self) -> Result<tandem_auth::InternalAuth, tandem_auth::AuthError> {
+        tandem_auth::refuse_secret_on_command_line(std::env::args_os())?;
+        let auth = self.auth.load()?;
+        auth.check_listen(&self.host)?;
+        Ok(auth)
+    }
+
+    /// The shared-memory folder: the flag, else /dev/shm where it exists.
+    pub fn shm_dir(&self) -> Option<PathBuf> {
+        self.shm_dir.clone().or_else(|| {
+            let p = std::path::Path::new("/dev/shm");
+            p.is_dir().then(|| p.to_path_buf())
+        })
+    }
 }
 
 #[cfg(test)]

@@ -137,4 +137,49 @@ mod tests {
             tonic::Code::ResourceExhausted
         );
     }
+
+    /// The router refuses by `tandem_proto::limits`, the engine by its own constants: they
+    /// must be the same numbers, or a request the router admits would fail at a worker with
+    /// a generic error (or one the worker could run would be refused).
+    #[test]
+    fn the_router_and_the_engine_hold_the_same_bounds() {
+        use tandem_engine::sampling as engine;
+        use tandem_proto::limits as wire;
+        assert_eq!(engine::MAX_TEMPERATURE, wire::MAX_TEMPERATURE);
+        assert_eq!(engine::MAX_REPETITION_PENALTY, wire::MAX_REPETITION_PENALTY);
+        assert_eq!(engine::MAX_STOP_STRINGS, wire::MAX_STOP_STRINGS);
+        assert_eq!(engine::MAX_STOP_STRING_LEN, wire::MAX_STOP_STRING_BYTES);
+        assert_eq!(engine::MAX_STOP_TOKEN_IDS, wire::MAX_STOP_TOKEN_IDS);
+        // And the engine takes exactly up to them.
+        let at = |t: f32, r: f32| SamplingParams {
+            temperature: t,
+            repetition_penalty: r,
+            ..SamplingParams::default()
+        };
+        assert!(
+            at(wire::MAX_TEMPERATURE, wire::MAX_REPETITION_PENALTY)
+                .validate()
+                .is_ok()
+        );
+        assert!(at(wire::MAX_TEMPERATURE * 1.01, 1.0).validate().is_err());
+        assert!(
+            at(1.0, wire::MAX_REPETITION_PENALTY * 1.01)
+                .validate()
+                .is_err()
+        );
+        let stop = |ids: usize, strings: usize, bytes: usize| StopParams {
+            stop_token_ids: vec![1; ids],
+            stop_strings: vec!["é".repeat(bytes / 2); strings],
+            ..StopParams::default()
+        };
+        let (ids, strings, bytes) = (
+            wire::MAX_STOP_TOKEN_IDS,
+            wire::MAX_STOP_STRINGS,
+            wire::MAX_STOP_STRING_BYTES,
+        );
+        assert!(stop(ids, strings, bytes).validate(100).is_ok());
+        assert!(stop(ids + 1, 1, 2).validate(100).is_err());
+        assert!(stop(1, strings + 1, 2).validate(100).is_err());
+        assert!(stop(1, 1, bytes + 2).validate(100).is_err());
+    }
 }

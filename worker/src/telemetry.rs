@@ -18,24 +18,33 @@ pub fn init_tracing(json: bool) {
     }
 }
 
-/// Resolves on Ctrl-C or SIGTERM.
-pub async fn shutdown_signal() {
-    let ctrl_c = async {
-        let _ = tokio::signal::ctrl_c().await;
-    };
+/// Listens for Ctrl-C (SIGINT) and SIGTERM from now on, and resolves on the first. Call it
+/// first thing inside the runtime: a signal that arrives while the model loads then stops
+/// the worker cleanly (and its shared files are removed) instead of killing it.
+pub fn shutdown_signal() -> std::pin::Pin<Box<dyn Future<Output = ()> + Send>> {
     #[cfg(unix)]
-    let term = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut s) => {
-                s.recv().await;
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        match (
+            signal(SignalKind::terminate()),
+            signal(SignalKind::interrupt()),
+        ) {
+            (Ok(mut term), Ok(mut int)) => Box::pin(async move {
+                tokio::select! {
+                    _ = term.recv() => tracing::info!("SIGTERM received"),
+                    _ = int.recv() => tracing::info!("SIGINT received"),
+                }
+            }),
+            _ => {
+                tracing::warn!("cannot listen for SIGTERM; only Ctrl-C stops this process cleanly");
+                Box::pin(async {
+                    let _ = tokio::signal::ctrl_c().await;
+                })
             }
-            Err(_) => std::future::pending::<()>().await,
         }
-    };
-    #[cfg(not(unix))]
-    let term = std::future::pending::<()>();
-    tokio::select! {
-        _ = ctrl_c => {},
-        _ = term => {},
     }
+    #[cfg(not(unix))]
+    Box::pin(async {
+        let _ = tokio::signal::ctrl_c().await;
+    })
 }

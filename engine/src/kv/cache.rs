@@ -37,21 +37,44 @@ impl KvStorage {
         Ok(Self::from_map(map, None))
     }
 
-    /// Creates (or replaces) a shared-memory file of `bytes` at `path` and maps it.
+    /// Creates a shared-memory file of `bytes` at `path` and maps it. The file must not exist
+    /// yet (no symlink or stale file is ever followed or reused) and is created readable and
+    /// writable by this user only: it will hold every prompt's KV. It is removed when the
+    /// storage is dropped.
     pub fn create_shared(path: &Path, bytes: usize) -> Result<Self> {
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .open(path)
-            .map_err(|e| EngineError::io(path, e))?;
-        file.set_len(bytes as u64)
-            .map_err(|e| EngineError::io(path, e))?;
-        // SAFETY: the file was just created by us; other processes only write blocks that
-        // this process reserved for them (see `KvCache`).
-        let map = unsafe { MmapMut::map_mut(&file) }.map_err(|e| EngineError::io(path, e))?;
-        Ok(Self::from_map(map, Some(path.to_owned())))
+        let mut options = OpenOptions::new();
+        options.read(true).write(true).create_new(true);
+        #[cfg(unix)]
+        std::os::unix::fs::OpenOptionsExt::mode(&mut options, 0o600);
+        let file = options.open(path).map_err(|e| EngineError::io(path, e))?;
+        let storage = (|| {
+            file.set_len(bytes as u64)?;
+            // SAFETY: the file was just created by us; other processes only write blocks that
+            // this process reserved for them (see `KvCache`).
+            unsafe { MmapMut::map_mut(&file) }
+        })();
+        match storage {
+            Ok(map) => Ok(Self::from_map(map, Some(path.to_owned()))),
+            Err(e) => {
+                let _ = std::fs::remove_file(path);
+                Err(EngineError::io(path, e))
+            }
+        }
+    }
+
+    /// Maps an existing shared-memory file, which must be exactly `bytes` long. The caller
+    /// opened it (and checked it is the file it expects: see the `shm` transport).
+    pub fn open_shared_file(file: &std::fs::File, bytes: usize, name: &Path) -> Result<Self> {
+        let len = file.metadata().map_err(|e| EngineError::io(name, e))?.len();
+        if len != bytes as u64 {
+            return Err(EngineError::LayoutMismatch(format!(
+                "shared KV file {} holds {len} bytes, the layout needs {bytes}",
+                name.display()
+            )));
+        }
+        // SAFETY: the owner keeps the file alive while peers hold leases on its blocks.
+        let map = unsafe { MmapMut::map_mut(file) }.map_err(|e| EngineError::io(name, e))?;
+        Ok(Self::from_map(map, None))
     }
 
     /// Maps an existing shared-memory file, which must be exactly `bytes` long.
@@ -61,16 +84,7 @@ impl KvStorage {
             .write(true)
             .open(path)
             .map_err(|e| EngineError::io(path, e))?;
-        let len = file.metadata().map_err(|e| EngineError::io(path, e))?.len();
-        if len != bytes as u64 {
-            return Err(EngineError::LayoutMismatch(format!(
-                "shared KV file {} holds {len} bytes, the layout needs {bytes}",
-                path.display()
-            )));
-        }
-        // SAFETY: the owner keeps the file alive while peers hold leases on its blocks.
-        let map = unsafe { MmapMut::map_mut(&file) }.map_err(|e| EngineError::io(path, e))?;
-        Ok(Self::from_map(map, None))
+        Self::open_shared_file(&file, bytes, path)
     }
 
     fn from_map(mut map: MmapMut, shared_path: Option<PathBuf>) -> Self {
@@ -383,5 +397,28 @@ mod tests {
         drop(peer);
         drop(owner);
         assert!(!path.exists(), "the owner removes its file");
+    }
+
+    #[cfg(unix)]
+    #[test]
+    fn shared_files_are_private_and_never_reused_or_followed() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("kv");
+        let bytes = layout().block_bytes();
+        let storage = KvStorage::create_shared(&path, bytes).unwrap();
+        let mode = std::fs::metadata(&path).unwrap().permissions().mode();
+        assert_eq!(mode & 0o777, 0o600, "only this user reads the KV");
+        assert!(
+            KvStorage::create_shared(&path, bytes).is_err(),
+            "an existing file is not taken over"
+        );
+        drop(storage);
+        let victim = dir.path().join("victim");
+        std::fs::write(&victim, b"precious").unwrap();
+        let link = dir.path().join("link");
+        std::os::unix::fs::symlink(&victim, &link).unwrap();
+        assert!(KvStorage::create_shared(&link, bytes).is_err());
+        assert_eq!(std::fs::read(&victim).unwrap(), b"precious");
     }
 }

@@ -41,6 +41,9 @@ pub enum ApiError {
     PayloadTooLarge { limit: usize },
     #[error("request body must be JSON: send `Content-Type: application/json`")]
     UnsupportedMediaType,
+    /// The body did not arrive within `--body-read-timeout-ms`.
+    #[error("the request body did not arrive within {ms} ms")]
+    BodyTimeout { ms: u128 },
     #[error("no route for this path")]
     RouteNotFound,
     #[error("method not allowed on this path")]
@@ -138,6 +141,12 @@ impl ApiError {
                 StatusCode::UNSUPPORTED_MEDIA_TYPE,
                 "invalid_request_error",
                 "validation",
+                false,
+            ),
+            BodyTimeout { .. } => (
+                StatusCode::REQUEST_TIMEOUT,
+                "invalid_request_error",
+                "body_timeout",
                 false,
             ),
             RouteNotFound => (

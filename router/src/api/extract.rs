@@ -22,7 +22,14 @@ impl<T: DeserializeOwned> FromRequest<AppState> for ApiJson<T> {
             return Err(ApiError::UnsupportedMediaType);
         }
         let limit = state.config().body_limit_bytes;
-        let bytes = Bytes::from_request(req, state).await.map_err(|rejection| {
+        // A slow body holds a connection and its memory: it gets a deadline of its own.
+        let timeout = state.config().body_read_timeout;
+        let read = tokio::time::timeout(timeout, Bytes::from_request(req, state))
+            .await
+            .map_err(|_| ApiError::BodyTimeout {
+                ms: timeout.as_millis(),
+            })?;
+        let bytes = read.map_err(|rejection| {
             if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE {
                 ApiError::PayloadTooLarge { limit }
             } else {

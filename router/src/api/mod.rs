@@ -27,9 +27,9 @@ use metrics_exporter_prometheus::PrometheusHandle;
 use serde_json::json;
 use tracing::Instrument;
 
-use crate::admission::Admission;
+use crate::admission::{Admission, InFlight};
 use crate::config::RouterConfig;
-use crate::flow::{self, FinishOut, FlowContext, FlowEvent, FlowRequest, FlowStream};
+use crate::flow::{self, FinishOut, FlowContext, FlowEvent, FlowPending, FlowRequest, FlowStream};
 use crate::metrics as m;
 use crate::model::ServedModel;
 use crate::workers::WorkerPool;
@@ -44,6 +44,9 @@ struct Shared {
     pool: Arc<WorkerPool>,
     flow: Arc<FlowContext>,
     admission: Admission,
+    /// Tokenizations and chat-template renderings running at once: one per core, so that
+    /// huge prompts queue here instead of occupying every blocking thread.
+    tokenizing: Arc<tokio::sync::Semaphore>,
     prometheus: PrometheusHandle,
 }
 
@@ -64,13 +67,28 @@ impl AppState {
             lease_ttl_ms: config.lease_ttl_ms,
         });
         let admission = Admission::new(config.max_concurrent_requests, config.max_queued_requests);
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
         AppState(Arc::new(Shared {
             config,
             pool,
             flow,
             admission,
+            tokenizing: Arc::new(tokio::sync::Semaphore::new(cores)),
             prometheus,
         }))
+    }
+
+    /// Tokenizes (or renders and tokenizes) with `f` on the blocking pool, at most one job
+    /// per core at a time.
+    pub async fn encode<F>(&self, model: &Arc<ServedModel>, f: F) -> Result<Vec<u32>, ApiError>
+    where
+        F: FnOnce(&ServedModel) -> Result<Vec<u32>, ApiError> + Send + 'static,
+    {
+        let _slot = Arc::clone(&self.0.tokenizing)
+            .acquire_owned()
+            .await
+            .map_err(|_| ApiError::Internal)?;
+        crate::model::encode_blocking(Arc::clone(model), f).await
     }
 
     pub fn config(&self) -> &RouterConfig {
@@ -240,18 +258,22 @@ pub fn record_rejection(e: &ApiError) {
     metrics::counter!(m::REQUESTS_TOTAL, "mode" => "none", "outcome" => e.kind()).increment(1);
 }
 
-/// Admits a validated request (429 when full, 503 after waiting past the deadline) and
-/// starts it; returns once its first token is in.
-pub async fn launch(state: &AppState, request: FlowRequest) -> Result<FlowStream, ApiError> {
+/// Takes a running slot for a request that passed its cheap checks (429 when every place is
+/// taken, 503 after waiting past the deadline). Tokenization and template rendering happen
+/// after this, so overload is refused before any of that work.
+pub async fn admit(state: &AppState, deadline: Option<Instant>) -> Result<InFlight, ApiError> {
     let admit = state.0.admission.admit();
-    let in_flight = match request.deadline {
+    match deadline {
         Some(d) => tokio::time::timeout_at(d.into(), admit)
             .await
             .unwrap_or(Err(ApiError::QueueTimeout)),
         None => admit.await,
     }
-    .inspect_err(record_rejection)?;
-    flow::start(Arc::clone(&state.0.flow), request, in_flight).await
+}
+
+/// Starts an admitted request.
+pub fn start(state: &AppState, request: FlowRequest, in_flight: InFlight) -> FlowPending {
+    flow::start(Arc::clone(&state.0.flow), request, in_flight)
 }
 
 /// A whole generation, for the non-streaming routes.

@@ -12,7 +12,6 @@
 //! `stream_options.include_usage`, in the usage chunk's `usage.tandem`; streaming without
 //! it, as a top-level `tandem` object on the final chunk (the one with `finish_reason`).
 
-use std::sync::Arc;
 use std::time::Instant;
 
 use axum::Extension;
@@ -26,11 +25,14 @@ use tandem_text::ChatMessage;
 
 use super::error::{ApiError, ApiFlavor};
 use super::extract::ApiJson;
-use super::sse::{StreamFormatter, data_event, event_stream, tandem_headers};
+use super::sse::{StreamFormatter, data_event, stream_response, tandem_headers};
 use super::validate::{self, StopField};
-use super::{AppState, RequestId, collect, deadline_from, launch, record_rejection, unix_now};
+use super::{
+    AppState, RequestId, admit, collect, deadline_from, record_rejection, start, unix_now,
+};
+use crate::admission::InFlight;
 use crate::flow::{FinishOut, FlowEvent, FlowRequest, Head, TokenOut, transport_name};
-use crate::model::{ServedModel, encode_blocking};
+use crate::model::ServedModel;
 
 /// Default `max_tokens` of `/v1/completions` (OpenAI's); chat defaults to the room left.
 const DEFAULT_COMPLETION_MAX_TOKENS: u32 = 16;
@@ -158,7 +160,7 @@ struct Params {
     include_usage: bool,
 }
 
-fn params(f: SamplingFields) -> Result<Params, ApiError> {
+fn params(f: SamplingFields, model: &ServedModel) -> Result<Params, ApiError> {
     validate::single_choice(f.n, "n")?;
     validate::single_choice(f.best_of, "best_of")?;
     if f.min_tokens.is_some_and(|n| n != 0) {
@@ -190,7 +192,7 @@ fn params(f: SamplingFields) -> Result<Params, ApiError> {
             validate::repetition_penalty(f.repetition_penalty)?,
         ),
         stop_strings: validate::stop_strings(f.stop)?,
-        stop_token_ids: f.stop_token_ids.unwrap_or_default(),
+        stop_token_ids: validate::stop_token_ids(f.stop_token_ids, model)?,
         ignore_eos: f.ignore_eos.unwrap_or(false),
         stream,
         include_usage,
@@ -325,14 +327,20 @@ pub async fn completions(
             return Err(validate::unsupported("suffix", "no insertion"));
         }
         let requested = validate::max_tokens(body.max_tokens, "max_tokens")?;
-        let p = params(sampling_fields!(body))?;
-        let prompt = match parse_prompt(body.prompt)? {
-            PromptInput::Ids(ids) => {
-                validate::prompt_ids(&ids, &model, "prompt")?;
-                ids
-            }
+        let p = params(sampling_fields!(body), &model)?;
+        let prompt = parse_prompt(body.prompt)?;
+        if let PromptInput::Ids(ids) = &prompt {
+            validate::prompt_ids(ids, &model, "prompt")?;
+        }
+        // The cheap checks passed: hold a slot before tokenizing, so that overload is
+        // refused before that work, and tokenization is bounded like everything else.
+        let in_flight = admit(&state, deadline_from(&state, arrival)).await?;
+        let prompt = match prompt {
+            PromptInput::Ids(ids) => ids,
             PromptInput::Text(text) => {
-                encode_blocking(Arc::clone(&model), move |m| m.encode_prompt(&text)).await?
+                state
+                    .encode(&model, move |m| m.encode_prompt(&text))
+                    .await?
             }
         };
         let budget = validate::completion_budget(
@@ -343,11 +351,13 @@ pub async fn completions(
             "max_tokens",
         )?;
         let req = flow_request(&model, &request_id, prompt, budget, &p, arrival, &state);
-        Ok((model, req, p))
+        Ok((model, req, p, in_flight))
     }
     .await;
     match prepared {
-        Ok((model, req, p)) => respond(&state, Kind::Completion, &model, req, &p).await,
+        Ok((model, req, p, in_flight)) => {
+            respond(&state, Kind::Completion, &model, req, &p, in_flight).await
+        }
         Err(e) => {
             record_rejection(&e);
             e.into_response()
@@ -377,7 +387,7 @@ pub async fn chat_completions(
             Some(n) => validate::max_tokens(Some(n), "max_completion_tokens")?,
             None => validate::max_tokens(body.max_tokens, "max_tokens")?,
         };
-        let p = params(sampling_fields!(body))?;
+        let p = params(sampling_fields!(body), &model)?;
         let messages = match body.messages {
             None => return Err(ApiError::invalid("messages", "`messages` is required")),
             Some(m) if m.is_empty() => {
@@ -390,16 +400,14 @@ pub async fn chat_completions(
         };
         let mut conversation = Vec::with_capacity(messages.len());
         for (i, msg) in messages.into_iter().enumerate() {
-            if msg.role.is_empty() {
-                return Err(ApiError::invalid(
-                    format!("messages[{i}].role"),
-                    "a message role must not be empty",
-                ));
-            }
+            validate::chat_role(&msg.role, i)?;
             conversation.push(ChatMessage::new(msg.role, message_text(msg.content, i)?));
         }
-        let prompt =
-            encode_blocking(Arc::clone(&model), move |m| m.encode_chat(&conversation)).await?;
+        // As for completions: the template and the tokenizer run only for admitted requests.
+        let in_flight = admit(&state, deadline_from(&state, arrival)).await?;
+        let prompt = state
+            .encode(&model, move |m| m.encode_chat(&conversation))
+            .await?;
         let param = if body.max_completion_tokens.is_some() {
             "max_completion_tokens"
         } else {
@@ -407,11 +415,13 @@ pub async fn chat_completions(
         };
         let budget = validate::completion_budget(prompt.len(), requested, None, &model, param)?;
         let req = flow_request(&model, &request_id, prompt, budget, &p, arrival, &state);
-        Ok((model, req, p))
+        Ok((model, req, p, in_flight))
     }
     .await;
     match prepared {
-        Ok((model, req, p)) => respond(&state, Kind::Chat, &model, req, &p).await,
+        Ok((model, req, p, in_flight)) => {
+            respond(&state, Kind::Chat, &model, req, &p, in_flight).await
+        }
         Err(e) => {
             record_rejection(&e);
             e.into_response()
@@ -419,37 +429,42 @@ pub async fn chat_completions(
     }
 }
 
-/// Launches the request and answers streaming or not.
+/// Starts the admitted request and answers streaming or not.
 async fn respond(
     state: &AppState,
     kind: Kind,
     model: &ServedModel,
     req: FlowRequest,
     p: &Params,
+    in_flight: InFlight,
 ) -> Response {
     let prompt_tokens = u32::try_from(req.prompt.len()).unwrap_or(u32::MAX);
     let id = match kind {
         Kind::Completion => format!("cmpl-{}", req.request_id),
         Kind::Chat => format!("chatcmpl-{}", req.request_id),
     };
-    let started = match launch(state, req).await {
-        Ok(s) => s,
-        Err(e) => return e.into_response_for(ApiFlavor::OpenAi),
-    };
+    let pending = start(state, req, in_flight);
     let formatter = OpenAiFormatter {
         kind,
         id,
         created: unix_now(),
         model: model.name.clone(),
         include_usage: p.include_usage,
-        head: started.head.clone(),
+        head: None,
         prompt_tokens,
         sent_role: false,
     };
     if p.stream {
-        return event_stream(&started.head, started.events, formatter);
+        let keepalive = state.config().sse_keepalive;
+        return stream_response(pending, formatter, keepalive, ApiFlavor::OpenAi).await;
     }
+    let started = match pending.head().await {
+        Ok(s) => s,
+        Err(e) => return e.into_response_for(ApiFlavor::OpenAi),
+    };
     let head = started.head.clone();
+    let mut formatter = formatter;
+    formatter.on_head(&head);
     match collect(started).await {
         Ok(done) => {
             let body = formatter.full_response(&done.text, &done.finish);
@@ -562,7 +577,8 @@ struct OpenAiFormatter {
     created: u64,
     model: String,
     include_usage: bool,
-    head: Head,
+    /// Known once the first token is in (a stream may start before).
+    head: Option<Head>,
     prompt_tokens: u32,
     sent_role: bool,
 }
@@ -570,10 +586,14 @@ struct OpenAiFormatter {
 impl OpenAiFormatter {
     fn tandem(&self, f: &FinishOut) -> TandemUsage {
         TandemUsage {
-            mode: self.head.mode.as_str(),
+            mode: self.head.as_ref().map_or("none", |h| h.mode.as_str()),
             kv_bytes: f.kv_bytes,
             transport: f.transport.map(|t| transport_name(Some(t))),
-            fallback_reason: self.head.fallback.map(|r| r.as_str()),
+            fallback_reason: self
+                .head
+                .as_ref()
+                .and_then(|h| h.fallback)
+                .map(|r| r.as_str()),
         }
     }
 
@@ -711,6 +731,10 @@ pub fn stream_error(e: &ApiError) -> String {
 }
 
 impl StreamFormatter for OpenAiFormatter {
+    fn on_head(&mut self, head: &Head) {
+        self.head = Some(head.clone());
+    }
+
     fn format(&mut self, event: FlowEvent) -> (String, bool) {
         match event {
             FlowEvent::Token(t, None) => (self.chunk(Some(&t), None), false),

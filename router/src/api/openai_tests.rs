@@ -21,7 +21,7 @@ fn formatter(kind: Kind, include_usage: bool, mode: RunMode) -> OpenAiFormatter 
         created: 1_700_000_000,
         model: "m".into(),
         include_usage,
-        head: head(mode),
+        head: Some(head(mode)),
         prompt_tokens: 5,
         sent_role: false,
     }
@@ -71,7 +71,9 @@ fn completion_stream_with_usage_golden() {
 #[test]
 fn completion_stream_without_usage_puts_tandem_on_the_final_chunk() {
     let mut f = formatter(Kind::Completion, false, RunMode::Aggregated);
-    f.head.fallback = Some(FallbackReason::NoPrefillWorker);
+    if let Some(h) = f.head.as_mut() {
+        h.fallback = Some(FallbackReason::NoPrefillWorker);
+    }
     let (a, _) = f.format(FlowEvent::Token(token("x", 0), None));
     assert!(!a.contains("usage") && !a.contains("tandem"), "{a}");
     // The finish arrived on its own (stop string): an empty final chunk carries it.

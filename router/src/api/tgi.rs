@@ -12,7 +12,6 @@
 //! `finish_reason` is `eos_token` when the last token is an EOS id, `stop_sequence` for any
 //! other stop, `length` at `max_new_tokens`.
 
-use std::sync::Arc;
 use std::time::Instant;
 
 use axum::Extension;
@@ -23,11 +22,11 @@ use tandem_proto::v1::{FinishReason, StopParams};
 
 use super::error::{ApiError, ApiFlavor, TgiError};
 use super::extract::ApiJson;
-use super::sse::{StreamFormatter, data_event, event_stream, tandem_headers};
+use super::sse::{StreamFormatter, data_event, stream_response, tandem_headers};
 use super::validate::{self, StopField};
-use super::{AppState, RequestId, collect, deadline_from, launch, record_rejection};
+use super::{AppState, RequestId, admit, collect, deadline_from, record_rejection, start};
+use crate::admission::InFlight;
 use crate::flow::{FinishOut, FlowEvent, FlowRequest, TokenOut};
-use crate::model::encode_blocking;
 
 /// TGI's default `max_new_tokens`.
 const DEFAULT_MAX_NEW_TOKENS: u32 = 100;
@@ -62,9 +61,10 @@ pub struct TgiParameters {
     pub frequency_penalty: Option<f64>,
 }
 
-/// A validated TGI request, ready to launch.
+/// A validated, admitted TGI request, ready to start.
 struct Prepared {
     request: FlowRequest,
+    in_flight: InFlight,
     details: bool,
     seed: Option<u64>,
     ignore_eos: bool,
@@ -164,7 +164,11 @@ async fn prepare(
     );
     let stop_strings = validate::stop_strings(p.stop.map(StopField::Many))?;
     let inputs = body.inputs;
-    let mut prompt = encode_blocking(Arc::clone(&model), move |m| m.encode_prompt(&inputs)).await?;
+    // The cheap checks passed: hold a slot, then tokenize (see `admit`).
+    let in_flight = admit(state, deadline_from(state, arrival)).await?;
+    let mut prompt = state
+        .encode(&model, move |m| m.encode_prompt(&inputs))
+        .await?;
     if let Some(t) = truncate
         && prompt.len() > t
     {
@@ -179,6 +183,7 @@ async fn prepare(
     )?;
     let ignore_eos = p.ignore_eos_token.unwrap_or(false);
     Ok(Prepared {
+        in_flight,
         request: FlowRequest {
             request_id: request_id.to_string(),
             prompt,
@@ -216,7 +221,10 @@ pub async fn generate(
             return TgiError(e).into_response();
         }
     };
-    let started = match launch(&state, prepared.request).await {
+    let started = match start(&state, prepared.request, prepared.in_flight)
+        .head()
+        .await
+    {
         Ok(s) => s,
         Err(e) => return TgiError(e).into_response(),
     };
@@ -266,10 +274,9 @@ pub async fn generate_stream(
         ignore_eos: prepared.ignore_eos,
         eos_token_ids: prepared.eos_token_ids,
     };
-    match launch(&state, prepared.request).await {
-        Ok(started) => event_stream(&started.head, started.events, formatter),
-        Err(e) => e.into_response_for(ApiFlavor::Tgi),
-    }
+    let pending = start(&state, prepared.request, prepared.in_flight);
+    let keepalive = state.config().sse_keepalive;
+    stream_response(pending, formatter, keepalive, ApiFlavor::Tgi).await
 }
 
 fn tgi_finish_reason(

@@ -1,17 +1,22 @@
 //! Validation shared by the OpenAI and TGI routes: numeric ranges, stop lists, prompt token
-//! ids and the context-length check. Each check names the field and the numbers involved,
-//! and none of them needs a worker.
+//! ids, chat roles and the context-length check. Each check names the field and the numbers
+//! involved, and none of them needs a worker. The bounds are `tandem_proto::limits`, the
+//! ones the workers' engines hold: whatever a worker would refuse, the router refuses first,
+//! with a message that names the field (a worker's refusal reaches the client only as "a
+//! worker rejected this request").
 
 use serde::Deserialize;
+use tandem_proto::limits::{
+    MAX_REPETITION_PENALTY, MAX_STOP_STRING_BYTES, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS,
+    MAX_TEMPERATURE,
+};
 use tandem_proto::v1::SamplingParams;
 
 use super::error::ApiError;
 use crate::model::ServedModel;
 
-/// Stop strings at most per request.
-pub const MAX_STOP_STRINGS: usize = 16;
-/// Characters at most per stop string.
-pub const MAX_STOP_STRING_CHARS: usize = 256;
+/// The chat roles a conversation may use.
+pub const CHAT_ROLES: [&str; 5] = ["system", "developer", "user", "assistant", "tool"];
 
 /// `max_tokens` (or its TGI/chat alias `param`): at least 1, at most `u32::MAX`; the
 /// context-length check bounds it further.
@@ -28,13 +33,13 @@ pub fn max_tokens(value: Option<i64>, param: &str) -> Result<Option<u32>, ApiErr
     }
 }
 
-/// `temperature`: finite and >= 0 (0 is greedy).
+/// `temperature`: in [0, MAX_TEMPERATURE] (0 is greedy).
 pub fn temperature(value: Option<f64>, default: f64) -> Result<f32, ApiError> {
     let t = value.unwrap_or(default);
-    if !t.is_finite() || t < 0.0 {
+    if !(t.is_finite() && (0.0..=f64::from(MAX_TEMPERATURE)).contains(&t)) {
         return Err(ApiError::invalid(
             "temperature",
-            format!("`temperature` must be >= 0, got {t}"),
+            format!("`temperature` must be in [0, {MAX_TEMPERATURE}], got {t}"),
         ));
     }
     Ok(t as f32)
@@ -65,13 +70,13 @@ pub fn top_k(value: Option<i64>) -> Result<u32, ApiError> {
     }
 }
 
-/// `repetition_penalty`: > 0, 1 disables.
+/// `repetition_penalty`: in (0, MAX_REPETITION_PENALTY], 1 disables.
 pub fn repetition_penalty(value: Option<f64>) -> Result<f32, ApiError> {
     let r = value.unwrap_or(1.0);
-    if !(r.is_finite() && r > 0.0) {
+    if !(r.is_finite() && r > 0.0 && r <= f64::from(MAX_REPETITION_PENALTY)) {
         return Err(ApiError::invalid(
             "repetition_penalty",
-            format!("`repetition_penalty` must be > 0, got {r}"),
+            format!("`repetition_penalty` must be in (0, {MAX_REPETITION_PENALTY}], got {r}"),
         ));
     }
     Ok(r as f32)
@@ -115,16 +120,62 @@ pub fn stop_strings(value: Option<StopField>) -> Result<Vec<String>, ApiError> {
     if list.iter().any(String::is_empty) {
         return Err(ApiError::invalid("stop", "stop strings must not be empty"));
     }
-    if list
-        .iter()
-        .any(|s| s.chars().count() > MAX_STOP_STRING_CHARS)
-    {
+    // Bytes, not characters: a worker bounds its stop-string scan by UTF-8 bytes.
+    if let Some(long) = list.iter().find(|s| s.len() > MAX_STOP_STRING_BYTES) {
         return Err(ApiError::invalid(
             "stop",
-            format!("stop strings must be at most {MAX_STOP_STRING_CHARS} characters"),
+            format!(
+                "stop strings must be at most {MAX_STOP_STRING_BYTES} bytes of UTF-8, one has {}",
+                long.len()
+            ),
         ));
     }
     Ok(list)
+}
+
+/// `stop_token_ids`: at most MAX_STOP_TOKEN_IDS, each inside the vocabulary.
+pub fn stop_token_ids(ids: Option<Vec<u32>>, model: &ServedModel) -> Result<Vec<u32>, ApiError> {
+    let ids = ids.unwrap_or_default();
+    if ids.len() > MAX_STOP_TOKEN_IDS {
+        return Err(ApiError::invalid(
+            "stop_token_ids",
+            format!(
+                "at most {MAX_STOP_TOKEN_IDS} stop token ids are allowed, got {}",
+                ids.len()
+            ),
+        ));
+    }
+    if model.vocab_size > 0
+        && let Some(bad) = ids.iter().find(|&&id| id >= model.vocab_size)
+    {
+        return Err(ApiError::invalid(
+            "stop_token_ids",
+            format!(
+                "stop token id {bad} is out of range: the vocabulary has {} tokens",
+                model.vocab_size
+            ),
+        ));
+    }
+    Ok(ids)
+}
+
+/// A chat message's `role`: one of [`CHAT_ROLES`].
+pub fn chat_role(role: &str, i: usize) -> Result<(), ApiError> {
+    let param = format!("messages[{i}].role");
+    if role.is_empty() {
+        return Err(ApiError::invalid(param, "a message role must not be empty"));
+    }
+    if !CHAT_ROLES.contains(&role) {
+        return Err(ApiError::invalid(
+            param,
+            format!(
+                "unknown role `{}`: use one of {}",
+                role.chars().take(32).collect::<String>(),
+                CHAT_ROLES.join(", ")
+            ),
+        ));
+    }
+    Ok(())
 }
 
 /// Rejects a feature the router does not implement, naming it, instead of ignoring it.
@@ -239,6 +290,11 @@ mod tests {
         assert_eq!(temperature(Some(0.0), 1.0).unwrap(), 0.0);
         assert!(temperature(Some(-0.1), 1.0).is_err());
         assert!(temperature(Some(f64::NAN), 1.0).is_err());
+        assert_eq!(temperature(Some(100.0), 1.0).unwrap(), 100.0);
+        let e = message(temperature(Some(150.0), 1.0).unwrap_err());
+        assert!(e.contains("temperature") && e.contains("150"), "{e}");
+        assert!(repetition_penalty(Some(10.0)).is_ok());
+        assert!(repetition_penalty(Some(50.0)).is_err());
         assert!(top_p(Some(0.0)).is_err());
         assert!(top_p(Some(1.5)).is_err());
         assert_eq!(top_p(Some(1.0)).unwrap(), 1.0);
@@ -258,6 +314,33 @@ mod tests {
         );
         assert!(stop_strings(Some(StopField::Many(vec![String::new()]))).is_err());
         assert!(stop_strings(Some(StopField::Many(vec!["a".into(); 17]))).is_err());
+        // 128 two-byte characters fit; 129 are 258 bytes, over the worker's 256.
+        assert!(stop_strings(Some(StopField::One("é".repeat(128)))).is_ok());
+        let e = message(stop_strings(Some(StopField::One("é".repeat(129)))).unwrap_err());
+        assert!(e.contains("256 bytes") && e.contains("258"), "{e}");
+    }
+
+    #[test]
+    fn stop_token_ids_and_roles() {
+        let m = model(100);
+        assert_eq!(stop_token_ids(None, &m).unwrap(), Vec::<u32>::new());
+        assert!(stop_token_ids(Some(vec![5]), &m).is_ok());
+        let e = message(stop_token_ids(Some(vec![5, 100_000]), &m).unwrap_err());
+        assert!(e.contains("100000") && e.contains("vocabulary"), "{e}");
+        assert!(stop_token_ids(Some(vec![1; 65]), &m).is_err());
+        assert!(stop_token_ids(Some(vec![1; 64]), &m).is_ok());
+        for role in CHAT_ROLES {
+            assert!(chat_role(role, 0).is_ok());
+        }
+        let e = chat_role("wizard", 3).unwrap_err();
+        match e {
+            ApiError::Invalid { param, message } => {
+                assert_eq!(param.as_deref(), Some("messages[3].role"));
+                assert!(message.contains("wizard"), "{message}");
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(chat_role("", 0).is_err());
     }
 
     #[test]

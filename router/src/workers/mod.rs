@@ -22,10 +22,10 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
+use tandem_auth::{AuthChannel, InternalAuth};
 use tandem_proto::v1::decode_service_client::DecodeServiceClient;
 use tandem_proto::v1::prefill_service_client::PrefillServiceClient;
 use tandem_proto::v1::{LoadReport, Role, Transport, WorkerInfo};
-use tonic::transport::{Channel, Endpoint};
 
 use crate::metrics as m;
 use crate::routing::{DecodeCandidate, PrefillCandidate};
@@ -67,6 +67,8 @@ struct WorkerState {
     refused: Option<String>,
     /// Set when the worker left the pool: it gets no new requests and reports no metrics.
     retired: bool,
+    /// The last authentication problem logged for it (each distinct one is logged once).
+    auth_problem: Option<String>,
 }
 
 impl WorkerState {
@@ -88,7 +90,7 @@ pub struct Worker {
     pub id: usize,
     /// Its gRPC URL, configured or discovered (also its `worker` metric label).
     pub url: String,
-    channel: Channel,
+    channel: AuthChannel,
     state: Mutex<WorkerState>,
     /// Dispatched by this router since the last load report (see `routing::policy`).
     pending_blocks: AtomicU32,
@@ -99,9 +101,10 @@ pub struct Worker {
 }
 
 impl Worker {
-    fn new(role: WorkerRole, id: usize, url: &str) -> Result<Self, String> {
-        let endpoint = Endpoint::from_shared(url.to_string())
-            .map_err(|e| format!("{} worker URL `{url}`: {e}", role.as_str()))?
+    fn new(role: WorkerRole, id: usize, url: &str, auth: &InternalAuth) -> Result<Self, String> {
+        let endpoint = auth
+            .endpoint(url)
+            .map_err(|e| format!("{} worker: {e}", role.as_str()))?
             .connect_timeout(Duration::from_secs(2))
             .tcp_nodelay(true)
             // Notice a silently vanished peer (no RST) on an otherwise idle connection.
@@ -112,7 +115,7 @@ impl Worker {
             role,
             id,
             url: url.to_string(),
-            channel: endpoint.connect_lazy(),
+            channel: auth.channel(endpoint.connect_lazy()),
             state: Mutex::new(WorkerState::default()),
             pending_blocks: AtomicU32::new(0),
             pending_requests: AtomicU32::new(0),
@@ -127,11 +130,11 @@ impl Worker {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    pub fn decode_client(&self) -> DecodeServiceClient<Channel> {
+    pub fn decode_client(&self) -> DecodeServiceClient<AuthChannel> {
         DecodeServiceClient::new(self.channel.clone()).max_decoding_message_size(MAX_MESSAGE_BYTES)
     }
 
-    pub fn prefill_client(&self) -> PrefillServiceClient<Channel> {
+    pub fn prefill_client(&self) -> PrefillServiceClient<AuthChannel> {
         PrefillServiceClient::new(self.channel.clone()).max_decoding_message_size(MAX_MESSAGE_BYTES)
     }
 
@@ -173,10 +176,29 @@ impl Worker {
         self.probe.notify_one();
     }
 
+    /// Asks the poll task to check the worker now (a request saw something wrong with it
+    /// that the worker's own answers did not say).
+    pub fn probe_now(&self) {
+        self.probe.notify_one();
+    }
+
     /// After a broken exchange (events out of order, a stream ended early).
     pub fn report_protocol_error(&self, what: &str) {
         self.mark_unhealthy(what);
         self.probe.notify_one();
+    }
+
+    /// Logs an authentication problem with this worker at error level, once until it changes.
+    pub(crate) fn auth_problem(&self, why: &str) {
+        let mut s = self.state();
+        if s.auth_problem.as_deref() != Some(why) {
+            tracing::error!(worker = %self.url, role = self.role.as_str(), "worker not used: {why}");
+            s.auth_problem = Some(why.to_string());
+        }
+    }
+
+    pub(crate) fn clear_auth_problem(&self) {
+        self.state().auth_problem = None;
     }
 
     /// Marks the worker unhealthy after a failed call; `why` is logged, not shown to clients.
@@ -236,7 +258,7 @@ impl Worker {
             if !s.routable() {
                 return None;
             }
-            s.load.unwrap_or_default()
+            s.load.clone().unwrap_or_default()
         };
         Some(DecodeCandidate {
             id: self.id,
@@ -253,7 +275,7 @@ impl Worker {
             if !s.routable() {
                 return None;
             }
-            s.load.unwrap_or_default()
+            s.load.clone().unwrap_or_default()
         };
         Some(PrefillCandidate {
             id: self.id,
@@ -318,23 +340,6 @@ pub fn status_means_worker_down(status: &tonic::Status) -> bool {
     matches!(status.code(), Unavailable | Unknown | Cancelled)
 }
 
-/// `host:port` of a decode worker's KV TCP listener, or "" when it has none.
-pub fn kv_tcp_addr(decode_url: &str, info: &WorkerInfo) -> String {
-    if info.kv_tcp_port == 0 {
-        return String::new();
-    }
-    let host = if !info.advertise_host.is_empty() {
-        info.advertise_host.clone()
-    } else {
-        decode_url
-            .parse::<axum::http::Uri>()
-            .ok()
-            .and_then(|u| u.host().map(str::to_string))
-            .unwrap_or_default()
-    };
-    format!("{host}:{}", info.kv_tcp_port)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -369,15 +374,5 @@ mod tests {
         let mut old = d.clone();
         old.protocol_version = tandem_proto::PROTOCOL_VERSION + 1;
         assert!(info_refusal(&old, WorkerRole::Decode).is_some());
-    }
-
-    #[test]
-    fn kv_tcp_address() {
-        let mut d = info(Role::Decode, "h");
-        assert_eq!(kv_tcp_addr("http://10.0.0.2:7201", &d), "");
-        d.kv_tcp_port = 7301;
-        assert_eq!(kv_tcp_addr("http://10.0.0.2:7201", &d), "10.0.0.2:7301");
-        d.advertise_host = "decode-0.svc".into();
-        assert_eq!(kv_tcp_addr("http://10.0.0.2:7201", &d), "decode-0.svc:7301");
     }
 }

@@ -11,6 +11,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::time::Duration;
 
+use tandem_auth::InternalAuth;
 use tandem_proto::v1::{InfoRequest, LoadRequest, Transport, WorkerInfo};
 use tokio_util::sync::CancellationToken;
 
@@ -71,6 +72,8 @@ pub struct WorkerPool {
     transport: Transport,
     served_model_name: Option<String>,
     model: OnceLock<Arc<ServedModel>>,
+    /// The credentials every worker call carries, and that workers' info must prove.
+    auth: InternalAuth,
 }
 
 impl WorkerPool {
@@ -81,6 +84,7 @@ impl WorkerPool {
         decode_entries: &[String],
         transport: Transport,
         served_model_name: Option<String>,
+        auth: InternalAuth,
     ) -> Result<Self, String> {
         let mut pool = Self {
             members: RwLock::default(),
@@ -90,6 +94,7 @@ impl WorkerPool {
             transport,
             served_model_name,
             model: OnceLock::new(),
+            auth,
         };
         let roles = [
             (WorkerRole::Decode, decode_entries),
@@ -119,7 +124,7 @@ impl WorkerPool {
             m.sources.insert(WorkerSource::Listed);
             return Ok(());
         }
-        let worker = Arc::new(Worker::new(role, id, url)?);
+        let worker = Arc::new(Worker::new(role, id, url, &self.auth)?);
         members.of(role).push(Member {
             worker,
             sources: BTreeSet::from([WorkerSource::Listed]),
@@ -274,7 +279,7 @@ impl WorkerPool {
                     continue;
                 }
                 let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-                let worker = match Worker::new(role, id, url) {
+                let worker = match Worker::new(role, id, url, &self.auth) {
                     Ok(w) => Arc::new(w),
                     Err(e) => {
                         tracing::error!(
@@ -413,7 +418,14 @@ impl WorkerPool {
         }
         if needs_info {
             let include_tokenizer = worker.role == WorkerRole::Decode && self.model.get().is_none();
-            let request = InfoRequest { include_tokenizer };
+            let challenge = match tandem_auth::challenge() {
+                Ok(c) => c,
+                Err(e) => return worker.mark_unhealthy(&e.to_string()),
+            };
+            let request = InfoRequest {
+                include_tokenizer,
+                challenge: challenge.to_vec(),
+            };
             let answer = match worker.role {
                 WorkerRole::Decode => {
                     let mut c = worker.decode_client();
@@ -425,7 +437,26 @@ impl WorkerPool {
                 }
             };
             match answer {
-                Ok(Ok(info)) => self.accept_info(worker, info.into_inner()),
+                Ok(Ok(info)) => {
+                    let info = info.into_inner();
+                    if self.auth.verify_worker_info(&challenge, &info).is_err() {
+                        worker.auth_problem(
+                            "it did not prove that it holds the deployment's internal secret \
+                             (its GetInfo proof does not match): it gets no requests",
+                        );
+                        return worker.mark_unhealthy("its identity proof does not match");
+                    }
+                    worker.clear_auth_problem();
+                    self.accept_info(worker, info);
+                }
+                Ok(Err(status)) if status.code() == tonic::Code::Unauthenticated => {
+                    worker.auth_problem(&format!(
+                        "it refused the router's credentials ({}); give the router the \
+                         deployment's internal secret (TANDEM_INTERNAL_SECRET)",
+                        status.message()
+                    ));
+                    return worker.mark_unhealthy("it refused the router's credentials");
+                }
                 Ok(Err(status)) => {
                     tracing::debug!(worker = %worker.url, %status, "GetInfo failed");
                     return worker.mark_unhealthy("GetInfo failed");
@@ -450,7 +481,21 @@ impl WorkerPool {
             }
         };
         match answer {
-            Ok(Ok(load)) => worker.set_load(load.into_inner()),
+            Ok(Ok(load)) => {
+                let load = load.into_inner();
+                // Restarted at the same address since we read its info: that info (its
+                // shared pool, its ports) is stale. Read it again before routing to it.
+                let restarted = worker.info().is_some_and(|i| {
+                    !load.instance_id.is_empty() && i.instance_id != load.instance_id
+                });
+                if restarted {
+                    tracing::info!(worker = %worker.url, role = worker.role.as_str(), "worker restarted; reading its info again");
+                    worker.state().info = None;
+                    worker.probe.notify_one();
+                    return;
+                }
+                worker.set_load(load);
+            }
             Ok(Err(status)) => {
                 tracing::debug!(worker = %worker.url, %status, "GetLoad failed");
                 worker.mark_unhealthy("GetLoad failed");
@@ -479,7 +524,14 @@ mod tests {
     #[tokio::test]
     async fn a_worker_that_leaves_has_no_series_any_more() {
         let pool = Arc::new(
-            WorkerPool::new(&[], &["dns://d.test:7201".into()], Transport::Tcp, None).unwrap(),
+            WorkerPool::new(
+                &[],
+                &["dns://d.test:7201".into()],
+                Transport::Tcp,
+                None,
+                InternalAuth::none(),
+            )
+            .unwrap(),
         );
         let url = "http://10.9.5.1:7201";
         pool.set_source_urls(
@@ -496,7 +548,7 @@ mod tests {
             free_blocks: 60,
             ..Default::default()
         };
-        worker.set_load(load);
+        worker.set_load(load.clone());
         assert_eq!(series(&pool, m::WORKER_KV_BLOCKS_TOTAL, url), Some(64.0));
         assert_eq!(series(&pool, m::WORKER_KV_BLOCKS_IN_USE, url), Some(4.0));
         assert_eq!(

@@ -83,11 +83,11 @@ pub struct DecodeState {
     pub leases: Mutex<Vec<Lease>>,
     pub commits: Mutex<Vec<KvCommit>>,
     /// Lease ids the router renewed while its prefill was pending.
-    pub renewals: Mutex<Vec<u64>>,
+    pub renewals: Mutex<Vec<Vec<u8>>>,
     /// When a Generate stream was closed by the router before it finished.
     pub closed_early: Mutex<Vec<Instant>>,
     pub info_calls: AtomicU64,
-    waiting: Mutex<HashMap<u64, oneshot::Sender<KvCommit>>>,
+    waiting: Mutex<HashMap<Vec<u8>, oneshot::Sender<KvCommit>>>,
     next_lease: AtomicU64,
 }
 
@@ -132,6 +132,7 @@ impl FakeDecode {
             advertise_host: String::new(),
             total_blocks: 64,
             protocol_version: tandem_proto::PROTOCOL_VERSION,
+            instance_id: format!("{name:16}").into_bytes(),
             ..WorkerInfo::default()
         };
         FakeDecode(Arc::new(DecodeState {
@@ -186,7 +187,7 @@ impl DecodeService for FakeDecode {
     }
 
     async fn get_load(&self, _: Request<LoadRequest>) -> Result<Response<LoadReport>, Status> {
-        Ok(Response::new(*lock(&self.0.load)))
+        Ok(Response::new(lock(&self.0.load).clone()))
     }
 
     async fn generate(
@@ -221,7 +222,7 @@ impl DecodeService for FakeDecode {
     async fn commit_kv(&self, req: Request<KvCommit>) -> Result<Response<KvAck>, Status> {
         let commit = req.into_inner();
         lock(&self.0.commits).push(commit.clone());
-        let waiter = lock(&self.0.waiting).remove(&commit.lease_id);
+        let waiter = lock(&self.0.waiting).remove(&commit.lease);
         match waiter {
             Some(tx) => {
                 let bytes = commit.bytes;
@@ -238,8 +239,8 @@ impl DecodeService for FakeDecode {
         &self,
         req: Request<RenewLeaseRequest>,
     ) -> Result<Response<RenewLeaseResponse>, Status> {
-        let id = req.into_inner().lease_id;
-        lock(&self.0.renewals).push(id);
+        let id = req.into_inner().lease;
+        lock(&self.0.renewals).push(id.clone());
         let open = lock(&self.0.waiting).contains_key(&id);
         Ok(Response::new(RenewLeaseResponse { open }))
     }
@@ -263,14 +264,16 @@ async fn run_generate(
     let disaggregated = req.mode == Mode::Disaggregated as i32;
     let mut kv_bytes = 0;
     if disaggregated {
-        let lease_id = state.next_lease.fetch_add(1, Ordering::SeqCst);
+        let token = u128::from(state.next_lease.fetch_add(1, Ordering::SeqCst))
+            .to_le_bytes()
+            .to_vec();
         let blocks = req.prompt.len().div_ceil(16) as u32;
         let lease = Lease {
-            lease_id,
+            token: token.clone(),
             block_ids: (10..10 + blocks).collect(),
         };
         let (commit_tx, commit_rx) = oneshot::channel();
-        lock(&state.waiting).insert(lease_id, commit_tx);
+        lock(&state.waiting).insert(token.clone(), commit_tx);
         lock(&state.leases).push(lease.clone());
         if tx.send(event(Event::Lease(lease))).await.is_err() {
             return;
@@ -279,7 +282,7 @@ async fn run_generate(
         match tokio::time::timeout(ttl, commit_rx).await {
             Ok(Ok(commit)) => kv_bytes = commit.bytes,
             _ => {
-                lock(&state.waiting).remove(&lease_id);
+                lock(&state.waiting).remove(&token);
                 let _ = tx
                     .send(Err(Status::deadline_exceeded("lease expired")))
                     .await;
@@ -437,7 +440,7 @@ impl PrefillService for FakePrefill {
         let first_token = 3 + u32::from(b'H');
         decode
             .commit_kv(KvCommit {
-                lease_id: dest.lease_id,
+                lease: dest.lease.clone(),
                 kv_layout_hash: dest.kv_layout_hash.clone(),
                 request_id: req.request_id.clone(),
                 first_token,
