@@ -4,14 +4,13 @@
 //! what runs but is risky.
 
 use std::collections::{BTreeMap, HashSet};
-use std::io::Read;
 use std::net::IpAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use serde::Deserialize;
 
-use crate::security::{self, INTERNAL_ENV, SECRET_MIN_BYTES};
+use crate::security::{self, INTERNAL_ENV};
 use crate::supervise::RestartPolicy;
 
 /// Why a deployment file is refused.
@@ -465,45 +464,15 @@ impl DeployConfig {
     /// sets the internal variables behind its back (they would bypass the section and be
     /// printed by `tandem plan`).
     fn validate_security(&self) -> Result<(), ConfigError> {
-        let bad = |m: String| Err(ConfigError::Invalid(m));
         let sec = &self.security;
-        let tls = security::check(sec).map_err(|e| ConfigError::Invalid(e.to_string()))?;
-        if let Some(path) = &sec.secret_file {
-            // The length only: the content is never shown. Bounded, in case the path names
-            // something endless.
-            let read = std::fs::File::open(path).and_then(|f| {
-                let mut bytes = Vec::new();
-                f.take(64 * 1024).read_to_end(&mut bytes)?;
-                Ok(bytes)
-            });
-            match read {
-                Ok(bytes) if bytes.trim_ascii().len() >= SECRET_MIN_BYTES => {}
-                Ok(bytes) => {
-                    return bad(format!(
-                        "security.secret_file {}: {} bytes; the internal secret needs at least {SECRET_MIN_BYTES} (e.g. `openssl rand -hex 32 > FILE`)",
-                        path.display(),
-                        bytes.trim_ascii().len()
-                    ));
-                }
-                Err(e) => return bad(format!("security.secret_file {}: {e}", path.display())),
-            }
-        }
-        if let Some(tls) = tls {
-            for (key, path) in [
-                ("tls_ca", &tls.ca),
-                ("tls_cert", &tls.cert),
-                ("tls_key", &tls.key),
-            ] {
-                if !path.is_file() {
-                    return bad(format!("security.{key} {}: no such file", path.display()));
-                }
-            }
-        }
+        let invalid = |e: security::SecurityError| ConfigError::Invalid(e.to_string());
+        security::check(sec).map_err(invalid)?;
+        security::check_files(sec).map_err(invalid)?;
         for (what, _, env) in self.processes() {
             if let Some(var) = INTERNAL_ENV.iter().find(|v| env.contains_key(**v)) {
-                return bad(format!(
+                return Err(ConfigError::Invalid(format!(
                     "{what}.env sets {var}: use the [security] section instead"
-                ));
+                )));
             }
         }
         Ok(())
@@ -521,16 +490,7 @@ impl DeployConfig {
                 ));
             }
         }
-        for (key, path) in [("secret_file", &sec.secret_file), ("tls_key", &sec.tls_key)] {
-            if let Some(path) = path
-                && readable_by_others(path)
-            {
-                out.push(format!(
-                    "security.{key} {} can be read by other users: chmod 600 it",
-                    path.display()
-                ));
-            }
-        }
+        out.extend(security::file_warnings(sec));
         out
     }
 
@@ -584,11 +544,6 @@ fn is_loopback(host: &str) -> bool {
             .trim_matches(['[', ']'])
             .parse::<IpAddr>()
             .is_ok_and(|ip| ip.is_loopback())
-}
-
-fn readable_by_others(path: &Path) -> bool {
-    use std::os::unix::fs::PermissionsExt;
-    std::fs::metadata(path).is_ok_and(|m| m.permissions().mode() & 0o077 != 0)
 }
 
 #[cfg(test)]
@@ -699,52 +654,22 @@ mod tests {
         Ok(cfg)
     }
 
+    /// The section's own checks are `security`'s tests; these check they are wired in.
     #[test]
-    fn security_section_files_and_contradictions() {
-        use std::os::unix::fs::PermissionsExt;
-        let dir = tempfile::tempdir().unwrap();
-        let file = |name: &str, content: &str, mode: u32| {
-            let p = dir.path().join(name);
-            std::fs::write(&p, content).unwrap();
-            std::fs::set_permissions(&p, std::fs::Permissions::from_mode(mode)).unwrap();
-            p.display().to_string()
-        };
-        let secret = file("secret", &format!("{}\n", "ab".repeat(32)), 0o600);
-        let short = file("short", "0123456789abcdef0123456789abcde\n", 0o600);
-        let (ca, cert, key) = (
-            file("ca.pem", "x", 0o644),
-            file("cert.pem", "x", 0o644),
-            file("key.pem", "x", 0o600),
-        );
-        let missing = dir.path().join("nope").display().to_string();
-
-        let ok = secured(&format!(
-            "secret_file = \"{secret}\"\ntls_ca = \"{ca}\"\ntls_cert = \"{cert}\"\ntls_key = \"{key}\""
-        ))
-        .unwrap();
-        assert!(ok.warnings().is_empty(), "{:?}", ok.warnings());
-
+    fn security_section_is_validated() {
         for (section, why) in [
             (
-                format!("secret_file = \"{missing}\""),
+                "secret_file = \"/nonexistent/secret\"",
                 "security.secret_file",
             ),
-            (format!("secret_file = \"{short}\""), "31 bytes"),
+            ("tls_ca = \"a\"\ntls_cert = \"b\"", "missing: tls_key"),
             (
-                format!("tls_ca = \"{ca}\"\ntls_cert = \"{cert}\""),
-                "missing: tls_key",
-            ),
-            (
-                format!("tls_ca = \"{ca}\"\ntls_cert = \"{cert}\"\ntls_key = \"{missing}\""),
-                "security.tls_key",
-            ),
-            (
-                format!("insecure = true\nsecret_file = \"{secret}\""),
+                "insecure = true\nsecret_file = \"s\"",
                 "contradicts secret_file",
             ),
-            ("secret = \"inline\"".into(), "unknown field"),
+            ("secret = \"inline\"", "unknown field"),
         ] {
-            let err = secured(&section).unwrap_err();
+            let err = secured(section).unwrap_err();
             assert!(err.contains(why), "{section:?} gave {err}");
         }
         let err = DeployConfig::from_toml(
@@ -757,15 +682,6 @@ mod tests {
         assert!(
             err.contains("decode[0].env sets TANDEM_INTERNAL_SECRET"),
             "{err}"
-        );
-        assert!(!err.contains("\"x\""));
-
-        let open = file("open", &"cd".repeat(32), 0o644);
-        let warned = secured(&format!("secret_file = \"{open}\"")).unwrap();
-        assert!(
-            warned.warnings().iter().any(|w| w.contains("chmod 600")),
-            "{:?}",
-            warned.warnings()
         );
     }
 

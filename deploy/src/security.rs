@@ -6,10 +6,16 @@
 //! `[security] secret_file` names a file instead (several machines must then share it), and
 //! `[security] insecure = true` passes none. The secret's value is held in [`Secret`], whose
 //! `Debug` redacts it, and is only ever written into a child's environment.
+//!
+//! The section's checks live here too ([`check`], [`check_files`], [`file_warnings`]), for
+//! `tandem check` and `tandem up`: they read a secret file's length, never show its content.
 
 use std::collections::BTreeMap;
 use std::fmt;
-use std::path::PathBuf;
+use std::fs::File;
+use std::io::Read;
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
 
 use rand::TryRngCore;
 use rand::rngs::OsRng;
@@ -52,6 +58,19 @@ pub enum SecurityError {
     PartialTls(String),
     #[error("[security] insecure = true contradicts {0}: remove one")]
     InsecureWith(&'static str),
+    #[error("security.secret_file {}: {source}", .path.display())]
+    SecretFile {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error(
+        "security.secret_file {}: {len} bytes; the internal secret needs at least {SECRET_MIN_BYTES} (e.g. `openssl rand -hex 32 > FILE`)",
+        .path.display()
+    )]
+    ShortSecret { path: PathBuf, len: usize },
+    #[error("security.{key} {}: no such file", .path.display())]
+    MissingTlsFile { key: &'static str, path: PathBuf },
 }
 
 /// A secret value. `Debug` never shows it; [`Secret::expose`] is the one way to read it.
@@ -187,6 +206,66 @@ pub fn check(section: &SecuritySection) -> Result<Option<TlsFiles>, SecurityErro
     Ok(tls)
 }
 
+/// Checks the files `section` names, on this machine: the secret file holds at least
+/// [`SECRET_MIN_BYTES`] (its content is never shown), the TLS files exist.
+pub fn check_files(section: &SecuritySection) -> Result<(), SecurityError> {
+    if let Some(path) = &section.secret_file {
+        // Bounded, in case the path names something endless.
+        let read = File::open(path).and_then(|f| {
+            let mut bytes = Vec::new();
+            f.take(64 * 1024).read_to_end(&mut bytes)?;
+            Ok(bytes)
+        });
+        let len = read
+            .map_err(|source| SecurityError::SecretFile {
+                path: path.clone(),
+                source,
+            })?
+            .trim_ascii()
+            .len();
+        if len < SECRET_MIN_BYTES {
+            return Err(SecurityError::ShortSecret {
+                path: path.clone(),
+                len,
+            });
+        }
+    }
+    if let Some(tls) = tls_files(section)? {
+        for (key, path) in [
+            ("tls_ca", tls.ca),
+            ("tls_cert", tls.cert),
+            ("tls_key", tls.key),
+        ] {
+            if !path.is_file() {
+                return Err(SecurityError::MissingTlsFile { key, path });
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Secret and key files of `section` that other users can read.
+pub fn file_warnings(section: &SecuritySection) -> Vec<String> {
+    [
+        ("secret_file", &section.secret_file),
+        ("tls_key", &section.tls_key),
+    ]
+    .into_iter()
+    .filter_map(|(key, path)| Some((key, path.as_ref()?)))
+    .filter(|(_, path)| readable_by_others(path))
+    .map(|(key, path)| {
+        format!(
+            "security.{key} {} can be read by other users: chmod 600 it",
+            path.display()
+        )
+    })
+    .collect()
+}
+
+fn readable_by_others(path: &Path) -> bool {
+    std::fs::metadata(path).is_ok_and(|m| m.permissions().mode() & 0o077 != 0)
+}
+
 /// The TLS trio of `section`: all three, none, or an error naming the missing ones.
 pub fn tls_files(section: &SecuritySection) -> Result<Option<TlsFiles>, SecurityError> {
     match (&section.tls_ca, &section.tls_cert, &section.tls_key) {
@@ -269,5 +348,57 @@ mod tests {
                 "{contradiction}"
             );
         }
+    }
+
+    #[test]
+    fn files_are_checked_without_showing_the_secret() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = |name: &str, content: &str, mode: u32| {
+            let p = dir.path().join(name);
+            std::fs::write(&p, content).unwrap();
+            std::fs::set_permissions(&p, std::fs::Permissions::from_mode(mode)).unwrap();
+            p.display().to_string()
+        };
+        let secret = file("secret", &format!("{}\n", "ab".repeat(32)), 0o600);
+        let short = file("short", "0123456789abcdef0123456789abcde\n", 0o600);
+        let (ca, cert, key) = (
+            file("ca.pem", "x", 0o644),
+            file("cert.pem", "x", 0o644),
+            file("key.pem", "x", 0o600),
+        );
+        let missing = dir.path().join("nope").display().to_string();
+
+        let ok = section(&format!(
+            "secret_file = \"{secret}\"\ntls_ca = \"{ca}\"\ntls_cert = \"{cert}\"\ntls_key = \"{key}\""
+        ));
+        check_files(&ok).unwrap();
+        assert!(file_warnings(&ok).is_empty(), "{:?}", file_warnings(&ok));
+
+        for (toml, why) in [
+            (
+                format!("secret_file = \"{missing}\""),
+                "security.secret_file",
+            ),
+            (format!("secret_file = \"{short}\""), "31 bytes"),
+            (
+                format!("tls_ca = \"{ca}\"\ntls_cert = \"{cert}\"\ntls_key = \"{missing}\""),
+                "security.tls_key",
+            ),
+        ] {
+            let err = check_files(&section(&toml)).unwrap_err().to_string();
+            assert!(err.contains(why), "{toml:?} gave {err}");
+            assert!(!err.contains("0123456789"), "the secret is shown: {err}");
+        }
+
+        let open = section(&format!(
+            "secret_file = \"{}\"",
+            file("open", &"cd".repeat(32), 0o644)
+        ));
+        check_files(&open).unwrap();
+        let warnings = file_warnings(&open);
+        assert!(
+            warnings.len() == 1 && warnings[0].contains("chmod 600"),
+            "{warnings:?}"
+        );
     }
 }
