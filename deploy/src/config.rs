@@ -1,11 +1,17 @@
 //! The deployment file: a TOML description of one router and its workers, with validation
 //! that catches what would otherwise fail minutes into a start (bad ports, CPUs or GPU shares
-//! that do not exist, an unknown transport).
+//! that do not exist, an unknown transport, a missing secret or TLS file), and warnings for
+//! what runs but is risky.
 
 use std::collections::{BTreeMap, HashSet};
+use std::net::IpAddr;
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 use serde::Deserialize;
+
+use crate::security::{self, INTERNAL_ENV};
+use crate::supervise::RestartPolicy;
 
 /// Why a deployment file is refused.
 #[derive(Debug, thiserror::Error)]
@@ -161,6 +167,73 @@ pub struct GpuSection {
     pub mps: bool,
 }
 
+/// How `tandem up` restarts a process that exits while the deployment runs.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct SuperviseSection {
+    /// Restarts allowed per process within a minute; past it the launcher stops everything
+    /// and fails. 0: never restart.
+    #[serde(default = "default_max_restarts")]
+    pub max_restarts_per_minute: u32,
+    /// Delay before the first restart; it doubles with each restart in a row.
+    #[serde(default = "default_backoff_initial_ms")]
+    pub backoff_initial_ms: u64,
+    /// The longest delay between restarts.
+    #[serde(default = "default_backoff_max_ms")]
+    pub backoff_max_ms: u64,
+}
+
+fn default_max_restarts() -> u32 {
+    5
+}
+
+fn default_backoff_initial_ms() -> u64 {
+    500
+}
+
+fn default_backoff_max_ms() -> u64 {
+    10_000
+}
+
+impl Default for SuperviseSection {
+    fn default() -> Self {
+        Self {
+            max_restarts_per_minute: default_max_restarts(),
+            backoff_initial_ms: default_backoff_initial_ms(),
+            backoff_max_ms: default_backoff_max_ms(),
+        }
+    }
+}
+
+impl SuperviseSection {
+    /// The restart policy these settings describe.
+    pub fn policy(&self) -> RestartPolicy {
+        RestartPolicy {
+            max_per_minute: self.max_restarts_per_minute,
+            backoff_initial: Duration::from_millis(self.backoff_initial_ms),
+            backoff_max: Duration::from_millis(self.backoff_max_ms),
+            ..RestartPolicy::default()
+        }
+    }
+}
+
+/// How the deployment's processes authenticate each other (see [`crate::security`]).
+#[derive(Debug, Clone, Deserialize, PartialEq, Default)]
+#[serde(deny_unknown_fields)]
+pub struct SecuritySection {
+    /// A file holding the internal secret (at least 32 bytes), passed to every process as
+    /// `TANDEM_INTERNAL_SECRET_FILE` instead of a secret generated per deployment: for
+    /// deployments spread over several machines, which must share one secret.
+    pub secret_file: Option<PathBuf>,
+    /// Internal mTLS: CA, certificate and key (PEM), all three or none.
+    pub tls_ca: Option<PathBuf>,
+    pub tls_cert: Option<PathBuf>,
+    pub tls_key: Option<PathBuf>,
+    /// Pass no secret at all (the workers then accept loopback binds only).
+    #[serde(default)]
+    pub insecure: bool,
+}
+
 /// A whole deployment.
 #[derive(Debug, Clone, Deserialize, PartialEq, Default)]
 #[serde(deny_unknown_fields)]
@@ -184,6 +257,10 @@ pub struct DeployConfig {
     /// downloads the default model).
     #[serde(default = "default_startup_timeout")]
     pub startup_timeout_s: u64,
+    #[serde(default)]
+    pub supervise: SuperviseSection,
+    #[serde(default)]
+    pub security: SecuritySection,
 }
 
 fn default_startup_timeout() -> u64 {
@@ -332,6 +409,8 @@ impl DeployConfig {
                 "router: CPU {c} does not exist (this machine has {cores})"
             ));
         }
+        self.validate_supervise()?;
+        self.validate_security()?;
         if let Some(gpu) = &self.gpu {
             // Green contexts on one GPU must fit in its SMs together.
             for g in 0..gpu.count {
@@ -351,6 +430,68 @@ impl DeployConfig {
             }
         }
         Ok(())
+    }
+
+    /// Every process's label (`router`, `prefill[0]`, …), host and extra environment.
+    fn processes(&self) -> impl Iterator<Item = (String, &str, &BTreeMap<String, String>)> {
+        let router = std::iter::once((
+            "router".to_string(),
+            self.router.host.as_str(),
+            &self.router.env,
+        ));
+        let workers = [("prefill", &self.prefill), ("decode", &self.decode)]
+            .into_iter()
+            .flat_map(|(role, ws)| {
+                ws.iter()
+                    .enumerate()
+                    .map(move |(i, w)| (format!("{role}[{i}]"), w.host.as_str(), &w.env))
+            });
+        router.chain(workers)
+    }
+
+    fn validate_supervise(&self) -> Result<(), ConfigError> {
+        let s = &self.supervise;
+        if s.backoff_initial_ms > s.backoff_max_ms {
+            return Err(ConfigError::Invalid(format!(
+                "supervise.backoff_initial_ms ({}) exceeds supervise.backoff_max_ms ({})",
+                s.backoff_initial_ms, s.backoff_max_ms
+            )));
+        }
+        Ok(())
+    }
+
+    /// The `[security]` section is consistent and its files exist here; no process's `env`
+    /// sets the internal variables behind its back (they would bypass the section and be
+    /// printed by `tandem plan`).
+    fn validate_security(&self) -> Result<(), ConfigError> {
+        let sec = &self.security;
+        let invalid = |e: security::SecurityError| ConfigError::Invalid(e.to_string());
+        security::check(sec).map_err(invalid)?;
+        security::check_files(sec).map_err(invalid)?;
+        for (what, _, env) in self.processes() {
+            if let Some(var) = INTERNAL_ENV.iter().find(|v| env.contains_key(**v)) {
+                return Err(ConfigError::Invalid(format!(
+                    "{what}.env sets {var}: use the [security] section instead"
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// What runs but deserves a second look: an insecure deployment listening beyond
+    /// loopback, secret or key files others can read. Call after [`Self::validate`].
+    pub fn warnings(&self) -> Vec<String> {
+        let mut out = Vec::new();
+        let sec = &self.security;
+        if sec.insecure {
+            for (what, host, _) in self.processes().filter(|(_, h, _)| !is_loopback(h)) {
+                out.push(format!(
+                    "security.insecure = true but {what} listens on {host}: internal requests go unauthenticated beyond this machine (and the workers refuse a non-loopback bind without their own insecure flag)"
+                ));
+            }
+        }
+        out.extend(security::file_warnings(sec));
+        out
     }
 
     fn validate_gpu(&self, what: &str, w: &WorkerSpec) -> Result<(), ConfigError> {
@@ -394,6 +535,15 @@ impl DeployConfig {
         }
         Ok(())
     }
+}
+
+/// Whether `host` (an address or `localhost`) is a loopback address.
+fn is_loopback(host: &str) -> bool {
+    host == "localhost"
+        || host
+            .trim_matches(['[', ']'])
+            .parse::<IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback())
 }
 
 #[cfg(test)]
@@ -468,5 +618,88 @@ mod tests {
             DeployConfig::from_toml("[[decode]]\nport = 1\nunknown = 3\n").is_err(),
             "unknown keys are errors"
         );
+    }
+
+    #[test]
+    fn supervise_section() {
+        let cfg = DeployConfig::from_toml("[[decode]]\nport = 7201\n").unwrap();
+        assert_eq!(cfg.supervise, SuperviseSection::default());
+        assert_eq!(cfg.supervise.policy(), RestartPolicy::default());
+        let cfg = DeployConfig::from_toml(
+            "[supervise]\nmax_restarts_per_minute = 1\nbackoff_initial_ms = 50\nbackoff_max_ms = 200\n[[decode]]\nport = 7201\n",
+        )
+        .unwrap();
+        cfg.validate(2).unwrap();
+        let p = cfg.supervise.policy();
+        assert_eq!(
+            (p.max_per_minute, p.backoff_initial, p.backoff_max),
+            (1, Duration::from_millis(50), Duration::from_millis(200))
+        );
+        let err = DeployConfig::from_toml(
+            "[supervise]\nbackoff_initial_ms = 500\nbackoff_max_ms = 100\n[[decode]]\nport = 7201\n",
+        )
+        .unwrap()
+        .validate(2)
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("exceeds supervise.backoff_max_ms"), "{err}");
+        assert!(DeployConfig::from_toml("[supervise]\nmax_restarts = 3\n").is_err());
+    }
+
+    fn secured(section: &str) -> Result<DeployConfig, String> {
+        let cfg =
+            DeployConfig::from_toml(&format!("[security]\n{section}\n[[decode]]\nport = 7201\n"))
+                .map_err(|e| e.to_string())?;
+        cfg.validate(2).map_err(|e| e.to_string())?;
+        Ok(cfg)
+    }
+
+    /// The section's own checks are `security`'s tests; these check they are wired in.
+    #[test]
+    fn security_section_is_validated() {
+        for (section, why) in [
+            (
+                "secret_file = \"/nonexistent/secret\"",
+                "security.secret_file",
+            ),
+            ("tls_ca = \"a\"\ntls_cert = \"b\"", "missing: tls_key"),
+            (
+                "insecure = true\nsecret_file = \"s\"",
+                "contradicts secret_file",
+            ),
+            ("secret = \"inline\"", "unknown field"),
+        ] {
+            let err = secured(section).unwrap_err();
+            assert!(err.contains(why), "{section:?} gave {err}");
+        }
+        let err = DeployConfig::from_toml(
+            "[[decode]]\nport = 7201\n[decode.env]\nTANDEM_INTERNAL_SECRET = \"x\"\n",
+        )
+        .unwrap()
+        .validate(2)
+        .unwrap_err()
+        .to_string();
+        assert!(
+            err.contains("decode[0].env sets TANDEM_INTERNAL_SECRET"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn insecure_beyond_loopback_is_a_warning() {
+        let local = secured("insecure = true").unwrap();
+        assert!(local.warnings().is_empty(), "{:?}", local.warnings());
+        let cfg = DeployConfig::from_toml(
+            "[security]\ninsecure = true\n[router]\nhost = \"::1\"\n[[prefill]]\nport = 7101\nhost = \"localhost\"\n[[decode]]\nport = 7201\nhost = \"0.0.0.0\"\n",
+        )
+        .unwrap();
+        cfg.validate(2).unwrap();
+        let warnings = cfg.warnings();
+        assert_eq!(warnings.len(), 1, "{warnings:?}");
+        assert!(
+            warnings[0].contains("decode[0] listens on 0.0.0.0"),
+            "{warnings:?}"
+        );
+        assert!(is_loopback("127.0.0.2") && is_loopback("[::1]") && !is_loopback("10.0.0.1"));
     }
 }

@@ -1,12 +1,19 @@
-//! Starting, watching and stopping the processes of a [`Plan`].
+//! Starting, supervising and stopping the processes of a [`Plan`].
 //!
 //! Each child gets its flags, environment and CPU set (`sched_setaffinity` before exec); its
 //! output lines are prefixed with its name on our stderr, or written to `<log_dir>/<name>.log`.
-//! The launcher waits for the router's `/health` to answer 200, then supervises: Ctrl-C or
-//! SIGTERM stops everything in order (router first, so no new work reaches the workers); a
-//! child that exits on its own is reported and the rest are stopped, and the launcher fails.
+//! The launcher waits for the router's `/health` to answer 200 (a child that exits before then
+//! fails the start), then supervises: a child that exits on its own is started again with the
+//! same command after a backoff, within a cap on restarts per minute ([`crate::supervise`]);
+//! past the cap everything is stopped and the launcher fails. Ctrl-C or SIGTERM stops
+//! everything in order (router first, so no new work reaches the workers), and no restart
+//! waiting out its backoff happens after that.
+//!
+//! Children run in a process group of their own, so a Ctrl-C at the terminal reaches the
+//! launcher alone and the stop keeps its order (and is not mistaken for crashes to restart);
+//! their parent-death signal is SIGTERM, so a launcher killed outright does not leave workers
+//! holding their ports.
 
-use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::{Duration, Instant};
@@ -17,6 +24,8 @@ use tokio::process::Command;
 use tokio::sync::mpsc;
 
 use crate::plan::{Plan, ProcessSpec, Role};
+use crate::security::INTERNAL_ENV;
+use crate::supervise::{RestartPolicy, RestartTracker, Verdict};
 
 /// Why a deployment did not come up or did not stay up.
 #[derive(Debug, thiserror::Error)]
@@ -35,8 +44,14 @@ pub enum LaunchError {
     StartupExit { name: String, status: String },
     #[error("the deployment was not healthy after {0:?}")]
     StartupTimeout(Duration),
-    #[error("{name} exited unexpectedly ({status}); stopped the others")]
-    ChildExited { name: String, status: String },
+    #[error(
+        "{name} kept exiting (last: {status}) after {restarts} restarts within a minute, the limit set by [supervise] max_restarts_per_minute; stopped the others"
+    )]
+    RestartLimit {
+        name: String,
+        status: String,
+        restarts: u32,
+    },
     #[error("log file {path}: {source}")]
     Log {
         path: PathBuf,
@@ -53,73 +68,159 @@ pub struct LaunchOptions {
     pub startup_timeout: Duration,
     /// How long each process may take to stop after SIGTERM before it is killed.
     pub stop_timeout: Duration,
+    /// When a process that exits while the deployment runs is started again.
+    pub restart: RestartPolicy,
 }
 
-struct Running {
-    name: String,
-    role: Role,
-    pid: u32,
+/// How long to wait for a SIGKILLed process to be reaped before giving up on it.
+const KILL_WAIT: Duration = Duration::from_secs(5);
+
+/// A child's exit: its index in the plan and how it ended.
+type Exit = (usize, String);
+
+/// One process of the plan and its current incarnation.
+struct Supervised<'a> {
+    spec: &'a ProcessSpec,
+    /// The running incarnation's pid; `None` while none runs (so no stale pid is signalled).
+    pid: Option<u32>,
+    restarts: RestartTracker,
+    /// When a restart waiting out its backoff is due.
+    restart_at: Option<Instant>,
 }
 
-/// Runs `plan` until `shutdown` resolves (clean stop, `Ok`) or a process dies (`Err`).
-/// `on_ready` runs once the router is healthy.
+/// Runs `plan` until `shutdown` resolves (clean stop, `Ok`), or a process fails the start or
+/// exceeds its restarts (`Err`). `on_ready` runs once the router is healthy.
 pub async fn run(
     plan: &Plan,
     opts: &LaunchOptions,
     shutdown: impl Future<Output = ()>,
     on_ready: impl FnOnce(),
 ) -> Result<(), LaunchError> {
-    let (exit_tx, mut exits) = mpsc::unbounded_channel::<(String, String)>();
-    let mut running = Vec::new();
-    for spec in &plan.processes {
-        match spawn(spec, opts, exit_tx.clone()).await {
-            Ok(r) => running.push(r),
+    let (exit_tx, mut exits) = mpsc::unbounded_channel::<Exit>();
+    let now = Instant::now();
+    let mut procs: Vec<Supervised> = plan
+        .processes
+        .iter()
+        .map(|spec| Supervised {
+            spec,
+            pid: None,
+            restarts: RestartTracker::new(now),
+            restart_at: None,
+        })
+        .collect();
+    for i in 0..procs.len() {
+        match spawn(i, procs[i].spec, opts, exit_tx.clone()).await {
+            Ok(pid) => {
+                procs[i].pid = Some(pid);
+                procs[i].restarts.on_start(Instant::now());
+            }
             Err(e) => {
-                stop_all(&running, opts.stop_timeout, &mut exits).await;
+                stop_all(&mut procs, opts.stop_timeout, &mut exits).await;
                 return Err(e);
             }
         }
     }
-    drop(exit_tx);
     let health = plan.router_url.trim_start_matches("http://").to_string();
     let deadline = Instant::now() + opts.startup_timeout;
     loop {
-        if let Ok((name, status)) = exits.try_recv() {
+        if let Ok((i, status)) = exits.try_recv() {
+            procs[i].pid = None;
+            let name = procs[i].spec.name.clone();
             eprintln!("[tandem] {name} exited during startup ({status})");
-            stop_all(&running, opts.stop_timeout, &mut exits).await;
+            stop_all(&mut procs, opts.stop_timeout, &mut exits).await;
             return Err(LaunchError::StartupExit { name, status });
         }
         if router_healthy(&health).await {
             break;
         }
         if Instant::now() > deadline {
-            stop_all(&running, opts.stop_timeout, &mut exits).await;
+            stop_all(&mut procs, opts.stop_timeout, &mut exits).await;
             return Err(LaunchError::StartupTimeout(opts.startup_timeout));
         }
         tokio::time::sleep(Duration::from_millis(250)).await;
     }
     on_ready();
+    supervise(&mut procs, opts, &exit_tx, &mut exits, shutdown).await
+}
+
+/// The running deployment: restarts what exits, until `shutdown` or a process past its cap.
+async fn supervise(
+    procs: &mut [Supervised<'_>],
+    opts: &LaunchOptions,
+    exit_tx: &mpsc::UnboundedSender<Exit>,
+    exits: &mut mpsc::UnboundedReceiver<Exit>,
+    shutdown: impl Future<Output = ()>,
+) -> Result<(), LaunchError> {
+    let policy = opts.restart;
     tokio::pin!(shutdown);
-    tokio::select! {
-        () = &mut shutdown => {
-            eprintln!("[tandem] stopping");
-            stop_all(&running, opts.stop_timeout, &mut exits).await;
-            Ok(())
-        }
-        Some((name, status)) = exits.recv() => {
-            eprintln!("[tandem] {name} exited unexpectedly ({status}); stopping the others");
-            let others: Vec<Running> = running.into_iter().filter(|r| r.name != name).collect();
-            stop_all(&others, opts.stop_timeout, &mut exits).await;
-            Err(LaunchError::ChildExited { name, status })
+    loop {
+        let next = procs.iter().filter_map(|p| p.restart_at).min();
+        let wake = tokio::time::Instant::from_std(next.unwrap_or_else(Instant::now));
+        tokio::select! {
+            // Shutdown first: once it has begun, nothing is started again.
+            biased;
+            () = &mut shutdown => {
+                eprintln!("[tandem] stopping");
+                stop_all(procs, opts.stop_timeout, exits).await;
+                return Ok(());
+            }
+            Some((i, status)) = exits.recv() => {
+                let p = &mut procs[i];
+                p.pid = None;
+                let spec = p.spec;
+                let name = &spec.name;
+                let now = Instant::now();
+                match p.restarts.on_exit(&policy, now) {
+                    Verdict::Restart { delay, recent } => {
+                        eprintln!(
+                            "[tandem] {name} exited unexpectedly ({status}); restarting it in {delay:?} (restart {recent} of at most {} per minute)",
+                            policy.max_per_minute
+                        );
+                        p.restart_at = Some(now + delay);
+                    }
+                    Verdict::GiveUp { recent } => {
+                        eprintln!(
+                            "[tandem] ERROR: {name} exited unexpectedly ({status}) after {recent} restarts in the last minute (limit {}); giving up and stopping everything",
+                            policy.max_per_minute
+                        );
+                        stop_all(procs, opts.stop_timeout, exits).await;
+                        return Err(LaunchError::RestartLimit {
+                            name: name.clone(),
+                            status,
+                            restarts: recent,
+                        });
+                    }
+                }
+            }
+            () = tokio::time::sleep_until(wake), if next.is_some() => {
+                let now = Instant::now();
+                for (i, p) in procs.iter_mut().enumerate() {
+                    if p.restart_at.is_none_or(|t| t > now) {
+                        continue;
+                    }
+                    p.restart_at = None;
+                    p.restarts.on_start(now);
+                    match spawn(i, p.spec, opts, exit_tx.clone()).await {
+                        Ok(pid) => p.pid = Some(pid),
+                        // A start that fails is an exit like any other: it goes through the
+                        // policy, so a binary that vanished ends at the cap, not in a loop.
+                        Err(e) => {
+                            let _ = exit_tx.send((i, format!("could not start: {e}")));
+                        }
+                    }
+                }
+            }
         }
     }
 }
 
+/// Starts an incarnation of plan entry `index`; its exit will arrive on `exits`. Returns its pid.
 async fn spawn(
+    index: usize,
     spec: &ProcessSpec,
     opts: &LaunchOptions,
-    exits: mpsc::UnboundedSender<(String, String)>,
-) -> Result<Running, LaunchError> {
+    exits: mpsc::UnboundedSender<Exit>,
+) -> Result<u32, LaunchError> {
     let path = opts.bin_dir.join(spec.binary);
     if !path.exists() {
         return Err(LaunchError::MissingBinary {
@@ -127,19 +228,28 @@ async fn spawn(
             dir: opts.bin_dir.clone(),
         });
     }
+    // Opened before the child exists, so a failure here leaves no child nobody waits for.
+    let log = match &opts.log_dir {
+        Some(dir) => Some(log_file(dir, &spec.name).await?),
+        None => None,
+    };
     let mut cmd = Command::new(&path);
+    for var in INTERNAL_ENV {
+        cmd.env_remove(var);
+    }
     cmd.args(&spec.args)
         .envs(&spec.env)
+        .envs(spec.secret_env.iter().map(|(k, v)| (k, v.expose())))
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
-    if !spec.cpus.is_empty() {
-        let cpus = spec.cpus.clone();
-        // SAFETY: between fork and exec only async-signal-safe calls are made
-        // (sched_setaffinity on a stack-built set).
-        unsafe {
-            cmd.pre_exec(move || pin_to(&cpus));
-        }
+        .stderr(Stdio::piped())
+        .process_group(0);
+    let cpus = spec.cpus.clone();
+    let parent = std::process::id();
+    // SAFETY: between fork and exec only async-signal-safe calls are made (prctl, getppid,
+    // sched_setaffinity on a stack-built set), and nothing allocates.
+    unsafe {
+        cmd.pre_exec(move || child_setup(&cpus, parent));
     }
     let mut child = cmd.spawn().map_err(|source| LaunchError::Spawn {
         name: spec.name.clone(),
@@ -152,29 +262,39 @@ async fn spawn(
         spec.binary,
         spec.args.join(" ")
     );
-    let log = match &opts.log_dir {
-        Some(dir) => Some(log_file(dir, &spec.name).await?),
-        None => None,
-    };
     if let Some(out) = child.stdout.take() {
         tokio::spawn(forward_lines(out, spec.name.clone(), log.clone()));
     }
     if let Some(err) = child.stderr.take() {
         tokio::spawn(forward_lines(err, spec.name.clone(), log));
     }
-    let name = spec.name.clone();
     tokio::spawn(async move {
         let status = match child.wait().await {
             Ok(s) => s.to_string(),
             Err(e) => format!("wait failed: {e}"),
         };
-        let _ = exits.send((name, status));
+        let _ = exits.send((index, status));
     });
-    Ok(Running {
-        name: spec.name.clone(),
-        role: spec.role,
-        pid,
-    })
+    Ok(pid)
+}
+
+/// Runs in the child between fork and exec.
+fn child_setup(cpus: &[usize], parent: u32) -> std::io::Result<()> {
+    // The death signal fires when the forking thread ends: `run` spawns from the thread that
+    // drives it, which lives as long as the launcher's runtime.
+    // SAFETY: prctl with integer arguments.
+    if unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // The launcher may have died before the death signal was armed.
+    // SAFETY: getppid cannot fail.
+    if u32::try_from(unsafe { libc::getppid() }).ok() != Some(parent) {
+        return Err(std::io::Error::from_raw_os_error(libc::ESRCH));
+    }
+    if !cpus.is_empty() {
+        pin_to(cpus)?;
+    }
+    Ok(())
 }
 
 fn pin_to(cpus: &[usize]) -> std::io::Result<()> {
@@ -243,44 +363,67 @@ async fn router_healthy(addr: &str) -> bool {
         .unwrap_or(false)
 }
 
-/// SIGTERM the router, then the workers; wait for each group; SIGKILL what is left.
+/// Stops every running process: SIGTERM the router, then the workers; wait for each group;
+/// SIGKILL what is left. Pending restarts are cancelled first.
 async fn stop_all(
-    running: &[Running],
+    procs: &mut [Supervised<'_>],
     timeout: Duration,
-    exits: &mut mpsc::UnboundedReceiver<(String, String)>,
+    exits: &mut mpsc::UnboundedReceiver<Exit>,
 ) {
-    let mut alive: HashMap<&str, u32> = running.iter().map(|r| (r.name.as_str(), r.pid)).collect();
+    for p in procs.iter_mut() {
+        p.restart_at = None;
+    }
     for group in [&[Role::Router][..], &[Role::Prefill, Role::Decode][..]] {
-        let members: Vec<&Running> = running
-            .iter()
-            .filter(|r| group.contains(&r.role) && alive.contains_key(r.name.as_str()))
-            .collect();
-        for r in &members {
-            signal(r.pid, libc::SIGTERM);
+        // Exits already queued first, so no pid that is gone gets a signal.
+        while let Ok((i, status)) = exits.try_recv() {
+            note_stopped(&mut procs[i], &status);
         }
-        let deadline = Instant::now() + timeout;
-        while members.iter().any(|r| alive.contains_key(r.name.as_str())) {
+        let members: Vec<usize> = (0..procs.len())
+            .filter(|&i| group.contains(&procs[i].spec.role) && procs[i].pid.is_some())
+            .collect();
+        for &i in &members {
+            if let Some(pid) = procs[i].pid {
+                signal(pid, libc::SIGTERM);
+            }
+        }
+        let mut deadline = Instant::now() + timeout;
+        let mut killed = false;
+        while members.iter().any(|&i| procs[i].pid.is_some()) {
             let left = deadline.saturating_duration_since(Instant::now());
             match tokio::time::timeout(left, exits.recv()).await {
-                Ok(Some((name, status))) => {
-                    eprintln!("[tandem] {name} stopped ({status})");
-                    alive.remove(name.as_str());
-                }
+                Ok(Some((i, status))) => note_stopped(&mut procs[i], &status),
                 Ok(None) => return,
-                Err(_) => {
-                    for r in &members {
-                        if alive.remove(r.name.as_str()).is_some() {
+                Err(_) if !killed => {
+                    for &i in &members {
+                        if let Some(pid) = procs[i].pid {
                             eprintln!(
                                 "[tandem] {} did not stop in {timeout:?}; killing it",
-                                r.name
+                                procs[i].spec.name
                             );
-                            signal(r.pid, libc::SIGKILL);
+                            signal(pid, libc::SIGKILL);
+                        }
+                    }
+                    killed = true;
+                    deadline = Instant::now() + KILL_WAIT;
+                }
+                Err(_) => {
+                    for &i in &members {
+                        if procs[i].pid.take().is_some() {
+                            eprintln!(
+                                "[tandem] {} was not reaped {KILL_WAIT:?} after SIGKILL",
+                                procs[i].spec.name
+                            );
                         }
                     }
                 }
             }
         }
     }
+}
+
+fn note_stopped(p: &mut Supervised<'_>, status: &str) {
+    eprintln!("[tandem] {} stopped ({status})", p.spec.name);
+    p.pid = None;
 }
 
 fn signal(pid: u32, sig: libc::c_int) {

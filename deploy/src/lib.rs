@@ -1,8 +1,11 @@
 //! The launcher behind `tandem up`: reads a deployment file (router, prefill and decode
 //! workers, each with its CPU cores or GPU share), starts every process with its flags,
 //! pinning and environment, prefixes their logs, waits until the router reports healthy, and
-//! stops them all cleanly on Ctrl-C or SIGTERM. A process that dies is reported and the
-//! launcher exits non-zero.
+//! stops them all cleanly on Ctrl-C or SIGTERM. A process that dies is restarted after a
+//! backoff ([`supervise`]); one that keeps dying stops the deployment with an error.
+//!
+//! Every process of a deployment gets the deployment's internal secret (drawn per deployment,
+//! or named by a file) and optional mTLS files through its environment ([`security`]).
 //!
 //! Deployments that split a GPU under MPS get the MPS control daemon started (and stopped)
 //! around them ([`mps`]).
@@ -13,6 +16,8 @@ pub mod config;
 pub mod launcher;
 pub mod mps;
 pub mod plan;
+pub mod security;
+pub mod supervise;
 
 pub use config::{DeployConfig, WorkerSpec};
-pub use plan::{Plan, ProcessSpec, plan};
+pub use plan::{Plan, ProcessSpec, plan, plan_with};

@@ -9,7 +9,8 @@ use anyhow::Context;
 use clap::{Parser, Subcommand};
 use tandem_deploy::launcher::{LaunchOptions, run};
 use tandem_deploy::mps::{self, MpsDaemon};
-use tandem_deploy::{DeployConfig, plan};
+use tandem_deploy::security::InternalSecurity;
+use tandem_deploy::{DeployConfig, plan, plan_with};
 
 /// tandem: disaggregated prefill/decode LLM serving.
 #[derive(Debug, Parser)]
@@ -65,11 +66,7 @@ fn main() -> ExitCode {
             log_dir,
         } => up(config.as_deref(), bin_dir, log_dir),
         Cmd::Check { configs, cores: c } => check(&configs, c.unwrap_or_else(cores)),
-        Cmd::Plan { config } => load(config.as_deref()).map(|cfg| {
-            for p in plan(&cfg).processes {
-                println!("{}: {} {}", p.name, p.binary, p.args.join(" "));
-            }
-        }),
+        Cmd::Plan { config } => print_plan(config.as_deref()),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -80,11 +77,30 @@ fn main() -> ExitCode {
     }
 }
 
+/// One line per process with its command, then its environment (secret values shown as a
+/// placeholder: a plan is for reading, the secret is drawn again by `up`).
+fn print_plan(config: Option<&Path>) -> anyhow::Result<()> {
+    let cfg = load(config)?;
+    for p in plan(&cfg)?.processes {
+        println!("{}: {} {}", p.name, p.binary, p.args.join(" "));
+        let env = p.env_display();
+        if !env.is_empty() {
+            println!("    env: {}", env.join(" "));
+        }
+    }
+    Ok(())
+}
+
 fn check(configs: &[PathBuf], cores: usize) -> anyhow::Result<()> {
     let mut failed = 0;
     for path in configs {
-        match DeployConfig::from_file(path).and_then(|c| c.validate(cores)) {
-            Ok(()) => println!("ok      {}", path.display()),
+        match DeployConfig::from_file(path).and_then(|c| c.validate(cores).map(|()| c)) {
+            Ok(c) => {
+                println!("ok      {}", path.display());
+                for w in c.warnings() {
+                    println!("warning {}: {w}", path.display());
+                }
+            }
             Err(e) => {
                 println!("invalid {}: {e}", path.display());
                 failed += 1;
@@ -106,6 +122,9 @@ fn up(
 ) -> anyhow::Result<()> {
     let cfg = load(config)?;
     cfg.validate(cores())?;
+    for w in cfg.warnings() {
+        eprintln!("[tandem] warning: {w}");
+    }
     let bin_dir = bin_dir
         .or_else(|| cfg.bin_dir.clone())
         .or_else(|| {
@@ -120,11 +139,14 @@ fn up(
         log_dir: log_dir.or_else(|| cfg.log_dir.clone()),
         startup_timeout: Duration::from_secs(cfg.startup_timeout_s),
         stop_timeout: Duration::from_secs(15),
+        restart: cfg.supervise.policy(),
     };
-    let plan = plan(&cfg);
+    let security = InternalSecurity::resolve(&cfg.security)?;
+    let plan = plan_with(&cfg, &security);
     if let Some(d) = &cfg.description {
         eprintln!("[tandem] {d}");
     }
+    eprintln!("[tandem] {}", security.describe());
     // Under MPS the daemon must run before the workers initialise CUDA; one started here is
     // stopped when this function returns, however the deployment ended.
     let _mps = match &cfg.gpu {

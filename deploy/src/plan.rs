@@ -1,9 +1,14 @@
 //! From a deployment file to the exact processes to start: binary, flags, environment and
-//! CPU set of each. Pure, so tests can check every flag without starting anything.
+//! CPU set of each. [`plan_with`] is pure, so tests can check every flag without starting
+//! anything; [`plan`] first resolves the deployment's security settings (drawing its secret).
+//!
+//! Secret values travel in [`ProcessSpec::secret_env`], apart from the plain environment, so
+//! nothing that prints a plan (its `Debug`, [`ProcessSpec::env_display`]) can show them.
 
 use std::collections::BTreeMap;
 
 use crate::config::{DeployConfig, WorkerSpec};
+use crate::security::{InternalSecurity, SECRET_PLACEHOLDER, Secret, SecurityError};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Role {
@@ -21,8 +26,25 @@ pub struct ProcessSpec {
     pub binary: &'static str,
     pub args: Vec<String>,
     pub env: BTreeMap<String, String>,
+    /// Environment variables whose values are secret (the internal secret).
+    pub secret_env: BTreeMap<String, Secret>,
     /// CPUs to pin to (empty: no pinning).
     pub cpus: Vec<usize>,
+}
+
+impl ProcessSpec {
+    /// `NAME=value` for every variable, secret values replaced by a placeholder.
+    pub fn env_display(&self) -> Vec<String> {
+        let mut all: BTreeMap<&str, &str> = self
+            .env
+            .iter()
+            .map(|(k, v)| (k.as_str(), v.as_str()))
+            .collect();
+        for k in self.secret_env.keys() {
+            all.insert(k, SECRET_PLACEHOLDER);
+        }
+        all.into_iter().map(|(k, v)| format!("{k}={v}")).collect()
+    }
 }
 
 /// Every process of a deployment, workers first, router last.
@@ -97,12 +119,19 @@ fn worker(cfg: &DeployConfig, role: Role, index: usize, w: &WorkerSpec) -> Proce
         binary,
         args,
         env,
+        secret_env: BTreeMap::new(),
         cpus: w.cpus.clone(),
     }
 }
 
-/// The processes of `cfg`.
-pub fn plan(cfg: &DeployConfig) -> Plan {
+/// The processes of `cfg`, with the security settings of its `[security]` section (a fresh
+/// secret unless it names a file or is insecure).
+pub fn plan(cfg: &DeployConfig) -> Result<Plan, SecurityError> {
+    Ok(plan_with(cfg, &InternalSecurity::resolve(&cfg.security)?))
+}
+
+/// The processes of `cfg`, every one of them given `security`'s variables.
+pub fn plan_with(cfg: &DeployConfig, security: &InternalSecurity) -> Plan {
     let mut processes = Vec::new();
     let url = |w: &WorkerSpec| format!("http://{}:{}", w.host, w.port);
     for (i, w) in cfg.prefill.iter().enumerate() {
@@ -137,8 +166,14 @@ pub fn plan(cfg: &DeployConfig) -> Plan {
         binary: "tandem-router",
         args,
         env: r.env.clone(),
+        secret_env: BTreeMap::new(),
         cpus: r.cpus.clone(),
     });
+    let shared = security.env();
+    for p in &mut processes {
+        p.env.extend(shared.plain.clone());
+        p.secret_env.extend(shared.secret.clone());
+    }
     Plan {
         processes,
         router_url: format!("http://{}:{}", r.host, r.port),
@@ -151,7 +186,7 @@ mod tests {
 
     #[test]
     fn default_plan_flags() {
-        let p = plan(&DeployConfig::default_local(2));
+        let p = plan(&DeployConfig::default_local(2)).unwrap();
         assert_eq!(p.router_url, "http://127.0.0.1:8000");
         let names: Vec<&str> = p.processes.iter().map(|s| s.name.as_str()).collect();
         assert_eq!(names, ["prefill-0", "decode-0", "router"]);
@@ -179,7 +214,7 @@ mod tests {
         )
         .unwrap();
         cfg.validate(2).unwrap();
-        let p = plan(&cfg);
+        let p = plan(&cfg).unwrap();
         assert_eq!(
             p.processes[0].env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"],
             "60"
@@ -192,11 +227,73 @@ mod tests {
                 "{worker:?}"
             );
         }
-        let cpu = plan(&DeployConfig::default_local(2));
+        let cpu = plan(&DeployConfig::default_local(2)).unwrap();
         assert!(
             cpu.processes
                 .iter()
                 .all(|p| !p.args.contains(&"--device".into()))
         );
+    }
+
+    #[test]
+    fn every_process_gets_the_secret_in_its_environment_only() {
+        use crate::security::SECRET_ENV;
+        let p = plan(&DeployConfig::default_local(2)).unwrap();
+        let secret = p.processes[0].secret_env[SECRET_ENV].expose().to_string();
+        assert_eq!(secret.len(), 64);
+        let shown = format!("{p:?}");
+        assert!(!shown.contains(&secret), "Debug shows the secret: {shown}");
+        for proc in &p.processes {
+            assert_eq!(
+                proc.secret_env[SECRET_ENV].expose(),
+                secret,
+                "{}",
+                proc.name
+            );
+            assert!(
+                proc.args.iter().all(|a| !a.contains(&secret)),
+                "{} has the secret on its command line",
+                proc.name
+            );
+            assert!(!proc.env.contains_key(SECRET_ENV));
+            let display = proc.env_display().join(" ");
+            assert!(
+                display.contains("TANDEM_INTERNAL_SECRET=<generated at start>")
+                    && !display.contains(&secret),
+                "{display}"
+            );
+        }
+        let again = plan(&DeployConfig::default_local(2)).unwrap();
+        assert_ne!(
+            again.processes[0].secret_env[SECRET_ENV].expose(),
+            secret,
+            "each deployment draws its own secret"
+        );
+    }
+
+    #[test]
+    fn a_secret_file_or_insecure_passes_no_secret_value() {
+        use crate::security::{SECRET_ENV, SECRET_FILE_ENV, TLS_KEY_ENV};
+        let with = |section: &str| {
+            let cfg =
+                DeployConfig::from_toml(&format!("{section}\n[[decode]]\nport = 7201\n")).unwrap();
+            plan(&cfg).unwrap()
+        };
+        let file = with(
+            "[security]\nsecret_file = \"/run/tandem/secret\"\ntls_ca = \"ca.pem\"\ntls_cert = \"c.pem\"\ntls_key = \"k.pem\"",
+        );
+        for proc in &file.processes {
+            assert!(proc.secret_env.is_empty(), "{proc:?}");
+            assert_eq!(proc.env[SECRET_FILE_ENV], "/run/tandem/secret");
+            assert_eq!(proc.env[TLS_KEY_ENV], "k.pem");
+            assert!(!proc.env.contains_key(SECRET_ENV));
+        }
+        let insecure = with("[security]\ninsecure = true");
+        for proc in &insecure.processes {
+            assert!(
+                proc.secret_env.is_empty() && proc.env.is_empty(),
+                "{proc:?}"
+            );
+        }
     }
 }
