@@ -37,6 +37,8 @@ pub use layer::{AttachToken, RateLimitedLog, RequireToken, RequireTokenLayer};
 pub use secret::{MIN_SECRET_BYTES, Secret, hex, random_bytes, unhex};
 pub use tls::{Tls, TlsFiles};
 pub use token::WINDOW as TOKEN_WINDOW;
+/// The TLS of the raw TCP KV transport (see [`InternalAuth::kv_acceptor`]).
+pub use tokio_rustls;
 
 use secret::Key;
 use token::Verifier;
@@ -215,6 +217,30 @@ impl InternalAuth {
     /// The server side of mutual TLS, when on.
     pub fn server_tls(&self) -> Option<ServerTlsConfig> {
         self.0.tls.as_ref().map(Tls::server)
+    }
+
+    /// For the raw TCP KV listener: the TLS acceptor, when internal TLS is on.
+    pub fn kv_acceptor(&self) -> Option<tokio_rustls::TlsAcceptor> {
+        self.0.tls.as_ref().map(Tls::kv_acceptor)
+    }
+
+    /// For a raw TCP KV connection to `host`: the TLS connector and the name to verify, when
+    /// internal TLS is on.
+    pub fn kv_connector(
+        &self,
+        host: &str,
+    ) -> Result<
+        Option<(
+            tokio_rustls::TlsConnector,
+            tokio_rustls::rustls::pki_types::ServerName<'static>,
+        )>,
+        AuthError,
+    > {
+        self.0
+            .tls
+            .as_ref()
+            .map(|t| t.kv_connector(host))
+            .transpose()
     }
 
     /// The layer that guards a tonic server's services.
@@ -426,7 +452,8 @@ mod tests {
     #[test]
     fn tls_dials_https() {
         let (ca, cert, key) = test_pki();
-        let tls = Tls::from_pem(&ca, &cert, &key, Some("tandem"));
+        let tls = Tls::from_pem(&ca, &cert, &key, Some("tandem")).unwrap();
+        assert!(Tls::from_pem("-----BEGIN CERTIFICATE-----", &cert, &key, None).is_err());
         let auth = InternalAuth::new(None, Some(tls), false);
         assert!(auth.has_tls());
         let e = auth.endpoint("http://127.0.0.1:7201").unwrap();

@@ -486,7 +486,7 @@ impl DeployConfig {
         if sec.insecure {
             for (what, host, _) in self.processes().filter(|(_, h, _)| !is_loopback(h)) {
                 out.push(format!(
-                    "security.insecure = true but {what} listens on {host}: internal requests go unauthenticated beyond this machine (and the workers refuse a non-loopback bind without their own insecure flag)"
+                    "security.insecure = true but {what} listens on {host}: internal requests go unauthenticated beyond this machine"
                 ));
             }
         }

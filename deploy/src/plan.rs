@@ -290,9 +290,11 @@ mod tests {
         }
         let insecure = with("[security]\ninsecure = true");
         for proc in &insecure.processes {
-            assert!(
-                proc.secret_env.is_empty() && proc.env.is_empty(),
-                "{proc:?}"
+            assert!(proc.secret_env.is_empty(), "{proc:?}");
+            assert_eq!(
+                proc.env.keys().collect::<Vec<_>>(),
+                [crate::security::INSECURE_ENV],
+                "only the explicit insecure flag: {proc:?}"
             );
         }
     }

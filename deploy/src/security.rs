@@ -35,13 +35,16 @@ pub const TLS_KEY_ENV: &str = "TANDEM_INTERNAL_TLS_KEY";
 /// Every variable this module sets. The launcher clears them all from what children inherit
 /// before setting its own, so the deployment file is the only source (a secret left in the
 /// launcher's shell must not reach an `insecure` deployment, nor shadow a `secret_file`).
-pub const INTERNAL_ENV: [&str; 5] = [
+pub const INTERNAL_ENV: [&str; 6] = [
     SECRET_ENV,
     SECRET_FILE_ENV,
     TLS_CA_ENV,
     TLS_CERT_ENV,
     TLS_KEY_ENV,
+    INSECURE_ENV,
 ];
+/// Tells a worker it may listen beyond loopback without a secret (it says so loudly).
+pub const INSECURE_ENV: &str = "TANDEM_INSECURE_NO_INTERNAL_AUTH";
 /// The shortest secret the serving binaries accept.
 pub const SECRET_MIN_BYTES: usize = 32;
 /// How a generated secret is shown wherever the environment is printed.
@@ -157,7 +160,9 @@ impl InternalSecurity {
                 env.plain
                     .insert(SECRET_FILE_ENV.into(), p.display().to_string());
             }
-            SecretSource::Insecure => {}
+            SecretSource::Insecure => {
+                env.plain.insert(INSECURE_ENV.into(), "true".into());
+            }
         }
         if let Some(tls) = &self.tls {
             for (var, path) in [
@@ -180,7 +185,7 @@ impl InternalSecurity {
             }
             SecretSource::File(p) => format!("the secret in {} ({SECRET_FILE_ENV})", p.display()),
             SecretSource::Insecure => {
-                "no internal secret ([security] insecure = true; workers accept loopback binds only)"
+                "NONE ([security] insecure = true): anyone who reaches a worker port can use it"
                     .into()
             }
         };

@@ -184,10 +184,18 @@ pub async fn decode_client(
     endpoint: &str,
     timeout: Duration,
 ) -> anyhow::Result<(DecodeClient, WorkerInfo)> {
+    decode_client_with(endpoint, timeout, &test_auth()).await
+}
+
+/// [`decode_client`] with these credentials.
+pub async fn decode_client_with(
+    endpoint: &str,
+    timeout: Duration,
+    auth: &InternalAuth,
+) -> anyhow::Result<(DecodeClient, WorkerInfo)> {
     let deadline = Instant::now() + timeout;
-    let auth = test_auth();
     loop {
-        if let Ok(channel) = channel(endpoint, &auth).await {
+        if let Ok(channel) = channel(endpoint, auth).await {
             let mut c = DecodeServiceClient::new(channel);
             if let Ok(info) = c
                 .get_info(InfoRequest {
@@ -211,10 +219,18 @@ pub async fn prefill_client(
     endpoint: &str,
     timeout: Duration,
 ) -> anyhow::Result<(PrefillClient, WorkerInfo)> {
+    prefill_client_with(endpoint, timeout, &test_auth()).await
+}
+
+/// [`prefill_client`] with these credentials.
+pub async fn prefill_client_with(
+    endpoint: &str,
+    timeout: Duration,
+    auth: &InternalAuth,
+) -> anyhow::Result<(PrefillClient, WorkerInfo)> {
     let deadline = Instant::now() + timeout;
-    let auth = test_auth();
     loop {
-        if let Ok(channel) = channel(endpoint, &auth).await {
+        if let Ok(channel) = channel(endpoint, auth).await {
             let mut c = PrefillServiceClient::new(channel);
             if let Ok(info) = c
                 .get_info(InfoRequest {
@@ -326,6 +342,8 @@ pub struct DeploymentSpec {
     pub kv_budget_mb: usize,
     pub router_args: Vec<String>,
     pub worker_args: Vec<String>,
+    /// Extra environment of every process (beside the test secret).
+    pub env: Vec<(String, String)>,
 }
 
 impl Default for DeploymentSpec {
@@ -338,7 +356,29 @@ impl Default for DeploymentSpec {
             kv_budget_mb: 32,
             router_args: Vec::new(),
             worker_args: Vec::new(),
+            env: Vec::new(),
         }
+    }
+}
+
+impl DeploymentSpec {
+    /// The credentials the deployment's processes hold: the test secret, and internal TLS
+    /// when the environment names its files.
+    pub fn auth(&self) -> anyhow::Result<InternalAuth> {
+        let var = |name: &str| {
+            self.env
+                .iter()
+                .find(|(k, _)| k == name)
+                .map(|(_, v)| PathBuf::from(v))
+        };
+        let args = tandem_auth::InternalAuthArgs {
+            internal_secret: Some(TEST_SECRET.to_string()),
+            internal_tls_ca: var("TANDEM_INTERNAL_TLS_CA"),
+            internal_tls_cert: var("TANDEM_INTERNAL_TLS_CERT"),
+            internal_tls_key: var("TANDEM_INTERNAL_TLS_KEY"),
+            ..Default::default()
+        };
+        Ok(args.load()?)
     }
 }
 
@@ -355,19 +395,23 @@ impl Deployment {
             "1",
         ];
         args.extend(spec.worker_args.iter().map(String::as_str));
+        let mut env: Vec<(&str, &str)> = vec![("TANDEM_INTERNAL_SECRET", TEST_SECRET)];
+        env.extend(spec.env.iter().map(|(k, v)| (k.as_str(), v.as_str())));
         let prefill = (0..spec.prefill)
-            .map(|_| Proc::start("tandem-prefill", &args))
+            .map(|_| Proc::start_with_env("tandem-prefill", &args, &env))
             .collect::<anyhow::Result<Vec<_>>>()?;
         let decode = (0..spec.decode)
-            .map(|_| Proc::start("tandem-decode", &args))
+            .map(|_| Proc::start_with_env("tandem-decode", &args, &env))
             .collect::<anyhow::Result<Vec<_>>>()?;
+        let auth = spec.auth()?;
         for d in &decode {
-            decode_client(&d.endpoint(), Duration::from_secs(300)).await?;
+            decode_client_with(&d.endpoint(), Duration::from_secs(300), &auth).await?;
         }
         for p in &prefill {
-            prefill_client(&p.endpoint(), Duration::from_secs(300)).await?;
+            prefill_client_with(&p.endpoint(), Duration::from_secs(300), &auth).await?;
         }
-        let router = Self::router_for(&prefill, &decode, &spec.transport, &spec.router_args)?;
+        let router =
+            Self::router_with_env(&prefill, &decode, &spec.transport, &spec.router_args, &env)?;
         wait_http_ok(
             &format!("http://127.0.0.1:{}/health", router.port),
             Duration::from_secs(60),
@@ -388,6 +432,23 @@ impl Deployment {
         transport: &str,
         extra: &[String],
     ) -> anyhow::Result<Proc> {
+        Self::router_with_env(
+            prefill,
+            decode,
+            transport,
+            extra,
+            &[("TANDEM_INTERNAL_SECRET", TEST_SECRET)],
+        )
+    }
+
+    /// [`Deployment::router_for`] with this environment.
+    pub fn router_with_env(
+        prefill: &[Proc],
+        decode: &[Proc],
+        transport: &str,
+        extra: &[String],
+        env: &[(&str, &str)],
+    ) -> anyhow::Result<Proc> {
         let join = |ps: &[Proc]| ps.iter().map(Proc::endpoint).collect::<Vec<_>>().join(",");
         let decode_urls = join(decode);
         let prefill_urls = join(prefill);
@@ -405,7 +466,7 @@ impl Deployment {
             args.extend(["--prefill", &prefill_urls]);
         }
         args.extend(extra.iter().map(String::as_str));
-        Proc::start("tandem-router", &args)
+        Proc::start_with_env("tandem-router", &args, env)
     }
 
     /// A second router over the same workers that runs everything aggregated.
@@ -445,4 +506,48 @@ pub async fn blocks_in_use(endpoint: &str, decode: bool) -> anyhow::Result<u32> 
             .into_inner()
     };
     Ok(load.total_blocks - load.free_blocks + load.leases)
+}
+
+/// Resident memory of a process, in KiB (Linux; 0 where it cannot be read).
+pub fn rss_kib(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|status| {
+            status
+                .lines()
+                .find_map(|l| l.strip_prefix("VmRSS:"))
+                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        })
+        .unwrap_or(0)
+}
+
+/// A test CA and one certificate (with its key) for `localhost`, 127.0.0.1 and `ips`, as
+/// PEM files in `dir`: `(ca, cert, key)` paths. Every process of a test deployment may use
+/// the same certificate as server and as client.
+pub fn test_pki(
+    dir: &std::path::Path,
+    ips: &[std::net::IpAddr],
+) -> anyhow::Result<(PathBuf, PathBuf, PathBuf)> {
+    use rcgen::{BasicConstraints, CertificateParams, IsCa, KeyPair, SanType};
+    let ca_key = KeyPair::generate()?;
+    let mut ca = CertificateParams::new(Vec::<String>::new())?;
+    ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    let ca = ca.self_signed(&ca_key)?;
+    let key = KeyPair::generate()?;
+    let mut leaf = CertificateParams::new(vec!["localhost".to_string()])?;
+    leaf.subject_alt_names
+        .push(SanType::IpAddress("127.0.0.1".parse()?));
+    for ip in ips {
+        leaf.subject_alt_names.push(SanType::IpAddress(*ip));
+    }
+    let leaf = leaf.signed_by(&key, &ca, &ca_key)?;
+    let paths = (
+        dir.join("ca.pem"),
+        dir.join("cert.pem"),
+        dir.join("key.pem"),
+    );
+    std::fs::write(&paths.0, ca.pem())?;
+    std::fs::write(&paths.1, leaf.pem())?;
+    std::fs::write(&paths.2, key.serialize_pem())?;
+    Ok(paths)
 }

@@ -103,6 +103,8 @@ pub struct Network {
     namespaces: Vec<String>,
     root_link: Option<String>,
     hosts_dirs: Vec<PathBuf>,
+    /// Extra environment of every process started in the network (e.g. internal TLS files).
+    pub env: Vec<(String, String)>,
 }
 
 impl Network {
@@ -141,6 +143,7 @@ impl Network {
             namespaces: Vec::new(),
             root_link: None,
             hosts_dirs: Vec::new(),
+            env: Vec::new(),
         };
         for (i, name) in names.iter().enumerate() {
             let netns = format!("{NETNS_PREFIX}{pid}-{seq}-{name}");
@@ -259,6 +262,10 @@ impl Network {
             "RUST_LOG",
             std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".into()),
         );
+        // The hosts are one deployment: they share its secret (and, beyond loopback, the
+        // workers would refuse to listen without one).
+        cmd.env("TANDEM_INTERNAL_SECRET", crate::TEST_SECRET);
+        cmd.envs(self.env.iter().map(|(k, v)| (k.as_str(), v.as_str())));
         // The router logs on stdout, the workers on stderr: keep both, at RUST_LOG's level
         // (warn unless set), so that a failing test shows what the hosts said.
         cmd.stdout(Stdio::inherit()).stderr(Stdio::inherit());

@@ -315,6 +315,48 @@ async fn metric_value(router_url: &str, name: &str) -> f64 {
     series(router_url, name).await.unwrap_or(0.0)
 }
 
+/// A prefill worker whose KV could not reach a decode worker answers ABORTED: the request
+/// moves to another decode worker, and the prefill worker stays healthy (it was not at fault).
+#[tokio::test]
+async fn a_failed_kv_transfer_counts_against_the_decode_worker_not_the_prefill_worker() {
+    let (a, b) = (FakeDecode::new("decode-a"), FakeDecode::new("decode-b"));
+    lock(&a.0.load).free_blocks = 64;
+    lock(&b.0.load).free_blocks = 32;
+    let sa = FakeServer::start(Service::Decode(a.clone()));
+    let sb = FakeServer::start(Service::Decode(b.clone()));
+    let prefill = FakePrefill::new("prefill-0");
+    let ps = FakeServer::start(Service::Prefill(prefill.clone()));
+    prefill.set_script(PrefillScript {
+        abort_for: Some(sa.url.clone()),
+        ..Default::default()
+    });
+    let router = TestRouter::start(config(&[&ps], &[&sa, &sb])).await;
+    let r = post(
+        &router.url,
+        "/v1/completions",
+        json!({"prompt": "Hello", "max_tokens": 2}),
+    )
+    .await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(r.headers()["x-tandem-mode"], "disaggregated");
+    assert_eq!(prefill.calls().len(), 2, "once toward a, once toward b");
+    assert_eq!((a.generate_calls().len(), b.generate_calls().len()), (1, 1));
+    let healthy = format!(
+        "tandem_router_worker_healthy{{worker=\"{}\",role=\"prefill\"}}",
+        ps.url
+    );
+    assert_eq!(series(&router.url, &healthy).await, Some(1.0));
+    // And the next request still goes disaggregated (the prefill worker was not marked down).
+    let r = post(
+        &router.url,
+        "/v1/completions",
+        json!({"prompt": "Hello", "max_tokens": 2}),
+    )
+    .await;
+    assert_eq!(r.headers()["x-tandem-mode"], "disaggregated");
+    router.stop().await;
+}
+
 #[tokio::test]
 async fn no_prefill_worker_falls_back_visibly_or_refuses() {
     let decode = FakeDecode::new("decode-0");

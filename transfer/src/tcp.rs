@@ -11,6 +11,9 @@
 //! be exactly what its block count and the lease allow, and payloads stream through a buffer
 //! of the listener's size into the lease's blocks. Every read has a timeout, and connections
 //! beyond [`TcpLimits::max_connections`] are closed at once.
+//!
+//! With internal TLS on (see `tandem-auth`), the whole exchange runs inside mutual TLS: the
+//! handshake happens first and counts against the hello's deadline.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -18,8 +21,7 @@ use std::time::{Duration, Instant};
 use tandem_auth::InternalAuth;
 use tandem_proto::PROTOCOL_VERSION;
 use tandem_proto::v1::{KvCommit, Transport};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::tcp::OwnedReadHalf;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadHalf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{Semaphore, mpsc};
 use tokio::task::JoinHandle;
@@ -64,10 +66,20 @@ impl Default for TcpLimits {
     }
 }
 
+/// A KV connection: plain TCP, or TCP inside TLS.
+trait KvIo: AsyncRead + AsyncWrite + Send + Unpin {}
+impl<T: AsyncRead + AsyncWrite + Send + Unpin> KvIo for T {}
+type KvStream = Box<dyn KvIo>;
+
+/// The host part of `host:port` (IPv6 addresses in brackets).
+fn host_of(addr: &str) -> &str {
+    addr.rsplit_once(':').map_or(addr, |(host, _)| host)
+}
+
 pub(crate) struct TcpSender {
     tx: mpsc::Sender<Vec<u8>>,
     writer: JoinHandle<Result<(), TransferError>>,
-    reader: OwnedReadHalf,
+    reader: ReadHalf<KvStream>,
     addr: String,
     num_tokens: usize,
     bytes: u64,
@@ -91,7 +103,22 @@ impl TcpSender {
             }
         };
         stream.set_nodelay(true)?;
-        let (mut reader, mut write_half) = stream.into_split();
+        let stream: KvStream = match op.peers.auth().kv_connector(host_of(&addr)) {
+            Ok(None) => Box::new(stream),
+            Ok(Some((connector, name))) => {
+                let tls = tokio::time::timeout(CONNECT_TIMEOUT, connector.connect(name, stream))
+                    .await
+                    .map_err(|_| {
+                        TransferError::Connect(format!("KV port {addr}: no TLS handshake"))
+                    })?
+                    .map_err(|e| {
+                        TransferError::Unauthenticated(format!("KV port {addr}: TLS: {e}"))
+                    })?;
+                Box::new(tls)
+            }
+            Err(e) => return Err(TransferError::Connect(e.to_string())),
+        };
+        let (mut reader, mut write_half) = tokio::io::split(stream);
         let challenge = frame::read_control(&mut reader, CONNECT_TIMEOUT)
             .await?
             .ok_or_else(|| TransferError::Connect(format!("{addr} closed before its challenge")))?;
@@ -263,7 +290,17 @@ async fn serve_connection(
     limits: TcpLimits,
 ) -> Result<(), TransferError> {
     stream.set_nodelay(true)?;
-    let (mut reader, mut writer) = stream.into_split();
+    let stream: KvStream = match auth.kv_acceptor() {
+        None => Box::new(stream),
+        Some(acceptor) => {
+            let tls = tokio::time::timeout(limits.hello_timeout, acceptor.accept(stream))
+                .await
+                .map_err(|_| TransferError::Protocol("no TLS handshake in time".into()))?
+                .map_err(|e| TransferError::Unauthenticated(format!("TLS: {e}")))?;
+            Box::new(tls)
+        }
+    };
+    let (mut reader, mut writer) = tokio::io::split(stream);
     let nonce = tandem_auth::challenge().map_err(|e| TransferError::Protocol(e.to_string()))?;
     let mut challenge = HeaderWriter::default();
     challenge.u32(PROTOCOL_VERSION).bytes(&nonce);

@@ -334,6 +334,69 @@ async fn cuda_ipc_without_a_device_pool_is_refused_up_front() {
     assert!(sender.send_device_layer(0, &src, &[(0, 1)]).is_err());
 }
 
+/// The deployment's credentials with mutual TLS: a fresh CA and one certificate for
+/// 127.0.0.1 that every side uses.
+fn deployment_with_tls() -> InternalAuth {
+    use rcgen::{BasicConstraints, CertificateParams, IsCa, KeyPair, SanType};
+    let ca_key = KeyPair::generate().unwrap();
+    let mut ca = CertificateParams::new(Vec::<String>::new()).unwrap();
+    ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    let ca = ca.self_signed(&ca_key).unwrap();
+    let key = KeyPair::generate().unwrap();
+    let mut leaf = CertificateParams::new(Vec::<String>::new()).unwrap();
+    leaf.subject_alt_names
+        .push(SanType::IpAddress("127.0.0.1".parse().unwrap()));
+    let leaf = leaf.signed_by(&key, &ca, &ca_key).unwrap();
+    let tls =
+        tandem_auth::Tls::from_pem(&ca.pem(), &leaf.pem(), &key.serialize_pem(), None).unwrap();
+    InternalAuth::new(
+        Some(&Secret::new(&"transport-tests-secret-".repeat(2)).unwrap()),
+        Some(tls),
+        false,
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn internal_tls_carries_grpc_and_tcp_transfers() {
+    let auth = deployment_with_tls();
+    let d = decode_side_with(
+        8,
+        Side {
+            auth: auth.clone(),
+            ..Side::default()
+        },
+    )
+    .await;
+    let l = layout("m");
+    let peers = d.peers(auth);
+    for transport in [Transport::Tcp, Transport::Grpc, Transport::Shm] {
+        let (lease, rx) = d.table.create(vec![4, 5], 20, "req").unwrap();
+        let sender = connect(&peers, &destination(&d, transport, &lease), &l, "req", 20)
+            .await
+            .unwrap();
+        let sender = send_all(sender, &l, 2, None).await.unwrap();
+        sender.commit(3, 0.0).await.unwrap();
+        assert!(rx.await.unwrap().is_ok(), "{transport:?}");
+        assert_eq!(
+            d.cache.block_layer_bytes(2, 5).unwrap(),
+            &source(&l, 2, 1)[..]
+        );
+    }
+    // Without a certificate, even holding the secret, nothing gets through.
+    let (lease, _rx) = d.table.create(vec![1], 10, "req").unwrap();
+    let err = connect(
+        &d.peers(deployment()),
+        &destination(&d, Transport::Grpc, &lease),
+        &l,
+        "req",
+        10,
+    )
+    .await
+    .err()
+    .expect("plain gRPC to a TLS worker");
+    assert!(matches!(err, TransferError::Connect(_)), "{err}");
+}
+
 /// The pool's bytes of `layer`, `block`, to check nothing was written.
 fn snapshot(d: &DecodeSide, block: u32) -> Vec<Vec<u8>> {
     (0..3)

@@ -340,6 +340,8 @@ async fn run_generate(
 pub struct PrefillScript {
     pub delay: Duration,
     pub error: Option<Code>,
+    /// Answer ABORTED (a failed KV transfer) when the destination is this decode endpoint.
+    pub abort_for: Option<String>,
 }
 
 #[derive(Debug)]
@@ -434,6 +436,11 @@ impl PrefillService for FakePrefill {
         let dest = req
             .destination
             .ok_or_else(|| Status::invalid_argument("no destination"))?;
+        if script.abort_for.as_deref() == Some(dest.decode_endpoint.as_str()) {
+            return Err(Status::aborted(
+                "KV transfer to the decode worker failed: scripted",
+            ));
+        }
         let mut decode = DecodeServiceClient::connect(dest.decode_endpoint.clone())
             .await
             .map_err(|e| Status::unavailable(e.to_string()))?;
