@@ -9,4 +9,5 @@
 mod generate;
 mod service;
 
-pub use service::{DecodeConfig, DecodeError, DecodeWorker, default_shm_dir, serve};
+pub use service::{DecodeConfig, DecodeError, DecodeWorker, serve};
+pub use tandem_transfer::default_shm_dir;

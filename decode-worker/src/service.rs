@@ -1,7 +1,7 @@
 //! The `DecodeService` implementation and the worker's assembly: engine over a (shared-memory)
 //! KV cache, lease table, gRPC server with health, KV TCP listener, graceful drain.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
@@ -14,8 +14,8 @@ use tandem_proto::v1::decode_service_server::{DecodeService, DecodeServiceServer
 use tandem_proto::v1::*;
 use tandem_text::TextTokenizer;
 use tandem_transfer::{
-    LeaseTable, OwnerTags, POOL_PREFIX, TcpLimits, file_identity, kv_rpcs, serve_tcp, sweep_stale,
-    tags_path,
+    LeaseTable, OwnerTags, POOL_PREFIX, TcpLimits, default_shm_dir, file_identity, kv_rpcs,
+    serve_tcp, sweep_stale, tags_path,
 };
 use tandem_worker::convert::{kv_layout_to_proto, tokenizer_spec};
 use tandem_worker::{EngineHandle, spawn_engine};
@@ -83,12 +83,6 @@ impl Default for DecodeConfig {
             auth: InternalAuth::none(),
         }
     }
-}
-
-/// `/dev/shm` where it exists (Linux), else no shared-memory pool.
-pub fn default_shm_dir() -> Option<PathBuf> {
-    let p = Path::new("/dev/shm");
-    p.is_dir().then(|| p.to_path_buf())
 }
 
 pub(crate) struct Inner {

@@ -343,7 +343,13 @@ mod tests {
         assert_eq!(file.plain[SECRET_FILE_ENV], "/run/s");
 
         let insecure = InternalSecurity::resolve(&section("insecure = true\n")).unwrap();
-        assert_eq!(insecure.env(), SecurityEnv::default());
+        let env = insecure.env();
+        assert!(env.secret.is_empty());
+        assert_eq!(
+            env.plain,
+            BTreeMap::from([(INSECURE_ENV.to_string(), "true".to_string())]),
+            "no secret, and the workers' explicit insecure flag"
+        );
         for contradiction in [
             "insecure = true\nsecret_file = \"s\"\n",
             "insecure = true\ntls_ca = \"a\"\ntls_cert = \"b\"\ntls_key = \"c\"\n",

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use serde_json::Value;
 use tandem_e2e::netns::Network;
 use tandem_e2e::{
-    Completion, Proc, decode_client, greedy_completion, prefill_client, wait_http_ok,
+    Completion, Proc, decode_client_with, greedy_completion, prefill_client_with, wait_http_ok,
 };
 
 const DECODE_PORT: u16 = 7201;
@@ -97,21 +97,14 @@ fn start_router(net: &Network, port: u16, args: &[&str]) -> Proc {
     net.start("router", "tandem-router", port, &all).unwrap()
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn disaggregated_across_three_network_namespaces() {
-    let Some(mut net) = Network::create_or_skip(&["router", "decode", "prefill"]) else {
-        return;
-    };
+/// The decode and prefill workers in their hosts (credentials from `auth`: the test secret,
+/// and internal TLS when the network's environment names its files), once both answer.
+async fn start_workers(
+    net: &Network,
+    auth: &tandem_auth::InternalAuth,
+) -> (Proc, Proc, String, String) {
     let decode_addr = net.host("decode").unwrap().addr;
     let prefill_addr = net.host("prefill").unwrap().addr;
-    net.set_hosts_file(
-        "router",
-        &[
-            (decode_addr, "decode.tandem.test"),
-            (prefill_addr, "prefill.tandem.test"),
-        ],
-    )
-    .unwrap();
     let worker_args = ["--model", "tiny", "--kv-budget-mb", "32", "--threads", "1"];
     let (decode_host, prefill_host) = (decode_addr.to_string(), prefill_addr.to_string());
     let kv_port = KV_TCP_PORT.to_string();
@@ -127,16 +120,15 @@ async fn disaggregated_across_three_network_namespaces() {
     ]);
     let mut prefill_args = worker_args.to_vec();
     prefill_args.extend(["--host", &prefill_host]);
-    // Declared after `net`, so dropped (killed) before the namespaces are deleted.
-    let _decode = net
+    let decode = net
         .start("decode", "tandem-decode", DECODE_PORT, &decode_args)
         .unwrap();
-    let _prefill = net
+    let prefill = net
         .start("prefill", "tandem-prefill", PREFILL_PORT, &prefill_args)
         .unwrap();
     let decode_url = net.url("decode", DECODE_PORT).unwrap();
     let prefill_url = net.url("prefill", PREFILL_PORT).unwrap();
-    let (_, info) = decode_client(&decode_url, Duration::from_secs(120))
+    let (_, info) = decode_client_with(&decode_url, Duration::from_secs(120), auth)
         .await
         .unwrap();
     assert_eq!(info.advertise_host, decode_host);
@@ -145,10 +137,96 @@ async fn disaggregated_across_three_network_namespaces() {
         info.shm_path.is_empty(),
         "shm must be off: the hosts share no memory"
     );
-    prefill_client(&prefill_url, Duration::from_secs(120))
+    prefill_client_with(&prefill_url, Duration::from_secs(120), auth)
         .await
         .unwrap();
+    (decode, prefill, decode_url, prefill_url)
+}
 
+/// Every hop between the hosts inside mutual TLS: gRPC to both workers and the raw TCP KV
+/// stream. Requests still run disaggregated over TCP with the aggregated output, and a client
+/// without a certificate gets nothing from a worker even holding the secret.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mutual_tls_across_three_network_namespaces() {
+    let Some(mut net) = Network::create_or_skip(&["router", "decode", "prefill"]) else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let ips: Vec<std::net::IpAddr> = ["router", "decode", "prefill"]
+        .iter()
+        .map(|h| std::net::IpAddr::V4(net.host(h).unwrap().addr))
+        .collect();
+    let (ca, cert, key) = tandem_e2e::test_pki(dir.path(), &ips).unwrap();
+    for (var, path) in [
+        ("TANDEM_INTERNAL_TLS_CA", &ca),
+        ("TANDEM_INTERNAL_TLS_CERT", &cert),
+        ("TANDEM_INTERNAL_TLS_KEY", &key),
+    ] {
+        net.env
+            .push((var.to_string(), path.to_string_lossy().into_owned()));
+    }
+    let auth = tandem_auth::InternalAuthArgs {
+        internal_secret: Some(tandem_e2e::TEST_SECRET.to_string()),
+        internal_tls_ca: Some(ca.clone()),
+        internal_tls_cert: Some(cert),
+        internal_tls_key: Some(key),
+        ..Default::default()
+    }
+    .load()
+    .unwrap();
+    // Declared after `net`, so dropped (killed) before the namespaces are deleted.
+    let (_decode, _prefill, decode_url, prefill_url) = start_workers(&net, &auth).await;
+    let listed = ["--prefill", &prefill_url, "--decode", &decode_url];
+    let _router = start_router(&net, 8000, &listed);
+    let mut aggregated_args = listed.to_vec();
+    aggregated_args.extend(["--agg-threshold", "1000000000"]);
+    let _aggregated_router = start_router(&net, 8001, &aggregated_args);
+    let [base, aggregated_base] = [8000, 8001].map(|port| net.url("router", port).unwrap());
+    let client = reqwest::Client::builder()
+        .timeout(Duration::from_secs(60))
+        .build()
+        .unwrap();
+    for b in [&base, &aggregated_base] {
+        wait_for_both_workers(&client, b).await;
+    }
+    for (i, p) in prompts().iter().enumerate() {
+        let want = complete(&client, &aggregated_base, p).await.text;
+        let got = complete(&client, &base, p).await;
+        assert_disaggregated_tcp(&got, &want, &format!("over mTLS, prompt {i}"));
+    }
+    // Plain gRPC with the secret, from outside the deployment's TLS: refused.
+    let plain = tandem_auth::InternalAuth::with_secret(
+        &tandem_auth::Secret::new(tandem_e2e::TEST_SECRET).unwrap(),
+    );
+    let refused = tokio::time::timeout(
+        Duration::from_secs(10),
+        decode_client_with(&decode_url, Duration::from_secs(2), &plain),
+    )
+    .await;
+    assert!(
+        !matches!(refused, Ok(Ok(_))),
+        "a client without TLS reached the decode worker"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn disaggregated_across_three_network_namespaces() {
+    let Some(mut net) = Network::create_or_skip(&["router", "decode", "prefill"]) else {
+        return;
+    };
+    let decode_addr = net.host("decode").unwrap().addr;
+    let prefill_addr = net.host("prefill").unwrap().addr;
+    net.set_hosts_file(
+        "router",
+        &[
+            (decode_addr, "decode.tandem.test"),
+            (prefill_addr, "prefill.tandem.test"),
+        ],
+    )
+    .unwrap();
+    // Declared after `net`, so dropped (killed) before the namespaces are deleted.
+    let (_decode, _prefill, decode_url, prefill_url) =
+        start_workers(&net, &tandem_e2e::test_auth()).await;
     let listed = ["--prefill", &prefill_url, "--decode", &decode_url];
     let _static_router = start_router(&net, 8000, &listed);
     let mut aggregated_args = listed.to_vec();

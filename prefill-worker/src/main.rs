@@ -26,6 +26,8 @@ struct Args {
 }
 
 fn main() -> anyhow::Result<()> {
+    // `ps` shows every process's command line to every user: the secret never goes there.
+    tandem_auth::refuse_secret_on_command_line(std::env::args_os())?;
     let args = Args::parse();
     init_tracing(args.server.log_json);
     // Bad engine flags fail here, before the runtime starts or a model loads.

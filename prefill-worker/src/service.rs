@@ -47,11 +47,10 @@ pub struct PrefillConfig {
 
 impl Default for PrefillConfig {
     fn default() -> Self {
-        let dev_shm = std::path::Path::new("/dev/shm");
         Self {
             worker_id: "prefill".into(),
             drain_timeout: Duration::from_secs(30),
-            shm_dir: dev_shm.is_dir().then(|| dev_shm.to_path_buf()),
+            shm_dir: tandem_transfer::default_shm_dir(),
             auth: InternalAuth::none(),
         }
     }
@@ -59,11 +58,12 @@ impl Default for PrefillConfig {
 
 /// A failed transfer as the router sees it: `ABORTED`, the code of a failure on the way to
 /// (or at) the decode worker, so that it does not count against this worker's health. A
-/// request the transfer found invalid stays `INVALID_ARGUMENT`.
+/// request the transfer found invalid stays `INVALID_ARGUMENT`, and a destination whose KV
+/// layout differs from ours (a pairing the router should not make) `FAILED_PRECONDITION`.
 fn transfer_status(e: TransferError) -> Status {
     let status = Status::from(e);
     match status.code() {
-        tonic::Code::InvalidArgument => status,
+        tonic::Code::InvalidArgument | tonic::Code::FailedPrecondition => status,
         _ => Status::aborted(format!(
             "KV transfer to the decode worker failed: {}",
             status.message()

@@ -57,5 +57,5 @@ pub use sender::{
     VerifiedDecode, connect, kv_location, transport_name,
 };
 pub use service::{KvOnlyDecode, kv_rpcs};
-pub use shm::{OwnerTags, POOL_PREFIX, file_identity, sweep_stale, tags_path};
+pub use shm::{OwnerTags, POOL_PREFIX, default_shm_dir, file_identity, sweep_stale, tags_path};
 pub use tcp::{TcpLimits, serve_tcp};

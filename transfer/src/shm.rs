@@ -30,6 +30,12 @@ use crate::sender::{KvSender, Opening, SendFuture};
 /// Every shared file of a decode worker starts with this.
 pub const POOL_PREFIX: &str = "tandem-kv-";
 
+/// `/dev/shm` where it exists (Linux), else no shared-memory folder.
+pub fn default_shm_dir() -> Option<PathBuf> {
+    let p = Path::new("/dev/shm");
+    p.is_dir().then(|| p.to_path_buf())
+}
+
 /// The owner-tag file that sits beside a shared KV pool.
 #[derive(Debug)]
 pub struct OwnerTags {

@@ -126,12 +126,12 @@ async fn decode_side_with(blocks: usize, side: Side) -> DecodeSide {
         auth: side.auth.clone(),
     });
     let incoming = tonic::transport::server::TcpIncoming::from(grpc).with_nodelay(Some(true));
-    let server = tonic::transport::Server::builder();
     if side.guard_calls {
-        let mut server = server.layer(side.auth.server_layer());
+        // As a worker serves: call tokens checked, over TLS when the credentials have it.
+        let mut server = side.auth.server_builder().unwrap();
         tokio::spawn(server.add_service(svc).serve_with_incoming(incoming));
     } else {
-        let mut server = server;
+        let mut server = tonic::transport::Server::builder();
         tokio::spawn(server.add_service(svc).serve_with_incoming(incoming));
     }
     tokio::spawn(serve_tcp(

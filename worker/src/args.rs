@@ -164,10 +164,9 @@ pub struct ServerArgs {
 }
 
 impl ServerArgs {
-    /// The credentials, after refusing a secret on the command line and a non-loopback
-    /// listen address without one.
+    /// The credentials, after refusing a non-loopback listen address without a secret. (The
+    /// binary refuses a secret on its command line: `tandem_auth::refuse_secret_on_command_line`.)
     pub fn internal_auth(&self) -> Result<tandem_auth::InternalAuth, tandem_auth::AuthError> {
-        tandem_auth::refuse_secret_on_command_line(std::env::args_os())?;
         let auth = self.auth.load()?;
         auth.check_listen(&self.host)?;
         Ok(auth)
@@ -175,10 +174,9 @@ impl ServerArgs {
 
     /// The shared-memory folder: the flag, else /dev/shm where it exists.
     pub fn shm_dir(&self) -> Option<PathBuf> {
-        self.shm_dir.clone().or_else(|| {
-            let p = std::path::Path::new("/dev/shm");
-            p.is_dir().then(|| p.to_path_buf())
-        })
+        self.shm_dir
+            .clone()
+            .or_else(tandem_transfer::default_shm_dir)
     }
 }
 
