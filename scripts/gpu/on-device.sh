@@ -48,6 +48,13 @@ if want serve; then
   config="${CONFIG:-deploy/gpu/green-ctx-1gpu.toml}"
   logs="${OUT:-/tmp}/tandem-logs"
   echo "== 1P1D on the GPU: $config"
+  # A second router joins this deployment below: both take the internal secret from one
+  # private file (tandem up would otherwise draw a secret only its own processes know).
+  secrets=$(mktemp -d)
+  head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n' > "$secrets/secret"
+  chmod 600 "$secrets/secret"
+  { cat "$config"; printf '\n[security]\nsecret_file = "%s"\n' "$secrets/secret"; } > "$secrets/deploy.toml"
+  config="$secrets/deploy.toml"
   "$bin/tandem" up "$config" --bin-dir "$bin" --log-dir "$logs" >/tmp/tandem-up.out 2>&1 &
   up=$!
   for _ in $(seq 1 300); do
@@ -63,13 +70,15 @@ if want serve; then
   "${bench[@]}" --preset decode --random-output-len "${OUTPUT_LEN:-128}" --num-prompts "${DECODE_PROMPTS:-256}" || true
   # The same decode worker behind a second router with no prefill worker: aggregated. Greedy
   # outputs of both side by side.
-  "$bin/tandem-router" --port 8001 --decode http://127.0.0.1:7201 --agg-threshold 1000000 \
+  TANDEM_INTERNAL_SECRET_FILE="$secrets/secret" \
+    "$bin/tandem-router" --port 8001 --decode http://127.0.0.1:7201 --agg-threshold 1000000 \
     >/tmp/tandem-agg-router.log 2>&1 &
   agg=$!
   sleep 3
   python3 "$here/greedy_gate.py" http://127.0.0.1:8000 http://127.0.0.1:8001 16 || true
   kill -TERM "$agg" 2>/dev/null; wait "$agg" 2>/dev/null
   kill -TERM "$up" 2>/dev/null; wait "$up" 2>/dev/null
+  rm -rf "$secrets"
   tail -n 5 "$logs"/*.log 2>/dev/null || true
 fi
 if want seed000; then
