@@ -41,6 +41,20 @@ fn read_until_closed(s: &mut std::net::TcpStream) -> (String, Duration) {
     )
 }
 
+/// The value of one series on the router's `/metrics` (0 when absent).
+async fn router_metric(dep: &Deployment, series: &str) -> f64 {
+    let text = reqwest::get(dep.url("/metrics"))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    text.lines()
+        .find_map(|l| l.strip_prefix(series))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0.0)
+}
+
 async fn completion_ok(dep: &Deployment) {
     let r = reqwest::Client::new()
         .post(dep.url("/v1/completions"))
@@ -127,18 +141,8 @@ async fn connections_beyond_the_cap_are_closed_at_once() {
         assert!(Instant::now() < deadline, "the router did not recover");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    let metrics = reqwest::get(dep.url("/metrics"))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
-    let refused: f64 = metrics
-        .lines()
-        .find_map(|l| l.strip_prefix("tandem_router_connections_refused_total "))
-        .and_then(|v| v.trim().parse().ok())
-        .unwrap_or(0.0);
-    assert!(refused >= 1.0, "{metrics}");
+    let refused = router_metric(&dep, "tandem_router_connections_refused_total").await;
+    assert!(refused >= 1.0, "{refused}");
 }
 
 /// Streams one completion to its end; returns the raw SSE text.
@@ -286,19 +290,7 @@ async fn what_a_worker_would_refuse_the_router_refuses_naming_the_field() {
         );
     }
     // None of them reached a worker: the router counted each as its own validation refusal.
-    let metrics = reqwest::get(dep.url("/metrics"))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
-    let refused: f64 = metrics
-        .lines()
-        .find_map(|l| {
-            l.strip_prefix("tandem_router_requests_total{mode=\"none\",outcome=\"validation\"} ")
-        })
-        .and_then(|v| v.trim().parse().ok())
-        .unwrap_or(0.0);
-    assert_eq!(refused, 10.0, "{metrics}");
+    let series = "tandem_router_requests_total{mode=\"none\",outcome=\"validation\"}";
+    assert_eq!(router_metric(&dep, series).await, 10.0);
     completion_ok(&dep).await;
 }
