@@ -77,21 +77,23 @@ pub(crate) async fn start(
                     return Err(e.into());
                 }
             };
-            tracing::debug!(parent: &span, blocks = lease.blocks.len(), "reserved");
-            let event = GenerateEvent {
-                event: Some(generate_event::Event::Lease(tandem_proto::v1::Lease {
-                    token: lease.token().as_bytes().to_vec(),
-                    block_ids: lease.blocks.clone(),
-                })),
-            };
-            // The channel is fresh and has room; a failure means the client is gone already.
-            let _ = out.try_send(Ok(event));
-            // Whatever the caller asks, a reservation waits at most the configured maximum.
+            // Whatever the caller asks, a reservation waits at most the configured maximum,
+            // and the caller learns what it got (it renews within that).
             let ttl = match req.lease_ttl_ms {
                 0 => inner.config.default_lease_ttl,
                 ms => Duration::from_millis(u64::from(ms)),
             }
             .min(inner.config.max_lease_ttl);
+            tracing::debug!(parent: &span, blocks = lease.blocks.len(), ttl_ms = ttl.as_millis(), "reserved");
+            let event = GenerateEvent {
+                event: Some(generate_event::Event::Lease(tandem_proto::v1::Lease {
+                    token: lease.token().as_bytes().to_vec(),
+                    block_ids: lease.blocks.clone(),
+                    ttl_ms: u32::try_from(ttl.as_millis()).unwrap_or(u32::MAX),
+                })),
+            };
+            // The channel is fresh and has room; a failure means the client is gone already.
+            let _ = out.try_send(Ok(event));
             tokio::spawn(
                 disaggregated(inner, lease, commit, out, req.prompt, sampling, stop, ttl)
                     .instrument(span),

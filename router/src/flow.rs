@@ -601,6 +601,11 @@ async fn run_disaggregated(
     // The prefill worker gets the decode worker (its endpoint and the instance we verified),
     // never addresses: it verifies the worker itself and uses what that worker advertises.
     let lease_token = lease.token;
+    // The period the decode worker granted (it caps what we ask); older workers say nothing.
+    let granted_ttl_ms = match lease.ttl_ms {
+        0 => ctx.lease_ttl_ms,
+        ms => ms,
+    };
     let destination = KvDestination {
         transport: ctx.pool.transport() as i32,
         decode_endpoint: decode.url.clone(),
@@ -624,9 +629,9 @@ async fn run_disaggregated(
     let mut prefill_answer = None;
     let mut early = VecDeque::new();
     // While the prompt waits in the prefill worker's queue no KV moves, so the decode worker
-    // would expire the reservation: renew it a few times per lease period until the prefill
-    // answers. (If this router dies, the Generate stream closes and frees it anyway.)
-    let renew_every = Duration::from_millis(u64::from(ctx.lease_ttl_ms.max(300)) / 3);
+    // would expire the reservation: renew it a few times per granted lease period until the
+    // prefill answers. (If this router dies, the Generate stream closes and frees it anyway.)
+    let renew_every = Duration::from_millis(u64::from(granted_ttl_ms.max(300)) / 3);
     let mut renew =
         tokio::time::interval_at(tokio::time::Instant::now() + renew_every, renew_every);
     // Both the prefill's answer (for the KV accounting in the head) and the first token are

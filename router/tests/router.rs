@@ -315,6 +315,38 @@ async fn metric_value(router_url: &str, name: &str) -> f64 {
     series(router_url, name).await.unwrap_or(0.0)
 }
 
+/// A decode worker grants a shorter lease than the router asks (its `--max-lease-ttl-ms`):
+/// the router renews within what was granted, so a slow prefill still lands.
+#[tokio::test]
+async fn leases_are_renewed_within_the_period_the_decode_worker_granted() {
+    let decode = FakeDecode::new("decode-0");
+    decode.set_script(DecodeScript {
+        lease_ttl_cap_ms: Some(300),
+        ..Default::default()
+    });
+    let prefill = FakePrefill::new("prefill-0");
+    prefill.set_script(PrefillScript {
+        delay: Duration::from_millis(1200),
+        ..Default::default()
+    });
+    let ds = FakeServer::start(Service::Decode(decode.clone()));
+    let ps = FakeServer::start(Service::Prefill(prefill.clone()));
+    let router = TestRouter::start(config(&[&ps], &[&ds])).await;
+    let r = post(
+        &router.url,
+        "/v1/completions",
+        json!({"prompt": "Hello", "max_tokens": 2}),
+    )
+    .await;
+    assert_eq!(r.status(), 200, "{}", r.text().await.unwrap_or_default());
+    let renewals = lock(&decode.0.renewals).len();
+    assert!(
+        renewals >= 3,
+        "a 1.2 s prefill under a 300 ms lease needs renewals every 100 ms, got {renewals}"
+    );
+    router.stop().await;
+}
+
 /// A prefill worker whose KV could not reach a decode worker answers ABORTED: the request
 /// moves to another decode worker, and the prefill worker stays healthy (it was not at fault).
 #[tokio::test]

@@ -343,12 +343,16 @@ pub async fn completions(
                     .await?
             }
         };
+        let fields = validate::Fields {
+            prompt: "prompt",
+            max_tokens: "max_tokens",
+        };
         let budget = validate::completion_budget(
             prompt.len(),
             requested,
             Some(DEFAULT_COMPLETION_MAX_TOKENS),
             &model,
-            "max_tokens",
+            fields,
         )?;
         let req = flow_request(&model, &request_id, prompt, budget, &p, arrival, &state);
         Ok((model, req, p, in_flight))
@@ -413,7 +417,11 @@ pub async fn chat_completions(
         } else {
             "max_tokens"
         };
-        let budget = validate::completion_budget(prompt.len(), requested, None, &model, param)?;
+        let fields = validate::Fields {
+            prompt: "messages",
+            max_tokens: param,
+        };
+        let budget = validate::completion_budget(prompt.len(), requested, None, &model, fields)?;
         let req = flow_request(&model, &request_id, prompt, budget, &p, arrival, &state);
         Ok((model, req, p, in_flight))
     }

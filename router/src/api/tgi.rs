@@ -179,7 +179,10 @@ async fn prepare(
         requested,
         Some(DEFAULT_MAX_NEW_TOKENS),
         &model,
-        "max_new_tokens",
+        validate::Fields {
+            prompt: "inputs",
+            max_tokens: "max_new_tokens",
+        },
     )?;
     let ignore_eos = p.ignore_eos_token.unwrap_or(false);
     Ok(Prepared {

@@ -199,6 +199,13 @@ pub fn prompt_ids(ids: &[u32], model: &ServedModel, param: &str) -> Result<(), A
     Ok(())
 }
 
+/// What a route calls the prompt and the completion budget, for the errors that name them.
+#[derive(Debug, Clone, Copy)]
+pub struct Fields<'a> {
+    pub prompt: &'a str,
+    pub max_tokens: &'a str,
+}
+
 /// The completion budget: `requested` if it fits, else a 400 naming both numbers;
 /// `default` (clamped to what is left) when nothing was requested. Exactly filling the
 /// context is accepted.
@@ -207,10 +214,14 @@ pub fn completion_budget(
     requested: Option<u32>,
     default: Option<u32>,
     model: &ServedModel,
-    param: &str,
+    fields: Fields<'_>,
 ) -> Result<u32, ApiError> {
+    let param = fields.max_tokens;
     if prompt_tokens == 0 {
-        return Err(ApiError::invalid("prompt", "the prompt must not be empty"));
+        return Err(ApiError::invalid(
+            fields.prompt,
+            "the prompt must not be empty",
+        ));
     }
     let context = model.context_length as usize;
     if context == 0 {
@@ -219,7 +230,7 @@ pub fn completion_budget(
     }
     if prompt_tokens >= context {
         return Err(ApiError::invalid(
-            "prompt",
+            fields.prompt,
             format!(
                 "This model's maximum context length is {context} tokens, and the prompt has \
                  {prompt_tokens} tokens: no room is left to generate. Shorten the prompt."
@@ -343,29 +354,25 @@ mod tests {
         assert!(chat_role("", 0).is_err());
     }
 
+    const MAX: Fields<'static> = Fields {
+        prompt: "prompt",
+        max_tokens: "max_tokens",
+    };
+
     #[test]
     fn context_boundary_is_inclusive_and_names_both_numbers() {
         let m = model(100);
-        assert_eq!(
-            completion_budget(90, Some(10), None, &m, "max_tokens").unwrap(),
-            10
-        );
-        let e = message(completion_budget(90, Some(11), None, &m, "max_tokens").unwrap_err());
+        assert_eq!(completion_budget(90, Some(10), None, &m, MAX).unwrap(), 10);
+        let e = message(completion_budget(90, Some(11), None, &m, MAX).unwrap_err());
         assert!(
             e.contains("100") && e.contains("90") && e.contains("11") && e.contains("101"),
             "{e}"
         );
-        assert!(completion_budget(100, None, None, &m, "max_tokens").is_err());
-        assert!(completion_budget(0, Some(1), None, &m, "max_tokens").is_err());
+        assert!(completion_budget(100, None, None, &m, MAX).is_err());
+        assert!(completion_budget(0, Some(1), None, &m, MAX).is_err());
         // Defaults are clamped to the room left.
-        assert_eq!(
-            completion_budget(95, None, Some(16), &m, "max_tokens").unwrap(),
-            5
-        );
-        assert_eq!(
-            completion_budget(10, None, None, &m, "max_tokens").unwrap(),
-            90
-        );
+        assert_eq!(completion_budget(95, None, Some(16), &m, MAX).unwrap(), 5);
+        assert_eq!(completion_budget(10, None, None, &m, MAX).unwrap(), 90);
     }
 
     #[test]

@@ -59,6 +59,9 @@ pub struct DecodeScript {
     pub fail_after: Option<usize>,
     /// Fail Generate at once with this code.
     pub generate_error: Option<Code>,
+    /// Grant leases at most this long a wait without progress (as a worker's
+    /// `--max-lease-ttl-ms` does), whatever the router asks.
+    pub lease_ttl_cap_ms: Option<u32>,
 }
 
 impl Default for DecodeScript {
@@ -70,6 +73,7 @@ impl Default for DecodeScript {
             token_delay: Duration::from_millis(1),
             fail_after: None,
             generate_error: None,
+            lease_ttl_cap_ms: None,
         }
     }
 }
@@ -268,25 +272,44 @@ async fn run_generate(
             .to_le_bytes()
             .to_vec();
         let blocks = req.prompt.len().div_ceil(16) as u32;
+        let ttl_ms = req
+            .lease_ttl_ms
+            .max(1)
+            .min(script.lease_ttl_cap_ms.unwrap_or(u32::MAX));
         let lease = Lease {
             token: token.clone(),
             block_ids: (10..10 + blocks).collect(),
+            ttl_ms,
         };
-        let (commit_tx, commit_rx) = oneshot::channel();
+        let (commit_tx, mut commit_rx) = oneshot::channel();
         lock(&state.waiting).insert(token.clone(), commit_tx);
         lock(&state.leases).push(lease.clone());
         if tx.send(event(Event::Lease(lease))).await.is_err() {
             return;
         }
-        let ttl = Duration::from_millis(u64::from(req.lease_ttl_ms.max(1)));
-        match tokio::time::timeout(ttl, commit_rx).await {
-            Ok(Ok(commit)) => kv_bytes = commit.bytes,
-            _ => {
-                lock(&state.waiting).remove(&token);
-                let _ = tx
-                    .send(Err(Status::deadline_exceeded("lease expired")))
-                    .await;
-                return;
+        // As a worker does: the lease expires after `ttl_ms` without a renewal or the commit.
+        let ttl = Duration::from_millis(u64::from(ttl_ms));
+        let renewals = |state: &DecodeState| {
+            lock(&state.renewals)
+                .iter()
+                .filter(|t| **t == token)
+                .count()
+        };
+        let mut seen = renewals(state);
+        loop {
+            match tokio::time::timeout(ttl, &mut commit_rx).await {
+                Ok(Ok(commit)) => {
+                    kv_bytes = commit.bytes;
+                    break;
+                }
+                Err(_) if renewals(state) > seen => seen = renewals(state),
+                _ => {
+                    lock(&state.waiting).remove(&token);
+                    let _ = tx
+                        .send(Err(Status::deadline_exceeded("lease expired")))
+                        .await;
+                    return;
+                }
             }
         }
     }
