@@ -220,7 +220,7 @@ pub fn completion_budget(
     if prompt_tokens == 0 {
         return Err(ApiError::invalid(
             fields.prompt,
-            "the prompt must not be empty",
+            format!("`{}` must not be empty", fields.prompt),
         ));
     }
     let context = model.context_length as usize;
@@ -232,8 +232,9 @@ pub fn completion_budget(
         return Err(ApiError::invalid(
             fields.prompt,
             format!(
-                "This model's maximum context length is {context} tokens, and the prompt has \
-                 {prompt_tokens} tokens: no room is left to generate. Shorten the prompt."
+                "This model's maximum context length is {context} tokens, and `{}` has \
+                 {prompt_tokens} tokens: no room is left to generate. Shorten it.",
+                fields.prompt
             ),
         ));
     }

@@ -1,0 +1,190 @@
+//! Fault and abuse benchmark: the figures reliability.md asks a serving system to report,
+//! measured against a real deployment started by `tandem up` (1 prefill + 1 decode worker,
+//! shm transport, the deployment secret in a 0600 file this benchmark also holds):
+//!
+//! 1. attacks on the internal and public planes ([`attacks`]);
+//! 2. malformed and out-of-range requests on every generation route, each of which must get a
+//!    4xx naming the field and never a 5xx ([`bad_inputs`]);
+//! 3. faults: kill -9 of each worker under load, SIGSTOP of the prefill worker, client
+//!    disconnects mid-stream; what the clients saw and how long recovery took ([`faults`]);
+//! 4. a soak of mixed requests with cancellations: none lost, KV blocks back to zero when
+//!    idle, and each process's resident memory across it ([`soak`]).
+//!
+//! This file owns the flags, the order of the run and the exit status. Run by
+//! `scripts/bench-faults`, which builds the release binaries first. Prints markdown tables,
+//! then, last, one JSON line ([`report`]); exits 1 when any check failed (the temporary
+//! folder with the deployment's logs is then kept and named on stderr). Progress goes to
+//! stderr.
+//!
+//! This is an outside observer: it talks HTTP to the router, gRPC (as a member or a
+//! stranger) and raw TCP to the workers, and reads `/proc`; it never links the serving code.
+//! Every loop is bounded in count and time, so a hang in the deployment shows up as a failed
+//! row, not as a benchmark that never ends.
+
+/// Progress on stderr, so stdout holds only the tables and the JSON line.
+macro_rules! progress {
+    ($($t:tt)*) => { eprintln!("[fault-bench] {}", format!($($t)*)) };
+}
+
+mod attacks;
+mod bad_inputs;
+mod client;
+mod deployment;
+mod faults;
+mod report;
+mod soak;
+
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use anyhow::{Context, bail};
+
+use crate::client::{Call, Outcome, REQUEST_TIMEOUT};
+use crate::deployment::Deployment;
+use crate::report::{Report, secs};
+
+pub struct Opts {
+    pub model: String,
+    pub soak_requests: usize,
+    pub concurrency: usize,
+    keep: bool,
+    bin_dir: Option<PathBuf>,
+    /// Extra router flags, after the deployment's own (for A/B runs of a setting).
+    pub router_args: Vec<String>,
+}
+
+const USAGE: &str = "fault_bench [--model tiny|smollm2|...] [--soak-requests N] [--concurrency N] [--quick] [--keep] [--bin-dir DIR] [--router-arg FLAG]...";
+
+fn parse_opts() -> anyhow::Result<Opts> {
+    let mut opts = Opts {
+        model: "tiny".into(),
+        soak_requests: 300,
+        concurrency: 8,
+        keep: false,
+        bin_dir: None,
+        router_args: Vec::new(),
+    };
+    let mut soak_requests = None;
+    let mut quick = false;
+    let mut args = std::env::args().skip(1);
+    while let Some(arg) = args.next() {
+        let mut value = || {
+            args.next()
+                .with_context(|| format!("{arg} needs a value; usage: {USAGE}"))
+        };
+        match arg.as_str() {
+            "--model" => opts.model = value()?,
+            "--soak-requests" => soak_requests = Some(value()?.parse().context("--soak-requests")?),
+            "--concurrency" => opts.concurrency = value()?.parse().context("--concurrency")?,
+            "--bin-dir" => opts.bin_dir = Some(PathBuf::from(value()?)),
+            "--router-arg" => opts.router_args.push(value()?),
+            "--quick" => quick = true,
+            "--keep" => opts.keep = true,
+            "-h" | "--help" => {
+                println!("{USAGE}");
+                std::process::exit(0);
+            }
+            other => bail!("unknown argument `{other}`; usage: {USAGE}"),
+        }
+    }
+    opts.soak_requests = soak_requests.unwrap_or(if quick { 60 } else { opts.soak_requests });
+    anyhow::ensure!(opts.concurrency >= 1, "--concurrency must be at least 1");
+    Ok(opts)
+}
+
+#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+async fn main() -> std::process::ExitCode {
+    // The error chain, without a backtrace: a failed check is a finding, not a crash.
+    match bench().await {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("fault_bench: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+async fn bench() -> anyhow::Result<()> {
+    let opts = parse_opts()?;
+    let started = Instant::now();
+    let bin_dir = match &opts.bin_dir {
+        Some(d) => d.clone(),
+        // target/<profile>/examples/fault_bench → target/<profile>
+        None => std::env::current_exe()?
+            .parent()
+            .and_then(Path::parent)
+            .context("cannot locate the target folder; pass --bin-dir")?
+            .to_path_buf(),
+    };
+    for b in ["tandem", "tandem-router", "tandem-prefill", "tandem-decode"] {
+        anyhow::ensure!(
+            bin_dir.join(b).exists(),
+            "{} is missing: build the release binaries (scripts/bench-faults does)",
+            bin_dir.join(b).display()
+        );
+    }
+    let mut dep = Deployment::start(&bin_dir, &opts.model, &opts.router_args).await?;
+    let measured = run_all(&mut dep, &opts, started).await;
+    let ending = dep.finish();
+    let report = match measured {
+        Ok(r) => r,
+        Err(e) => {
+            // The logs are what explains a failure: they outlive this run.
+            dep.keep_files("failed");
+            return Err(e);
+        }
+    };
+    let pass = report.print(&opts, &ending, started.elapsed());
+    if !pass {
+        dep.keep_files("some checks failed");
+    } else if opts.keep {
+        dep.keep_files("--keep");
+    }
+    anyhow::ensure!(pass, "some checks failed: see the rows marked NO above");
+    Ok(())
+}
+
+async fn run_all(dep: &mut Deployment, opts: &Opts, started: Instant) -> anyhow::Result<Report> {
+    let info = dep.decode_info().await?;
+    progress!(
+        "deployment up after {} (model {}, vocabulary {}, context {})",
+        secs(started.elapsed()),
+        info.model_name,
+        info.vocab_size,
+        info.context_length
+    );
+    // A first request, so every later figure is about a deployment that has served.
+    let first = dep
+        .router
+        .run(&Call::completion("hello", 4, false), REQUEST_TIMEOUT)
+        .await;
+    anyhow::ensure!(
+        matches!(
+            first,
+            Outcome::Ok {
+                disaggregated: true,
+                ..
+            }
+        ),
+        "the first request did not run disaggregated: {first:?}"
+    );
+    progress!("attacks");
+    let attacks = attacks::run(dep).await?;
+    progress!("bad inputs");
+    let bad = bad_inputs::run(dep, info.vocab_size, info.context_length).await?;
+    progress!("faults");
+    let faults = faults::run(dep, info.context_length).await?;
+    progress!(
+        "soak: {} requests at concurrency {}",
+        opts.soak_requests,
+        opts.concurrency
+    );
+    let soak = soak::run(dep, opts.soak_requests, opts.concurrency).await?;
+    dep.check_launcher()?;
+    Ok(Report {
+        attacks,
+        bad,
+        faults,
+        soak,
+    })
+}
