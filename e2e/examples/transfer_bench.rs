@@ -1,7 +1,8 @@
 //! KV transfer benchmark (issue 3), in one run:
 //! 1. memory-copy rate (the floor: one copy of the KV bytes),
 //! 2. throughput of each transport moving a 2048-token SmolLM2 prompt's KV (94 MB, 30 layers
-//!    sent layer by layer as the engine does) into a decode-side lease table,
+//!    sent layer by layer as the engine does) into a decode-side lease table, as deployed
+//!    (authenticated) and, interleaved, without credentials: the cost of authentication,
 //! 3. TTFT of a 2048-token prompt through the router, disaggregated vs aggregated, at low load,
 //! 4. the router's added latency: time to first token through router + decode worker vs the
 //!    decode worker alone over gRPC.
@@ -15,6 +16,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
+use tandem_auth::InternalAuth;
 use tandem_e2e::{DecodeClient, Proc, decode_client, prefill_client, test_auth, wait_http_ok};
 use tandem_engine::kv::{KvCache, KvDtype, KvLayout, KvStorage};
 use tandem_proto::v1::decode_service_server::DecodeServiceServer;
@@ -96,7 +98,14 @@ struct Sink {
     _cache: KvCache,
 }
 
-async fn sink(layout: &KvLayout, blocks: usize) -> anyhow::Result<Sink> {
+/// A decode side that only receives KV, with `auth`'s credentials (`name` keeps two sinks'
+/// pool files apart).
+async fn sink(
+    layout: &KvLayout,
+    blocks: usize,
+    auth: InternalAuth,
+    name: &str,
+) -> anyhow::Result<Sink> {
     let dir = std::path::Path::new("/dev/shm");
     let dir = if dir.is_dir() {
         dir.to_path_buf()
@@ -104,7 +113,7 @@ async fn sink(layout: &KvLayout, blocks: usize) -> anyhow::Result<Sink> {
         std::env::temp_dir()
     };
     let path = dir.join(format!(
-        "{POOL_PREFIX}transfer-bench-{}",
+        "{POOL_PREFIX}transfer-bench-{name}-{}",
         std::process::id()
     ));
     let bytes = blocks * layout.block_bytes();
@@ -137,7 +146,6 @@ async fn sink(layout: &KvLayout, blocks: usize) -> anyhow::Result<Sink> {
         instance_id: vec![7; 16],
         ..WorkerInfo::default()
     };
-    let auth = test_auth();
     let svc = DecodeServiceServer::new(KvOnlyDecode {
         table: table.clone(),
         info,
@@ -294,28 +302,40 @@ async fn main() -> anyhow::Result<()> {
         }
     }
     let source = Arc::new(source);
-    let sink = sink(&layout, nblocks).await?;
-    let peers = Peers::new(test_auth(), Some(sink.dir.clone()));
+    // As deployed (calls signed, the decode side proven, TCP hellos answered), and the same
+    // transfers without credentials, interleaved: the cost of authentication alone.
+    let sink_auth = sink(&layout, nblocks, test_auth(), "auth").await?;
+    let sink_open = sink(&layout, nblocks, InternalAuth::none(), "open").await?;
+    let peers_auth = Peers::new(test_auth(), Some(sink_auth.dir.clone()));
+    let peers_open = Peers::new(InternalAuth::none(), Some(sink_open.dir.clone()));
     let mut rates = Vec::new();
+    let mut auth_cost = Vec::new();
     for transport in [Transport::Shm, Transport::Tcp, Transport::Grpc] {
-        let mut best = f64::MAX;
+        let (mut best, mut best_open) = (f64::MAX, f64::MAX);
         let mut bytes = 0;
         for _ in 0..REPEATS {
-            let (b, s) = transfer_once(&sink, &source, transport, &peers).await?;
+            let (b, s) = transfer_once(&sink_auth, &source, transport, &peers_auth).await?;
             bytes = b;
             best = best.min(s);
+            let (_, s) = transfer_once(&sink_open, &source, transport, &peers_open).await?;
+            best_open = best_open.min(s);
         }
         rates.push((transport, bytes, best, bytes as f64 / best));
+        // Throughput with authentication ÷ without.
+        auth_cost.push((transport, best_open / best));
     }
     let rate = |t: Transport| rates.iter().find(|r| r.0 == t).map_or(0.0, |r| r.3);
+    let authenticated = |t: Transport| auth_cost.iter().find(|r| r.0 == t).map_or(0.0, |r| r.1);
     if std::env::args().any(|a| a == "--transports-only") {
         for (t, bytes, secs, r) in &rates {
             println!(
-                "{}: {:.1} ms for {bytes} bytes, {:.2} GB/s ({:.2} of memcpy)",
+                "{}: {:.1} ms for {bytes} bytes, {:.2} GB/s ({:.2} of memcpy; {:.3} of the \
+                 same without authentication)",
                 tandem_transfer::transport_name(*t),
                 secs * 1e3,
                 r / 1e9,
-                r / memcpy
+                r / memcpy,
+                authenticated(*t)
             );
         }
         return Ok(());
@@ -405,12 +425,13 @@ async fn main() -> anyhow::Result<()> {
     );
     for (t, bytes, secs, r) in &rates {
         println!(
-            "| {} transfer of a {TOKENS}-token SmolLM2 prompt ({:.1} MB) | {:.1} ms, {:.2} GB/s ({:.2} of memcpy) |",
+            "| {} transfer of a {TOKENS}-token SmolLM2 prompt ({:.1} MB) | {:.1} ms, {:.2} GB/s ({:.2} of memcpy; {:.3} of the same without authentication) |",
             tandem_transfer::transport_name(*t),
             *bytes as f64 / 1e6,
             secs * 1e3,
             r / 1e9,
-            r / memcpy
+            r / memcpy,
+            authenticated(*t)
         );
     }
     println!(
@@ -448,6 +469,9 @@ async fn main() -> anyhow::Result<()> {
         "shm_vs_memcpy": rate(Transport::Shm) / memcpy,
         "tcp_vs_memcpy": rate(Transport::Tcp) / memcpy,
         "grpc_vs_memcpy": rate(Transport::Grpc) / memcpy,
+        "shm_auth_vs_open": authenticated(Transport::Shm),
+        "tcp_auth_vs_open": authenticated(Transport::Tcp),
+        "grpc_auth_vs_open": authenticated(Transport::Grpc),
         "ttft_disagg_ms": td * 1e3,
         "ttft_agg_ms": ta * 1e3,
         "ttft_disagg_vs_agg": td / ta,
@@ -456,7 +480,9 @@ async fn main() -> anyhow::Result<()> {
     });
     println!("{json}");
     drop((tiny_router, tiny_decode));
-    let _ = std::fs::remove_file(&sink.shm_path);
-    let _ = std::fs::remove_file(tags_path(&sink.shm_path));
+    for sink in [&sink_auth, &sink_open] {
+        let _ = std::fs::remove_file(&sink.shm_path);
+        let _ = std::fs::remove_file(tags_path(&sink.shm_path));
+    }
     Ok(())
 }
