@@ -63,7 +63,7 @@ fn main() -> anyhow::Result<()> {
     init_tracing(args.server.log_json);
     // Bad engine flags fail here, before the runtime starts or a model loads.
     let engine_config = args.engine.engine_config().map_err(anyhow::Error::msg)?;
-    args.engine.init_threads();
+    args.engine.init_compute().map_err(anyhow::Error::msg)?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()

@@ -3,7 +3,8 @@
 //! at batch 1, 8, 32 and 64, each set against the floor that bounds it.
 //!
 //! `cargo run --release -p tandem-engine --example engine_bench -- --model smollm2`
-//! prints a table and, last, one JSON line.
+//! prints a table and, last, one JSON line. `--isa avx2` (or `TANDEM_ISA=avx2`) runs the
+//! kernels of another instruction set than the CPU's best; both print the set that ran.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -11,7 +12,7 @@ use std::time::Instant;
 
 use candle_core::{Device, Tensor};
 use rayon::prelude::*;
-use tandem_engine::kernels::{Matrix, WeightData, linear};
+use tandem_engine::kernels::{Isa, Matrix, WeightData, isa, linear, select_isa};
 use tandem_engine::{
     Engine, EngineConfig, LoadOptions, ModelSource, SamplingParams, StopParams, WeightDtype,
     load_model,
@@ -46,8 +47,11 @@ fn parse_args() -> anyhow::Result<Args> {
             "--cache" => args.cache = value()?.into(),
             "--prompt-len" => args.prompt_len = value()?.parse()?,
             "--decode-steps" => args.decode_steps = value()?.parse()?,
+            "--isa" => {
+                select_isa(Isa::parse(&value()?)?)?;
+            }
             other => anyhow::bail!(
-                "unknown flag {other} (--model, --dtype, --cache, --prompt-len, --decode-steps)"
+                "unknown flag {other} (--model, --dtype, --cache, --prompt-len, --decode-steps, --isa)"
             ),
         }
     }
@@ -127,7 +131,13 @@ fn matmul_rates() -> anyhow::Result<(f64, f64)> {
 fn main() -> anyhow::Result<()> {
     let args = parse_args()?;
     let threads = rayon::current_num_threads();
-    eprintln!("measuring floors ({threads} threads)...");
+    // Resolve the kernels' instruction set before timing anything (TANDEM_ISA is refused here,
+    // with its reason, if this CPU cannot run it).
+    let isa = match tandem_engine::kernels::isa_from_env()? {
+        Some(chosen) => select_isa(chosen)?,
+        None => isa(),
+    };
+    eprintln!("measuring floors ({threads} threads, {isa} kernels)...");
     let bandwidth = copy_bandwidth();
     let read_bw = read_bandwidth();
     let (candle_gflops, own_gflops) = matmul_rates()?;
@@ -211,6 +221,7 @@ fn main() -> anyhow::Result<()> {
     println!("| measure | value |");
     println!("|---|---|");
     println!("| threads | {threads} |");
+    println!("| kernels (instruction set) | {isa} |");
     println!(
         "| memory bandwidth (copy, read+write) | {:.1} GB/s |",
         bandwidth / 1e9
@@ -256,6 +267,7 @@ fn main() -> anyhow::Result<()> {
         "model": model.name(),
         "dtype": args.dtype.name(),
         "threads": threads,
+        "isa": isa.name(),
         "bandwidth_gb_s": bandwidth / 1e9,
         "read_bandwidth_gb_s": read_bw / 1e9,
         "matmul_peak_gflops": peak / 1e9,

@@ -89,11 +89,18 @@ pub struct EngineArgs {
     /// GPU deployment). Refused with `--device cpu`, never ignored.
     #[arg(long, env = "TANDEM_GREEN_CONTEXT_SMS")]
     pub green_context_sms: Option<u32>,
+    /// Instruction set of the CPU kernels: avx512, avx2, neon or scalar (default: the best
+    /// this CPU runs). Every set gives the same bits; a set the CPU lacks is refused.
+    #[arg(long, env = "TANDEM_ISA")]
+    pub isa: Option<String>,
 }
 
 impl EngineArgs {
     /// The engine's configuration, or why these flags cannot run in this build.
     pub fn engine_config(&self) -> Result<EngineConfig, String> {
+        if let Some(name) = &self.isa {
+            tandem_engine::kernels::Isa::require(name).map_err(|e| format!("--isa: {e}"))?;
+        }
         let mut device: Device = self
             .device
             .parse()
@@ -123,9 +130,17 @@ impl EngineArgs {
         })
     }
 
-    /// Sizes the compute threads (the kernels' team and rayon's pool); call once, before
-    /// loading.
-    pub fn init_threads(&self) {
+    /// Chooses the kernels' instruction set and sizes the compute threads (the kernels' team
+    /// and rayon's pool); call once, after [`EngineArgs::engine_config`] and before loading.
+    pub fn init_compute(&self) -> Result<(), String> {
+        use tandem_engine::kernels::{Isa, isa, select_isa};
+        let chosen = match &self.isa {
+            Some(name) => Isa::require(name)
+                .and_then(select_isa)
+                .map_err(|e| format!("--isa: {e}"))?,
+            None => isa(),
+        };
+        tracing::info!(isa = %chosen, best = %Isa::best(), "CPU kernels");
         if let Some(n) = self.threads {
             tandem_engine::kernels::team::set_threads(n);
         }
@@ -136,6 +151,7 @@ impl EngineArgs {
         if let Err(e) = builder.build_global() {
             tracing::warn!(error = %e, "compute pool already initialised");
         }
+        Ok(())
     }
 }
 
@@ -205,6 +221,12 @@ mod tests {
             .unwrap_err();
         assert!(err.contains("needs --device cuda"), "{err}");
         assert!(parse(&["--device", "tpu"]).engine_config().is_err());
+        let err = parse(&["--isa", "sse9"]).engine_config().unwrap_err();
+        assert!(
+            err.contains("--isa: unknown instruction set `sse9`"),
+            "{err}"
+        );
+        assert!(parse(&["--isa", "scalar"]).engine_config().is_ok());
         let gpu = parse(&["--device", "cuda:1", "--green-context-sms", "64"]).engine_config();
         if tandem_engine::CUDA_SUPPORT {
             assert_eq!(

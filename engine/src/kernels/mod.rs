@@ -8,49 +8,20 @@
 //! machine type: disaggregated greedy output equals aggregated output token for token. A BLAS
 //! (gemm) picks different kernels and blockings by matrix size, which breaks that.
 //! candle stays the reference implementation the tests compare against.
+//!
+//! The same holds across instruction sets ([`isa`]): the AVX-512, AVX2, NEON and portable
+//! paths differ in how many outputs share a load, never in the order of an element's sum, so
+//! a prefill host and a decode host with different CPUs still agree bit for bit.
 
 pub mod attention;
+pub mod isa;
 pub mod matmul;
 pub(crate) mod ops;
 pub mod team;
 
-pub use matmul::{Matrix, PANEL, WeightData, linear};
+pub use isa::{ISA_ENV, Isa, IsaError, isa, isa_from_env, select_isa};
+pub use matmul::{Matrix, PANEL, WeightData, linear, linear_on};
 pub use ops::{RopeTable, add_in_place, rms_norm, silu_mul, sum_exp};
-
-use std::sync::OnceLock;
-
-/// The instruction set the kernels dispatch to, detected once per process.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Isa {
-    Avx512,
-    Avx2,
-    Scalar,
-}
-
-/// The best instruction set this CPU supports (`TANDEM_FORCE_SCALAR_KERNELS` is not read
-/// here on purpose: libraries take no env vars; tests call the scalar paths directly).
-pub fn isa() -> Isa {
-    static ISA: OnceLock<Isa> = OnceLock::new();
-    *ISA.get_or_init(|| {
-        #[cfg(target_arch = "x86_64")]
-        {
-            if std::arch::is_x86_feature_detected!("avx512f")
-                && std::arch::is_x86_feature_detected!("avx512bw")
-                && std::arch::is_x86_feature_detected!("f16c")
-                && std::arch::is_x86_feature_detected!("fma")
-            {
-                return Isa::Avx512;
-            }
-            if std::arch::is_x86_feature_detected!("avx2")
-                && std::arch::is_x86_feature_detected!("f16c")
-                && std::arch::is_x86_feature_detected!("fma")
-            {
-                return Isa::Avx2;
-            }
-        }
-        Isa::Scalar
-    })
-}
 
 /// A raw output pointer shared by parallel tasks that write disjoint elements.
 #[derive(Clone, Copy)]

@@ -24,7 +24,13 @@ pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
 /// row `silu(gate) * up`. Compiled per instruction set so the exponential vectorizes (a libm
 /// `expf` per element was 3 % of a decode step).
 pub fn silu_mul(gate_up: &[f32], f: usize, out: &mut [f32]) {
-    match super::isa() {
+    silu_mul_on(super::isa(), gate_up, f, out)
+}
+
+/// [`silu_mul`] on a given instruction set (one this CPU runs).
+pub(crate) fn silu_mul_on(isa: super::Isa, gate_up: &[f32], f: usize, out: &mut [f32]) {
+    assert!(isa.supported());
+    match isa {
         #[cfg(target_arch = "x86_64")]
         super::Isa::Avx512 => unsafe { silu_mul_avx512(gate_up, f, out) },
         #[cfg(target_arch = "x86_64")]
@@ -58,7 +64,13 @@ fn silu_mul_body(gate_up: &[f32], f: usize, out: &mut [f32]) {
 /// `Σ exp(x - max)` over a row of logits (the log-softmax denominator), vectorized like
 /// `silu_mul`.
 pub fn sum_exp(x: &[f32], max: f32) -> f32 {
-    match super::isa() {
+    sum_exp_on(super::isa(), x, max)
+}
+
+/// [`sum_exp`] on a given instruction set (one this CPU runs).
+pub(crate) fn sum_exp_on(isa: super::Isa, x: &[f32], max: f32) -> f32 {
+    assert!(isa.supported());
+    match isa {
         #[cfg(target_arch = "x86_64")]
         super::Isa::Avx512 => unsafe { sum_exp_avx512(x, max) },
         #[cfg(target_arch = "x86_64")]
@@ -260,5 +272,26 @@ mod tests {
         let logits: Vec<f32> = (0..100).map(|i| (i as f32 * 0.37).sin() * 5.0).collect();
         let want: f32 = logits.iter().map(|&l| (l - 5.0).exp()).sum();
         assert!((sum_exp(&logits, 5.0) - want).abs() < 1e-5 * want);
+    }
+
+    #[test]
+    fn every_instruction_set_gives_the_same_bits() {
+        let gu: Vec<f32> = (0..2 * 3 * 100)
+            .map(|i| (i as f32 * 0.731).sin() * 9.0)
+            .collect();
+        let mut scalar = vec![0f32; 300];
+        silu_mul_on(super::super::Isa::Scalar, &gu, 100, &mut scalar);
+        let want = sum_exp_on(super::super::Isa::Scalar, &gu, 9.0);
+        for isa in super::super::Isa::available() {
+            let mut out = vec![0f32; 300];
+            silu_mul_on(isa, &gu, 100, &mut out);
+            assert!(
+                out.iter()
+                    .zip(&scalar)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{isa}"
+            );
+            assert_eq!(sum_exp_on(isa, &gu, 9.0).to_bits(), want.to_bits(), "{isa}");
+        }
     }
 }

@@ -132,8 +132,22 @@ impl Matrix {
     }
 }
 
-/// `out[m×w.rows] = x[m×w.cols] · Wᵀ`, batch-invariant (see the module docs).
+/// `out[m×w.rows] = x[m×w.cols] · Wᵀ`, batch-invariant (see the module docs), on the
+/// process's instruction set.
 pub fn linear(x: &[f32], m: usize, w: &Matrix, out: &mut [f32]) {
+    linear_on(isa(), x, m, w, out)
+}
+
+/// [`linear`] on a given instruction set, which must be one this CPU runs
+/// ([`Isa::supported`]); every set gives the same bits.
+///
+/// # Panics
+/// If the buffers are shorter than the shapes say, or the CPU cannot run `isa`.
+pub fn linear_on(isa: Isa, x: &[f32], m: usize, w: &Matrix, out: &mut [f32]) {
+    assert!(
+        isa.supported(),
+        "linear: this CPU cannot run the {isa} kernels"
+    );
     let (n, k) = (w.rows, w.cols);
     assert!(
         x.len() >= m * k && out.len() >= m * n,
@@ -148,7 +162,6 @@ pub fn linear(x: &[f32], m: usize, w: &Matrix, out: &mut [f32]) {
     let per_task = panels.div_ceil(threads * 4).next_multiple_of(NP).max(NP);
     let tasks = panels.div_ceil(per_task);
     let out_ptr = SharedMut(out.as_mut_ptr());
-    let isa = isa();
     let run = |t: usize| {
         let p0 = t * per_task;
         let p1 = (p0 + per_task).min(panels);
@@ -280,183 +293,143 @@ impl Widen for bf16 {
     }
 }
 
-/// The portable kernel: the same per-element order (one fused multiply-add per `i`).
+/// The portable kernel: the same per-element order (one fused multiply-add per input
+/// feature, in order), with the input loop outermost so each weight row is read in sequence.
 unsafe fn tile_scalar<W: Widen>(mr: usize, np: usize, t: Tile, w: *const W) {
-    for r in 0..mr {
-        for c in 0..t.cols.min(np * PANEL) {
-            let (p, lane) = (c / PANEL, c % PANEL);
-            let panel = unsafe { w.add(p * t.k * PANEL) };
-            let mut acc = 0f32;
-            for i in 0..t.k {
-                let xv = unsafe { *t.x.add(r * t.k + i) };
-                let wv = unsafe { (*panel.add(i * PANEL + lane)).widen() };
-                acc = xv.mul_add(wv, acc);
+    let cols = t.cols.min(np * PANEL);
+    let mut acc = [[0f32; NP * PANEL]; MR];
+    for i in 0..t.k {
+        for (r, row) in acc.iter_mut().enumerate().take(mr) {
+            // SAFETY: the tile's rows of x hold `k` floats each.
+            let xv = unsafe { *t.x.add(r * t.k + i) };
+            for (c, a) in row.iter_mut().enumerate().take(cols) {
+                // SAFETY: panel c / 16 of the tile holds `k` rows of 16 weights.
+                let wv =
+                    unsafe { (*w.add((c / PANEL) * t.k * PANEL + i * PANEL + c % PANEL)).widen() };
+                *a = xv.mul_add(wv, *a);
             }
-            unsafe { *t.out.add(r * t.ldo + c) = acc };
+        }
+    }
+    for (r, row) in acc.iter().enumerate().take(mr) {
+        // SAFETY: the tile may write `cols` columns of each of its rows.
+        unsafe { std::ptr::copy_nonoverlapping(row.as_ptr(), t.out.add(r * t.ldo), cols) };
+    }
+}
+
+#[cfg(target_arch = "aarch64")]
+mod neon;
+#[cfg(target_arch = "x86_64")]
+mod x86;
+
+/// Panels one kernel call covers in a tile of `mr` rows: as many as keep the accumulators,
+/// the weight vectors and the broadcast in registers. AVX-512 has 32 registers of a whole
+/// panel (6 × 4 accumulators + 4 + 1); AVX2 has 16 of half a panel and NEON 32 of a quarter,
+/// so wider tiles there spill (the AVX-512 shape on AVX2 ran at half the speed of this one).
+/// Splitting a tile into calls changes no element's order of summation.
+fn panels_per_call(isa: Isa, mr: usize) -> usize {
+    match (isa, mr) {
+        (Isa::Avx512 | Isa::Scalar, _) => NP,
+        // One row: each weight vector is used once, straight from memory.
+        (Isa::Avx2 | Isa::Neon, 1) => NP,
+        // AVX2: 8 accumulators + 4 weights + 1; NEON: 16 + 8 + 1.
+        (Isa::Avx2 | Isa::Neon, 2) => 2,
+        // AVX2: up to 12 accumulators + 2 weights + 1; NEON: up to 24 + 4 + 1.
+        (Isa::Avx2 | Isa::Neon, _) => 1,
+    }
+}
+
+impl Tile {
+    /// The part of this tile from its panel `c` on (`c * PANEL < cols`); only the first part
+    /// keeps the prefetch.
+    fn panels_from(self, c: usize) -> Tile {
+        Tile {
+            out: self.out.wrapping_add(c * PANEL),
+            cols: self.cols - c * PANEL,
+            prefetch: if c == 0 {
+                self.prefetch
+            } else {
+                std::ptr::null()
+            },
+            ..self
         }
     }
 }
 
-#[cfg(target_arch = "x86_64")]
-mod x86 {
-    use super::{PANEL, Tile};
-    use std::arch::x86_64::*;
-
-    macro_rules! load16 {
-        (f32, $p:expr) => {
-            _mm512_loadu_ps($p as *const f32)
-        };
-        (f16, $p:expr) => {
-            _mm512_cvtph_ps(_mm256_loadu_si256($p as *const __m256i))
-        };
-        (bf16, $p:expr) => {
-            _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(
-                _mm256_loadu_si256($p as *const __m256i),
-            )))
-        };
-    }
-
-    macro_rules! load8 {
-        (f32, $p:expr) => {
-            _mm256_loadu_ps($p as *const f32)
-        };
-        (f16, $p:expr) => {
-            _mm256_cvtph_ps(_mm_loadu_si128($p as *const __m128i))
-        };
-        (bf16, $p:expr) => {
-            _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(
-                _mm_loadu_si128($p as *const __m128i),
-            )))
-        };
-    }
-
-    macro_rules! tiles {
-        ($avx512:ident, $avx2:ident, $ty:ty, $kind:tt) => {
-            /// AVX-512: R rows × C panels of accumulators, one broadcast per row and input.
-            #[target_feature(enable = "avx512f,avx512bw,avx512vl,f16c,fma")]
-            pub(super) unsafe fn $avx512<const R: usize, const C: usize>(t: Tile, w: *const $ty) {
-                let mut acc = [[_mm512_setzero_ps(); C]; R];
-                let panel_stride = t.k * PANEL;
-                for i in 0..t.k {
-                    if !t.prefetch.is_null() {
-                        // A hint only: prefetches never fault, and the line is in bounds.
-                        _mm_prefetch::<_MM_HINT_T1>(
-                            t.prefetch.wrapping_add(i * super::PREFETCH_LINE) as *const i8,
-                        );
-                    }
-                    let mut wv = [_mm512_setzero_ps(); C];
-                    for (c, v) in wv.iter_mut().enumerate() {
-                        *v = unsafe { load16!($kind, w.add(c * panel_stride + i * PANEL)) };
-                    }
-                    for (r, row) in acc.iter_mut().enumerate() {
-                        let xv = _mm512_set1_ps(unsafe { *t.x.add(r * t.k + i) });
-                        for (a, v) in row.iter_mut().zip(&wv) {
-                            *a = _mm512_fmadd_ps(xv, *v, *a);
-                        }
-                    }
-                }
-                for (r, row) in acc.iter().enumerate() {
-                    for (c, a) in row.iter().enumerate() {
-                        let col = c * PANEL;
-                        if col >= t.cols {
-                            break;
-                        }
-                        let dst = unsafe { t.out.add(r * t.ldo + col) };
-                        let valid = (t.cols - col).min(PANEL);
-                        if valid == PANEL {
-                            unsafe { _mm512_storeu_ps(dst, *a) };
-                        } else {
-                            let mask: __mmask16 = ((1u32 << valid) - 1) as __mmask16;
-                            unsafe { _mm512_mask_storeu_ps(dst, mask, *a) };
-                        }
-                    }
-                }
-            }
-
-            /// AVX2: each 16-wide panel as two 8-wide halves.
-            #[target_feature(enable = "avx2,f16c,fma")]
-            pub(super) unsafe fn $avx2<const R: usize, const C: usize>(t: Tile, w: *const $ty) {
-                let mut acc = [[[_mm256_setzero_ps(); 2]; C]; R];
-                let panel_stride = t.k * PANEL;
-                for i in 0..t.k {
-                    let mut wv = [[_mm256_setzero_ps(); 2]; C];
-                    for (c, v) in wv.iter_mut().enumerate() {
-                        let base = unsafe { w.add(c * panel_stride + i * PANEL) };
-                        v[0] = unsafe { load8!($kind, base) };
-                        v[1] = unsafe { load8!($kind, base.add(8)) };
-                    }
-                    for (r, row) in acc.iter_mut().enumerate() {
-                        let xv = _mm256_set1_ps(unsafe { *t.x.add(r * t.k + i) });
-                        for (a, v) in row.iter_mut().zip(&wv) {
-                            a[0] = _mm256_fmadd_ps(xv, v[0], a[0]);
-                            a[1] = _mm256_fmadd_ps(xv, v[1], a[1]);
-                        }
-                    }
-                }
-                for (r, row) in acc.iter().enumerate() {
-                    for (c, a) in row.iter().enumerate() {
-                        let mut lanes = [0f32; PANEL];
-                        unsafe {
-                            _mm256_storeu_ps(lanes.as_mut_ptr(), a[0]);
-                            _mm256_storeu_ps(lanes.as_mut_ptr().add(8), a[1]);
-                        }
-                        for (j, &v) in lanes.iter().enumerate() {
-                            let col = c * PANEL + j;
-                            if col < t.cols {
-                                unsafe { *t.out.add(r * t.ldo + col) = v };
-                            }
-                        }
-                    }
-                }
-            }
-        };
-    }
-
-    tiles!(tile_avx512_f32, tile_avx2_f32, f32, f32);
-    tiles!(tile_avx512_f16, tile_avx2_f16, half::f16, f16);
-    tiles!(tile_avx512_bf16, tile_avx2_bf16, half::bf16, bf16);
+/// Calls the kernel `$k R, C>(t, w)` for the tile shape `(mr, cp)`: `$k` is its path up to
+/// and including the `<` of its generic arguments. `all` instantiates every shape of up to
+/// 6 rows × 4 panels, `narrow` the shapes `panels_per_call` gives the 16-register sets.
+macro_rules! call_shape {
+    (all, [$($k:tt)*], $mr:expr, $cp:expr, $t:expr, $w:expr) => {
+        match ($mr, $cp) {
+            (6, 4) => $($k)* 6, 4>($t, $w),
+            (6, 3) => $($k)* 6, 3>($t, $w),
+            (6, 2) => $($k)* 6, 2>($t, $w),
+            (6, _) => $($k)* 6, 1>($t, $w),
+            (5, 4) => $($k)* 5, 4>($t, $w),
+            (5, 3) => $($k)* 5, 3>($t, $w),
+            (5, 2) => $($k)* 5, 2>($t, $w),
+            (5, _) => $($k)* 5, 1>($t, $w),
+            (4, 4) => $($k)* 4, 4>($t, $w),
+            (4, 3) => $($k)* 4, 3>($t, $w),
+            (4, 2) => $($k)* 4, 2>($t, $w),
+            (4, _) => $($k)* 4, 1>($t, $w),
+            (3, 4) => $($k)* 3, 4>($t, $w),
+            (3, 3) => $($k)* 3, 3>($t, $w),
+            (3, 2) => $($k)* 3, 2>($t, $w),
+            (3, _) => $($k)* 3, 1>($t, $w),
+            (2, 4) => $($k)* 2, 4>($t, $w),
+            (2, 3) => $($k)* 2, 3>($t, $w),
+            (2, 2) => $($k)* 2, 2>($t, $w),
+            (2, _) => $($k)* 2, 1>($t, $w),
+            (_, 4) => $($k)* 1, 4>($t, $w),
+            (_, 3) => $($k)* 1, 3>($t, $w),
+            (_, 2) => $($k)* 1, 2>($t, $w),
+            (_, _) => $($k)* 1, 1>($t, $w),
+        }
+    };
+    (narrow, [$($k:tt)*], $mr:expr, $cp:expr, $t:expr, $w:expr) => {
+        match ($mr, $cp) {
+            (1, 4) => $($k)* 1, 4>($t, $w),
+            (1, 3) => $($k)* 1, 3>($t, $w),
+            (1, 2) => $($k)* 1, 2>($t, $w),
+            (2, 2) => $($k)* 2, 2>($t, $w),
+            (1, _) => $($k)* 1, 1>($t, $w),
+            (2, _) => $($k)* 2, 1>($t, $w),
+            (3, _) => $($k)* 3, 1>($t, $w),
+            (4, _) => $($k)* 4, 1>($t, $w),
+            (5, _) => $($k)* 5, 1>($t, $w),
+            (_, _) => $($k)* 6, 1>($t, $w),
+        }
+    };
 }
 
-/// Dispatches a tile of `mr` (1..=6) rows by `np` (1..=4) panels to the detected ISA.
+/// Defines `$fn_name`, which runs a tile of `mr` (1..=6) rows by `np` (1..=4) panels of
+/// `$ty` weights on `isa`, in as many kernel calls as `panels_per_call` says.
 macro_rules! dispatch_tile {
     ($fn_name:ident, $ty:ty, $avx512:ident, $avx2:ident) => {
         unsafe fn $fn_name(isa: Isa, mr: usize, np: usize, t: Tile, w: *const $ty) {
-            macro_rules! call {
-                ($r:literal, $c:literal) => {
+            let step = panels_per_call(isa, mr);
+            let mut c = 0;
+            while c < np && c * PANEL < t.cols {
+                let cp = (np - c).min(step);
+                debug_assert!(cp == 1 || step >= cp);
+                let sub = t.panels_from(c);
+                // SAFETY: panel c of the tile lies inside the caller's weights.
+                let wc = unsafe { w.add(c * t.k * PANEL) };
+                // SAFETY: `isa` was checked against the CPU when it was chosen; the tile's
+                // pointers and sizes are the caller's, narrowed to panels c.. above.
+                unsafe {
                     match isa {
                         #[cfg(target_arch = "x86_64")]
-                        Isa::Avx512 => unsafe { x86::$avx512::<$r, $c>(t, w) },
+                        Isa::Avx512 => call_shape!(all, [x86::$avx512::<], mr, cp, sub, wc),
                         #[cfg(target_arch = "x86_64")]
-                        Isa::Avx2 => unsafe { x86::$avx2::<$r, $c>(t, w) },
-                        _ => unsafe { tile_scalar::<$ty>($r, $c, t, w) },
+                        Isa::Avx2 => call_shape!(narrow, [x86::$avx2::<], mr, cp, sub, wc),
+                        #[cfg(target_arch = "aarch64")]
+                        Isa::Neon => call_shape!(narrow, [neon::tile_neon::<$ty,], mr, cp, sub, wc),
+                        _ => tile_scalar::<$ty>(mr, cp, sub, wc),
                     }
-                };
-            }
-            match (mr, np) {
-                (6, 4) => call!(6, 4),
-                (6, 3) => call!(6, 3),
-                (6, 2) => call!(6, 2),
-                (6, _) => call!(6, 1),
-                (5, 4) => call!(5, 4),
-                (5, 3) => call!(5, 3),
-                (5, 2) => call!(5, 2),
-                (5, _) => call!(5, 1),
-                (4, 4) => call!(4, 4),
-                (4, 3) => call!(4, 3),
-                (4, 2) => call!(4, 2),
-                (4, _) => call!(4, 1),
-                (3, 4) => call!(3, 4),
-                (3, 3) => call!(3, 3),
-                (3, 2) => call!(3, 2),
-                (3, _) => call!(3, 1),
-                (2, 4) => call!(2, 4),
-                (2, 3) => call!(2, 3),
-                (2, 2) => call!(2, 2),
-                (2, _) => call!(2, 1),
-                (_, 4) => call!(1, 4),
-                (_, 3) => call!(1, 3),
-                (_, 2) => call!(1, 2),
-                (_, _) => call!(1, 1),
+                }
+                c += cp;
             }
         }
     };
@@ -561,27 +534,46 @@ mod tests {
     }
 
     #[test]
-    fn scalar_kernel_is_bit_identical_to_the_simd_one() {
-        let (m, n, k) = (5, 40, 45);
-        let x = random(m * k, 5);
-        let w = Matrix::new(n, k, WeightData::F32(random(n * k, 6)));
-        let mut simd = vec![0f32; m * n];
-        linear(&x, m, &w, &mut simd);
-        let mut scalar = vec![0f32; m * n];
-        let WeightData::F32(wd) = &w.data else {
-            unreachable!()
-        };
-        for p in 0..n.div_ceil(PANEL) {
-            let t = Tile {
-                x: x.as_ptr(),
-                k,
-                out: unsafe { scalar.as_mut_ptr().add(p * PANEL) },
-                ldo: n,
-                cols: (n - p * PANEL).min(PANEL),
-                prefetch: std::ptr::null(),
-            };
-            unsafe { tile_scalar::<f32>(m, 1, t, wd.as_ptr().add(p * k * PANEL)) };
+    fn every_instruction_set_gives_the_same_bits() {
+        // Shapes that reach every tile shape of every set: 1-6 rows, 1-4 panels, partial
+        // last panels, several row blocks.
+        for &(m, n, k) in &[
+            (1, 64, 96),
+            (2, 40, 45),
+            (3, 17, 8),
+            (6, 203, 70),
+            (100, 130, 33),
+        ] {
+            let x = random(m * k, 5);
+            let wf = random(n * k, 6);
+            for data in [
+                WeightData::F32(wf.clone()),
+                WeightData::F16(wf.iter().map(|&v| f16::from_f32(v)).collect()),
+                WeightData::Bf16(wf.iter().map(|&v| bf16::from_f32(v)).collect()),
+            ] {
+                let w = Matrix::new(n, k, data);
+                let mut scalar = vec![0f32; m * n];
+                linear_on(Isa::Scalar, &x, m, &w, &mut scalar);
+                for isa in Isa::available() {
+                    let mut out = vec![f32::NAN; m * n];
+                    linear_on(isa, &x, m, &w, &mut out);
+                    let same = out
+                        .iter()
+                        .zip(&scalar)
+                        .all(|(a, b)| a.to_bits() == b.to_bits());
+                    assert!(same, "{isa} differs from scalar at {m}x{n}x{k}");
+                }
+            }
         }
-        assert_eq!(scalar, simd);
+    }
+
+    #[test]
+    fn tiles_are_split_to_fit_the_registers() {
+        assert_eq!(panels_per_call(Isa::Avx512, 6), NP);
+        for isa in [Isa::Avx2, Isa::Neon] {
+            assert_eq!(panels_per_call(isa, 1), NP);
+            assert_eq!(panels_per_call(isa, 2), 2);
+            assert_eq!(panels_per_call(isa, 6), 1);
+        }
     }
 }

@@ -1,0 +1,141 @@
+//! The same logits, bit for bit, on every instruction set and every CPU architecture.
+//!
+//! A prefill worker and a decode worker may run on different CPUs (an AVX-512 host and an
+//! AVX2 one, or x86 and aarch64). Greedy output stays token-for-token identical only if their
+//! kernels agree bit for bit, which the kernels promise by summing every element in one fixed
+//! order on every path. This test holds them to it: it runs fixed scenarios (a chunked prefill
+//! beside decode steps, f32, bf16 and f16 weights, GQA at head_dim 64) and compares a SHA-256
+//! of every logit's bits with `golden/logits.sha256`, which was written on x86-64. CI runs it
+//! under each x86 instruction set (`TANDEM_ISA`) and on aarch64 under qemu.
+//!
+//! If a change to the kernels alters the order of a sum on purpose, rewrite the file with
+//! `TANDEM_BLESS=1 cargo test -p tandem-engine --test across_isas` and say why in the commit.
+
+use std::fmt::Write;
+use std::sync::Arc;
+
+use sha2::{Digest, Sha256};
+use tandem_engine::config::{ModelConfig, WeightDtype};
+use tandem_engine::kernels::isa;
+use tandem_engine::kv::{BlockPool, KvCache, blocks_for};
+use tandem_engine::model::dummy_model;
+use tandem_engine::{Model, SeqInput};
+
+const GOLDEN: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/golden/logits.sha256");
+
+/// SmolLM2's attention shape (head_dim 64, 9 query heads over 3 KV heads), 3 layers, a small
+/// vocabulary.
+fn model(dtype: WeightDtype) -> Arc<Model> {
+    let cfg = ModelConfig {
+        num_hidden_layers: 3,
+        vocab_size: 1000,
+        ..ModelConfig::preset("smollm2-135m").unwrap()
+    };
+    Arc::new(dummy_model(cfg, dtype, 7, "isa").unwrap())
+}
+
+fn tokens(seed: u32, n: usize) -> Vec<u32> {
+    (0..n as u32)
+        .map(|i| (i.wrapping_mul(2_654_435_761).wrapping_add(seed * 97)) % 1000)
+        .collect()
+}
+
+/// Logits of a batch that mixes a prompt prefilled in two chunks with a sequence decoding,
+/// then three decode steps of both.
+fn scenario(model: &Model) -> Vec<Vec<f32>> {
+    let layout = model.kv_layout();
+    let mut cache = KvCache::with_budget(layout.clone(), 16 * layout.block_bytes()).unwrap();
+    let mut pool = BlockPool::new(16);
+    let a = tokens(1, 45);
+    let b = tokens(2, 20);
+    let table_a = pool.allocate(blocks_for(a.len() + 4)).unwrap();
+    let table_b = pool.allocate(blocks_for(b.len() + 4)).unwrap();
+    let mut logits = Vec::new();
+    let mut forward = |inputs: &[SeqInput<'_>]| {
+        let out = model.forward(&mut cache, inputs, &mut |_, _| {}).unwrap();
+        logits.extend(out);
+    };
+    forward(&[SeqInput {
+        tokens: &b,
+        start_pos: 0,
+        block_table: &table_b,
+        logits: true,
+    }]);
+    // First chunk of `a` beside nothing, then its second chunk beside b's first decode step.
+    forward(&[SeqInput {
+        tokens: &a[..30],
+        start_pos: 0,
+        block_table: &table_a,
+        logits: false,
+    }]);
+    let mut next_b = vec![7u32];
+    forward(&[
+        SeqInput {
+            tokens: &next_b,
+            start_pos: b.len(),
+            block_table: &table_b,
+            logits: true,
+        },
+        SeqInput {
+            tokens: &a[30..],
+            start_pos: 30,
+            block_table: &table_a,
+            logits: true,
+        },
+    ]);
+    for step in 0..3 {
+        let next_a = [11 + step as u32];
+        next_b = vec![20 + step as u32];
+        forward(&[
+            SeqInput {
+                tokens: &next_a,
+                start_pos: a.len() + step,
+                block_table: &table_a,
+                logits: true,
+            },
+            SeqInput {
+                tokens: &next_b,
+                start_pos: b.len() + 1 + step,
+                block_table: &table_b,
+                logits: true,
+            },
+        ]);
+    }
+    logits
+}
+
+fn digest(logits: &[Vec<f32>]) -> String {
+    let mut h = Sha256::new();
+    for row in logits {
+        for v in row {
+            h.update(v.to_bits().to_le_bytes());
+        }
+    }
+    h.finalize().iter().fold(String::new(), |mut s, b| {
+        let _ = write!(s, "{b:02x}");
+        s
+    })
+}
+
+#[test]
+fn logits_match_the_x86_golden_digests_bit_for_bit() {
+    let mut lines = String::new();
+    for dtype in [WeightDtype::F32, WeightDtype::Bf16, WeightDtype::F16] {
+        let logits = scenario(&model(dtype));
+        assert!(logits.iter().flatten().all(|v| v.is_finite()));
+        let _ = writeln!(lines, "{} {}", dtype.name(), digest(&logits));
+    }
+    if std::env::var_os("TANDEM_BLESS").is_some() {
+        std::fs::write(GOLDEN, &lines).unwrap();
+        return;
+    }
+    let golden = std::fs::read_to_string(GOLDEN).unwrap();
+    assert_eq!(
+        lines,
+        golden,
+        "logits on {} kernels ({}) differ from the x86-64 golden digests: the kernels no \
+         longer sum in the promised order on this path (see this file's docs)",
+        isa(),
+        std::env::consts::ARCH
+    );
+}
