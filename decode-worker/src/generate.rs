@@ -60,11 +60,11 @@ pub(crate) async fn start(
         Mode::Disaggregated => {
             let claim = inner
                 .leases
-                .claim(&caller, tandem_engine::kv::blocks_for(req.prompt.len()))
+                .claim(&caller, tandem_kv::blocks_for(req.prompt.len()))
                 .map_err(Status::from)?;
             let blocks = pool
                 .reserve(req.prompt.len())
-                .map_err(|e| engine_status(&e))?;
+                .map_err(|e| engine_status(&e.into()))?;
             let (lease, commit) = match inner.leases.create_claimed(
                 claim,
                 blocks.clone(),

@@ -10,4 +10,4 @@ mod generate;
 mod service;
 
 pub use service::{DecodeConfig, DecodeError, DecodeWorker, serve};
-pub use tandem_transfer::default_shm_dir;
+pub use tandem_kv::shm::default_shm_dir;

@@ -7,16 +7,16 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use tandem_auth::InternalAuth;
-use tandem_engine::kv::{DeviceKv, KvCache, KvStorage};
 use tandem_engine::{Engine, EngineConfig, Model};
+use tandem_kv::shm::{
+    OwnerTags, POOL_PREFIX, default_shm_dir, file_identity, sweep_stale, tags_path,
+};
+use tandem_kv::{DeviceKv, KvCache, KvStorage};
 use tandem_proto::PROTOCOL_VERSION;
 use tandem_proto::v1::decode_service_server::{DecodeService, DecodeServiceServer};
 use tandem_proto::v1::*;
 use tandem_text::TextTokenizer;
-use tandem_transfer::{
-    LeaseTable, OwnerTags, POOL_PREFIX, TcpLimits, default_shm_dir, file_identity, kv_rpcs,
-    serve_tcp, sweep_stale, tags_path,
-};
+use tandem_transfer::{LeaseTable, TcpLimits, kv_rpcs, serve_tcp};
 use tandem_worker::convert::{kv_layout_to_proto, tokenizer_spec};
 use tandem_worker::{EngineHandle, spawn_engine};
 use tokio::net::TcpListener;
@@ -27,6 +27,8 @@ use tonic::{Request, Response, Status, Streaming};
 pub enum DecodeError {
     #[error("engine: {0}")]
     Engine(#[from] tandem_engine::EngineError),
+    #[error("KV cache: {0}")]
+    Kv(#[from] tandem_kv::KvError),
     #[error("KV transfer setup: {0}")]
     Transfer(#[from] tandem_transfer::TransferError),
     #[error("I/O: {0}")]
@@ -195,7 +197,7 @@ impl DecodeWorker {
         let quota = ((num_blocks as f64 * config.caller_lease_share).ceil() as usize).max(1);
         let mut leases = LeaseTable::new(writer, layout.hash(), tags).with_caller_quota(quota);
         if let Some(kv) = &device_kv {
-            leases = leases.with_device_pool(kv.block_layer_bytes);
+            leases = leases.with_device_pool(kv.block_layer_bytes());
         }
         let leases = Arc::new(leases);
         let cfg = model.config();
@@ -349,7 +351,7 @@ impl DecodeService for DecodeWorker {
         req: Request<OpenNcclRequest>,
     ) -> Result<Response<OpenNcclResponse>, Status> {
         #[cfg(feature = "nccl")]
-        if let Some(kv) = self.inner.device_kv
+        if let Some(kv) = self.inner.device_kv.clone()
             && tandem_transfer::nccl_supported()
         {
             let prefill = req.into_inner().prefill_id;

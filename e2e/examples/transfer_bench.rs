@@ -18,13 +18,11 @@ use std::time::{Duration, Instant};
 use futures::StreamExt;
 use tandem_auth::InternalAuth;
 use tandem_e2e::{DecodeClient, Proc, decode_client, prefill_client, test_auth, wait_http_ok};
-use tandem_engine::kv::{KvCache, KvDtype, KvLayout, KvStorage};
+use tandem_kv::shm::{OwnerTags, POOL_PREFIX, file_identity, tags_path};
+use tandem_kv::{KvCache, KvDtype, KvLayout, KvStorage};
 use tandem_proto::v1::decode_service_server::DecodeServiceServer;
 use tandem_proto::v1::*;
-use tandem_transfer::{
-    KvOnlyDecode, KvSender, LeaseTable, OwnerTags, POOL_PREFIX, Peers, TcpLimits, connect,
-    file_identity, serve_tcp, tags_path,
-};
+use tandem_transfer::{KvOnlyDecode, KvSender, LeaseTable, Peers, TcpLimits, connect, serve_tcp};
 use tokio::net::TcpListener;
 
 const TOKENS: usize = 2048;

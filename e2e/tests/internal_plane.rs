@@ -390,7 +390,8 @@ async fn the_prefill_worker_sends_kv_only_to_verified_decode_workers() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shared_memory_behind_a_link_or_outside_its_folder_is_never_written() {
     use std::os::unix::fs::MetadataExt;
-    use tandem_transfer::{KvOnlyDecode, LeaseTable, POOL_PREFIX};
+    use tandem_kv::shm::POOL_PREFIX;
+    use tandem_transfer::{KvOnlyDecode, LeaseTable};
     let shm = std::path::Path::new("/dev/shm");
     if !shm.is_dir() {
         eprintln!("SKIP: no /dev/shm");
@@ -413,19 +414,17 @@ async fn shared_memory_behind_a_link_or_outside_its_folder_is_never_written() {
     for advertised in [link.clone(), victim.clone()] {
         // An insider's fake decode worker (it signs with the secret) that advertises the
         // link, or the victim itself, with the victim's very inode.
-        let engine_layout = tandem_engine::kv::KvLayout {
+        let engine_layout = tandem_kv::KvLayout {
             num_layers: layout.num_layers as usize,
             num_kv_heads: layout.num_kv_heads as usize,
             head_dim: layout.head_dim as usize,
             block_size: layout.block_size as usize,
-            dtype: tandem_engine::kv::KvDtype::F32,
+            dtype: tandem_kv::KvDtype::F32,
             model_fingerprint: layout.model_fingerprint.clone(),
         };
-        let cache = tandem_engine::kv::KvCache::with_budget(
-            engine_layout.clone(),
-            4 * block_bytes as usize,
-        )
-        .unwrap();
+        let cache =
+            tandem_kv::KvCache::with_budget(engine_layout.clone(), 4 * block_bytes as usize)
+                .unwrap();
         let table = std::sync::Arc::new(LeaseTable::new(
             cache.block_writer(),
             pinfo.kv_layout_hash.clone(),
@@ -573,7 +572,7 @@ async fn shared_memory_files_are_private_and_never_outlive_their_worker() {
     let worker = |dir: &str| Proc::start("tandem-decode", &args(&["--shm-dir", dir])).unwrap();
     let files = |info: &WorkerInfo| {
         let pool = std::path::PathBuf::from(&info.shm_path);
-        let tags = tandem_transfer::tags_path(&pool);
+        let tags = tandem_kv::shm::tags_path(&pool);
         [pool, tags]
     };
     // Private while it runs; gone after SIGTERM.

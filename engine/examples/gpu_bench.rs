@@ -11,9 +11,9 @@ use std::time::Instant;
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
 use half::bf16;
 use tandem_engine::config::ModelConfig;
-use tandem_engine::gpu::{GpuContext, GpuKvCache, GpuModel, available};
-use tandem_engine::kv::{BlockPool, blocks_for};
+use tandem_engine::gpu::{GpuContext, GpuModel, PoolSize, available, device_pool};
 use tandem_engine::{LoadOptions, ModelSource, SeqInput, WeightDtype, load_model};
+use tandem_kv::{BlockPool, blocks_for};
 
 fn copy_bandwidth(gpu: &GpuContext) -> anyhow::Result<f64> {
     let n = 1usize << 30; // 2 GiB of bf16
@@ -80,8 +80,8 @@ fn bench_model(
 ) -> anyhow::Result<ModelResult> {
     let cfg = &model.cfg;
     let vocab = cfg.vocab_size as u32;
-    let mut cache = GpuKvCache::new(gpu, cfg, 40 << 30)?;
-    let mut pool = BlockPool::new(cache.num_blocks);
+    let mut cache = device_pool(gpu, cfg, PoolSize::Budget(40 << 30))?;
+    let mut pool = BlockPool::new(cache.layout().num_blocks);
     let prompt = |seed: u32, len: usize| -> Vec<u32> {
         (0..len as u32)
             .map(|i| (i * 7919 + seed * 104_729) % vocab)

@@ -8,9 +8,9 @@
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use tandem_engine::gpu::{GpuContext, GpuKvCache, GpuModel, available};
-use tandem_engine::kv::{BlockPool, KvCache, blocks_for};
+use tandem_engine::gpu::{GpuContext, GpuModel, PoolSize, available, device_pool};
 use tandem_engine::{LoadOptions, ModelSource, SeqInput, WeightDtype, load_model};
+use tandem_kv::{BlockPool, KvCache, blocks_for};
 
 fn rel_err(a: &[f32], b: &[f32]) -> f32 {
     let num = a
@@ -51,8 +51,12 @@ fn main() -> anyhow::Result<()> {
     let layout = cpu.kv_layout();
     let blocks = 256;
     let mut cpu_cache = KvCache::with_budget(layout.clone(), blocks * layout.block_bytes())?;
-    let mut gpu_cache = GpuKvCache::new(&gpu_ctx, &cfg, blocks * layout.block_bytes() / 2)?;
-    let mut pool = BlockPool::new(blocks.min(gpu_cache.num_blocks));
+    let mut gpu_cache = device_pool(
+        &gpu_ctx,
+        &cfg,
+        PoolSize::Budget(blocks * layout.block_bytes() / 2),
+    )?;
+    let mut pool = BlockPool::new(blocks.min(gpu_cache.layout().num_blocks));
     let prompt = |seed: u32, len: usize| -> Vec<u32> {
         (0..len as u32)
             .map(|i| (i.wrapping_mul(2_654_435_761) ^ seed.wrapping_mul(97)) % vocab)

@@ -13,9 +13,9 @@ use std::time::Instant;
 
 use half::bf16;
 use tandem_engine::config::ModelConfig;
-use tandem_engine::gpu::ipc::{self, OpenedPeer};
-use tandem_engine::gpu::{GpuContext, GpuKvCache, available};
-use tandem_engine::kv::{BLOCK_SIZE, plan_layer_copy};
+use tandem_engine::gpu::{GpuContext, PoolSize, available, device_pool};
+use tandem_kv::cuda::ipc::OpenedPeer;
+use tandem_kv::{BLOCK_SIZE, plan_layer_copy};
 
 const PROMPT_TOKENS: usize = 2048;
 const SRC_BLOCKS: usize = PROMPT_TOKENS / BLOCK_SIZE;
@@ -48,31 +48,31 @@ fn unhex(s: &str) -> anyhow::Result<Vec<u8>> {
 fn child(handle: &str) -> anyhow::Result<()> {
     let cfg = ModelConfig::preset("llama-3.1-8b")?;
     let gpu = GpuContext::new(0, None)?;
-    let mut src = GpuKvCache::with_blocks(&gpu, &cfg, SRC_BLOCKS)?;
-    let host = pattern(0x5a5a, src.data.len());
-    gpu.stream.memcpy_htod(&host, &mut *src.data)?;
+    let mut src = device_pool(&gpu, &cfg, PoolSize::Blocks(SRC_BLOCKS))?;
+    let host = pattern(0x5a5a, src.data().len());
+    gpu.stream.memcpy_htod(&host, src.data_mut())?;
     gpu.synchronize()?;
-    let kv = src.describe(&gpu);
-    let peer = OpenedPeer::open(&unhex(handle)?, kv.context)?;
+    let kv = src.describe();
+    let peer = OpenedPeer::open(&unhex(handle)?, kv.context())?;
     let mut times = Vec::new();
     for dst_of in [scattered as fn(usize) -> u32, |lb| MERGED_START + lb as u32] {
         let pairs: Vec<(u32, u32)> = (0..SRC_BLOCKS).map(|lb| (lb as u32, dst_of(lb))).collect();
         let mut best = f64::MAX;
         for _ in 0..3 {
             let t = Instant::now();
-            for layer in 0..kv.num_layers {
+            for layer in 0..kv.num_layers() {
                 let runs = plan_layer_copy(
                     layer,
-                    kv.num_layers,
-                    kv.block_layer_bytes,
-                    kv.num_blocks,
+                    kv.num_layers(),
+                    kv.block_layer_bytes(),
+                    kv.num_blocks(),
                     DST_BLOCKS,
                     &pairs,
                 )?;
                 // SAFETY: the plan keeps every run inside both pools; the parent waits for us.
-                unsafe { peer.copy_runs(kv.base, &runs, kv.stream)? };
+                unsafe { peer.copy_runs(&kv, &runs)? };
             }
-            ipc::synchronize(kv.stream, kv.context)?;
+            kv.synchronize()?;
             best = best.min(t.elapsed().as_secs_f64());
         }
         times.push(best);
@@ -92,11 +92,11 @@ fn main() -> anyhow::Result<()> {
     }
     let cfg = ModelConfig::preset("llama-3.1-8b")?;
     let gpu = GpuContext::new(0, None)?;
-    let mut dst = GpuKvCache::with_blocks(&gpu, &cfg, DST_BLOCKS)?;
-    let own = pattern(0x0101, dst.data.len());
-    gpu.stream.memcpy_htod(&own, &mut *dst.data)?;
+    let mut dst = device_pool(&gpu, &cfg, PoolSize::Blocks(DST_BLOCKS))?;
+    let own = pattern(0x0101, dst.data().len());
+    gpu.stream.memcpy_htod(&own, dst.data_mut())?;
     gpu.synchronize()?;
-    let export = dst.export(&gpu)?;
+    let export = dst.export()?;
     let out = std::process::Command::new(&args[0])
         .args(["--child", &hex(&export.ipc_handle)])
         .output()?;
@@ -113,11 +113,11 @@ fn main() -> anyhow::Result<()> {
     anyhow::ensure!(times.len() == 2, "child printed {text:?}");
 
     // Every byte: copied blocks hold the child's pattern at the source offsets.
-    let mut got = vec![bf16::ZERO; dst.data.len()];
-    gpu.stream.memcpy_dtoh(&*dst.data, &mut got)?;
+    let mut got = vec![bf16::ZERO; dst.data().len()];
+    gpu.stream.memcpy_dtoh(dst.data(), &mut got)?;
     gpu.synchronize()?;
-    let piece = dst.block_layer_elems();
-    let layers = dst.num_layers;
+    let piece = dst.layout().block_layer_elems;
+    let layers = dst.layout().num_layers;
     let theirs = pattern(0x5a5a, layers * SRC_BLOCKS * piece);
     let mut source_of = vec![None; DST_BLOCKS];
     for lb in 0..SRC_BLOCKS {
@@ -140,7 +140,7 @@ fn main() -> anyhow::Result<()> {
 
     // The reference: one local device-to-device copy of the same bytes.
     let bytes = layers * SRC_BLOCKS * piece * 2;
-    let local = gpu.local_copy_seconds(bytes)?;
+    let local = tandem_kv::cuda::local_copy_seconds(&gpu.stream, bytes)?;
     let gbs = |s: f64| bytes as f64 / s / 1e9;
     println!(
         "| cuda-ipc, {PROMPT_TOKENS}-token prompt, Llama-3.1-8B KV ({:.0} MiB) | GB/s | vs local copy |",

@@ -15,8 +15,8 @@ use crate::config::ModelConfig;
 use crate::device_launch::{Kernel, KernelArg, Launch, LaunchDevice};
 use crate::error::{EngineError, Result};
 use crate::kernels::{Matrix, RopeTable};
-use crate::kv::BLOCK_SIZE;
 use crate::model::{Model, SeqInput};
+use tandem_kv::BLOCK_SIZE;
 
 /// One transformer block's weights on a device.
 pub struct DeviceLayer<D: LaunchDevice> {

@@ -4,7 +4,7 @@
 //! copied host → device before its first step. Each layer's blocks move in one transfer:
 //! a gather (or scatter) kernel packs them into a dense buffer, so a 2048-token
 //! Llama-3.1-8B prompt costs 32 transfers of 8 MiB rather than 4096 of 64 KiB. The layouts
-//! differ (`kv/staging.rs` converts on the host).
+//! differ (`tandem_kv::staging` converts on the host).
 //!
 //! Like [`crate::device_forward`], this runs on CUDA in production and on an emulated device
 //! in the tests.
@@ -13,23 +13,8 @@ use half::bf16;
 
 use crate::device_launch::{Kernel, KernelArg, Launch, LaunchDevice};
 use crate::error::{EngineError, Result};
-use crate::kv::KvCache;
-use crate::kv::staging::{from_device_layout, to_device_layout};
-
-/// A device pool: `[layer][block][K|V][kv_head][slot][head_dim]` bf16.
-#[derive(Debug, Clone, Copy)]
-pub struct PoolGeometry {
-    pub num_layers: usize,
-    pub num_blocks: usize,
-    /// Elements of one block of one layer.
-    pub block_elems: usize,
-}
-
-impl PoolGeometry {
-    fn layer_offset(&self, layer: usize) -> i64 {
-        (layer * self.num_blocks * self.block_elems) as i64
-    }
-}
+use tandem_kv::staging::{from_device_layout, to_device_layout};
+use tandem_kv::{DevicePoolLayout, KvCache};
 
 /// The buffers that move one list of blocks between the pool and the host cache, layer by
 /// layer: the block ids on the device, and the blocks packed densely on both sides.
@@ -44,7 +29,7 @@ pub struct KvStaging<D: LaunchDevice> {
 impl<D: LaunchDevice> KvStaging<D> {
     /// `None` for no blocks (nothing to copy; a zero-block launch would be invalid). Every
     /// block must lie in the pool: the kernels index it unchecked.
-    pub fn new(dev: &D, pool: &PoolGeometry, blocks: &[u32]) -> Result<Option<Self>> {
+    pub fn new(dev: &D, pool: &DevicePoolLayout, blocks: &[u32]) -> Result<Option<Self>> {
         if blocks.is_empty() {
             return Ok(None);
         }
@@ -55,13 +40,13 @@ impl<D: LaunchDevice> KvStaging<D> {
             )));
         }
         let ids: Vec<i32> = blocks.iter().map(|&b| b as i32).collect();
-        let elems = pool.block_elems * blocks.len();
+        let elems = pool.block_layer_elems * blocks.len();
         Ok(Some(Self {
             ids: dev.upload_i32(&ids)?,
             device: dev.zeros_bf16(elems)?,
             host: vec![bf16::ZERO; elems],
             count: blocks.len() as i32,
-            block_elems: pool.block_elems as i32,
+            block_elems: pool.block_layer_elems as i32,
         }))
     }
 
@@ -77,7 +62,7 @@ impl<D: LaunchDevice> KvStaging<D> {
     pub fn download_layer(
         &mut self,
         dev: &D,
-        pool: &PoolGeometry,
+        pool: &DevicePoolLayout,
         cache: &D::Bf16,
         host: &mut KvCache,
         layer: usize,
@@ -86,7 +71,7 @@ impl<D: LaunchDevice> KvStaging<D> {
         let layout = host.layout().clone();
         let n = layout.block_layer_elems();
         let at = self.launch();
-        let offset = pool.layer_offset(layer);
+        let offset = pool.layer_offset(layer) as i64;
         // SAFETY: gather_kv_blocks(bf16*, long long, int*, int, int, bf16*); `new` checked
         // every id against the pool and sized `device` for `count` blocks.
         unsafe {
@@ -115,7 +100,7 @@ impl<D: LaunchDevice> KvStaging<D> {
     pub fn upload_all(
         &mut self,
         dev: &D,
-        pool: &PoolGeometry,
+        pool: &DevicePoolLayout,
         host: &KvCache,
         cache: &mut D::Bf16,
         blocks: &[u32],
@@ -128,7 +113,7 @@ impl<D: LaunchDevice> KvStaging<D> {
                 to_device_layout(&layout, host.block_layer(layer, block)?, buf)?;
             }
             dev.upload_bf16_into(&self.host, &mut self.device)?;
-            let offset = pool.layer_offset(layer);
+            let offset = pool.layer_offset(layer) as i64;
             // SAFETY: scatter_kv_blocks(bf16*, int*, int, int, bf16*, long long); as above.
             unsafe {
                 dev.launch(

@@ -16,17 +16,18 @@ use std::sync::Arc;
 use serde::{Deserialize, Serialize};
 use tandem_text::TextTokenizer;
 
+use std::sync::MutexGuard;
+use tandem_kv::{BLOCK_SIZE, BlockPool, KvCache, SharedPool, blocks_for};
+
 use crate::device::Device;
 use crate::error::{EngineError, Result};
-use crate::kv::{BLOCK_SIZE, BlockPool, KvCache, blocks_for};
 use crate::model::{Model, SeqInput};
 use crate::sampling::{Sampler, SamplingParams, StopParams};
 use crate::sequence::Sequence;
-use std::sync::{Mutex, MutexGuard};
 
 mod device_side;
 
-pub use device_side::{KvLocation, ReceivedKv};
+pub use device_side::ReceivedKv;
 
 /// Identifies a sequence inside one engine.
 pub type SeqId = u64;
@@ -130,54 +131,6 @@ impl ChunkInfo {
     /// Logical block indices this chunk wrote into (the last may be partly filled).
     pub fn logical_blocks(&self) -> std::ops::Range<usize> {
         self.start_pos / BLOCK_SIZE..(self.start_pos + self.len).div_ceil(BLOCK_SIZE)
-    }
-}
-
-/// The block pool behind a mutex, shared by an engine and the threads that reserve blocks
-/// for incoming KV.
-#[derive(Debug, Clone)]
-pub struct SharedPool(Arc<Mutex<BlockPool>>);
-
-impl SharedPool {
-    pub fn new(blocks: usize) -> Self {
-        Self(Arc::new(Mutex::new(BlockPool::new(blocks))))
-    }
-
-    fn lock(&self) -> MutexGuard<'_, BlockPool> {
-        // A panic elsewhere cannot leave the pool half-updated (every method is one step).
-        self.0.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// Reserves blocks for `prompt_len` tokens.
-    pub fn reserve(&self, prompt_len: usize) -> Result<Vec<u32>> {
-        if prompt_len == 0 {
-            return Err(EngineError::EmptyPrompt);
-        }
-        let needed = blocks_for(prompt_len);
-        let mut pool = self.lock();
-        if needed > pool.total() {
-            return Err(EngineError::SequenceTooLong {
-                needed,
-                total: pool.total(),
-            });
-        }
-        pool.allocate(needed)
-    }
-
-    pub fn release(&self, blocks: &[u32]) -> Result<()> {
-        self.lock().release(blocks)
-    }
-
-    pub fn total(&self) -> usize {
-        self.lock().total()
-    }
-
-    pub fn free_count(&self) -> usize {
-        self.lock().free_count()
-    }
-
-    pub fn used_count(&self) -> usize {
-        self.lock().used_count()
     }
 }
 
@@ -358,12 +311,12 @@ impl Engine {
     /// Reserves blocks for `prompt_len` tokens whose KV another engine will write
     /// (the decode side of a disaggregated request).
     pub fn reserve(&mut self, prompt_len: usize) -> Result<Vec<u32>> {
-        self.pool.reserve(prompt_len)
+        Ok(self.pool.reserve(prompt_len)?)
     }
 
     /// Returns reserved blocks that will not be used (lease expired, request failed).
     pub fn release(&mut self, blocks: &[u32]) -> Result<()> {
-        self.pool.release(blocks)
+        Ok(self.pool.release(blocks)?)
     }
 
     /// The block pool, shared with threads that reserve and release blocks while the engine
@@ -379,7 +332,7 @@ impl Engine {
                 "block {block} is not reserved"
             )));
         }
-        self.cache.write_block_layer_bytes(layer, block, bytes)
+        Ok(self.cache.write_block_layer_bytes(layer, block, bytes)?)
     }
 
     /// Direct access to the cache for transports that copy in place (checked by the caller

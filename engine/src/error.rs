@@ -79,3 +79,22 @@ impl EngineError {
 }
 
 pub type Result<T, E = EngineError> = std::result::Result<T, E>;
+
+impl From<tandem_kv::KvError> for EngineError {
+    /// KV errors keep their meaning at the engine's surface (and so their status codes).
+    fn from(e: tandem_kv::KvError) -> Self {
+        use tandem_kv::KvError;
+        match e {
+            KvError::OutOfBlocks { needed, free } => EngineError::OutOfBlocks { needed, free },
+            KvError::TooManyBlocks { needed, total } => {
+                EngineError::SequenceTooLong { needed, total }
+            }
+            KvError::EmptyReservation => EngineError::EmptyPrompt,
+            KvError::LayoutMismatch(why) => EngineError::LayoutMismatch(why),
+            KvError::InvalidKv(why) | KvError::ForeignFile(why) => EngineError::InvalidKv(why),
+            KvError::Config(why) => EngineError::Config(why),
+            KvError::Device(why) => EngineError::Unsupported(why),
+            KvError::Io { path, source } => EngineError::Io { path, source },
+        }
+    }
+}

@@ -1,6 +1,6 @@
 //! tandem's model runtime, shared by the prefill and decode workers: Llama-family models on
 //! a paged KV cache, batched and chunked prefill, continuous-batching decode, sampling and
-//! stopping, and the KV export/import primitives the transports build on.
+//! stopping. The KV cache's types are `tandem_kv`'s, shared with the transports.
 //!
 //! It knows nothing of networks or RPC: workers drive an [`Engine`] from their own threads.
 
@@ -16,7 +16,6 @@ pub mod fetch;
 #[cfg(feature = "cuda")]
 pub mod gpu;
 pub mod kernels;
-pub mod kv;
 pub mod model;
 pub mod reference;
 pub mod sampling;
@@ -27,7 +26,7 @@ pub use device::Device;
 
 /// Whether this build has the CUDA engine (the `cuda` feature).
 pub const CUDA_SUPPORT: bool = cfg!(feature = "cuda");
-pub use engine::{Engine, EngineConfig, FinishReason, KvLocation, ReceivedKv, SeqId, StepOutput};
+pub use engine::{Engine, EngineConfig, FinishReason, ReceivedKv, SeqId, StepOutput};
 pub use error::{EngineError, Result};
 pub use model::{LoadOptions, Model, ModelSource, SeqInput, load_model};
 pub use sampling::{SamplingParams, StopParams};

@@ -17,9 +17,9 @@ use std::sync::Arc;
 use sha2::{Digest, Sha256};
 use tandem_engine::config::{ModelConfig, WeightDtype};
 use tandem_engine::kernels::isa;
-use tandem_engine::kv::{BlockPool, KvCache, blocks_for};
 use tandem_engine::model::dummy_model;
 use tandem_engine::{Model, SeqInput};
+use tandem_kv::{BlockPool, KvCache, blocks_for};
 
 const GOLDEN: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/golden/logits.sha256");
 

@@ -5,11 +5,12 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use tandem_engine::config::{ModelConfig, WeightDtype};
-use tandem_engine::engine::{EngineStats, KvLocation, ReceivedKv};
+use tandem_engine::engine::{EngineStats, ReceivedKv};
 use tandem_engine::model::dummy_model;
 use tandem_engine::{
     Engine, EngineConfig, EngineError, FinishReason, Model, SamplingParams, StepOutput, StopParams,
 };
+use tandem_kv::KvLocation;
 use tandem_text::TextTokenizer;
 
 fn model() -> Arc<Model> {

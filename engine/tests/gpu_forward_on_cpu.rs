@@ -18,10 +18,11 @@ mod cuda_on_cpu;
 
 use tandem_engine::config::{ModelConfig, WeightDtype};
 use tandem_engine::device_forward::{self, DeviceWeights};
-use tandem_engine::device_staging::{KvStaging, PoolGeometry};
-use tandem_engine::kv::{BlockPool, KvCache, blocks_for};
+use tandem_engine::device_staging::KvStaging;
 use tandem_engine::model::dummy_model;
 use tandem_engine::{EngineError, Model, SeqInput};
+use tandem_kv::DevicePoolLayout;
+use tandem_kv::{BlockPool, KvCache, blocks_for};
 
 use cuda_on_cpu::device::{Bytes, EmulatedDevice};
 use cuda_on_cpu::harness;
@@ -233,12 +234,12 @@ fn host_staging_carries_prompt_kv_to_the_cpu_cache_and_back_exactly() {
     let weights = DeviceWeights::upload(&EmulatedDevice, &cpu).expect("upload");
     let layout = cpu.kv_layout();
     let blocks = 12;
-    let pool = PoolGeometry {
+    let pool = DevicePoolLayout {
         num_layers: cfg.num_hidden_layers,
         num_blocks: blocks,
-        block_elems: device_forward::block_layer_elems(&cfg),
+        block_layer_elems: device_forward::block_layer_elems(&cfg),
     };
-    let pool_bytes = 2 * pool.num_layers * blocks * pool.block_elems;
+    let pool_bytes = 2 * pool.num_layers * blocks * pool.block_layer_elems;
     let host_cache = || KvCache::with_budget(layout.clone(), blocks * layout.block_bytes());
     // Scattered blocks, 37 tokens: the last block partly filled.
     let table = [7u32, 2, 9];

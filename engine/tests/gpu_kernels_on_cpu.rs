@@ -20,7 +20,7 @@ use rand::{Rng, SeedableRng};
 use tandem_engine::config::ModelConfig;
 use tandem_engine::kernels::attention::{AttnSeq, paged_attention};
 use tandem_engine::kernels::{RopeTable, rms_norm, silu_mul};
-use tandem_engine::kv::{BLOCK_SIZE, KvCache, KvDtype, KvLayout, KvStorage, staging};
+use tandem_kv::{BLOCK_SIZE, KvCache, KvDtype, KvLayout, KvStorage, staging};
 
 use cuda_on_cpu::{
     Arg, bf16_bytes, bf16s, blocks_for, f32_bytes, f32s, i32_bytes, launch, per_row, to_f32,

@@ -5,10 +5,10 @@
 use std::sync::Arc;
 
 use tandem_engine::config::{ModelConfig, WeightDtype};
-use tandem_engine::kv::{BLOCK_SIZE, BlockPool, KvCache, blocks_for};
 use tandem_engine::model::dummy_model;
 use tandem_engine::reference::{ReferenceCache, ReferenceModel};
 use tandem_engine::{Model, SeqInput};
+use tandem_kv::{BLOCK_SIZE, BlockPool, KvCache, blocks_for};
 
 fn tiny() -> Arc<Model> {
     Arc::new(

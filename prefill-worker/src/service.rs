@@ -50,7 +50,7 @@ impl Default for PrefillConfig {
         Self {
             worker_id: "prefill".into(),
             drain_timeout: Duration::from_secs(30),
-            shm_dir: tandem_transfer::default_shm_dir(),
+            shm_dir: tandem_kv::shm::default_shm_dir(),
             auth: InternalAuth::none(),
         }
     }

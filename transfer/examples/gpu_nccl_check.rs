@@ -9,13 +9,15 @@
 
 use std::time::Instant;
 
-use tandem_engine::config::ModelConfig;
-use tandem_engine::gpu::nccl::{self, DeviceScratch, NcclLink};
-use tandem_engine::gpu::{GpuContext, GpuKvCache, available};
-use tandem_engine::kv::{BLOCK_SIZE, KvCache, KvDtype, KvLayout};
+use std::sync::Arc;
+
+use cudarc::driver::{CudaContext, CudaStream};
+use tandem_kv::cuda::nccl::{self, DeviceScratch, NcclLink};
+use tandem_kv::cuda::{DevicePool, device_present, local_copy_seconds};
+use tandem_kv::{BLOCK_SIZE, DevicePoolLayout, KvCache, KvDtype, KvLayout};
 use tandem_proto::v1::{KvCommit, Transport};
 use tandem_transfer::nccl_wire::{self, Link, MESSAGE_AREA_BYTES};
-use tandem_transfer::{DeviceLink, DevicePool, LeaseTable, LeaseToken};
+use tandem_transfer::{DeviceLink, LeaseTable, LeaseToken};
 
 const PROMPT_TOKENS: usize = 2048;
 const SRC_BLOCKS: usize = PROMPT_TOKENS / BLOCK_SIZE;
@@ -43,39 +45,52 @@ fn unhex(s: &str) -> anyhow::Result<Vec<u8>> {
         .collect()
 }
 
-fn cfg() -> anyhow::Result<ModelConfig> {
-    Ok(ModelConfig::preset("llama-3.1-8b")?)
+/// Llama-3.1-8B's KV shape: 32 layers, 8 KV heads of 128.
+fn layout() -> KvLayout {
+    KvLayout {
+        num_layers: 32,
+        num_kv_heads: 8,
+        head_dim: 128,
+        block_size: BLOCK_SIZE,
+        dtype: KvDtype::F32,
+        model_fingerprint: "nccl-check".into(),
+    }
+}
+
+/// Device `ordinal`'s primary context and its default stream.
+fn device_stream(ordinal: usize) -> anyhow::Result<Arc<CudaStream>> {
+    Ok(CudaContext::new(ordinal)?.default_stream())
 }
 
 /// The prefill side: joins as rank 1 and sends every layer of lease `lease` (its
 /// capability, hex: this check's two processes are one test, so argv carries it).
 fn child(id: &str, lease: &str, ordinal: usize) -> anyhow::Result<()> {
     let lease = LeaseToken::from_wire(&unhex(lease)?)?;
-    let gpu = GpuContext::new(ordinal, None)?;
-    let src = GpuKvCache::with_blocks(&gpu, &cfg()?, SRC_BLOCKS)?;
-    let kv = src.describe(&gpu);
-    let link = match NcclLink::join(&unhex(id)?, 1, kv.context, kv.stream) {
+    let stream = device_stream(ordinal)?;
+    let src = DevicePool::new(&stream, DevicePoolLayout::for_layout(&layout(), SRC_BLOCKS))?;
+    let kv = src.describe();
+    let link = match NcclLink::join(&unhex(id)?, 1, stream.clone()) {
         Ok(l) => l,
         Err(e) => {
             eprintln!("child: {e}");
             std::process::exit(3);
         }
     };
-    let scratch = DeviceScratch::new(MESSAGE_AREA_BYTES + kv.block_layer_bytes, kv.context)?;
+    let scratch = DeviceScratch::new(MESSAGE_AREA_BYTES + kv.block_layer_bytes(), kv.context())?;
     // SAFETY: the whole pool, ours.
-    unsafe { link.upload(kv.base, &pattern(0x5a, kv.bytes()))? };
+    unsafe { link.upload(kv.base(), &pattern(0x5a, kv.layout.bytes()))? };
     let mut wire = DeviceLink::new(&link, &scratch);
     wire.synchronize()?;
     let logical: Vec<u32> = (0..SRC_BLOCKS as u32).collect();
-    for layer in 0..kv.num_layers {
-        let sources: Vec<u64> = (0..SRC_BLOCKS)
-            .map(|b| kv.base + ((layer * SRC_BLOCKS + b) * kv.block_layer_bytes) as u64)
+    for layer in 0..kv.num_layers() {
+        let sources: Vec<u64> = (0..SRC_BLOCKS as u32)
+            .map(|b| kv.base() + kv.layout.piece_byte_offset(layer, b) as u64)
             .collect();
         nccl_wire::send_layer(
             &mut wire,
             &lease,
             layer,
-            kv.block_layer_bytes,
+            kv.block_layer_bytes(),
             &logical,
             &sources,
         )?;
@@ -89,27 +104,19 @@ fn main() -> anyhow::Result<()> {
     if args.len() == 5 && args[1] == "--child" {
         return child(&args[2], &args[3], args[4].parse()?);
     }
-    if !available() || !nccl::available() {
+    if !device_present() || !nccl::available() {
         println!("SKIP: no CUDA device or no libnccl.so here");
         return Ok(());
     }
     let devices = cudarc::driver::CudaContext::device_count()? as usize;
-    let gpu = GpuContext::new(0, None)?;
-    let cfg = cfg()?;
-    let dst = GpuKvCache::with_blocks(&gpu, &cfg, DST_BLOCKS)?;
-    let kv = dst.describe(&gpu);
+    let stream = device_stream(0)?;
+    let layout = layout();
+    let dst = DevicePool::new(&stream, DevicePoolLayout::for_layout(&layout, DST_BLOCKS))?;
+    let kv = dst.describe();
     // The lease table needs only the layout's layer count from its host cache.
-    let layout = KvLayout {
-        num_layers: cfg.num_hidden_layers,
-        num_kv_heads: cfg.num_key_value_heads,
-        head_dim: cfg.head_dim,
-        block_size: BLOCK_SIZE,
-        dtype: KvDtype::F32,
-        model_fingerprint: "nccl-check".into(),
-    };
     let host = KvCache::with_budget(layout.clone(), layout.block_bytes())?;
     let table = LeaseTable::new(host.block_writer(), layout.hash(), None)
-        .with_device_pool(kv.block_layer_bytes);
+        .with_device_pool(kv.block_layer_bytes());
     let blocks: Vec<u32> = (0..SRC_BLOCKS).map(dst_block).collect();
     let (lease, mut committed) = table.create(blocks, PROMPT_TOKENS, "nccl-check")?;
     let id = nccl::unique_id()?;
@@ -121,8 +128,7 @@ fn main() -> anyhow::Result<()> {
             &(devices - 1).to_string(),
         ])
         .spawn()?;
-    let stream = nccl::OwnedStream::new(kv.context)?;
-    let link = match NcclLink::join(&id, 0, kv.context, stream.raw) {
+    let link = match NcclLink::join(&id, 0, nccl::receive_stream(kv.context())?) {
         Ok(l) => l,
         Err(e) => {
             let _ = child.wait();
@@ -130,19 +136,19 @@ fn main() -> anyhow::Result<()> {
             return Ok(());
         }
     };
-    let scratch = DeviceScratch::new(MESSAGE_AREA_BYTES + kv.block_layer_bytes, kv.context)?;
-    let own = pattern(0x01, kv.bytes());
+    let scratch = DeviceScratch::new(MESSAGE_AREA_BYTES + kv.block_layer_bytes(), kv.context())?;
+    let own = pattern(0x01, kv.layout.bytes());
     // SAFETY: the whole pool, ours.
-    unsafe { link.upload(kv.base, &own)? };
+    unsafe { link.upload(kv.base(), &own)? };
     let mut wire = DeviceLink::new(&link, &scratch);
     wire.synchronize()?;
-    let pool = DevicePool {
-        base: kv.base,
-        num_blocks: kv.num_blocks,
-        piece: kv.block_layer_bytes,
+    let pool = tandem_transfer::DevicePool {
+        base: kv.base(),
+        num_blocks: kv.num_blocks(),
+        piece: kv.block_layer_bytes(),
     };
     let mut started = None;
-    for _ in 0..kv.num_layers {
+    for _ in 0..kv.num_layers() {
         let got = nccl_wire::receive_layer(&mut wire, &table, &pool)?;
         started.get_or_insert_with(Instant::now);
         anyhow::ensure!(got.kept, "layer {} was drained", got.header.layer);
@@ -150,16 +156,17 @@ fn main() -> anyhow::Result<()> {
     // Timed from the end of the first layer (before it, the child is still starting): the
     // rate counts the other layers' bytes only.
     let seconds = started.map_or(0.0, |t| t.elapsed().as_secs_f64());
-    let timed_share = (kv.num_layers - 1) as f64 / kv.num_layers as f64;
+    let layers = kv.num_layers();
+    let timed_share = (layers - 1) as f64 / layers as f64;
     anyhow::ensure!(child.wait()?.success(), "the sending process failed");
 
-    let mut got = vec![0u8; kv.bytes()];
+    let mut got = vec![0u8; kv.layout.bytes()];
     // SAFETY: the whole pool, ours.
-    unsafe { link.download(kv.base, &mut got)? };
-    let theirs = pattern(0x5a, kv.num_layers * SRC_BLOCKS * kv.block_layer_bytes);
-    let piece = kv.block_layer_bytes;
+    unsafe { link.download(kv.base(), &mut got)? };
+    let piece = kv.block_layer_bytes();
+    let theirs = pattern(0x5a, layers * SRC_BLOCKS * piece);
     let mut wrong = 0usize;
-    for layer in 0..kv.num_layers {
+    for layer in 0..layers {
         for block in 0..DST_BLOCKS {
             let at = (layer * DST_BLOCKS + block) * piece;
             let sent = (block % 2 == 1)
@@ -184,7 +191,7 @@ fn main() -> anyhow::Result<()> {
     let bytes = table.commit(&commit)?;
     anyhow::ensure!(committed.try_recv().is_ok(), "the lease was not handed on");
 
-    let local = gpu.local_copy_seconds(bytes as usize)?;
+    let local = local_copy_seconds(&stream, bytes as usize)?;
     let gbs = |s: f64| bytes as f64 / s / 1e9;
     println!(
         "| nccl, {PROMPT_TOKENS}-token prompt, Llama-3.1-8B KV, GPU {} to GPU 0 | GB/s | vs local copy |",
@@ -197,7 +204,7 @@ fn main() -> anyhow::Result<()> {
     );
     println!(
         "| nccl, {} block messages | {:.0} | {:.2} |",
-        kv.num_layers * SRC_BLOCKS,
+        layers * SRC_BLOCKS,
         gbs(seconds / timed_share),
         local / (seconds / timed_share)
     );

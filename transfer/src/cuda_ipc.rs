@@ -15,14 +15,16 @@ use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
-use tandem_engine::gpu::ipc::{self, OpenedPeer};
-use tandem_engine::kv::{DeviceKv, plan_layer_copy};
+use cudarc::driver::CudaContext;
+use tandem_kv::cuda::ipc::OpenedPeer;
+use tandem_kv::shm::OwnerTags;
+use tandem_kv::{DeviceKv, plan_layer_copy};
 use tandem_proto::v1::{Transport, WorkerInfo};
 
 use crate::error::TransferError;
 use crate::inplace::InPlace;
-use crate::sender::{KvSender, Opening, Peers, SendFuture};
-use crate::shm::OwnerTags;
+use crate::peers::{Opening, Peers};
+use crate::sender::{KvSender, SendFuture};
 
 /// A prefill worker's opened device pools and owner-tag files, kept across requests.
 #[derive(Debug, Default)]
@@ -50,7 +52,11 @@ impl CudaIpcPeers {
     }
 
     /// The peer pool behind `handle`, opened in `context` the first time.
-    fn open(&self, handle: &[u8], context: usize) -> Result<Arc<OpenedPeer>, TransferError> {
+    fn open(
+        &self,
+        handle: &[u8],
+        context: &Arc<CudaContext>,
+    ) -> Result<Arc<OpenedPeer>, TransferError> {
         let mut opened = self.opened.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(p) = opened.get(handle) {
             return Ok(p.clone());
@@ -139,24 +145,24 @@ impl KvSender for CudaIpcSender {
         let runs = plan_layer_copy(
             layer,
             t.layers,
-            src.block_layer_bytes,
-            src.num_blocks,
+            src.block_layer_bytes(),
+            src.num_blocks(),
             self.pool_blocks,
             &pairs,
         )?;
-        let peer = self.peers.open(&self.handle, src.context)?;
+        let peer = self.peers.open(&self.handle, src.context())?;
         // SAFETY: the runs lie inside both pools (checked by the plan), the destination blocks
         // are reserved for our lease (owner tags), and the copies are queued on the stream of
         // the forward pass that wrote the source, before anything can reuse it.
-        unsafe { peer.copy_runs(src.base, &runs, src.stream) }?;
+        unsafe { peer.copy_runs(src, &runs) }?;
         t.mark(
             layer,
             blocks.iter().map(|&(lb, _)| lb),
-            src.block_layer_bytes,
+            src.block_layer_bytes(),
         );
         if layer + 1 == t.layers {
             // The decode worker may read the blocks as soon as we commit.
-            ipc::synchronize(src.stream, src.context)?;
+            src.synchronize()?;
         }
         Ok(())
     }

@@ -1,6 +1,6 @@
 //! Transfer errors, each mapping to a gRPC status so peers and the router see precise codes.
 
-use tandem_engine::EngineError;
+use tandem_kv::KvError;
 
 #[derive(Debug, thiserror::Error)]
 pub enum TransferError {
@@ -31,7 +31,7 @@ pub enum TransferError {
     #[error("peer refused the transfer: {0}")]
     Remote(String),
     #[error(transparent)]
-    Engine(#[from] EngineError),
+    Kv(KvError),
 }
 
 impl From<TransferError> for tonic::Status {
@@ -50,10 +50,24 @@ impl From<TransferError> for tonic::Status {
             TransferError::Connect(_) | TransferError::Io(_) | TransferError::Remote(_) => {
                 tonic::Status::unavailable(msg)
             }
-            TransferError::Engine(e) if e.is_invalid_request() => {
-                tonic::Status::invalid_argument(msg)
-            }
-            TransferError::Engine(_) => tonic::Status::internal(msg),
+            TransferError::Kv(e) => match e {
+                KvError::OutOfBlocks { .. } => tonic::Status::resource_exhausted(msg),
+                KvError::LayoutMismatch(_) => tonic::Status::failed_precondition(msg),
+                KvError::InvalidKv(_) => tonic::Status::data_loss(msg),
+                e if e.is_invalid_request() => tonic::Status::invalid_argument(msg),
+                _ => tonic::Status::internal(msg),
+            },
+        }
+    }
+}
+
+impl From<KvError> for TransferError {
+    fn from(e: KvError) -> Self {
+        match e {
+            // A shared file that is not the advertised pool: the peer failed to prove it.
+            KvError::ForeignFile(why) => TransferError::Unauthenticated(why),
+            KvError::LayoutMismatch(why) => TransferError::LayoutMismatch(why),
+            e => TransferError::Kv(e),
         }
     }
 }

@@ -11,7 +11,8 @@ use tokio_stream::wrappers::ReceiverStream;
 use crate::checksum::crc32;
 use crate::error::TransferError;
 use crate::lease::{LeaseTable, LeaseToken};
-use crate::sender::{KvSender, Opening, SendFuture, SendStats};
+use crate::peers::Opening;
+use crate::sender::{KvSender, SendFuture, SendStats};
 
 /// Payload bytes per message, well under tonic's 4 MiB default limit.
 const MAX_PAYLOAD: usize = 1 << 20;

@@ -6,13 +6,14 @@ use std::time::Instant;
 
 use tandem_auth::AuthChannel;
 #[cfg(feature = "cuda")]
-use tandem_engine::kv::DeviceKv;
+use tandem_kv::DeviceKv;
 use tandem_proto::v1::decode_service_client::DecodeServiceClient;
 use tandem_proto::v1::{KvCommit, KvDestination, Transport};
 
 use crate::error::TransferError;
 use crate::lease::LeaseToken;
-use crate::sender::{Opening, SendFuture, SendStats};
+use crate::peers::Opening;
+use crate::sender::{SendFuture, SendStats};
 
 /// One request's in-place transfer, up to its commit.
 pub(crate) struct InPlace {
@@ -129,10 +130,11 @@ impl InPlace {
     ) -> Result<(), TransferError> {
         self.start();
         self.check_layer(layer)?;
-        if src.num_layers != self.layers {
+        if src.num_layers() != self.layers {
             return Err(TransferError::LayoutMismatch(format!(
                 "device pool of {} layers, layout of {}",
-                src.num_layers, self.layers
+                src.num_layers(),
+                self.layers
             )));
         }
         Ok(())

@@ -13,14 +13,14 @@ use std::time::{Duration, Instant};
 
 use rayon::prelude::*;
 use sha2::{Digest, Sha256};
-use tandem_engine::kv::KvBlockWriter;
+use tandem_kv::KvBlockWriter;
 use tandem_proto::limits::LEASE_TOKEN_BYTES;
 use tandem_proto::v1::{KvCommit, Transport};
 use tokio::sync::oneshot;
 
 use crate::checksum::crc32;
 use crate::error::TransferError;
-use crate::shm::OwnerTags;
+use tandem_kv::shm::OwnerTags;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum State {
@@ -85,7 +85,7 @@ pub struct Commit {
 }
 
 /// A device KV pool that the `nccl` transport receives into: its base address, block count,
-/// and bytes per (layer, block) piece (layer-major, as in [`tandem_engine::kv::DeviceKv`]).
+/// and bytes per (layer, block) piece (layer-major, as in [`tandem_kv::DeviceKv`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct DevicePool {
     pub base: u64,

@@ -2,7 +2,7 @@
 //! commits, capabilities that nothing else reaches, and the per-caller quota.
 
 use super::*;
-use tandem_engine::kv::{KvCache, KvDtype, KvLayout};
+use tandem_kv::{KvCache, KvDtype, KvLayout};
 
 fn setup() -> (KvCache, LeaseTable) {
     let layout = KvLayout {

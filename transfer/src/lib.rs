@@ -1,6 +1,7 @@
 //! KV transfer between a prefill worker and a decode worker, behind one trait.
 //!
-//! The prefill side gets a [`KvSender`] per request from [`connect`]: the engine thread hands
+//! The prefill side gets a [`KvSender`] per request from [`connect`] (the factory, in its own
+//! module so that the trait's module is a leaf every transport can import): the engine thread hands
 //! it each layer's blocks as soon as the layer is computed (`send_layer` copies and returns),
 //! and `commit` finishes with the first token once every byte is on the other side. Three
 //! transports implement it:
@@ -30,6 +31,7 @@
 
 mod bufpool;
 mod checksum;
+mod connect;
 #[cfg(feature = "cuda")]
 mod cuda_ipc;
 mod error;
@@ -40,6 +42,7 @@ mod lease;
 #[cfg(feature = "nccl")]
 mod nccl;
 pub mod nccl_wire;
+mod peers;
 pub mod receivers;
 mod sender;
 mod service;
@@ -47,15 +50,13 @@ mod shm;
 mod tcp;
 
 pub use checksum::crc32;
+pub use connect::{connect, kv_location, transport_name};
 pub use error::TransferError;
 pub use grpc::receive_push_kv;
 pub use lease::{Commit, DevicePool, Lease, LeaseTable, LeaseToken, Progress, QuotaClaim};
 #[cfg(feature = "nccl")]
 pub use nccl::{DeviceLink, NcclReceivers, nccl_supported, spawn_nccl_receiver};
-pub use sender::{
-    GRPC_CONNECTION_WINDOW, GRPC_STREAM_WINDOW, KvSender, Peers, SendFuture, SendStats,
-    VerifiedDecode, connect, kv_location, transport_name,
-};
+pub use peers::{GRPC_CONNECTION_WINDOW, GRPC_STREAM_WINDOW, Peers, VerifiedDecode};
+pub use sender::{KvSender, SendFuture, SendStats};
 pub use service::{KvOnlyDecode, kv_rpcs};
-pub use shm::{OwnerTags, POOL_PREFIX, default_shm_dir, file_identity, sweep_stale, tags_path};
 pub use tcp::{TcpLimits, serve_tcp};

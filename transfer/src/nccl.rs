@@ -11,16 +11,17 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use tandem_engine::gpu::nccl::{self, DeviceScratch, NcclAbort, NcclLink, OwnedStream};
-use tandem_engine::kv::DeviceKv;
+use tandem_kv::DeviceKv;
+use tandem_kv::cuda::nccl::{self, DeviceScratch, NcclAbort, NcclLink, receive_stream};
 use tandem_proto::v1::{KvDestination, OpenNcclRequest, Transport};
 
 use crate::error::TransferError;
 use crate::inplace::InPlace;
 use crate::lease::{DevicePool, LeaseTable, LeaseToken};
 use crate::nccl_wire::{self, Link, MESSAGE_AREA_BYTES};
+use crate::peers::{Opening, Peers};
 use crate::receivers::{AbortLink, ReceiverSlot, Receivers};
-use crate::sender::{KvSender, Opening, Peers, SendFuture};
+use crate::sender::{KvSender, SendFuture};
 
 /// How long a queued send or receive may take before the link is declared dead and
 /// aborted (a peer died mid-message; NCCL itself would wait forever).
@@ -173,17 +174,14 @@ impl KvSender for NcclSender {
         let mut sources = Vec::with_capacity(blocks.len());
         for &(lb, physical) in blocks {
             t.block(lb)?;
-            if physical as usize >= src.num_blocks {
+            if physical as usize >= src.num_blocks() {
                 return Err(TransferError::Protocol(format!(
                     "physical block {physical} outside a pool of {}",
-                    src.num_blocks
+                    src.num_blocks()
                 )));
             }
             logical.push(lb);
-            sources.push(
-                src.base
-                    + ((layer * src.num_blocks + physical as usize) * src.block_layer_bytes) as u64,
-            );
+            sources.push(src.base() + src.layout.piece_byte_offset(layer, physical) as u64);
         }
         let mut peer = self.link.lock().unwrap_or_else(|p| p.into_inner());
         let last = layer + 1 == t.layers;
@@ -194,7 +192,7 @@ impl KvSender for NcclSender {
             peer.joined = None;
             return Err(e);
         }
-        t.mark(layer, logical, src.block_layer_bytes);
+        t.mark(layer, logical, src.block_layer_bytes());
         Ok(())
     }
 
@@ -221,8 +219,9 @@ fn send_on(
     }
     if peer.joined.is_none() {
         // Blocks until the decode worker's receiver (already waiting) joins too.
-        let link = NcclLink::join(&peer.id, 1, src.context, src.stream)?;
-        let scratch = DeviceScratch::new(MESSAGE_AREA_BYTES + src.block_layer_bytes, src.context)?;
+        let link = NcclLink::join(&peer.id, 1, src.stream().clone())?;
+        let scratch =
+            DeviceScratch::new(MESSAGE_AREA_BYTES + src.block_layer_bytes(), src.context())?;
         peer.joined = Some((link, scratch));
     }
     let Some((link, scratch)) = peer.joined.as_ref() else {
@@ -233,7 +232,7 @@ fn send_on(
         &mut wire,
         lease,
         layer,
-        src.block_layer_bytes,
+        src.block_layer_bytes(),
         logical,
         sources,
     )?;
@@ -265,9 +264,9 @@ pub fn spawn_nccl_receiver(
 ) -> Result<Vec<u8>, TransferError> {
     let id = nccl::unique_id()?;
     let pool = DevicePool {
-        base: kv.base,
-        num_blocks: kv.num_blocks,
-        piece: kv.block_layer_bytes,
+        base: kv.base(),
+        num_blocks: kv.num_blocks(),
+        piece: kv.block_layer_bytes(),
     };
     let joining = id.clone();
     let slot: ReceiverSlot<NcclAbort> = receivers.replace(&prefill);
@@ -275,13 +274,13 @@ pub fn spawn_nccl_receiver(
         .name("nccl-receive".into())
         .spawn(move || {
             let run = || -> Result<(), TransferError> {
-                let stream = OwnedStream::new(kv.context)?;
-                let link = NcclLink::join(&joining, 0, kv.context, stream.raw)?;
+                let stream = receive_stream(kv.context())?;
+                let link = NcclLink::join(&joining, 0, stream)?;
                 if !slot.joined(link.abort_handle()) {
                     tracing::info!(%prefill, "nccl link replaced before it came up");
                     return Ok(());
                 }
-                let scratch = DeviceScratch::new(MESSAGE_AREA_BYTES + pool.piece, kv.context)?;
+                let scratch = DeviceScratch::new(MESSAGE_AREA_BYTES + pool.piece, kv.context())?;
                 tracing::info!(%prefill, "nccl link up");
                 let mut wire = DeviceLink {
                     link: &link,

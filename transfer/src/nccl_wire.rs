@@ -194,7 +194,7 @@ pub fn receive_layer(
 mod tests {
     use super::*;
     use std::collections::VecDeque;
-    use tandem_engine::kv::{KvCache, KvDtype, KvLayout};
+    use tandem_kv::{KvCache, KvDtype, KvLayout};
     use tandem_proto::v1::{KvCommit, Transport};
 
     /// Device memory as one byte vector (addresses are offsets) and the wire as a queue:

@@ -31,7 +31,8 @@ use crate::checksum::crc32;
 use crate::error::TransferError;
 use crate::frame::{self, HeaderReader, HeaderWriter, Kind};
 use crate::lease::{Lease, LeaseTable};
-use crate::sender::{KvSender, Opening, SendFuture, SendStats};
+use crate::peers::Opening;
+use crate::sender::{KvSender, SendFuture, SendStats};
 
 /// Payload bytes per frame the sender builds.
 const MAX_FRAME_PAYLOAD: usize = 8 << 20;

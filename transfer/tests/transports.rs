@@ -7,12 +7,12 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use tandem_auth::{InternalAuth, Secret};
-use tandem_engine::kv::{KvCache, KvDtype, KvLayout, KvStorage};
+use tandem_kv::shm::{OwnerTags, POOL_PREFIX, file_identity, tags_path};
+use tandem_kv::{KvCache, KvDtype, KvLayout, KvStorage};
 use tandem_proto::v1::decode_service_server::DecodeServiceServer;
 use tandem_proto::v1::*;
 use tandem_transfer::{
-    KvOnlyDecode, Lease, LeaseTable, OwnerTags, POOL_PREFIX, Peers, TcpLimits, TransferError,
-    connect, file_identity, serve_tcp, tags_path,
+    KvOnlyDecode, Lease, LeaseTable, Peers, TcpLimits, TransferError, connect, serve_tcp,
 };
 use tokio::net::TcpListener;
 
@@ -299,7 +299,7 @@ async fn a_cancelled_lease_fences_every_transport() {
 
 /// cuda-ipc and nccl need a decode worker with a device pool (and a CUDA build): without
 /// either, the transfer is refused before any byte moves, with the reason; host transports
-/// refuse device pointers.
+/// say they read no device memory.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cuda_ipc_without_a_device_pool_is_refused_up_front() {
     let d = decode_side(8).await;
@@ -321,17 +321,10 @@ async fn cuda_ipc_without_a_device_pool_is_refused_up_front() {
     }
 
     let dest = destination(&d, Transport::Shm, &lease);
-    let mut sender = connect(&peers, &dest, &l, "req", 10).await.unwrap();
+    let sender = connect(&peers, &dest, &l, "req", 10).await.unwrap();
+    // A host transport never reads device memory (and without CUDA no device pool can even
+    // be named: `DeviceKv` has no value then).
     assert!(!sender.reads_device());
-    let src = tandem_engine::kv::DeviceKv {
-        base: 0,
-        num_blocks: 4,
-        num_layers: 3,
-        block_layer_bytes: 64,
-        stream: 0,
-        context: 0,
-    };
-    assert!(sender.send_device_layer(0, &src, &[(0, 1)]).is_err());
 }
 
 /// The deployment's credentials with mutual TLS: a fresh CA and one certificate for

@@ -13,11 +13,12 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, mpsc};
 use std::time::{Duration, Instant};
 
-use tandem_engine::engine::{ChunkInfo, SharedPool};
-use tandem_engine::kv::KvCache;
+use tandem_engine::engine::ChunkInfo;
 use tandem_engine::{
-    Engine, EngineError, KvLocation, ReceivedKv, SamplingParams, SeqId, StepOutput, StopParams,
+    Engine, EngineError, ReceivedKv, SamplingParams, SeqId, StepOutput, StopParams,
 };
+use tandem_kv::KvCache;
+use tandem_kv::{KvLocation, SharedPool};
 use tandem_transfer::KvSender;
 use tokio::sync::{mpsc as tmpsc, oneshot};
 
@@ -446,9 +447,9 @@ fn publish(engine: &Engine, load: &LoadSnapshot) {
 mod tests {
     use super::*;
     use tandem_engine::config::{ModelConfig, WeightDtype};
-    use tandem_engine::kv::DeviceKv;
     use tandem_engine::model::dummy_model;
     use tandem_engine::{EngineConfig, Model};
+    use tandem_kv::DeviceKv;
     use tandem_text::TextTokenizer;
     use tandem_transfer::{SendFuture, TransferError};
 

@@ -192,7 +192,7 @@ impl ServerArgs {
     pub fn shm_dir(&self) -> Option<PathBuf> {
         self.shm_dir
             .clone()
-            .or_else(tandem_transfer::default_shm_dir)
+            .or_else(tandem_kv::shm::default_shm_dir)
     }
 }
 

@@ -1,8 +1,8 @@
 //! Conversions between the wire types (`tandem_proto::v1`) and the engine's, and the mapping
 //! of engine errors to precise gRPC status codes.
 
-use tandem_engine::kv::KvLayout;
 use tandem_engine::{EngineError, FinishReason, SamplingParams, StopParams};
+use tandem_kv::KvLayout;
 use tandem_proto::v1 as pb;
 use tandem_text::TextTokenizer;
 

@@ -401,7 +401,7 @@ async fn kv_port(dep: &Deployment) -> anyhow::Result<Attack> {
 
 async fn shm_modes(dep: &Deployment) -> anyhow::Result<Attack> {
     let pool = PathBuf::from(dep.decode_info().await?.shm_path);
-    let files = [pool.clone(), tandem_transfer::tags_path(&pool)];
+    let files = [pool.clone(), tandem_kv::shm::tags_path(&pool)];
     let mut private = 0;
     let mut modes = Vec::new();
     for f in &files {

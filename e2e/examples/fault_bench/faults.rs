@@ -241,7 +241,7 @@ async fn kill_decode(dep: &mut Deployment, context: u32) -> anyhow::Result<Fault
         ended.add(&o);
     }
     let recovery = Recovery::after_kill(dep, |p| p.decode, old, killed).await;
-    let swept = !old_pool.exists() && !tandem_transfer::tags_path(&old_pool).exists();
+    let swept = !old_pool.exists() && !tandem_kv::shm::tags_path(&old_pool).exists();
     let in_stream_errors = ended.stream_errors;
     Ok(Fault {
         fault: format!("kill -9 of the decode worker under {streaming} streams (3 OpenAI, 3 TGI)"),

@@ -4,19 +4,10 @@
 
 use super::Engine;
 use crate::error::{EngineError, Result};
-use crate::kv::{DeviceKv, ExportedKv};
+use tandem_kv::{DeviceKv, ExportedKv, KvLocation};
 
 #[cfg(feature = "cuda")]
 use crate::device::Device;
-
-/// Where a prefilled sequence's KV arrived.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum KvLocation {
-    /// In the host cache (grpc, tcp and shm transports; on a GPU engine it is uploaded).
-    Host,
-    /// Already in the device pool (`cuda-ipc`).
-    Device,
-}
 
 /// A prefilled sequence's KV: the reserved blocks it was written into, and where.
 #[derive(Debug, Clone, PartialEq, Eq)]

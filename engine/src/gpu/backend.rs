@@ -12,26 +12,28 @@
 
 use std::sync::Arc;
 
-use super::{CudaDevice, GpuContext, GpuKvCache, GpuModel};
+use tandem_kv::cuda::DevicePool;
+
+use super::{CudaDevice, GpuContext, GpuModel};
 use crate::device_staging::KvStaging;
 use crate::engine::ChunkInfo;
 use crate::error::Result;
-use crate::kv::{BLOCK_SIZE, DeviceKv, ExportedKv, KvCache};
 use crate::model::{Model, SeqInput};
+use tandem_kv::{BLOCK_SIZE, DeviceKv, ExportedKv, KvCache};
 
 /// A model's weights and KV cache on one device.
 pub struct GpuBackend {
     gpu: Arc<GpuContext>,
     device: CudaDevice,
     model: GpuModel,
-    cache: GpuKvCache,
+    cache: DevicePool,
 }
 
 impl std::fmt::Debug for GpuBackend {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("GpuBackend")
             .field("sms", &self.gpu.sms)
-            .field("blocks", &self.cache.num_blocks)
+            .field("blocks", &self.cache.layout().num_blocks)
             .finish_non_exhaustive()
     }
 }
@@ -40,7 +42,7 @@ impl GpuBackend {
     /// Uploads `model` and allocates `num_blocks` KV blocks (the host cache's count, so block
     /// ids mean the same on both sides).
     pub fn new(gpu: Arc<GpuContext>, model: &Model, num_blocks: usize) -> Result<Self> {
-        let cache = GpuKvCache::with_blocks(&gpu, model.config(), num_blocks)?;
+        let cache = super::device_pool(&gpu, model.config(), super::PoolSize::Blocks(num_blocks))?;
         let model = GpuModel::upload(gpu.clone(), model)?;
         Ok(Self {
             device: CudaDevice { gpu: gpu.clone() },
@@ -65,18 +67,18 @@ impl GpuBackend {
         let logits = self.model.forward(&mut self.cache, seqs)?;
         if export {
             let blocks = written_blocks(chunks);
-            let pool = self.cache.geometry();
+            let pool = self.cache.layout();
             let mut staging = if host_copy {
                 KvStaging::new(&self.device, &pool, &blocks)?
             } else {
                 None
             };
-            for layer in 0..self.cache.num_layers {
+            for layer in 0..pool.num_layers {
                 if let Some(staging) = staging.as_mut() {
                     staging.download_layer(
                         &self.device,
                         &pool,
-                        &self.cache.data,
+                        self.cache.data(),
                         host,
                         layer,
                         &blocks,
@@ -90,21 +92,21 @@ impl GpuBackend {
 
     /// The device pool's address and geometry.
     pub fn device_kv(&self) -> DeviceKv {
-        self.cache.describe(&self.gpu)
+        self.cache.describe()
     }
 
-    /// An IPC handle to the device pool (see [`super::ipc`]).
+    /// An IPC handle to the device pool (see `tandem_kv::cuda::ipc`).
     pub fn export_kv(&self) -> Result<ExportedKv> {
-        self.cache.export(&self.gpu)
+        Ok(self.cache.export()?)
     }
 
     /// Copies `blocks` of every layer from `host` to the device (see
     /// [`crate::device_staging`]).
     pub fn upload_blocks(&mut self, host: &KvCache, blocks: &[u32]) -> Result<()> {
-        let pool = self.cache.geometry();
+        let pool = self.cache.layout();
         match KvStaging::new(&self.device, &pool, blocks)? {
             Some(mut staging) => {
-                staging.upload_all(&self.device, &pool, host, &mut self.cache.data, blocks)
+                staging.upload_all(&self.device, &pool, host, self.cache.data_mut(), blocks)
             }
             None => Ok(()),
         }

@@ -10,7 +10,9 @@ use cudarc::driver::CudaSlice;
 use half::bf16;
 
 use super::device::CudaDevice;
-use super::{GpuContext, GpuKvCache};
+use tandem_kv::cuda::DevicePool;
+
+use super::GpuContext;
 use crate::config::ModelConfig;
 use crate::device_forward::{self, DeviceLayer, DeviceWeights};
 use crate::device_launch::{Kernel, KernelArg, Launch, LaunchDevice};
@@ -118,13 +120,13 @@ impl GpuModel {
 
     /// Runs one batch (same contract as [`Model::forward`]): K/V of every token into the
     /// cache, last-token logits of every sequence that asked.
-    pub fn forward(&self, cache: &mut GpuKvCache, seqs: &[SeqInput<'_>]) -> Result<Vec<Vec<f32>>> {
-        let blocks = cache.num_blocks;
+    pub fn forward(&self, cache: &mut DevicePool, seqs: &[SeqInput<'_>]) -> Result<Vec<Vec<f32>>> {
+        let blocks = cache.layout().num_blocks;
         device_forward::forward(
             &self.device,
             &self.cfg,
             &self.weights,
-            &mut cache.data,
+            cache.data_mut(),
             blocks,
             seqs,
         )

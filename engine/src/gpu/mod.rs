@@ -1,7 +1,7 @@
 //! The CUDA path (cargo feature `cuda`): the Llama forward pass with bf16 weights and a paged
 //! bf16 KV cache in GPU memory, cuBLAS for the projections and NVRTC-compiled kernels for the
-//! rest, plus the pieces a GPU deployment needs: green contexts (a fixed SM share per worker)
-//! and CUDA IPC handles for moving KV between processes on one node.
+//! rest, plus green contexts (a fixed SM share per worker). The device KV pool, its IPC
+//! export and the NCCL links are `tandem_kv::cuda`'s: the transports use them too.
 //!
 //! Everything loads CUDA at run time (cudarc's dynamic loading): building needs no toolkit,
 //! and a binary with this feature still starts, and reports it, on a machine without a GPU.
@@ -11,15 +11,10 @@ mod backend;
 mod device;
 mod forward;
 pub mod green;
-pub mod ipc;
-mod kv;
-#[cfg(feature = "nccl")]
-pub mod nccl;
 
 pub use backend::GpuBackend;
 pub use device::CudaDevice;
 pub use forward::GpuModel;
-pub use kv::GpuKvCache;
 
 use std::sync::{Arc, OnceLock};
 
@@ -37,14 +32,51 @@ pub(crate) fn cuda_err(what: &str, e: impl std::fmt::Display) -> EngineError {
     EngineError::Unsupported(format!("CUDA {what}: {e}"))
 }
 
+/// The device pool of `num_blocks` blocks for a model of `cfg`'s shape.
+pub fn pool_layout(
+    cfg: &crate::config::ModelConfig,
+    num_blocks: usize,
+) -> tandem_kv::DevicePoolLayout {
+    tandem_kv::DevicePoolLayout {
+        num_layers: cfg.num_hidden_layers,
+        num_blocks,
+        block_layer_elems: crate::device_forward::block_layer_elems(cfg),
+    }
+}
+
+/// A zeroed device pool for `cfg`'s shape: `num_blocks` blocks, or as many as `budget_bytes`
+/// holds.
+pub fn device_pool(
+    gpu: &GpuContext,
+    cfg: &crate::config::ModelConfig,
+    size: PoolSize,
+) -> Result<tandem_kv::cuda::DevicePool> {
+    let num_blocks = match size {
+        PoolSize::Blocks(n) => n,
+        PoolSize::Budget(bytes) => bytes / pool_layout(cfg, 1).bytes(),
+    };
+    if num_blocks == 0 {
+        return Err(EngineError::Config(format!(
+            "a device KV pool of {size:?} holds no block"
+        )));
+    }
+    Ok(tandem_kv::cuda::DevicePool::new(
+        &gpu.stream,
+        pool_layout(cfg, num_blocks),
+    )?)
+}
+
+/// How large a device pool to allocate.
+#[derive(Debug, Clone, Copy)]
+pub enum PoolSize {
+    Blocks(usize),
+    Budget(usize),
+}
+
 /// Whether the CUDA driver library can be loaded and reports at least one device.
 pub fn available() -> bool {
     static AVAILABLE: OnceLock<bool> = OnceLock::new();
-    *AVAILABLE.get_or_init(|| {
-        // SAFETY: only probes whether the shared library can be opened.
-        let present = unsafe { cudarc::driver::sys::is_culib_present() };
-        present && CudaContext::device_count().is_ok_and(|n| n > 0)
-    })
+    *AVAILABLE.get_or_init(tandem_kv::cuda::device_present)
 }
 
 /// Whether NVRTC can be loaded (kernels compile without a GPU).
@@ -174,30 +206,6 @@ impl GpuContext {
             kernels,
             sms,
         })
-    }
-
-    /// Seconds of one device-to-device copy of `bytes` (best of three): the rate a KV
-    /// transport between devices is measured against.
-    pub fn local_copy_seconds(&self, bytes: usize) -> Result<f64> {
-        let a = self
-            .stream
-            .alloc_zeros::<u8>(bytes)
-            .map_err(|e| cuda_err("allocation", e))?;
-        let mut b = self
-            .stream
-            .alloc_zeros::<u8>(bytes)
-            .map_err(|e| cuda_err("allocation", e))?;
-        let mut best = f64::MAX;
-        for _ in 0..3 {
-            self.synchronize()?;
-            let t = std::time::Instant::now();
-            self.stream
-                .memcpy_dtod(&a, &mut b)
-                .map_err(|e| cuda_err("copy", e))?;
-            self.synchronize()?;
-            best = best.min(t.elapsed().as_secs_f64());
-        }
-        Ok(best)
     }
 
     /// Waits for all queued work.

@@ -8,7 +8,7 @@
 //! ran in a batch of one or sixty-four, in one chunk or several.
 
 use super::{Isa, SharedMut, isa};
-use crate::kv::{BLOCK_SIZE, KvCache};
+use tandem_kv::{BLOCK_SIZE, KvCache};
 
 /// The query rows of one sequence in a batch.
 #[derive(Debug, Clone, Copy)]
@@ -605,8 +605,8 @@ mod tests {
 
     #[test]
     fn every_instruction_set_gives_the_same_bits() {
-        use crate::kv::{KvCache, KvDtype, KvLayout};
         use rand::{Rng, SeedableRng, rngs::StdRng};
+        use tandem_kv::{KvCache, KvDtype, KvLayout};
         let mut rng = StdRng::seed_from_u64(11);
         // GQA (4 query heads over 2 KV heads), head_dim 64 (the AVX-512 P·V path) and 40
         // (the one-lane path); a decode row beside a prefill chunk that ends mid-block.

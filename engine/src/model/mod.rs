@@ -16,7 +16,7 @@ use crate::config::{ModelConfig, WeightDtype};
 use crate::error::{EngineError, Result};
 use crate::kernels::attention::{AttnSeq, paged_attention};
 use crate::kernels::{RopeTable, add_in_place, linear, rms_norm, silu_mul};
-use crate::kv::{BLOCK_SIZE, KvCache, KvDtype, KvLayout};
+use tandem_kv::{BLOCK_SIZE, KvCache, KvDtype, KvLayout};
 
 /// A loaded model: configuration, weights and the identity that KV peers compare.
 #[derive(Debug)]

@@ -1,7 +1,12 @@
 //! `BlockPool`: O(1) allocation and release of physical KV blocks from a free stack, with an
-//! ownership bit per block so a double free or a foreign id is an error, not corruption.
+//! ownership bit per block so a double free or a foreign id is an error, not corruption; and
+//! [`SharedPool`], the same behind a mutex for an engine and the threads that reserve blocks
+//! for incoming KV.
 
-use crate::error::{EngineError, Result};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use crate::blocks_for;
+use crate::error::{KvError, Result};
 
 /// The free list of a KV cache's blocks.
 #[derive(Debug, Clone)]
@@ -34,7 +39,7 @@ impl BlockPool {
     /// Takes `n` blocks, or none at all when fewer are free.
     pub fn allocate(&mut self, n: usize) -> Result<Vec<u32>> {
         if n > self.free.len() {
-            return Err(EngineError::OutOfBlocks {
+            return Err(KvError::OutOfBlocks {
                 needed: n,
                 free: self.free.len(),
             });
@@ -51,7 +56,7 @@ impl BlockPool {
         let b = self
             .free
             .pop()
-            .ok_or(EngineError::OutOfBlocks { needed: 1, free: 0 })?;
+            .ok_or(KvError::OutOfBlocks { needed: 1, free: 0 })?;
         self.in_use[b as usize] = true;
         Ok(b)
     }
@@ -62,7 +67,7 @@ impl BlockPool {
         let mut seen = std::collections::HashSet::with_capacity(blocks.len());
         for &b in blocks {
             if !self.in_use.get(b as usize).copied().unwrap_or(false) || !seen.insert(b) {
-                return Err(EngineError::InvalidKv(format!(
+                return Err(KvError::InvalidKv(format!(
                     "block {b} released but not allocated"
                 )));
             }
@@ -80,6 +85,55 @@ impl BlockPool {
     }
 }
 
+/// The block pool behind a mutex, shared by an engine and the threads that reserve blocks
+/// for incoming KV.
+#[derive(Debug, Clone)]
+pub struct SharedPool(Arc<Mutex<BlockPool>>);
+
+impl SharedPool {
+    pub fn new(blocks: usize) -> Self {
+        Self(Arc::new(Mutex::new(BlockPool::new(blocks))))
+    }
+
+    /// The pool itself, for the engine's scheduler (which allocates and frees under it).
+    pub fn lock(&self) -> MutexGuard<'_, BlockPool> {
+        // A panic elsewhere cannot leave the pool half-updated (every method is one step).
+        self.0.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Reserves blocks for `tokens` tokens.
+    pub fn reserve(&self, tokens: usize) -> Result<Vec<u32>> {
+        if tokens == 0 {
+            return Err(KvError::EmptyReservation);
+        }
+        let needed = blocks_for(tokens);
+        let mut pool = self.lock();
+        if needed > pool.total() {
+            return Err(KvError::TooManyBlocks {
+                needed,
+                total: pool.total(),
+            });
+        }
+        pool.allocate(needed)
+    }
+
+    pub fn release(&self, blocks: &[u32]) -> Result<()> {
+        self.lock().release(blocks)
+    }
+
+    pub fn total(&self) -> usize {
+        self.lock().total()
+    }
+
+    pub fn free_count(&self) -> usize {
+        self.lock().free_count()
+    }
+
+    pub fn used_count(&self) -> usize {
+        self.lock().used_count()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -91,7 +145,7 @@ mod tests {
         assert_eq!(pool.free_count(), 1);
         assert!(matches!(
             pool.allocate(2),
-            Err(EngineError::OutOfBlocks { needed: 2, free: 1 })
+            Err(KvError::OutOfBlocks { needed: 2, free: 1 })
         ));
         assert_eq!(pool.free_count(), 1, "a failed allocation takes nothing");
         let b = pool.allocate_one().unwrap();

@@ -6,12 +6,12 @@
 use half::bf16;
 
 use super::KvLayout;
-use crate::error::{EngineError, Result};
+use crate::error::{KvError, Result};
 
 fn check(layout: &KvLayout, host: usize, device: usize) -> Result<()> {
     let n = layout.block_layer_elems();
     if host != n || device != n {
-        return Err(EngineError::InvalidKv(format!(
+        return Err(KvError::InvalidKv(format!(
             "a block layer holds {n} elements, got {host} (host) and {device} (device)"
         )));
     }
@@ -61,12 +61,12 @@ pub fn from_device_layout(layout: &KvLayout, device: &[bf16], host: &mut [f32]) 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::kv::{KvCache, KvDtype};
+    use crate::{KvCache, KvDtype};
 
     fn layout() -> KvLayout {
         KvLayout {
             dtype: KvDtype::F32,
-            block_size: crate::kv::BLOCK_SIZE,
+            block_size: crate::BLOCK_SIZE,
             num_layers: 2,
             num_kv_heads: 3,
             head_dim: 8,

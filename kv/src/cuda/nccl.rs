@@ -10,18 +10,23 @@ use std::ffi::c_void;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use cudarc::driver::sys as cu;
+use cudarc::driver::{CudaContext, CudaStream, sys as cu};
 use cudarc::nccl::{result, sys};
 
-use super::cuda_err;
-use super::ipc::{check, make_current};
-use crate::error::{EngineError, Result};
+use super::{check, cuda_err};
+use crate::error::{KvError, Result};
 
 /// KV moves as bytes.
 const UINT8: sys::ncclDataType_t = sys::ncclDataType_t::ncclUint8;
 
-fn nccl_err(what: &str, e: impl std::fmt::Debug) -> EngineError {
-    EngineError::Unsupported(format!("NCCL {what}: {e:?}"))
+fn nccl_err(what: &str, e: impl std::fmt::Debug) -> KvError {
+    KvError::Device(format!("NCCL {what}: {e:?}"))
+}
+
+fn bind(context: &CudaContext) -> Result<()> {
+    context
+        .bind_to_thread()
+        .map_err(|e| cuda_err("bind context", e))
 }
 
 /// Whether `libnccl.so` can be loaded (it needs that exact name on the loader path).
@@ -33,7 +38,7 @@ pub fn available() -> bool {
 /// A fresh communicator id (128 opaque bytes), made by the receiving side.
 pub fn unique_id() -> Result<Vec<u8>> {
     if !available() {
-        return Err(EngineError::Unsupported(
+        return Err(KvError::Device(
             "libnccl.so cannot be loaded (link it as libnccl.so on LD_LIBRARY_PATH)".into(),
         ));
     }
@@ -41,12 +46,12 @@ pub fn unique_id() -> Result<Vec<u8>> {
     Ok(id.internal.iter().map(|&c| c as u8).collect())
 }
 
-/// One end of a two-rank communicator, with the stream and context its operations use.
+/// One end of a two-rank communicator, with the stream its operations use (and so its
+/// context).
 #[derive(Debug)]
 pub struct NcclLink {
     comm: sys::ncclComm_t,
-    stream: usize,
-    context: usize,
+    stream: Arc<CudaStream>,
     pub rank: usize,
     /// `true` once the communicator was aborted. Every NCCL call on it holds this lock, so an
     /// abort from another thread ([`NcclAbort`]) never overlaps a call, and none follows it.
@@ -58,7 +63,7 @@ pub struct NcclLink {
 #[derive(Debug, Clone)]
 pub struct NcclAbort {
     comm: sys::ncclComm_t,
-    context: usize,
+    context: Arc<CudaContext>,
     aborted: Arc<Mutex<bool>>,
 }
 
@@ -72,7 +77,7 @@ impl NcclAbort {
     pub fn abort(&self) {
         // This runs on a thread that may have no context, or another one, current: bind the
         // link's own (a green context is not the device's primary one).
-        if let Err(e) = make_current(self.context) {
+        if let Err(e) = bind(&self.context) {
             tracing::warn!(error = %e, "could not bind the nccl link's context to abort it");
         }
         abort_once(self.comm, &self.aborted);
@@ -99,16 +104,16 @@ fn abort_once(comm: sys::ncclComm_t, aborted: &Mutex<bool>) {
 unsafe impl Send for NcclLink {}
 
 impl NcclLink {
-    /// Joins the communicator `id` as `rank` of 2 on `stream` (raw `CUstream` of `context`).
-    /// Blocks until the other rank joins too.
-    pub fn join(id: &[u8], rank: usize, context: usize, stream: usize) -> Result<Self> {
+    /// Joins the communicator `id` as `rank` of 2 on `stream`. Blocks until the other rank
+    /// joins too.
+    pub fn join(id: &[u8], rank: usize, stream: Arc<CudaStream>) -> Result<Self> {
         if id.len() != 128 {
             return Err(nccl_err(
                 "unique id",
                 format!("{} bytes, expected 128", id.len()),
             ));
         }
-        make_current(context)?;
+        bind(stream.context())?;
         let mut raw = sys::ncclUniqueId { internal: [0; 128] };
         for (r, &b) in raw.internal.iter_mut().zip(id) {
             *r = b as _;
@@ -123,7 +128,6 @@ impl NcclLink {
         Ok(Self {
             comm,
             stream,
-            context,
             rank,
             aborted: Arc::new(Mutex::new(false)),
         })
@@ -133,7 +137,7 @@ impl NcclLink {
     pub fn abort_handle(&self) -> NcclAbort {
         NcclAbort {
             comm: self.comm,
-            context: self.context,
+            context: self.stream.context().clone(),
             aborted: self.aborted.clone(),
         }
     }
@@ -178,10 +182,14 @@ impl NcclLink {
         if *aborted {
             return Err(nccl_err(what, "the link was aborted"));
         }
-        make_current(self.context)?;
-        call(self.peer(), self.comm, self.stream as sys::cudaStream_t)
-            .map(|_| ())
-            .map_err(|e| nccl_err(what, e))
+        bind(self.stream.context())?;
+        call(
+            self.peer(),
+            self.comm,
+            self.stream.cu_stream() as sys::cudaStream_t,
+        )
+        .map(|_| ())
+        .map_err(|e| nccl_err(what, e))
     }
 
     /// Waits for everything queued on the link's stream, at most `limit`. A peer that died
@@ -189,11 +197,11 @@ impl NcclLink {
     /// limit the communicator is aborted (every queued operation on it ends) and the link is
     /// dead: the caller drops it and opens a new one.
     pub fn synchronize_within(&self, limit: Duration) -> Result<()> {
-        make_current(self.context)?;
+        bind(self.stream.context())?;
         let deadline = Instant::now() + limit;
         loop {
             // SAFETY: a live stream of this process.
-            let r = unsafe { cu::cuStreamQuery(self.stream as cu::CUstream) };
+            let r = unsafe { cu::cuStreamQuery(self.stream.cu_stream()) };
             match r {
                 cu::CUresult::CUDA_SUCCESS => return Ok(()),
                 cu::CUresult::CUDA_ERROR_NOT_READY if Instant::now() < deadline => {
@@ -217,13 +225,13 @@ impl NcclLink {
     /// # Safety
     /// `ptr..ptr+host.len()` must be device memory owned by the caller.
     pub unsafe fn upload(&self, ptr: u64, host: &[u8]) -> Result<()> {
-        make_current(self.context)?;
+        bind(self.stream.context())?;
         check("cuMemcpyHtoDAsync", unsafe {
             cu::cuMemcpyHtoDAsync_v2(
                 ptr,
                 host.as_ptr().cast(),
                 host.len(),
-                self.stream as cu::CUstream,
+                self.stream.cu_stream(),
             )
         })
     }
@@ -234,7 +242,9 @@ impl NcclLink {
     /// `ptr..ptr+host.len()` must be device memory.
     pub unsafe fn download(&self, ptr: u64, host: &mut [u8]) -> Result<()> {
         // Waiting for the next message is idle time, not a stall: no limit here.
-        super::ipc::synchronize(self.stream, self.context)?;
+        self.stream
+            .synchronize()
+            .map_err(|e| cuda_err("stream synchronize", e))?;
         check("cuMemcpyDtoH", unsafe {
             cu::cuMemcpyDtoH_v2(host.as_mut_ptr().cast(), ptr, host.len())
         })
@@ -254,63 +264,36 @@ impl Drop for NcclLink {
 pub struct DeviceScratch {
     pub ptr: u64,
     pub bytes: usize,
-    context: usize,
+    context: Arc<CudaContext>,
 }
 
 impl DeviceScratch {
-    pub fn new(bytes: usize, context: usize) -> Result<Self> {
-        make_current(context)?;
+    pub fn new(bytes: usize, context: &Arc<CudaContext>) -> Result<Self> {
+        bind(context)?;
         // SAFETY: a fresh allocation, freed in Drop.
         let ptr = unsafe { cudarc::driver::result::malloc_sync(bytes.max(1)) }
             .map_err(|e| cuda_err("scratch allocation", e))?;
         Ok(Self {
             ptr,
             bytes,
-            context,
+            context: context.clone(),
         })
     }
 }
 
 impl Drop for DeviceScratch {
     fn drop(&mut self) {
-        if make_current(self.context).is_ok() {
+        if bind(&self.context).is_ok() {
             // SAFETY: allocated in `new`, freed once.
             let _ = unsafe { cudarc::driver::result::free_sync(self.ptr) };
         }
     }
 }
 
-/// A non-blocking stream of its own (the decode side receives beside the forward pass,
-/// not behind it); destroyed on drop.
-#[derive(Debug)]
-pub struct OwnedStream {
-    pub raw: usize,
-    context: usize,
-}
-
-impl OwnedStream {
-    pub fn new(context: usize) -> Result<Self> {
-        make_current(context)?;
-        let mut stream: cu::CUstream = std::ptr::null_mut();
-        // SAFETY: writes a fresh stream handle on success.
-        check("cuStreamCreate", unsafe {
-            cu::cuStreamCreate(
-                &mut stream,
-                cu::CUstream_flags::CU_STREAM_NON_BLOCKING as std::ffi::c_uint,
-            )
-        })?;
-        Ok(Self {
-            raw: stream as usize,
-            context,
-        })
-    }
-}
-
-impl Drop for OwnedStream {
-    fn drop(&mut self) {
-        if make_current(self.context).is_ok() {
-            // SAFETY: created in `new`, destroyed once.
-            let _ = unsafe { cu::cuStreamDestroy_v2(self.raw as cu::CUstream) };
-        }
-    }
+/// A non-blocking stream of its own on `context` (the decode side receives beside the
+/// forward pass, not behind it).
+pub fn receive_stream(context: &Arc<CudaContext>) -> Result<Arc<CudaStream>> {
+    context
+        .new_stream()
+        .map_err(|e| cuda_err("stream creation", e))
 }

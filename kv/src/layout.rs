@@ -4,20 +4,43 @@
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
-/// Element type of the cache. The CPU path stores f32; the GPU path (bf16) adds its own.
+/// Element type of the cache. The CPU engine computes on f32 KV; a GPU engine keeps bf16. The
+/// dtype is part of the layout hash, so workers whose caches differ refuse each other.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum KvDtype {
     F32,
+    Bf16,
+    F16,
 }
 
 impl KvDtype {
     pub fn size_in_bytes(self) -> usize {
-        4
+        match self {
+            KvDtype::F32 => 4,
+            KvDtype::Bf16 | KvDtype::F16 => 2,
+        }
     }
 
     pub fn name(self) -> &'static str {
-        "f32"
+        match self {
+            KvDtype::F32 => "f32",
+            KvDtype::Bf16 => "bf16",
+            KvDtype::F16 => "f16",
+        }
+    }
+}
+
+impl std::str::FromStr for KvDtype {
+    type Err = crate::KvError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        [KvDtype::F32, KvDtype::Bf16, KvDtype::F16]
+            .into_iter()
+            .find(|d| d.name().eq_ignore_ascii_case(s.trim()))
+            .ok_or_else(|| {
+                crate::KvError::Config(format!("unknown KV dtype `{s}`: f32, bf16 or f16"))
+            })
     }
 }
 
@@ -41,7 +64,7 @@ pub struct KvLayout {
 const LAYOUT_VERSION: u32 = 1;
 
 impl KvLayout {
-    /// Floats of one block of one layer (K and V together).
+    /// Elements of one block of one layer (K and V together).
     pub fn block_layer_elems(&self) -> usize {
         2 * self.block_size * self.num_kv_heads * self.head_dim
     }
@@ -119,6 +142,26 @@ mod tests {
             dtype: KvDtype::F32,
             model_fingerprint: "abc".into(),
         }
+    }
+
+    #[test]
+    fn dtypes_size_parse_and_change_the_hash() {
+        for (dtype, bytes) in [(KvDtype::F32, 4), (KvDtype::Bf16, 2), (KvDtype::F16, 2)] {
+            assert_eq!(dtype.size_in_bytes(), bytes);
+            assert_eq!(dtype.name().parse::<KvDtype>().unwrap(), dtype);
+        }
+        assert!("f8".parse::<KvDtype>().is_err());
+        let bf16 = KvLayout {
+            dtype: KvDtype::Bf16,
+            ..layout()
+        };
+        assert_eq!(bf16.block_layer_bytes(), layout().block_layer_bytes() / 2);
+        assert_ne!(bf16.hash(), layout().hash());
+        assert!(
+            bf16.mismatch(&layout())
+                .unwrap()
+                .contains("dtype bf16 vs f32")
+        );
     }
 
     #[test]

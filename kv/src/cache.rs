@@ -2,6 +2,9 @@
 //! `(layer, block)`. The memory is an anonymous mapping, or a file in shared memory that the
 //! prefill worker on the same host maps too and writes reserved blocks into (the `shm`
 //! transport: one copy, no serialization).
+//!
+//! Blocks move as bytes of the layout's dtype (transports, staging); the CPU engine computes
+//! on f32 caches through the typed accessors, which refuse a cache of another dtype.
 
 use std::fs::OpenOptions;
 use std::path::{Path, PathBuf};
@@ -9,8 +12,8 @@ use std::sync::Arc;
 
 use memmap2::MmapMut;
 
-use super::layout::KvLayout;
-use crate::error::{EngineError, Result};
+use crate::error::{KvError, Result};
+use crate::layout::{KvDtype, KvLayout};
 
 /// The backing memory of a KV cache.
 ///
@@ -32,8 +35,8 @@ unsafe impl Sync for KvStorage {}
 impl KvStorage {
     /// Private memory of `bytes` (zero pages, committed lazily by the OS).
     pub fn anonymous(bytes: usize) -> Result<Self> {
-        let map = MmapMut::map_anon(bytes.max(1))
-            .map_err(|e| EngineError::io("anonymous KV memory", e))?;
+        let map =
+            MmapMut::map_anon(bytes.max(1)).map_err(|e| KvError::io("anonymous KV memory", e))?;
         Ok(Self::from_map(map, None))
     }
 
@@ -46,7 +49,7 @@ impl KvStorage {
         options.read(true).write(true).create_new(true);
         #[cfg(unix)]
         std::os::unix::fs::OpenOptionsExt::mode(&mut options, 0o600);
-        let file = options.open(path).map_err(|e| EngineError::io(path, e))?;
+        let file = options.open(path).map_err(|e| KvError::io(path, e))?;
         let storage = (|| {
             file.set_len(bytes as u64)?;
             // SAFETY: the file was just created by us; other processes only write blocks that
@@ -57,7 +60,7 @@ impl KvStorage {
             Ok(map) => Ok(Self::from_map(map, Some(path.to_owned()))),
             Err(e) => {
                 let _ = std::fs::remove_file(path);
-                Err(EngineError::io(path, e))
+                Err(KvError::io(path, e))
             }
         }
     }
@@ -65,15 +68,15 @@ impl KvStorage {
     /// Maps an existing shared-memory file, which must be exactly `bytes` long. The caller
     /// opened it (and checked it is the file it expects: see the `shm` transport).
     pub fn open_shared_file(file: &std::fs::File, bytes: usize, name: &Path) -> Result<Self> {
-        let len = file.metadata().map_err(|e| EngineError::io(name, e))?.len();
+        let len = file.metadata().map_err(|e| KvError::io(name, e))?.len();
         if len != bytes as u64 {
-            return Err(EngineError::LayoutMismatch(format!(
+            return Err(KvError::LayoutMismatch(format!(
                 "shared KV file {} holds {len} bytes, the layout needs {bytes}",
                 name.display()
             )));
         }
         // SAFETY: the owner keeps the file alive while peers hold leases on its blocks.
-        let map = unsafe { MmapMut::map_mut(file) }.map_err(|e| EngineError::io(name, e))?;
+        let map = unsafe { MmapMut::map_mut(file) }.map_err(|e| KvError::io(name, e))?;
         Ok(Self::from_map(map, None))
     }
 
@@ -83,7 +86,7 @@ impl KvStorage {
             .read(true)
             .write(true)
             .open(path)
-            .map_err(|e| EngineError::io(path, e))?;
+            .map_err(|e| KvError::io(path, e))?;
         Self::open_shared_file(&file, bytes, path)
     }
 
@@ -131,7 +134,7 @@ impl KvCache {
     pub fn new(layout: KvLayout, num_blocks: usize, storage: KvStorage) -> Result<Self> {
         let need = num_blocks * layout.block_bytes();
         if storage.len() < need {
-            return Err(EngineError::LayoutMismatch(format!(
+            return Err(KvError::LayoutMismatch(format!(
                 "KV storage of {} bytes cannot hold {num_blocks} blocks of {} bytes",
                 storage.len(),
                 layout.block_bytes()
@@ -148,7 +151,7 @@ impl KvCache {
     pub fn with_budget(layout: KvLayout, budget_bytes: usize) -> Result<Self> {
         let num_blocks = budget_bytes / layout.block_bytes();
         if num_blocks == 0 {
-            return Err(EngineError::Config(format!(
+            return Err(KvError::Config(format!(
                 "a KV budget of {budget_bytes} bytes holds no block of {} bytes",
                 layout.block_bytes()
             )));
@@ -184,8 +187,9 @@ impl KvCache {
         block_offset(&self.layout, self.num_blocks, layer, block)
     }
 
-    /// The floats of one block of one layer (K part, then V part).
+    /// The floats of one block of one layer (K part, then V part) of an f32 cache.
     pub fn block_layer(&self, layer: usize, block: u32) -> Result<&[f32]> {
+        self.require_f32()?;
         let off = self.offset(layer, block)?;
         // SAFETY: in bounds (checked offset); only this block is borrowed.
         Ok(unsafe {
@@ -193,9 +197,9 @@ impl KvCache {
         })
     }
 
-    /// The same as raw bytes, as transports send them.
+    /// One block of one layer as raw bytes of the layout's dtype, as transports send them.
     pub fn block_layer_bytes(&self, layer: usize, block: u32) -> Result<&[u8]> {
-        let off = self.offset(layer, block)? * 4;
+        let off = self.offset(layer, block)? * self.layout.dtype.size_in_bytes();
         // SAFETY: as in `block_layer`.
         Ok(unsafe {
             std::slice::from_raw_parts(self.storage.base.add(off), self.layout.block_layer_bytes())
@@ -211,27 +215,29 @@ impl KvCache {
     ) -> Result<()> {
         let n = self.layout.block_layer_bytes();
         if bytes.len() != n {
-            return Err(EngineError::InvalidKv(format!(
+            return Err(KvError::InvalidKv(format!(
                 "block payload of {} bytes, expected {n}",
                 bytes.len()
             )));
         }
-        let off = self.offset(layer, block)? * 4;
+        let off = self.offset(layer, block)? * self.layout.dtype.size_in_bytes();
         // SAFETY: in bounds; `&mut self` excludes the engine's own readers.
         unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), self.storage.base.add(off), n) };
         Ok(())
     }
 
-    /// Mutable floats of one block of one layer.
+    /// Mutable floats of one block of one layer of an f32 cache.
     pub fn block_layer_mut(&mut self, layer: usize, block: u32) -> Result<&mut [f32]> {
+        self.require_f32()?;
         let off = self.offset(layer, block)?;
         let n = self.layout.block_layer_elems();
         // SAFETY: in bounds; only this block is borrowed, exclusively through `&mut self`.
         Ok(unsafe { std::slice::from_raw_parts_mut(self.floats_ptr().add(off), n) })
     }
 
-    /// Writes one token's K and V rows (`kv_heads × head_dim` each) into `slot` of `block`.
-    pub(crate) fn write_token(
+    /// Writes one token's K and V rows (`kv_heads × head_dim` each) into `slot` of `block`
+    /// of an f32 cache.
+    pub fn write_token(
         &mut self,
         layer: usize,
         block: u32,
@@ -276,10 +282,20 @@ impl KvCache {
         Ok((k, v))
     }
 
-    /// Base pointer of a layer's blocks, for the attention kernel.
-    pub(crate) fn layer_ptr(&self, layer: usize) -> *const f32 {
+    /// Base pointer of a layer's blocks of an f32 cache, for the attention kernel.
+    ///
+    /// # Panics
+    /// If the layer is out of range or the cache is not f32 (the CPU engine only builds f32
+    /// caches; a mistake here would read the wrong bytes).
+    pub fn layer_ptr(&self, layer: usize) -> *const f32 {
+        assert!(
+            layer < self.layout.num_layers && self.layout.dtype == KvDtype::F32,
+            "layer {layer} of a {} cache of {} layers",
+            self.layout.dtype.name(),
+            self.layout.num_layers
+        );
         let off = layer * self.num_blocks * self.layout.block_layer_elems();
-        // SAFETY: `layer` < num_layers at every call site, so the offset is in bounds.
+        // SAFETY: `layer` < num_layers (checked), so the offset is in bounds.
         unsafe { self.floats_ptr().add(off) }
     }
 
@@ -287,11 +303,22 @@ impl KvCache {
     fn floats_ptr(&self) -> *mut f32 {
         self.storage.base.cast::<f32>()
     }
+
+    fn require_f32(&self) -> Result<()> {
+        if self.layout.dtype == KvDtype::F32 {
+            Ok(())
+        } else {
+            Err(KvError::InvalidKv(format!(
+                "f32 access to a {} cache",
+                self.layout.dtype.name()
+            )))
+        }
+    }
 }
 
 fn block_offset(layout: &KvLayout, num_blocks: usize, layer: usize, block: u32) -> Result<usize> {
     if layer >= layout.num_layers || block as usize >= num_blocks {
-        return Err(EngineError::InvalidKv(format!(
+        return Err(KvError::InvalidKv(format!(
             "layer {layer} block {block} out of range ({} layers, {num_blocks} blocks)",
             layout.num_layers
         )));
@@ -325,12 +352,13 @@ impl KvBlockWriter {
     pub unsafe fn write(&self, layer: usize, block: u32, bytes: &[u8]) -> Result<()> {
         let n = self.layout.block_layer_bytes();
         if bytes.len() != n {
-            return Err(EngineError::InvalidKv(format!(
+            return Err(KvError::InvalidKv(format!(
                 "block payload of {} bytes, expected {n}",
                 bytes.len()
             )));
         }
-        let off = block_offset(&self.layout, self.num_blocks, layer, block)? * 4;
+        let off = block_offset(&self.layout, self.num_blocks, layer, block)?
+            * self.layout.dtype.size_in_bytes();
         // SAFETY: in bounds; exclusivity is the caller's promise.
         unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), self.storage.base.add(off), n) };
         Ok(())
@@ -341,7 +369,8 @@ impl KvBlockWriter {
     /// # Safety
     /// No one may write `(layer, block)` while the returned slice lives.
     pub unsafe fn read(&self, layer: usize, block: u32) -> Result<&[u8]> {
-        let off = block_offset(&self.layout, self.num_blocks, layer, block)? * 4;
+        let off = block_offset(&self.layout, self.num_blocks, layer, block)?
+            * self.layout.dtype.size_in_bytes();
         // SAFETY: in bounds; the caller excludes writers.
         Ok(unsafe {
             std::slice::from_raw_parts(self.storage.base.add(off), self.layout.block_layer_bytes())
@@ -352,7 +381,6 @@ impl KvBlockWriter {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::kv::KvDtype;
 
     fn layout() -> KvLayout {
         KvLayout {
@@ -377,6 +405,25 @@ mod tests {
         assert!(cache.block_layer(0, 3).is_err());
         assert!(cache.write_block_layer_bytes(0, 0, &[0u8; 3]).is_err());
         assert!(KvCache::with_budget(layout(), 10).is_err());
+    }
+
+    #[test]
+    fn half_precision_caches_move_bytes_and_refuse_f32_access() {
+        let bf16 = KvLayout {
+            dtype: KvDtype::Bf16,
+            ..layout()
+        };
+        let mut cache = KvCache::with_budget(bf16.clone(), 2 * bf16.block_bytes()).unwrap();
+        assert_eq!(cache.num_blocks(), 2);
+        let n = bf16.block_layer_bytes();
+        assert_eq!(n, layout().block_layer_bytes() / 2);
+        let payload: Vec<u8> = (0..n).map(|i| (i % 253) as u8).collect();
+        cache.write_block_layer_bytes(1, 1, &payload).unwrap();
+        assert_eq!(cache.block_layer_bytes(1, 1).unwrap(), &payload[..]);
+        // The last piece of the pool: offsets count 2-byte elements, not 4.
+        assert_eq!(cache.block_layer_bytes(0, 1).unwrap().len(), n);
+        assert!(cache.block_layer(0, 0).is_err());
+        assert!(cache.write_token(0, 0, 0, &[0.0; 8], &[0.0; 8]).is_err());
     }
 
     #[test]
