@@ -12,7 +12,7 @@ use std::time::Instant;
 
 use candle_core::{Device, Tensor};
 use rayon::prelude::*;
-use tandem_engine::kernels::{Isa, Matrix, WeightData, isa, linear, select_isa};
+use tandem_engine::backend::cpu::kernels::{Isa, Matrix, WeightData, isa, linear, select_isa};
 use tandem_engine::{
     Engine, EngineConfig, LoadOptions, ModelSource, SamplingParams, StopParams, WeightDtype,
     load_model,
@@ -133,7 +133,7 @@ fn main() -> anyhow::Result<()> {
     let threads = rayon::current_num_threads();
     // Resolve the kernels' instruction set before timing anything (TANDEM_ISA is refused here,
     // with its reason, if this CPU cannot run it).
-    let isa = match tandem_engine::kernels::isa_from_env()? {
+    let isa = match tandem_engine::backend::cpu::kernels::isa_from_env()? {
         Some(chosen) => select_isa(chosen)?,
         None => isa(),
     };

@@ -10,8 +10,9 @@ use std::time::Instant;
 
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
 use half::bf16;
+use tandem_engine::backend::cuda::forward::StepBuffers;
+use tandem_engine::backend::cuda::gpu::{GpuContext, GpuModel, PoolSize, available, device_pool};
 use tandem_engine::config::ModelConfig;
-use tandem_engine::gpu::{GpuContext, GpuModel, PoolSize, available, device_pool};
 use tandem_engine::{LoadOptions, ModelSource, SeqInput, WeightDtype, load_model};
 use tandem_kv::{BlockPool, blocks_for};
 
@@ -81,6 +82,7 @@ fn bench_model(
     let cfg = &model.cfg;
     let vocab = cfg.vocab_size as u32;
     let mut cache = device_pool(gpu, cfg, PoolSize::Budget(40 << 30))?;
+    let mut buffers = StepBuffers::default();
     let mut pool = BlockPool::new(cache.layout().num_blocks);
     let prompt = |seed: u32, len: usize| -> Vec<u32> {
         (0..len as u32)
@@ -101,6 +103,7 @@ fn bench_model(
                 block_table: &table,
                 logits: true,
             }],
+            &mut buffers,
         )?;
         best = best.min(t.elapsed().as_secs_f64());
     }
@@ -125,7 +128,7 @@ fn bench_model(
                     logits: false,
                 })
                 .collect();
-            model.forward(&mut cache, &inputs)?;
+            model.forward(&mut cache, &inputs, &mut buffers)?;
         }
         let steps = 16;
         let next: Vec<Vec<u32>> = (0..batch).map(|i| vec![(i as u32 * 31) % vocab]).collect();
@@ -141,7 +144,7 @@ fn bench_model(
                     logits: true,
                 })
                 .collect();
-            model.forward(&mut cache, &inputs)?;
+            model.forward(&mut cache, &inputs, &mut buffers)?;
         }
         decode_ms.push((batch, t0.elapsed().as_secs_f64() * 1e3 / steps as f64));
         for t in &tables {

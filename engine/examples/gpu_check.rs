@@ -8,7 +8,8 @@
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use tandem_engine::gpu::{GpuContext, GpuModel, PoolSize, available, device_pool};
+use tandem_engine::backend::cuda::forward::StepBuffers;
+use tandem_engine::backend::cuda::gpu::{GpuContext, GpuModel, PoolSize, available, device_pool};
 use tandem_engine::{LoadOptions, ModelSource, SeqInput, WeightDtype, load_model};
 use tandem_kv::{BlockPool, KvCache, blocks_for};
 
@@ -51,6 +52,7 @@ fn main() -> anyhow::Result<()> {
     let layout = cpu.kv_layout();
     let blocks = 256;
     let mut cpu_cache = KvCache::with_budget(layout.clone(), blocks * layout.block_bytes())?;
+    let mut buffers = StepBuffers::default();
     let mut gpu_cache = device_pool(
         &gpu_ctx,
         &cfg,
@@ -92,7 +94,7 @@ fn main() -> anyhow::Result<()> {
         })
         .collect();
     let c = cpu.forward(&mut cpu_cache, &inputs, &mut |_, _| {})?;
-    let g = gpu.forward(&mut gpu_cache, &inputs)?;
+    let g = gpu.forward(&mut gpu_cache, &inputs, &mut buffers)?;
     check("batch", c, g);
     // 2. Decode steps on top of that batch, one sequence at a time leaving.
     for step in 0..8 {
@@ -113,7 +115,7 @@ fn main() -> anyhow::Result<()> {
             })
             .collect();
         let c = cpu.forward(&mut cpu_cache, &inputs, &mut |_, _| {})?;
-        let g = gpu.forward(&mut gpu_cache, &inputs)?;
+        let g = gpu.forward(&mut gpu_cache, &inputs, &mut buffers)?;
         check(&format!("decode step {step}"), c, g);
     }
     // 3. A chunked prefill of 300 tokens.
@@ -128,7 +130,7 @@ fn main() -> anyhow::Result<()> {
             logits: true,
         }];
         let c = cpu.forward(&mut cpu_cache, &input, &mut |_, _| {})?;
-        let g = gpu.forward(&mut gpu_cache, &input)?;
+        let g = gpu.forward(&mut gpu_cache, &input, &mut buffers)?;
         check(&format!("chunk at {pos}"), c, g);
         pos += chunk;
     }

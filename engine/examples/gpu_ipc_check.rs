@@ -12,8 +12,8 @@
 use std::time::Instant;
 
 use half::bf16;
+use tandem_engine::backend::cuda::gpu::{GpuContext, PoolSize, available, device_pool};
 use tandem_engine::config::ModelConfig;
-use tandem_engine::gpu::{GpuContext, PoolSize, available, device_pool};
 use tandem_kv::cuda::ipc::OpenedPeer;
 use tandem_kv::{BLOCK_SIZE, plan_layer_copy};
 

@@ -17,17 +17,33 @@ use serde::{Deserialize, Serialize};
 use tandem_text::TextTokenizer;
 
 use std::sync::MutexGuard;
-use tandem_kv::{BLOCK_SIZE, BlockPool, KvCache, SharedPool, blocks_for};
+use tandem_kv::{
+    BLOCK_SIZE, BlockPool, DeviceKv, ExportedKv, KvCache, KvLocation, SharedPool, blocks_for,
+};
 
+use crate::backend::{self, Batch, ComputeBackend};
 use crate::device::Device;
 use crate::error::{EngineError, Result};
 use crate::model::{Model, SeqInput};
 use crate::sampling::{Sampler, SamplingParams, StopParams};
 use crate::sequence::Sequence;
 
-mod device_side;
+/// A prefilled sequence's KV: the reserved blocks it was written into, and where.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReceivedKv {
+    pub blocks: Vec<u32>,
+    pub location: KvLocation,
+}
 
-pub use device_side::ReceivedKv;
+impl ReceivedKv {
+    /// KV received into the host cache.
+    pub fn host(blocks: Vec<u32>) -> Self {
+        Self {
+            blocks,
+            location: KvLocation::Host,
+        }
+    }
+}
 
 /// Identifies a sequence inside one engine.
 pub type SeqId = u64;
@@ -148,18 +164,15 @@ pub struct Engine {
     next_id: SeqId,
     eos: Vec<u32>,
     stats: EngineStats,
-    /// The device compute with `Device::Cuda`; `cache` is then host staging.
-    #[cfg(feature = "cuda")]
-    gpu: Option<crate::gpu::GpuBackend>,
-    /// Whether prompt KV is copied to the host cache after a GPU forward pass (off while
-    /// every sequence sending KV copies device to device).
-    host_kv_export: bool,
+    /// Where the forward pass runs (`cache` is the KV itself on the CPU, staging on a GPU).
+    backend: Box<dyn ComputeBackend>,
 }
 
 impl std::fmt::Debug for Engine {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Engine")
             .field("model", &self.model.name())
+            .field("backend", &self.backend.name())
             .field("blocks", &self.pool().total())
             .field("free", &self.pool().free_count())
             .field("waiting", &self.waiting.len())
@@ -187,7 +200,8 @@ impl Engine {
             return Err(EngineError::LayoutMismatch(why));
         }
         let eos = tokenizer.info().eos_token_ids.clone();
-        let mut engine = Self {
+        let backend = backend::for_device(&config.device, &model, cache.num_blocks())?;
+        Ok(Self {
             pool: SharedPool::new(cache.num_blocks()),
             model,
             tokenizer,
@@ -199,12 +213,35 @@ impl Engine {
             next_id: 1,
             eos,
             stats: EngineStats::default(),
-            #[cfg(feature = "cuda")]
-            gpu: None,
-            host_kv_export: true,
-        };
-        engine.attach_device()?;
-        Ok(engine)
+            backend,
+        })
+    }
+
+    /// Which backend computes (`cpu` or `cuda`).
+    pub fn backend_name(&self) -> &'static str {
+        self.backend.name()
+    }
+
+    /// The device KV pool, when the engine runs on a GPU.
+    pub fn device_kv(&self) -> Option<DeviceKv> {
+        self.backend.device_kv()
+    }
+
+    /// An IPC export of the device KV pool (`None` on the CPU).
+    pub fn export_device_kv(&self) -> Result<Option<ExportedKv>> {
+        self.backend.export_device_kv()
+    }
+
+    /// Whether a GPU engine copies prompt KV to the host cache after each layer with prompt
+    /// work (on by default; a prefill worker turns it off while every transfer in flight
+    /// copies device to device). No effect on the CPU, where the host cache is the KV.
+    pub fn set_host_kv_export(&mut self, on: bool) {
+        self.backend.set_host_kv_export(on);
+    }
+
+    /// Makes received KV visible to the forward pass (see [`ComputeBackend::import_blocks`]).
+    fn place_received_kv(&mut self, blocks: &[u32], kv: KvLocation) -> Result<()> {
+        self.backend.import_blocks(&mut self.cache, blocks, kv)
     }
 
     pub fn model(&self) -> &Arc<Model> {
@@ -429,34 +466,14 @@ impl Engine {
                 }
             })
             .collect();
-        #[cfg(feature = "cuda")]
-        let device_logits = match self.gpu.as_mut() {
-            Some(gpu) => {
-                // Copy KV back to the host only for prompt work (what transports send).
-                let prompt_work = plan
-                    .iter()
-                    .any(|(id, start, _)| *start < self.seqs[id].prompt_len);
-                Some(gpu.forward(
-                    &mut self.cache,
-                    &inputs,
-                    &chunks,
-                    prompt_work,
-                    self.host_kv_export,
-                    on_layer,
-                )?)
-            }
-            None => None,
+        let batch = Batch {
+            seqs: &inputs,
+            chunks: &chunks,
+            prompt_work: plan
+                .iter()
+                .any(|(id, start, _)| *start < self.seqs[id].prompt_len),
         };
-        #[cfg(not(feature = "cuda"))]
-        let device_logits: Option<Vec<Vec<f32>>> = None;
-        let logits = match device_logits {
-            Some(logits) => logits,
-            None => self
-                .model
-                .forward(&mut self.cache, &inputs, &mut |layer, cache| {
-                    on_layer(layer, cache, &chunks)
-                })?,
-        };
+        let logits = self.backend.forward(&mut self.cache, &batch, on_layer)?;
         self.stats.steps += 1;
 
         let mut outputs = Vec::new();

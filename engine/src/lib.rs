@@ -4,20 +4,13 @@
 //!
 //! It knows nothing of networks or RPC: workers drive an [`Engine`] from their own threads.
 
-pub mod blas_layout;
+pub mod backend;
 pub mod config;
 pub mod device;
-pub mod device_forward;
-pub mod device_launch;
-pub mod device_staging;
 pub mod engine;
 pub mod error;
 pub mod fetch;
-#[cfg(feature = "cuda")]
-pub mod gpu;
-pub mod kernels;
 pub mod model;
-pub mod reference;
 pub mod sampling;
 mod sequence;
 

@@ -286,7 +286,7 @@ pub fn argmax(logits: &[f32]) -> u32 {
 
 fn log_softmax_at(logits: &[f32], i: usize) -> f32 {
     let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let sum = crate::kernels::sum_exp(logits, max);
+    let sum = crate::backend::cpu::kernels::sum_exp(logits, max);
     logits[i] - max - sum.ln()
 }
 

@@ -15,8 +15,8 @@ use std::fmt::Write;
 use std::sync::Arc;
 
 use sha2::{Digest, Sha256};
+use tandem_engine::backend::cpu::kernels::isa;
 use tandem_engine::config::{ModelConfig, WeightDtype};
-use tandem_engine::kernels::isa;
 use tandem_engine::model::dummy_model;
 use tandem_engine::{Model, SeqInput};
 use tandem_kv::{BlockPool, KvCache, blocks_for};

@@ -1,14 +1,15 @@
-//! The GPU forward pass, whole, on an emulated device: `device_forward::forward` (the same
+//! The GPU forward pass, whole, on an emulated device: `backend::cuda::forward` (the same
 //! code `GpuModel` runs on CUDA) drives the unchanged CUDA kernels through the CUDA-on-CPU
 //! harness and does its GEMMs with cuBLAS's column-major definition applied to exactly the
-//! arguments the CUDA device passes (`blas_layout::linear_call`). Its logits are compared with
+//! arguments the CUDA device passes (`backend::cuda::blas::linear_call`). Its logits are compared with
 //! the CPU engine's on the same bf16-rounded weights, on the scenarios of the on-GPU check
 //! (`examples/gpu_check.rs`): a mixed-length batch, decode steps with sequences leaving, a
 //! chunked prefill. The bar is the GPU issue's: 1e-2 relative (max |Δ| / max |cpu|).
 //!
-//! The host staging a GPU engine does for the KV transports (`device_staging`: gather,
+//! The host staging a GPU engine does for the KV transports (`backend::cuda::staging`: gather,
 //! download, layout conversion; conversion, upload, scatter) runs here too, between the
-//! emulated pass and CPU caches.
+//! emulated pass and CPU caches, and so does the whole device backend as the engine drives it
+//! (each layer handed over during the pass, host staging released, received KV imported).
 //!
 //! This checks the pass's batch layout, buffer sizes, argument order, launch shapes and GEMM
 //! mapping; what only a GPU can check (cuBLAS itself, streams, the device's rounding) stays
@@ -16,15 +17,18 @@
 
 mod cuda_on_cpu;
 
+use tandem_engine::backend::cuda::DeviceBackend;
+use tandem_engine::backend::cuda::forward::{self as device_forward, DeviceWeights, StepBuffers};
+use tandem_engine::backend::cuda::staging::KvStaging;
+use tandem_engine::backend::{Batch, ComputeBackend};
 use tandem_engine::config::{ModelConfig, WeightDtype};
-use tandem_engine::device_forward::{self, DeviceWeights};
-use tandem_engine::device_staging::KvStaging;
+use tandem_engine::engine::ChunkInfo;
 use tandem_engine::model::dummy_model;
 use tandem_engine::{EngineError, Model, SeqInput};
 use tandem_kv::DevicePoolLayout;
-use tandem_kv::{BlockPool, KvCache, blocks_for};
+use tandem_kv::{BlockPool, KvCache, KvLocation, blocks_for};
 
-use cuda_on_cpu::device::{Bytes, EmulatedDevice};
+use cuda_on_cpu::device::{Bytes, EmulatedDevice, launches_on_this_thread};
 use cuda_on_cpu::harness;
 
 fn relative_error(got: &[f32], want: &[f32]) -> f32 {
@@ -48,6 +52,8 @@ struct SideBySide {
     weights: DeviceWeights<EmulatedDevice>,
     cpu_cache: KvCache,
     gpu_cache: Bytes,
+    /// Kept across steps, as the backend keeps them.
+    buffers: StepBuffers<EmulatedDevice>,
     blocks: usize,
     worst: f32,
 }
@@ -68,6 +74,7 @@ impl SideBySide {
             ],
             cpu,
             weights,
+            buffers: StepBuffers::default(),
             blocks,
             worst: 0.0,
         }
@@ -86,6 +93,8 @@ impl SideBySide {
             &mut self.gpu_cache,
             self.blocks,
             seqs,
+            &mut self.buffers,
+            &mut |_, _| Ok(()),
         )
         .expect("emulated GPU forward");
         assert_eq!(got.len(), want.len(), "logit rows");
@@ -197,6 +206,8 @@ fn a_bad_batch_is_an_error_before_any_launch() {
                 block_table: table,
                 logits: true,
             }],
+            &mut StepBuffers::default(),
+            &mut |_, _| Ok(()),
         )
     };
     // No harness is needed: each is refused on the host.
@@ -258,6 +269,8 @@ fn host_staging_carries_prompt_kv_to_the_cpu_cache_and_back_exactly() {
         &mut device,
         blocks,
         &[seq(&prompt, 0, &table)],
+        &mut StepBuffers::default(),
+        &mut |_, _| Ok(()),
     )
     .expect("prefill pass");
     let mut staged = host_cache().expect("cache");
@@ -310,6 +323,8 @@ fn host_staging_carries_prompt_kv_to_the_cpu_cache_and_back_exactly() {
         &mut received,
         blocks,
         &[seq(&next, 37, &table)],
+        &mut StepBuffers::default(),
+        &mut |_, _| Ok(()),
     )
     .expect("decode pass");
     let err = relative_error(&got[0], &want[0]);
@@ -323,4 +338,155 @@ fn host_staging_carries_prompt_kv_to_the_cpu_cache_and_back_exactly() {
         KvStaging::new(&EmulatedDevice, &pool, &[3, blocks as u32]),
         Err(EngineError::InvalidKv(_))
     ));
+}
+
+/// The device backend as the engine drives it, on the emulated device: after each layer of a
+/// prompt, that layer's KV reaches the host view (and no later layer's yet), matching the CPU
+/// engine to bf16; once the hook has run, the host releases it. Step buffers are kept across
+/// steps. On the decode side, KV received into the host is uploaded, released, and decoded
+/// from as the CPU engine does.
+#[test]
+fn the_device_backend_hands_each_layer_over_then_releases_it() {
+    if harness().is_none() {
+        return;
+    }
+    // SmolLM2's attention shape: a block-layer of 24 KiB, whole pages the host can release.
+    let cfg = ModelConfig {
+        num_hidden_layers: 3,
+        vocab_size: 512,
+        ..ModelConfig::preset("smollm2-135m").expect("preset")
+    };
+    let cpu = dummy_model(cfg.clone(), WeightDtype::Bf16, 9, "smol3").expect("model");
+    let layout = cpu.kv_layout();
+    let blocks = 12;
+    let host_cache = || KvCache::with_budget(layout.clone(), blocks * layout.block_bytes());
+    let table = vec![7u32, 2, 9];
+    let prompt: Vec<u32> = (0..37u32).map(|i| (i * 31 + 5) % 512).collect();
+    let chunks = [ChunkInfo {
+        id: 1,
+        start_pos: 0,
+        len: prompt.len(),
+        blocks: table.clone(),
+    }];
+    let mut cpu_cache = host_cache().expect("cache");
+    cpu.forward(&mut cpu_cache, &[seq(&prompt, 0, &table)], &mut |_, _| {})
+        .expect("CPU prefill");
+
+    let mut backend =
+        DeviceBackend::new(EmulatedDevice, "emulated", &cpu, blocks).expect("backend");
+    assert!(backend.device_kv().is_none(), "no device memory to name");
+    let mut host = host_cache().expect("cache");
+    let mut seen = Vec::new();
+    let mut at = Vec::new();
+    let inputs = [seq(&prompt, 0, &table)];
+    let batch = Batch {
+        seqs: &inputs,
+        chunks: &chunks,
+        prompt_work: true,
+    };
+    let start = launches_on_this_thread();
+    backend
+        .forward(&mut host, &batch, &mut |layer, view, _| {
+            for &b in &table {
+                let got = view.block_layer(layer, b).expect("block");
+                let want = cpu_cache.block_layer(layer, b).expect("block");
+                let err = relative_error(got, want);
+                assert!(err <= 1e-2, "layer {layer} block {b}: {err:.2e}");
+                if layer + 1 < cfg.num_hidden_layers {
+                    let next = view.block_layer(layer + 1, b).expect("block");
+                    assert!(
+                        next.iter().all(|&v| v == 0.0),
+                        "layer {} came early",
+                        layer + 1
+                    );
+                }
+            }
+            seen.push(layer);
+            at.push(launches_on_this_thread());
+        })
+        .expect("prefill on the device");
+    assert_eq!(seen, [0, 1, 2], "one hook per layer, in order");
+    // Each layer is handed over during the pass, once the next layer is queued (the device
+    // computes it meanwhile): the first hook after the embedding and two layers, then one
+    // hook per layer's worth of launches, the last after the pass.
+    let end = launches_on_this_thread();
+    let at: Vec<usize> = at.iter().map(|a| a - start).collect();
+    let per_layer = at[1] - at[0];
+    assert_eq!(
+        at[0],
+        1 + 2 * per_layer,
+        "first hook at {at:?}, pass of {}",
+        end - start
+    );
+    assert!(at[1] < end - start, "layer 1 waited for the end: {at:?}");
+    assert_eq!(
+        at[2],
+        end - start,
+        "the last layer comes down after the pass"
+    );
+    for layer in 0..cfg.num_hidden_layers {
+        for &b in &table {
+            let left = host.block_layer(layer, b).expect("block");
+            assert!(
+                left.iter().all(|&v| v == 0.0),
+                "layer {layer} block {b} kept"
+            );
+        }
+    }
+    assert_eq!(backend.buffers().allocations(), 1);
+
+    // Without host export (device-to-device transports), the hook still runs per layer and
+    // the host is left alone.
+    backend.set_host_kv_export(false);
+    let mut calls = 0;
+    backend
+        .forward(&mut host, &batch, &mut |_, _, _| calls += 1)
+        .expect("prefill without host copies");
+    assert_eq!(calls, 3);
+    assert!(
+        host.block_layer(0, 7)
+            .expect("block")
+            .iter()
+            .all(|&v| v == 0.0)
+    );
+
+    // Decode side: the CPU's KV arrives in a host cache, goes up, and is released there.
+    let next = [prompt[36]];
+    let want = cpu
+        .forward(&mut cpu_cache, &[seq(&next, 37, &table)], &mut |_, _| {})
+        .expect("CPU decode");
+    let mut decoder =
+        DeviceBackend::new(EmulatedDevice, "emulated", &cpu, blocks).expect("backend");
+    decoder
+        .import_blocks(&mut cpu_cache, &table, KvLocation::Host)
+        .expect("import");
+    assert!(
+        cpu_cache
+            .block_layer(1, 2)
+            .expect("block")
+            .iter()
+            .all(|&v| v == 0.0)
+    );
+    let decode_inputs = [seq(&next, 37, &table)];
+    let decode = Batch {
+        seqs: &decode_inputs,
+        chunks: &[],
+        prompt_work: false,
+    };
+    let mut hooks = 0;
+    let got = decoder
+        .forward(&mut cpu_cache, &decode, &mut |_, _, _| hooks += 1)
+        .expect("decode on the device");
+    assert_eq!(hooks, 0, "decode steps need no hook");
+    let err = relative_error(&got[0], &want[0]);
+    assert!(err <= 1e-2, "decode after import: {err:.2e}");
+    // A one-row step reuses the buffers a 37-row one made; device-resident KV needs nothing.
+    backend
+        .forward(&mut host, &decode, &mut |_, _, _| {})
+        .expect("decode step");
+    assert_eq!(backend.buffers().allocations(), 1);
+    assert!(backend.buffers().capacity() >= 37);
+    decoder
+        .import_blocks(&mut cpu_cache, &table, KvLocation::Device)
+        .expect("device-resident KV");
 }

@@ -1,4 +1,4 @@
-//! tandem's CUDA kernels (`engine/src/gpu/kernels.cu`), unchanged, run on the CPU and checked
+//! tandem's CUDA kernels (`engine/src/backend/cuda/kernels.cu`), unchanged, run on the CPU and checked
 //! against the CPU engine on fresh random inputs, so their indexing and math are tested on
 //! every machine and not only where a GPU is lent.
 //!
@@ -17,9 +17,9 @@ use half::bf16;
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
+use tandem_engine::backend::cpu::kernels::attention::{AttnSeq, paged_attention};
+use tandem_engine::backend::cpu::kernels::{RopeTable, rms_norm, silu_mul};
 use tandem_engine::config::ModelConfig;
-use tandem_engine::kernels::attention::{AttnSeq, paged_attention};
-use tandem_engine::kernels::{RopeTable, rms_norm, silu_mul};
 use tandem_kv::{BLOCK_SIZE, KvCache, KvDtype, KvLayout, KvStorage, staging};
 
 use cuda_on_cpu::{

@@ -6,7 +6,9 @@ use std::sync::Arc;
 
 use tandem_engine::config::{ModelConfig, WeightDtype};
 use tandem_engine::model::dummy_model;
-use tandem_engine::reference::{ReferenceCache, ReferenceModel};
+mod candle_reference;
+
+use candle_reference::{ReferenceCache, ReferenceModel};
 use tandem_engine::{Model, SeqInput};
 use tandem_kv::{BLOCK_SIZE, BlockPool, KvCache, blocks_for};
 

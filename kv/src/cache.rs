@@ -25,6 +25,8 @@ pub struct KvStorage {
     map: MmapMut,
     base: *mut u8,
     shared_path: Option<PathBuf>,
+    /// Whether the memory is a file's (shared with other processes).
+    shared: bool,
 }
 
 // SAFETY: the mapping lives as long as the storage; concurrent access is per block, and a
@@ -37,7 +39,7 @@ impl KvStorage {
     pub fn anonymous(bytes: usize) -> Result<Self> {
         let map =
             MmapMut::map_anon(bytes.max(1)).map_err(|e| KvError::io("anonymous KV memory", e))?;
-        Ok(Self::from_map(map, None))
+        Ok(Self::from_map(map, None, false))
     }
 
     /// Creates a shared-memory file of `bytes` at `path` and maps it. The file must not exist
@@ -57,7 +59,7 @@ impl KvStorage {
             unsafe { MmapMut::map_mut(&file) }
         })();
         match storage {
-            Ok(map) => Ok(Self::from_map(map, Some(path.to_owned()))),
+            Ok(map) => Ok(Self::from_map(map, Some(path.to_owned()), true)),
             Err(e) => {
                 let _ = std::fs::remove_file(path);
                 Err(KvError::io(path, e))
@@ -77,7 +79,7 @@ impl KvStorage {
         }
         // SAFETY: the owner keeps the file alive while peers hold leases on its blocks.
         let map = unsafe { MmapMut::map_mut(file) }.map_err(|e| KvError::io(name, e))?;
-        Ok(Self::from_map(map, None))
+        Ok(Self::from_map(map, None, true))
     }
 
     /// Maps an existing shared-memory file, which must be exactly `bytes` long.
@@ -90,12 +92,35 @@ impl KvStorage {
         Self::open_shared_file(&file, bytes, path)
     }
 
-    fn from_map(mut map: MmapMut, shared_path: Option<PathBuf>) -> Self {
+    fn from_map(mut map: MmapMut, shared_path: Option<PathBuf>, shared: bool) -> Self {
         let base = map.as_mut_ptr();
         Self {
             map,
             base,
             shared_path,
+            shared,
+        }
+    }
+
+    /// Releases the whole pages inside `start..start + len` (see [`KvCache::discard`]).
+    fn discard(&self, start: usize, len: usize) {
+        const PAGE: usize = 4096;
+        let first = start.next_multiple_of(PAGE);
+        let end = (start + len).min(self.map.len()) / PAGE * PAGE;
+        if end <= first {
+            return;
+        }
+        #[cfg(target_os = "linux")]
+        {
+            use memmap2::UncheckedAdvice;
+            let advice = if self.shared {
+                UncheckedAdvice::Remove
+            } else {
+                UncheckedAdvice::DontNeed
+            };
+            // SAFETY: the range lies inside the mapping; its owner (the caller holds the
+            // blocks exclusively) no longer needs the contents, which read back as zeros.
+            let _ = unsafe { self.map.unchecked_advise_range(advice, first, end - first) };
         }
     }
 
@@ -255,6 +280,20 @@ impl KvCache {
             }
             vpart[(h * bs + slot) * d..(h * bs + slot + 1) * d]
                 .copy_from_slice(&v[h * d..(h + 1) * d]);
+        }
+        Ok(())
+    }
+
+    /// Gives the memory of `blocks` of `layer` back to the OS: a GPU engine's host cache only
+    /// stages KV on its way to or from the device, so once a piece has been sent or uploaded
+    /// its pages need not stay resident (private memory reads back as zeros, a shared file's
+    /// pages are punched out). Only whole pages inside each piece are released. Bounds are
+    /// checked; a failed release is not an error (the memory simply stays).
+    pub fn discard(&mut self, layer: usize, blocks: &[u32]) -> Result<()> {
+        let piece = self.layout.block_layer_bytes();
+        for &block in blocks {
+            let start = self.offset(layer, block)? * self.layout.dtype.size_in_bytes();
+            self.storage.discard(start, piece);
         }
         Ok(())
     }
@@ -424,6 +463,26 @@ mod tests {
         assert_eq!(cache.block_layer_bytes(0, 1).unwrap().len(), n);
         assert!(cache.block_layer(0, 0).is_err());
         assert!(cache.write_token(0, 0, 0, &[0.0; 8], &[0.0; 8]).is_err());
+    }
+
+    #[test]
+    fn discarded_pieces_read_back_as_zeros_and_the_rest_stays() {
+        // A piece of several pages, so whole pages inside it are released.
+        let big = KvLayout {
+            num_kv_heads: 8,
+            head_dim: 64,
+            ..layout()
+        };
+        assert!(big.block_layer_bytes() >= 3 * 4096);
+        let mut cache = KvCache::with_budget(big.clone(), 2 * big.block_bytes()).unwrap();
+        for (layer, block) in [(0, 0), (0, 1), (1, 0)] {
+            cache.block_layer_mut(layer, block).unwrap().fill(1.5);
+        }
+        cache.discard(0, &[1]).unwrap();
+        assert!(cache.block_layer(0, 1).unwrap().iter().all(|&v| v == 0.0));
+        assert!(cache.block_layer(0, 0).unwrap().iter().all(|&v| v == 1.5));
+        assert!(cache.block_layer(1, 0).unwrap().iter().all(|&v| v == 1.5));
+        assert!(cache.discard(0, &[2]).is_err(), "out of range");
     }
 
     #[test]

@@ -99,7 +99,8 @@ impl EngineArgs {
     /// The engine's configuration, or why these flags cannot run in this build.
     pub fn engine_config(&self) -> Result<EngineConfig, String> {
         if let Some(name) = &self.isa {
-            tandem_engine::kernels::Isa::require(name).map_err(|e| format!("--isa: {e}"))?;
+            tandem_engine::backend::cpu::kernels::Isa::require(name)
+                .map_err(|e| format!("--isa: {e}"))?;
         }
         let mut device: Device = self
             .device
@@ -133,7 +134,7 @@ impl EngineArgs {
     /// Chooses the kernels' instruction set and sizes the compute threads (the kernels' team
     /// and rayon's pool); call once, after [`EngineArgs::engine_config`] and before loading.
     pub fn init_compute(&self) -> Result<(), String> {
-        use tandem_engine::kernels::{Isa, isa, select_isa};
+        use tandem_engine::backend::cpu::kernels::{Isa, isa, select_isa};
         let chosen = match &self.isa {
             Some(name) => Isa::require(name)
                 .and_then(select_isa)
@@ -142,7 +143,7 @@ impl EngineArgs {
         };
         tracing::info!(isa = %chosen, best = %Isa::best(), "CPU kernels");
         if let Some(n) = self.threads {
-            tandem_engine::kernels::team::set_threads(n);
+            tandem_engine::backend::cpu::kernels::team::set_threads(n);
         }
         let mut builder = rayon::ThreadPoolBuilder::new().thread_name(|i| format!("compute-{i}"));
         if let Some(n) = self.threads {

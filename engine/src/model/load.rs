@@ -13,10 +13,10 @@ use tandem_text::TextTokenizer;
 
 use super::Model;
 use super::weights::{LayerWeights, Weights, to_weight_data, unpermute_rows};
+use crate::backend::cpu::kernels::Matrix;
 use crate::config::{ModelConfig, WeightDtype};
 use crate::error::{EngineError, Result};
 use crate::fetch;
-use crate::kernels::Matrix;
 
 /// What to load.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -3,9 +3,9 @@
 
 use half::{bf16, f16};
 
+use crate::backend::cpu::kernels::{Matrix, WeightData};
 use crate::config::{ModelConfig, WeightDtype};
 use crate::error::{EngineError, Result};
-use crate::kernels::{Matrix, WeightData};
 
 /// The weights of one decoder block.
 #[derive(Debug, Clone)]

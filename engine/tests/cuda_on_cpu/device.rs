@@ -1,20 +1,35 @@
 //! [`EmulatedDevice`]: a `LaunchDevice` whose buffers are bytes on the host and whose every
 //! kernel launch is one run of the CUDA-on-CPU harness, so the engine's device code
-//! (`device_forward`, `device_staging`) runs unchanged in the tests, with the argument lists
+//! (`backend::cuda`: the forward pass, the staging, the backend) runs unchanged in the tests, with the argument lists
 //! the CUDA device launches. Buffers go to the harness typed (`float*`, `bf16*`, `int*`,
 //! `unsigned int*`), and it refuses any argument whose type differs from the kernel's
 //! parameter. GEMMs apply cuBLAS's column-major definition to the exact arguments the CUDA
 //! device passes.
 
 use half::bf16;
-use tandem_engine::blas_layout::{linear_call, reference_gemm};
-use tandem_engine::device_launch::{Kernel, KernelArg, Launch, LaunchDevice};
+use tandem_engine::backend::cuda::blas::{linear_call, reference_gemm};
+use tandem_engine::backend::cuda::launch::{Kernel, KernelArg, Launch, LaunchDevice};
 use tandem_engine::{EngineError, Result};
+use tandem_kv::{DeviceKv, DevicePoolLayout, ExportedKv};
 
 use super::{Arg, bf16_bytes, bf16s, f32_bytes, f32s, i32_bytes, try_launch};
 
 /// Device buffers are plain bytes on the host; every launch is one harness run.
 pub struct EmulatedDevice;
+
+thread_local! {
+    static LAUNCHES: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
+/// Kernel launches and GEMMs run so far on this thread (tests run on threads of their own):
+/// where a hook fell within a pass.
+pub fn launches_on_this_thread() -> usize {
+    LAUNCHES.with(|n| n.get())
+}
+
+fn count_launch() {
+    LAUNCHES.with(|n| n.set(n.get() + 1));
+}
 
 pub type Bytes = Vec<u8>;
 
@@ -23,6 +38,31 @@ impl LaunchDevice for EmulatedDevice {
     type Bf16 = Bytes;
     type I32 = Bytes;
     type U32 = Bytes;
+    /// Every launch runs to completion: a point in the queue is already reached.
+    type Event = ();
+    type Pool = Bytes;
+
+    fn alloc_pool(&self, layout: DevicePoolLayout) -> Result<Bytes> {
+        Ok(vec![0; layout.bytes()])
+    }
+    fn pool_data(pool: &Bytes) -> &Bytes {
+        pool
+    }
+    fn pool_data_mut(pool: &mut Bytes) -> &mut Bytes {
+        pool
+    }
+    fn describe_pool(_: &Bytes) -> Option<DeviceKv> {
+        None
+    }
+    fn export_pool(_: &Bytes) -> Result<Option<ExportedKv>> {
+        Ok(None)
+    }
+    fn record_event(&self) -> Result<()> {
+        Ok(())
+    }
+    fn download_bf16_after(&self, _: &(), buf: &Bytes, host: &mut [bf16]) -> Result<()> {
+        self.download_bf16_into(buf, host)
+    }
 
     fn upload_f32(&self, host: &[f32]) -> Result<Bytes> {
         Ok(f32_bytes(host))
@@ -70,6 +110,7 @@ impl LaunchDevice for EmulatedDevice {
         at: Launch,
         args: &mut [KernelArg<'_, Self>],
     ) -> Result<()> {
+        count_launch();
         let request: Vec<Arg> = args
             .iter()
             .map(|a| match a {
@@ -119,6 +160,7 @@ impl LaunchDevice for EmulatedDevice {
         n: usize,
         k: usize,
     ) -> Result<()> {
+        count_launch();
         let widen = |b: &Bytes| -> Vec<f32> { bf16s(b).iter().map(|v| v.to_f32()).collect() };
         let (x, w) = (widen(x), widen(w));
         assert!(

@@ -1,5 +1,5 @@
 // Just enough of CUDA's device-side language, on the CPU, to run tandem's kernels
-// (engine/src/gpu/kernels.cu) unchanged without a GPU: every CUDA thread of a block is an OS
+// (engine/src/backend/cuda/kernels.cu) unchanged without a GPU: every CUDA thread of a block is an OS
 // thread, `__syncthreads` is a barrier of the block, `__shfl_xor_sync` exchanges through a
 // barrier of the warp, and blocks run one after another (so `__shared__` can be `static`).
 // Threads that return early drop out of both barriers, as on the device.

@@ -9,7 +9,7 @@
 // Reply on stdout: each buffer, in argument order, as it is after the kernel ran.
 #include "emu.h"
 
-#include "../../src/gpu/kernels.cu"
+#include "../../src/backend/cuda/kernels.cu"
 
 #include <cstdio>
 #include <map>

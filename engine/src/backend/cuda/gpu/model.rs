@@ -1,8 +1,9 @@
 //! The Llama forward pass on the GPU: the same batch shape as the CPU engine (a flat list of
 //! token rows from several sequences, each with its start position and block table), bf16
 //! weights, cuBLAS projections with f32 accumulation, NVRTC kernels for the rest, and a paged
-//! bf16 KV cache in device memory. The pass itself is [`crate::device_forward`], run here on
-//! a [`CudaDevice`].
+//! bf16 KV cache in device memory. The pass itself is [`super::super::forward`], run here on
+//! a [`CudaDevice`]. The engine runs the same pass through `DeviceBackend`; this standalone
+//! model serves the GPU examples (checks and benchmarks, with weights made on the device).
 
 use std::sync::Arc;
 
@@ -12,10 +13,10 @@ use half::bf16;
 use super::device::CudaDevice;
 use tandem_kv::cuda::DevicePool;
 
+use super::super::forward::{self, DeviceLayer, DeviceWeights, StepBuffers};
+use super::super::launch::{Kernel, KernelArg, Launch, LaunchDevice};
 use super::GpuContext;
 use crate::config::ModelConfig;
-use crate::device_forward::{self, DeviceLayer, DeviceWeights};
-use crate::device_launch::{Kernel, KernelArg, Launch, LaunchDevice};
 use crate::error::Result;
 use crate::model::{Model, SeqInput};
 
@@ -97,7 +98,8 @@ impl GpuModel {
         };
         let weights = DeviceWeights {
             final_norm: device.upload_f32(&vec![1.0; h])?,
-            inv_freq: device.upload_f32(crate::kernels::RopeTable::new(&cfg).inv_freq())?,
+            inv_freq: device
+                .upload_f32(crate::backend::cpu::kernels::RopeTable::new(&cfg).inv_freq())?,
             embed,
             lm_head,
             layers,
@@ -119,16 +121,24 @@ impl GpuModel {
     }
 
     /// Runs one batch (same contract as [`Model::forward`]): K/V of every token into the
-    /// cache, last-token logits of every sequence that asked.
-    pub fn forward(&self, cache: &mut DevicePool, seqs: &[SeqInput<'_>]) -> Result<Vec<Vec<f32>>> {
+    /// cache, last-token logits of every sequence that asked; `buffers` are kept across
+    /// calls.
+    pub fn forward(
+        &self,
+        cache: &mut DevicePool,
+        seqs: &[SeqInput<'_>],
+        buffers: &mut StepBuffers<CudaDevice>,
+    ) -> Result<Vec<Vec<f32>>> {
         let blocks = cache.layout().num_blocks;
-        device_forward::forward(
+        forward::forward(
             &self.device,
             &self.cfg,
             &self.weights,
             cache.data_mut(),
             blocks,
             seqs,
+            buffers,
+            &mut |_, _| Ok(()),
         )
     }
 }

@@ -1,17 +1,19 @@
 //! [`CudaDevice`]: the CUDA implementation of [`LaunchDevice`], so the generic forward pass
-//! ([`crate::device_forward`]) and KV staging ([`crate::device_staging`]) run on a GPU:
+//! ([`super::super::forward`]) and KV staging ([`super::super::staging`]) run on a GPU:
 //! cudarc buffers on the context's stream, the NVRTC kernels launched with the argument
 //! lists their callers give, and cuBLAS bf16 GEMMs with f32 accumulation.
 
 use std::sync::Arc;
 
 use cudarc::cublas::{result as blas, sys as blas_sys};
-use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaEvent, CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
 use half::bf16;
+use tandem_kv::cuda::DevicePool;
+use tandem_kv::{DeviceKv, DevicePoolLayout, ExportedKv};
 
+use super::super::blas::{Op, linear_call};
+use super::super::launch::{Kernel, KernelArg, Launch, LaunchDevice};
 use super::{GpuContext, cuda_err};
-use crate::blas_layout::{Op, linear_call};
-use crate::device_launch::{Kernel, KernelArg, Launch, LaunchDevice};
 use crate::error::Result;
 
 /// A GPU context as a [`LaunchDevice`].
@@ -20,11 +22,55 @@ pub struct CudaDevice {
     pub gpu: Arc<GpuContext>,
 }
 
+impl CudaDevice {
+    pub fn new(gpu: Arc<GpuContext>) -> Self {
+        Self { gpu }
+    }
+}
+
 impl LaunchDevice for CudaDevice {
     type F32 = CudaSlice<f32>;
     type Bf16 = CudaSlice<bf16>;
     type I32 = CudaSlice<i32>;
     type U32 = CudaSlice<u32>;
+    type Event = CudaEvent;
+    type Pool = DevicePool;
+
+    fn alloc_pool(&self, layout: DevicePoolLayout) -> Result<DevicePool> {
+        Ok(DevicePool::new(&self.gpu.stream, layout)?)
+    }
+    fn pool_data(pool: &DevicePool) -> &Self::Bf16 {
+        pool.data()
+    }
+    fn pool_data_mut(pool: &mut DevicePool) -> &mut Self::Bf16 {
+        pool.data_mut()
+    }
+    fn describe_pool(pool: &DevicePool) -> Option<DeviceKv> {
+        Some(pool.describe())
+    }
+    fn export_pool(pool: &DevicePool) -> Result<Option<ExportedKv>> {
+        Ok(Some(pool.export()?))
+    }
+    fn record_event(&self) -> Result<CudaEvent> {
+        self.gpu
+            .stream
+            .record_event(None)
+            .map_err(|e| cuda_err("event", e))
+    }
+    fn download_bf16_after(
+        &self,
+        event: &CudaEvent,
+        buf: &Self::Bf16,
+        host: &mut [bf16],
+    ) -> Result<()> {
+        // The copy runs on a stream of its own, so the layers queued after `event` keep the
+        // device busy meanwhile.
+        let copy = &self.gpu.copy_stream;
+        copy.wait(event).map_err(|e| cuda_err("stream wait", e))?;
+        copy.memcpy_dtoh(buf, host)
+            .map_err(|e| cuda_err("KV download", e))?;
+        copy.synchronize().map_err(|e| cuda_err("KV download", e))
+    }
 
     fn upload_f32(&self, host: &[f32]) -> Result<Self::F32> {
         self.gpu

@@ -1,5 +1,6 @@
 //! The device interface that tandem's GPU code is written against ([`LaunchDevice`]): device
-//! buffers, transfers, launches of the kernels in `gpu/kernels.cu` ([`Kernel`]) and GEMMs.
+//! buffers, transfers, events, the KV pool, launches of the kernels in `kernels.cu`
+//! ([`Kernel`]) and GEMMs.
 //!
 //! A launch is a kernel, a grid and its arguments as a list of [`KernelArg`], in the kernel's
 //! parameter order. The lists are written once, by the code that launches (the forward pass,
@@ -9,6 +10,7 @@
 //! same lists.
 
 use half::bf16;
+use tandem_kv::{DeviceKv, DevicePoolLayout, ExportedKv};
 
 use crate::error::Result;
 
@@ -37,7 +39,7 @@ impl Launch {
     }
 }
 
-/// The kernels of `gpu/kernels.cu`.
+/// The kernels of `kernels.cu`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Kernel {
     EmbedRows,
@@ -108,6 +110,19 @@ pub trait LaunchDevice {
     type Bf16;
     type I32;
     type U32;
+    /// A point in the device's queue of work.
+    type Event;
+    /// A device KV pool ([`DevicePoolLayout`]'s geometry, bf16).
+    type Pool;
+
+    /// A zeroed KV pool of `layout`.
+    fn alloc_pool(&self, layout: DevicePoolLayout) -> Result<Self::Pool>;
+    fn pool_data(pool: &Self::Pool) -> &Self::Bf16;
+    fn pool_data_mut(pool: &mut Self::Pool) -> &mut Self::Bf16;
+    /// The pool as transports see it, where they can reach device memory (not emulated).
+    fn describe_pool(pool: &Self::Pool) -> Option<DeviceKv>;
+    /// An IPC export of the pool for another process on the node, where there is one.
+    fn export_pool(pool: &Self::Pool) -> Result<Option<ExportedKv>>;
 
     fn upload_f32(&self, host: &[f32]) -> Result<Self::F32>;
     fn upload_bf16(&self, host: &[bf16]) -> Result<Self::Bf16>;
@@ -122,6 +137,17 @@ pub trait LaunchDevice {
     /// Copies `host` into `buf` (of the same length); `host` may be reused on return.
     fn upload_bf16_into(&self, host: &[bf16], buf: &mut Self::Bf16) -> Result<()>;
     fn synchronize(&self) -> Result<()>;
+    /// Marks everything queued so far.
+    fn record_event(&self) -> Result<Self::Event>;
+    /// Copies `buf` into `host` (of the same length) once the work before `event` is done,
+    /// without waiting for work queued after it: the forward pass keeps computing later
+    /// layers while an earlier layer's KV comes down.
+    fn download_bf16_after(
+        &self,
+        event: &Self::Event,
+        buf: &Self::Bf16,
+        host: &mut [bf16],
+    ) -> Result<()>;
 
     /// Queues `kernel` over `at` with `args`, in the kernel's parameter order.
     ///
@@ -136,7 +162,7 @@ pub trait LaunchDevice {
     ) -> Result<()>;
 
     /// `out[rows × n] (f32) = x[rows × k] (bf16) · Wᵀ`, `W` row-major `n × k`
-    /// ([`crate::blas_layout::linear_call`] on cuBLAS).
+    /// ([`crate::backend::cuda::blas::linear_call`] on cuBLAS).
     fn gemm(
         &self,
         x: &Self::Bf16,
@@ -162,7 +188,7 @@ mod tests {
 
     #[test]
     fn every_kernel_is_in_the_source_under_its_name() {
-        let source = include_str!("gpu/kernels.cu");
+        let source = include_str!("kernels.cu");
         for k in Kernel::ALL {
             let decl = format!("__global__ void {}(", k.name());
             assert!(source.contains(&decl), "{decl} missing from kernels.cu");

@@ -8,15 +8,20 @@
 //! Layouts: activations are row-major `rows × width`; the residual stream and everything
 //! kernels combine are f32, GEMM inputs bf16; the KV cache is bf16
 //! `[layer][block][K|V][kv_head][slot][head_dim]`, 16 slots per block.
+//!
+//! The activations live in [`StepBuffers`], kept across steps and grown only when a batch has
+//! more rows than any before; each layer ends with a hook, so the caller can move that
+//! layer's KV while the device computes the next one.
 
 use half::bf16;
 
-use crate::config::ModelConfig;
-use crate::device_launch::{Kernel, KernelArg, Launch, LaunchDevice};
-use crate::error::{EngineError, Result};
-use crate::kernels::{Matrix, RopeTable};
-use crate::model::{Model, SeqInput};
 use tandem_kv::BLOCK_SIZE;
+
+use super::launch::{Kernel, KernelArg, Launch, LaunchDevice};
+use crate::backend::cpu::kernels::{Matrix, RopeTable};
+use crate::config::ModelConfig;
+use crate::error::{EngineError, Result};
+use crate::model::{Model, SeqInput};
 
 /// One transformer block's weights on a device.
 pub struct DeviceLayer<D: LaunchDevice> {
@@ -71,6 +76,74 @@ impl<D: LaunchDevice> DeviceWeights<D> {
             inv_freq: dev.upload_f32(RopeTable::new(model.config()).inv_freq())?,
             layers,
         })
+    }
+}
+
+/// The activation buffers of a forward pass (see the module docs).
+pub struct StepBuffers<D: LaunchDevice> {
+    rows: usize,
+    allocations: usize,
+    act: Option<Activations<D>>,
+}
+
+struct Activations<D: LaunchDevice> {
+    x: D::F32,
+    normed: D::Bf16,
+    qkv: D::F32,
+    attn: D::Bf16,
+    proj: D::F32,
+    gate_up: D::F32,
+    act: D::Bf16,
+    last: D::F32,
+    last_normed: D::Bf16,
+}
+
+impl<D: LaunchDevice> Default for StepBuffers<D> {
+    fn default() -> Self {
+        Self {
+            rows: 0,
+            allocations: 0,
+            act: None,
+        }
+    }
+}
+
+impl<D: LaunchDevice> StepBuffers<D> {
+    /// Token rows the buffers hold now.
+    pub fn capacity(&self) -> usize {
+        self.rows
+    }
+
+    /// How many times the buffers were (re)allocated.
+    pub fn allocations(&self) -> usize {
+        self.allocations
+    }
+
+    /// Buffers for at least `rows` rows: the current ones, or new ones of the next power of
+    /// two. Kernels write every row they are given before anything reads it, so reused
+    /// buffers need no clearing.
+    fn ensure(&mut self, dev: &D, cfg: &ModelConfig, rows: usize) -> Result<&mut Activations<D>> {
+        if self.act.is_none() || rows > self.rows {
+            let n = rows.next_power_of_two().max(16);
+            let (h, f) = (cfg.hidden_size, cfg.intermediate_size);
+            let qkv_w = cfg.q_width() + 2 * cfg.kv_width();
+            self.act = Some(Activations {
+                x: dev.zeros_f32(n * h)?,
+                normed: dev.zeros_bf16(n * h)?,
+                qkv: dev.zeros_f32(n * qkv_w)?,
+                attn: dev.zeros_bf16(n * cfg.q_width())?,
+                proj: dev.zeros_f32(n * h)?,
+                gate_up: dev.zeros_f32(n * 2 * f)?,
+                act: dev.zeros_bf16(n * f)?,
+                last: dev.zeros_f32(n * h)?,
+                last_normed: dev.zeros_bf16(n * h)?,
+            });
+            self.rows = n;
+            self.allocations += 1;
+        }
+        self.act
+            .as_mut()
+            .ok_or_else(|| EngineError::Unsupported("step buffers missing".into()))
     }
 }
 
@@ -194,6 +267,9 @@ fn add_in_place<D: LaunchDevice>(dev: &D, x: &mut D::F32, y: &D::F32, n: usize) 
 
 /// Runs one batch (same contract as [`Model::forward`]): K/V of every token into `cache`
 /// (`cache_blocks` blocks per layer), last-token logits of every sequence that asked.
+/// `after_layer(l, cache)` runs once layer `l`'s work is queued (its KV written on the
+/// device's queue, not necessarily done): work it queues runs after that layer.
+#[allow(clippy::too_many_arguments)]
 pub fn forward<D: LaunchDevice>(
     dev: &D,
     cfg: &ModelConfig,
@@ -201,6 +277,8 @@ pub fn forward<D: LaunchDevice>(
     cache: &mut D::Bf16,
     cache_blocks: usize,
     seqs: &[SeqInput<'_>],
+    buffers: &mut StepBuffers<D>,
+    after_layer: &mut dyn FnMut(usize, &D::Bf16) -> Result<()>,
 ) -> Result<Vec<Vec<f32>>> {
     use KernelArg::*;
     let (h, d) = (cfg.hidden_size, cfg.head_dim);
@@ -220,13 +298,17 @@ pub fn forward<D: LaunchDevice>(
     let token_seq = dev.upload_i32(&host.token_seq)?;
     let tables = dev.upload_i32(&host.tables)?;
     let max_blocks = host.max_blocks as i32;
-    let mut x = dev.zeros_f32(t * h)?;
-    let mut normed = dev.zeros_bf16(t * h)?;
-    let mut qkv = dev.zeros_f32(t * qkv_w)?;
-    let mut attn = dev.zeros_bf16(t * qw)?;
-    let mut proj = dev.zeros_f32(t * h)?;
-    let mut gate_up = dev.zeros_f32(t * 2 * f)?;
-    let mut act = dev.zeros_bf16(t * f)?;
+    let Activations {
+        x,
+        normed,
+        qkv,
+        attn,
+        proj,
+        gate_up,
+        act,
+        last,
+        last_normed,
+    } = buffers.ensure(dev, cfg, t)?;
     let (rows, hidden, eps) = (t as i32, h as i32, cfg.rms_norm_eps as f32);
     let (row_width, q_width) = (qkv_w as i32, qw as i32);
     let (q_heads, kv_heads, head_dim) = (
@@ -246,7 +328,7 @@ pub fn forward<D: LaunchDevice>(
             &mut [
                 Bf16(&w.embed),
                 U32s(&tokens),
-                F32Mut(&mut x),
+                F32Mut(x),
                 Int(rows),
                 Int(hidden),
             ],
@@ -255,14 +337,14 @@ pub fn forward<D: LaunchDevice>(
     let layer_elems = cache_blocks * block_layer_elems(cfg);
     for (l, layer) in w.layers.iter().enumerate() {
         let layer_offset = (l * layer_elems) as i64;
-        rms_norm(dev, &x, &layer.attn_norm, &mut normed, rows, hidden, eps)?;
-        dev.gemm(&normed, &layer.qkv, &mut qkv, t, qkv_w, h)?;
+        rms_norm(dev, x, &layer.attn_norm, normed, rows, hidden, eps)?;
+        dev.gemm(normed, &layer.qkv, qkv, t, qkv_w, h)?;
         unsafe {
             dev.launch(
                 Kernel::RopeQk,
                 Launch::per_row(t, 128),
                 &mut [
-                    F32Mut(&mut qkv),
+                    F32Mut(qkv),
                     I32s(&positions),
                     F32(&w.inv_freq),
                     Int(rows),
@@ -276,7 +358,7 @@ pub fn forward<D: LaunchDevice>(
                 Kernel::KvWrite,
                 Launch::per_row(t, 128),
                 &mut [
-                    F32(&qkv),
+                    F32(qkv),
                     I32s(&positions),
                     I32s(&token_seq),
                     I32s(&tables),
@@ -295,14 +377,14 @@ pub fn forward<D: LaunchDevice>(
                 Kernel::PagedAttention,
                 Launch::covering(t * cfg.num_attention_heads * 32, 128),
                 &mut [
-                    F32(&qkv),
+                    F32(qkv),
                     I32s(&positions),
                     I32s(&token_seq),
                     I32s(&tables),
                     Int(max_blocks),
                     Bf16(cache),
                     Long(layer_offset),
-                    Bf16Mut(&mut attn),
+                    Bf16Mut(attn),
                     Int(rows),
                     Int(row_width),
                     Int(q_heads),
@@ -312,19 +394,20 @@ pub fn forward<D: LaunchDevice>(
                 ],
             )?;
         }
-        dev.gemm(&attn, &layer.o, &mut proj, t, h, qw)?;
-        add_in_place(dev, &mut x, &proj, t * h)?;
-        rms_norm(dev, &x, &layer.ffn_norm, &mut normed, rows, hidden, eps)?;
-        dev.gemm(&normed, &layer.gate_up, &mut gate_up, t, 2 * f, h)?;
+        dev.gemm(attn, &layer.o, proj, t, h, qw)?;
+        add_in_place(dev, x, proj, t * h)?;
+        rms_norm(dev, x, &layer.ffn_norm, normed, rows, hidden, eps)?;
+        dev.gemm(normed, &layer.gate_up, gate_up, t, 2 * f, h)?;
         unsafe {
             dev.launch(
                 Kernel::SiluMulBf16,
                 elementwise(t * f),
-                &mut [F32(&gate_up), Bf16Mut(&mut act), Int(rows), Int(f as i32)],
+                &mut [F32(gate_up), Bf16Mut(act), Int(rows), Int(f as i32)],
             )?;
         }
-        dev.gemm(&act, &layer.down, &mut proj, t, h, f)?;
-        add_in_place(dev, &mut x, &proj, t * h)?;
+        dev.gemm(act, &layer.down, proj, t, h, f)?;
+        add_in_place(dev, x, proj, t * h)?;
+        after_layer(l, cache)?;
     }
     if host.wanted.is_empty() {
         dev.synchronize()?;
@@ -332,35 +415,19 @@ pub fn forward<D: LaunchDevice>(
     }
     let s = host.wanted.len();
     let wanted = dev.upload_i32(&host.wanted)?;
-    let mut last = dev.zeros_f32(s * h)?;
-    let mut last_normed = dev.zeros_bf16(s * h)?;
     let count = s as i32;
     unsafe {
         dev.launch(
             Kernel::GatherRows,
             Launch::per_row(s, 256),
-            &mut [
-                F32(&x),
-                I32s(&wanted),
-                F32Mut(&mut last),
-                Int(count),
-                Int(hidden),
-            ],
+            &mut [F32(x), I32s(&wanted), F32Mut(last), Int(count), Int(hidden)],
         )?;
     }
-    rms_norm(
-        dev,
-        &last,
-        &w.final_norm,
-        &mut last_normed,
-        count,
-        hidden,
-        eps,
-    )?;
+    rms_norm(dev, last, &w.final_norm, last_normed, count, hidden, eps)?;
     let vocab = cfg.vocab_size;
     let mut logits = dev.zeros_f32(s * vocab)?;
     let head = w.lm_head.as_ref().unwrap_or(&w.embed);
-    dev.gemm(&last_normed, head, &mut logits, s, vocab, h)?;
+    dev.gemm(last_normed, head, &mut logits, s, vocab, h)?;
     let host_logits = dev.download_f32(&logits)?;
     Ok(host_logits
         .chunks_exact(vocab)

@@ -6,21 +6,26 @@
 //! Llama-3.1-8B prompt costs 32 transfers of 8 MiB rather than 4096 of 64 KiB. The layouts
 //! differ (`tandem_kv::staging` converts on the host).
 //!
-//! Like [`crate::device_forward`], this runs on CUDA in production and on an emulated device
-//! in the tests.
+//! Downloads are split in two so they overlap compute: [`KvStaging::gather`] queues a layer's
+//! packing into one of two device slots, and [`KvStaging::download_after`] brings a slot down
+//! once the work before its event is done, while later layers keep the device busy.
+//!
+//! Like [`super::forward`], this runs on CUDA in production and on an emulated device in the
+//! tests.
 
 use half::bf16;
-
-use crate::device_launch::{Kernel, KernelArg, Launch, LaunchDevice};
-use crate::error::{EngineError, Result};
 use tandem_kv::staging::{from_device_layout, to_device_layout};
 use tandem_kv::{DevicePoolLayout, KvCache};
 
+use super::launch::{Kernel, KernelArg, Launch, LaunchDevice};
+use crate::error::{EngineError, Result};
+
 /// The buffers that move one list of blocks between the pool and the host cache, layer by
-/// layer: the block ids on the device, and the blocks packed densely on both sides.
+/// layer: the block ids on the device, and the blocks packed densely on both sides (two
+/// device slots, so one layer can come down while the next is packed).
 pub struct KvStaging<D: LaunchDevice> {
     ids: D::I32,
-    device: D::Bf16,
+    device: [D::Bf16; 2],
     host: Vec<bf16>,
     count: i32,
     block_elems: i32,
@@ -43,7 +48,7 @@ impl<D: LaunchDevice> KvStaging<D> {
         let elems = pool.block_layer_elems * blocks.len();
         Ok(Some(Self {
             ids: dev.upload_i32(&ids)?,
-            device: dev.zeros_bf16(elems)?,
+            device: [dev.zeros_bf16(elems)?, dev.zeros_bf16(elems)?],
             host: vec![bf16::ZERO; elems],
             count: blocks.len() as i32,
             block_elems: pool.block_layer_elems as i32,
@@ -58,7 +63,8 @@ impl<D: LaunchDevice> KvStaging<D> {
         }
     }
 
-    /// Copies `layer`'s `blocks` (the list this staging was made for) from the pool to `host`.
+    /// Copies `layer`'s `blocks` (the list this staging was made for) from the pool to `host`,
+    /// waiting for it.
     pub fn download_layer(
         &mut self,
         dev: &D,
@@ -68,12 +74,29 @@ impl<D: LaunchDevice> KvStaging<D> {
         layer: usize,
         blocks: &[u32],
     ) -> Result<()> {
-        let layout = host.layout().clone();
-        let n = layout.block_layer_elems();
+        self.gather(dev, pool, cache, layer, 0)?;
+        let done = dev.record_event()?;
+        self.download_after(dev, &done, 0, host, layer, blocks)
+    }
+
+    /// Queues the packing of `layer`'s blocks into device slot `slot` (0 or 1), after the work
+    /// already queued (the layer that wrote them).
+    pub fn gather(
+        &mut self,
+        dev: &D,
+        pool: &DevicePoolLayout,
+        cache: &D::Bf16,
+        layer: usize,
+        slot: usize,
+    ) -> Result<()> {
         let at = self.launch();
         let offset = pool.layer_offset(layer) as i64;
+        let out = self
+            .device
+            .get_mut(slot)
+            .ok_or_else(|| EngineError::InvalidKv(format!("staging slot {slot} of 2")))?;
         // SAFETY: gather_kv_blocks(bf16*, long long, int*, int, int, bf16*); `new` checked
-        // every id against the pool and sized `device` for `count` blocks.
+        // every id against the pool and sized each slot for `count` blocks.
         unsafe {
             dev.launch(
                 Kernel::GatherKvBlocks,
@@ -84,13 +107,32 @@ impl<D: LaunchDevice> KvStaging<D> {
                     KernelArg::I32s(&self.ids),
                     KernelArg::Int(self.count),
                     KernelArg::Int(self.block_elems),
-                    KernelArg::Bf16Mut(&mut self.device),
+                    KernelArg::Bf16Mut(out),
                 ],
-            )?;
+            )
         }
-        dev.download_bf16_into(&self.device, &mut self.host)?;
-        for (&block, buf) in blocks.iter().zip(self.host.chunks(n)) {
-            from_device_layout(&layout, buf, host.block_layer_mut(layer, block)?)?;
+    }
+
+    /// Brings slot `slot` down once the work before `event` (its gather) is done, and writes
+    /// it into `host` as `layer` of `blocks`.
+    pub fn download_after(
+        &mut self,
+        dev: &D,
+        event: &D::Event,
+        slot: usize,
+        host: &mut KvCache,
+        layer: usize,
+        blocks: &[u32],
+    ) -> Result<()> {
+        let layout = host.layout().clone();
+        let n = layout.block_layer_elems();
+        let buf = self
+            .device
+            .get(slot)
+            .ok_or_else(|| EngineError::InvalidKv(format!("staging slot {slot} of 2")))?;
+        dev.download_bf16_after(event, buf, &mut self.host)?;
+        for (&block, packed) in blocks.iter().zip(self.host.chunks(n)) {
+            from_device_layout(&layout, packed, host.block_layer_mut(layer, block)?)?;
         }
         Ok(())
     }
@@ -112,7 +154,7 @@ impl<D: LaunchDevice> KvStaging<D> {
             for (&block, buf) in blocks.iter().zip(self.host.chunks_mut(n)) {
                 to_device_layout(&layout, host.block_layer(layer, block)?, buf)?;
             }
-            dev.upload_bf16_into(&self.host, &mut self.device)?;
+            dev.upload_bf16_into(&self.host, &mut self.device[0])?;
             let offset = pool.layer_offset(layer) as i64;
             // SAFETY: scatter_kv_blocks(bf16*, int*, int, int, bf16*, long long); as above.
             unsafe {
@@ -120,7 +162,7 @@ impl<D: LaunchDevice> KvStaging<D> {
                     Kernel::ScatterKvBlocks,
                     at,
                     &mut [
-                        KernelArg::Bf16(&self.device),
+                        KernelArg::Bf16(&self.device[0]),
                         KernelArg::I32s(&self.ids),
                         KernelArg::Int(self.count),
                         KernelArg::Int(self.block_elems),

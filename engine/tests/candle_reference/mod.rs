@@ -1,29 +1,19 @@
-//! A straightforward reference forward pass, kept for verification: one sequence, a
-//! contiguous KV cache grown by concatenation, no batching, no paging, and candle's own ops
-//! (its BLAS matmul and softmax) instead of this crate's kernels. Tests check the paged,
-//! batched engine against it.
+//! A straightforward reference forward pass, for the tests only: one sequence, a contiguous
+//! KV cache grown by concatenation, no batching, no paging, and candle's own ops (its BLAS
+//! matmul and softmax) instead of the engine's kernels. `tests/reference.rs` checks the
+//! paged, batched engine against it.
 
 use candle_core::{D, DType, Device, Tensor};
 
-use crate::error::Result;
-use crate::kernels::{Matrix, RopeTable};
-use crate::model::Model;
+use tandem_engine::Model;
+use tandem_engine::Result;
+use tandem_engine::backend::cpu::kernels::{Matrix, RopeTable};
 
 /// Contiguous per-layer K and V of one sequence: `[kv_heads, seq, head_dim]`.
 #[derive(Debug, Default)]
 pub struct ReferenceCache {
     kv: Vec<Option<(Tensor, Tensor)>>,
     len: usize,
-}
-
-impl ReferenceCache {
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
 }
 
 /// The reference implementation over a model's weights.

@@ -7,14 +7,12 @@
 //! and a binary with this feature still starts, and reports it, on a machine without a GPU.
 //! [`available`] says whether a device can be used.
 
-mod backend;
 mod device;
-mod forward;
 pub mod green;
+mod model;
 
-pub use backend::GpuBackend;
 pub use device::CudaDevice;
-pub use forward::GpuModel;
+pub use model::GpuModel;
 
 use std::sync::{Arc, OnceLock};
 
@@ -22,11 +20,9 @@ use cudarc::cublas::CudaBlas;
 use cudarc::driver::{CudaContext, CudaFunction, CudaStream};
 use cudarc::nvrtc::{CompileOptions, compile_ptx_with_opts};
 
-use crate::device_launch::Kernel;
+use super::KERNELS_SRC;
+use super::launch::Kernel;
 use crate::error::{EngineError, Result};
-
-/// The kernels' CUDA C source (compiled at run time by NVRTC).
-pub const KERNELS_SRC: &str = include_str!("kernels.cu");
 
 pub(crate) fn cuda_err(what: &str, e: impl std::fmt::Display) -> EngineError {
     EngineError::Unsupported(format!("CUDA {what}: {e}"))
@@ -40,7 +36,7 @@ pub fn pool_layout(
     tandem_kv::DevicePoolLayout {
         num_layers: cfg.num_hidden_layers,
         num_blocks,
-        block_layer_elems: crate::device_forward::block_layer_elems(cfg),
+        block_layer_elems: super::forward::block_layer_elems(cfg),
     }
 }
 
@@ -134,6 +130,8 @@ impl Kernels {
 pub struct GpuContext {
     pub ctx: Arc<CudaContext>,
     pub stream: Arc<CudaStream>,
+    /// A second stream for bringing KV down while `stream` computes later layers.
+    pub copy_stream: Arc<CudaStream>,
     pub(crate) blas: CudaBlas,
     pub(crate) kernels: Kernels,
     /// Streaming multiprocessors this context computes on (all of them, or a green share).
@@ -199,9 +197,14 @@ impl GpuContext {
             scatter_kv_blocks: f(Kernel::ScatterKvBlocks)?,
         };
         let blas = CudaBlas::new(stream.clone()).map_err(|e| cuda_err("cuBLAS", e))?;
+        let copy_stream = stream
+            .context()
+            .new_stream()
+            .map_err(|e| cuda_err("copy stream", e))?;
         Ok(Self {
             ctx,
             stream,
+            copy_stream,
             blas,
             kernels,
             sms,

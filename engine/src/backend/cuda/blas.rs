@@ -24,7 +24,7 @@ pub struct GemmCall {
 }
 
 /// `out[rows × n] = x[rows × k] · Wᵀ`, all row-major, `W` being `n × k` (output features by
-/// input features, as [`crate::kernels::Matrix`] stores them), with A = W, B = x, C = out.
+/// input features, as [`crate::backend::cpu::kernels::Matrix`] stores them), with A = W, B = x, C = out.
 ///
 /// Read column-major, a row-major `r × c` buffer is its `c × r` transpose: W's buffer is
 /// `Wᵀ (k × n)`, x's is `xᵀ (k × rows)`, out's is `outᵀ (n × rows)`. And

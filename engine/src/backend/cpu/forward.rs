@@ -1,0 +1,147 @@
+//! [`Model::forward`] on the CPU: one batch of token rows through every layer with the
+//! batch-invariant kernels, K and V written into the paged cache as each layer computes them.
+
+use tandem_kv::{BLOCK_SIZE, KvCache};
+
+use super::kernels::attention::{AttnSeq, paged_attention};
+use super::kernels::{add_in_place, linear, rms_norm, silu_mul};
+use crate::error::{EngineError, Result};
+use crate::model::{Model, SeqInput};
+
+impl Model {
+    /// Runs one batch. Writes each token's K/V into the cache, calls `on_layer(l, cache)` when
+    /// layer `l` is complete for the whole batch (so a transport can ship it while later
+    /// layers compute), and returns the last-token logits of every sequence that asked.
+    pub fn forward(
+        &self,
+        cache: &mut KvCache,
+        seqs: &[SeqInput<'_>],
+        on_layer: &mut dyn FnMut(usize, &KvCache),
+    ) -> Result<Vec<Vec<f32>>> {
+        let cfg = self.config();
+        if cache.layout().model_fingerprint != self.fingerprint() {
+            return Err(EngineError::LayoutMismatch(
+                "cache belongs to another model".into(),
+            ));
+        }
+        let (h, d) = (cfg.hidden_size, cfg.head_dim);
+        let (qw, kw) = (cfg.q_width(), cfg.kv_width());
+        let qkv_w = qw + 2 * kw;
+        let f = cfg.intermediate_size;
+        let mut positions = Vec::new();
+        let mut attn_seqs = Vec::with_capacity(seqs.len());
+        for s in seqs {
+            let end = s.start_pos + s.tokens.len();
+            if s.tokens.is_empty() {
+                return Err(EngineError::EmptyPrompt);
+            }
+            if end > cfg.max_position_embeddings {
+                return Err(EngineError::ContextExceeded {
+                    prompt: end,
+                    max_tokens: 0,
+                    context: cfg.max_position_embeddings,
+                });
+            }
+            if s.block_table.len() * BLOCK_SIZE < end
+                || s.block_table
+                    .iter()
+                    .any(|&b| b as usize >= cache.num_blocks())
+            {
+                return Err(EngineError::InvalidKv(
+                    "block table does not cover the sequence".into(),
+                ));
+            }
+            if let Some(&bad) = s.tokens.iter().find(|&&t| t as usize >= cfg.vocab_size) {
+                return Err(EngineError::UnknownToken {
+                    id: bad,
+                    vocab: cfg.vocab_size,
+                });
+            }
+            attn_seqs.push(AttnSeq {
+                q_row: positions.len(),
+                q_len: s.tokens.len(),
+                start_pos: s.start_pos,
+                block_table: s.block_table,
+            });
+            positions.extend(s.start_pos..end);
+        }
+        let t = positions.len();
+        let (cos, sin) = self.rope().cos_sin(&positions);
+
+        let mut x = vec![0f32; t * h];
+        let tokens = seqs.iter().flat_map(|s| s.tokens.iter());
+        for (row, &tok) in x.chunks_exact_mut(h).zip(tokens) {
+            self.weights().embed.row_into(tok as usize, row);
+        }
+        let mut normed = vec![0f32; t * h];
+        let mut qkv = vec![0f32; t * qkv_w];
+        let mut q = vec![0f32; t * qw];
+        let mut attn = vec![0f32; t * qw];
+        let mut proj = vec![0f32; t * h];
+        let mut gate_up = vec![0f32; t * 2 * f];
+        let mut act = vec![0f32; t * f];
+        let eps = cfg.rms_norm_eps as f32;
+
+        for (l, layer) in self.weights().layers.iter().enumerate() {
+            rms_norm(&x, &layer.attn_norm, eps, &mut normed);
+            linear(&normed, t, &layer.qkv, &mut qkv);
+            self.rope()
+                .apply(&mut qkv, qkv_w, 0, cfg.num_attention_heads, &cos, &sin);
+            self.rope()
+                .apply(&mut qkv, qkv_w, qw, cfg.num_key_value_heads, &cos, &sin);
+            for (row, qrow) in qkv.chunks_exact(qkv_w).zip(q.chunks_exact_mut(qw)) {
+                qrow.copy_from_slice(&row[..qw]);
+            }
+            for a in &attn_seqs {
+                for i in 0..a.q_len {
+                    let pos = a.start_pos + i;
+                    let row = &qkv[(a.q_row + i) * qkv_w..(a.q_row + i + 1) * qkv_w];
+                    let block = a.block_table[pos / BLOCK_SIZE];
+                    cache.write_token(
+                        l,
+                        block,
+                        pos % BLOCK_SIZE,
+                        &row[qw..qw + kw],
+                        &row[qw + kw..],
+                    )?;
+                }
+            }
+            paged_attention(cache, l, &q, &attn_seqs, cfg.num_attention_heads, &mut attn);
+            linear(&attn, t, &layer.o, &mut proj);
+            add_in_place(&mut x, &proj);
+
+            rms_norm(&x, &layer.ffn_norm, eps, &mut normed);
+            linear(&normed, t, &layer.gate_up, &mut gate_up);
+            silu_mul(&gate_up, f, &mut act);
+            linear(&act, t, &layer.down, &mut proj);
+            add_in_place(&mut x, &proj);
+            on_layer(l, cache);
+        }
+        let _ = d;
+
+        // Final norm and LM head only for the rows that need logits.
+        let wanted: Vec<usize> = attn_seqs
+            .iter()
+            .zip(seqs)
+            .filter(|(_, s)| s.logits)
+            .map(|(a, _)| a.q_row + a.q_len - 1)
+            .collect();
+        let mut last = vec![0f32; wanted.len() * h];
+        for (dst, &row) in last.chunks_exact_mut(h).zip(&wanted) {
+            rms_norm(
+                &x[row * h..(row + 1) * h],
+                &self.weights().final_norm,
+                eps,
+                dst,
+            );
+        }
+        let head = self.weights().lm_head();
+        let vocab = head.rows;
+        let mut logits = vec![0f32; wanted.len() * vocab];
+        linear(&last, wanted.len(), head, &mut logits);
+        Ok(logits
+            .chunks_exact(vocab.max(1))
+            .map(<[f32]>::to_vec)
+            .collect())
+    }
+}

@@ -1,0 +1,113 @@
+//! The compute seam: one [`ComputeBackend`] trait between the engine's scheduler and wherever
+//! the forward pass runs. The scheduler plans a [`Batch`]; the backend runs it over the KV
+//! cache, calling a hook as each layer's KV is complete (so a prefill worker ships it while
+//! later layers compute), and makes KV received from a peer visible to later passes.
+//!
+//! - [`cpu`]: the batch-invariant CPU kernels over the host cache itself.
+//! - [`cuda`]: the forward pass as device launches, generic over the device, with the host
+//!   cache as staging only; the CUDA device behind the `cuda` feature, an emulated one in the
+//!   tests.
+//!
+//! [`for_device`] picks one from the engine's configured [`Device`]: the one place the engine
+//! looks at the `cuda` feature.
+
+pub mod cpu;
+pub mod cuda;
+
+use std::sync::Arc;
+
+use tandem_kv::{DeviceKv, ExportedKv, KvCache, KvLocation};
+
+use crate::device::Device;
+use crate::engine::ChunkInfo;
+use crate::error::Result;
+use crate::model::{Model, SeqInput};
+
+/// One forward pass as the scheduler planned it.
+#[derive(Debug, Clone, Copy)]
+pub struct Batch<'a> {
+    /// The token rows of each sequence, with positions and block tables.
+    pub seqs: &'a [SeqInput<'a>],
+    /// The same chunks, as the per-layer hook reports them.
+    pub chunks: &'a [ChunkInfo],
+    /// Whether the pass computes prompt positions (KV that transports may send); without
+    /// prompt work a device backend calls no hook.
+    pub prompt_work: bool,
+}
+
+/// The per-layer hook: `(layer, host view of the KV, chunks)`, once the layer's KV is complete
+/// for the whole batch.
+pub type OnLayer<'a> = dyn FnMut(usize, &KvCache, &[ChunkInfo]) + 'a;
+
+/// Where an engine's forward pass runs.
+pub trait ComputeBackend: Send {
+    /// `cpu` or `cuda` (logs and errors).
+    fn name(&self) -> &'static str;
+
+    /// Runs `batch`: writes every token's K and V, calls `on_layer` per layer (see
+    /// [`OnLayer`]; every layer on the CPU, every layer of a pass with prompt work on a
+    /// device), and returns the logits of the sequences that asked. `host` is the cache the
+    /// transports read and write: the KV itself on the CPU, staging on a device.
+    fn forward(
+        &mut self,
+        host: &mut KvCache,
+        batch: &Batch<'_>,
+        on_layer: &mut OnLayer<'_>,
+    ) -> Result<Vec<Vec<f32>>>;
+
+    /// Makes the KV of `blocks` that arrived at `location` visible to later passes (a device
+    /// backend uploads host KV; the CPU refuses KV that is in device memory).
+    fn import_blocks(
+        &mut self,
+        host: &mut KvCache,
+        blocks: &[u32],
+        location: KvLocation,
+    ) -> Result<()>;
+
+    /// The device KV pool, for transports that copy device to device.
+    fn device_kv(&self) -> Option<DeviceKv> {
+        None
+    }
+
+    /// An IPC export of the device KV pool.
+    fn export_device_kv(&self) -> Result<Option<ExportedKv>> {
+        Ok(None)
+    }
+
+    /// Whether prompt KV comes down to the host cache (a prefill worker turns it off while
+    /// every transfer in flight copies device to device). No effect on the CPU.
+    fn set_host_kv_export(&mut self, on: bool) {
+        let _ = on;
+    }
+}
+
+/// The backend for `device`, with `num_blocks` KV blocks (the host cache's count).
+pub fn for_device(
+    device: &Device,
+    model: &Arc<Model>,
+    num_blocks: usize,
+) -> Result<Box<dyn ComputeBackend>> {
+    device.ensure_supported()?;
+    match *device {
+        Device::Cpu => Ok(Box::new(cpu::CpuBackend::new(model.clone()))),
+        #[cfg(feature = "cuda")]
+        Device::Cuda {
+            ordinal,
+            green_context_sms,
+        } => {
+            let gpu = Arc::new(cuda::gpu::GpuContext::new(ordinal, green_context_sms)?);
+            let device = cuda::gpu::CudaDevice::new(gpu);
+            let backend = cuda::DeviceBackend::new(device, "cuda", model, num_blocks)?;
+            tracing::info!(?backend, "engine on the GPU");
+            Ok(Box::new(backend))
+        }
+        // `ensure_supported` refused it above: this build has no CUDA.
+        #[cfg(not(feature = "cuda"))]
+        Device::Cuda { .. } => {
+            let _ = num_blocks;
+            Err(crate::error::EngineError::Unsupported(
+                "this build has no CUDA support".into(),
+            ))
+        }
+    }
+}
