@@ -32,7 +32,7 @@ use http::HeaderValue;
 use tandem_proto::v1::WorkerInfo;
 use tonic::transport::{Endpoint, ServerTlsConfig};
 
-pub use args::{InternalAuthArgs, refuse_secret_on_command_line};
+pub use args::{InternalAuthArgs, LoadInternalAuth, refuse_secret_on_command_line};
 pub use layer::{AttachToken, RateLimitedLog, RequireToken, RequireTokenLayer};
 pub use secret::{MIN_SECRET_BYTES, Secret, hex, random_bytes, unhex};
 pub use tls::{Tls, TlsFiles};

@@ -47,6 +47,8 @@ pub enum PeakMethodArg {
 #[derive(Debug, Clone, Parser)]
 #[command(name = "tandem-bench", version, about)]
 pub struct BenchArgs {
+    #[command(flatten)]
+    pub log: tandem_cli::LogArgs,
     /// API the server speaks.
     #[arg(long, value_enum, default_value = "openai")]
     pub backend: Backend,

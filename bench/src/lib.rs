@@ -4,7 +4,8 @@
 //! It owns the whole client side: datasets, arrival times, streamed requests to any server
 //! speaking the OpenAI completions/chat or TGI `generate_stream` APIs, vLLM's metric math,
 //! the byte-exact "Serving Benchmark Result" block, result JSON, sweeps and plots. It speaks
-//! HTTP only and depends on no other tandem crate, so it can measure vLLM, TGI or llama.cpp.
+//! HTTP only and links no serving code (of tandem it uses `tandem-text` for tokenizers and
+//! `tandem-cli` for the shared logging flag), so it can measure vLLM, TGI or llama.cpp.
 //!
 //! Output discipline: stdout carries headings, blocks and sweep summaries only; the progress
 //! bar and vLLM's informational lines go to stderr, logs go through `tracing` (stderr).

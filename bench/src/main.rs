@@ -6,16 +6,21 @@ use std::process::ExitCode;
 use anyhow::Context;
 use clap::Parser;
 use tandem_bench::cli::BenchArgs;
+use tandem_cli::LogFormat;
 
 fn main() -> ExitCode {
-    tracing_subscriber::fmt()
+    let args = BenchArgs::parse();
+    let builder = tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
-        )
-        .init();
-    match run() {
+        );
+    match args.log.log_format {
+        LogFormat::Json => builder.json().init(),
+        LogFormat::Text => builder.init(),
+    }
+    match run(args) {
         Ok(()) => ExitCode::SUCCESS,
         Err(error) => {
             eprintln!("error: {error:#}");
@@ -24,10 +29,8 @@ fn main() -> ExitCode {
     }
 }
 
-fn run() -> anyhow::Result<()> {
-    let config = BenchArgs::parse()
-        .into_config()
-        .context("invalid options")?;
+fn run(args: BenchArgs) -> anyhow::Result<()> {
+    let config = args.into_config().context("invalid options")?;
     tandem_bench::raise_fd_limit();
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()

@@ -43,6 +43,8 @@ pub struct ModelSection {
     pub dtype: String,
     /// A tokenizer to use instead of the model's own.
     pub tokenizer: Option<String>,
+    /// Where the workers cache the default model (`tandem up --cache-dir` overrides it).
+    pub cache_dir: Option<PathBuf>,
 }
 
 fn default_model() -> String {
@@ -59,6 +61,7 @@ impl Default for ModelSection {
             name: default_model(),
             dtype: default_dtype(),
             tokenizer: None,
+            cache_dir: None,
         }
     }
 }
@@ -261,13 +264,24 @@ pub struct DeployConfig {
     pub supervise: SuperviseSection,
     #[serde(default)]
     pub security: SecuritySection,
+    /// How every process logs (`tandem up --log-format`; not a file setting).
+    #[serde(skip)]
+    pub log_format: tandem_cli::LogFormat,
 }
 
 fn default_startup_timeout() -> u64 {
     600
 }
 
-const TRANSPORTS: [&str; 5] = ["shm", "tcp", "grpc", "cuda-ipc", "nccl"];
+/// The transports the router accepts, by the names its flag takes.
+fn transports() -> Vec<String> {
+    use clap::ValueEnum;
+    tandem_cli::TransportArg::value_variants()
+        .iter()
+        .filter_map(|t| t.to_possible_value())
+        .map(|v| v.get_name().to_string())
+        .collect()
+}
 const PRESETS: [&str; 4] = ["tiny", "smollm2-135m", "llama-3.2-1b", "llama-3.1-8b"];
 
 impl DeployConfig {
@@ -331,9 +345,10 @@ impl DeployConfig {
         if self.decode.is_empty() {
             return bad("a deployment needs at least one [[decode]] worker".into());
         }
-        if !TRANSPORTS.contains(&self.router.transport.as_str()) {
+        let known = transports();
+        if !known.contains(&self.router.transport) {
             return bad(format!(
-                "router.transport `{}`: use one of {TRANSPORTS:?}",
+                "router.transport `{}`: use one of {known:?}",
                 self.router.transport
             ));
         }

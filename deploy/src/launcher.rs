@@ -24,7 +24,6 @@ use tokio::process::Command;
 use tokio::sync::mpsc;
 
 use crate::plan::{Plan, ProcessSpec, Role};
-use crate::security::INTERNAL_ENV;
 use crate::supervise::{RestartPolicy, RestartTracker, Verdict};
 
 /// Why a deployment did not come up or did not stay up.
@@ -64,6 +63,10 @@ pub enum LaunchError {
 #[derive(Debug, Clone)]
 pub struct LaunchOptions {
     pub bin_dir: PathBuf,
+    /// The environment every process starts from: the launcher's own, less every `TANDEM_*`
+    /// variable. A deployment's processes are configured by their plan alone (flags and the
+    /// plan's environment), never by what the launcher's shell happened to export.
+    pub inherited_env: Vec<(std::ffi::OsString, std::ffi::OsString)>,
     pub log_dir: Option<PathBuf>,
     pub startup_timeout: Duration,
     /// How long each process may take to stop after SIGTERM before it is killed.
@@ -234,10 +237,9 @@ async fn spawn(
         None => None,
     };
     let mut cmd = Command::new(&path);
-    for var in INTERNAL_ENV {
-        cmd.env_remove(var);
-    }
-    cmd.args(&spec.args)
+    cmd.env_clear()
+        .envs(opts.inherited_env.iter().map(|(k, v)| (k, v)))
+        .args(&spec.args)
         .envs(&spec.env)
         .envs(spec.secret_env.iter().map(|(k, v)| (k, v.expose())))
         .stdin(Stdio::null())

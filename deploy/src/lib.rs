@@ -10,8 +10,11 @@
 //! Deployments that split a GPU under MPS get the MPS control daemon started (and stopped)
 //! around them ([`mps`]).
 //!
-//! It depends on no other tandem crate: it only runs binaries and sets flags and variables.
+//! It runs binaries and sets their flags and variables, and links none of them: the flags
+//! come from the same typed structures the binaries parse (`tandem-cli`), written out by
+//! [`tandem_cli::to_args`].
 
+pub mod cli;
 pub mod config;
 pub mod launcher;
 pub mod mps;

@@ -6,45 +6,13 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use anyhow::Context;
-use clap::{Parser, Subcommand};
+use clap::Parser;
+use tandem_cli::LogFormat;
+use tandem_deploy::cli::{Cli, Cmd};
 use tandem_deploy::launcher::{LaunchOptions, run};
 use tandem_deploy::mps::{self, MpsDaemon};
 use tandem_deploy::security::InternalSecurity;
 use tandem_deploy::{DeployConfig, plan, plan_with};
-
-/// tandem: disaggregated prefill/decode LLM serving.
-#[derive(Debug, Parser)]
-#[command(version)]
-struct Cli {
-    #[command(subcommand)]
-    command: Cmd,
-}
-
-#[derive(Debug, Subcommand)]
-enum Cmd {
-    /// Start the router and workers of CONFIG (default: 1 prefill + 1 decode worker on
-    /// SmolLM2, router on port 8000) and keep them running until Ctrl-C.
-    Up {
-        config: Option<PathBuf>,
-        /// Folder with tandem-router, tandem-prefill and tandem-decode (default: beside this
-        /// binary).
-        #[arg(long, env = "TANDEM_BIN_DIR")]
-        bin_dir: Option<PathBuf>,
-        /// Write each process's log to DIR/<name>.log.
-        #[arg(long, env = "TANDEM_LOG_DIR")]
-        log_dir: Option<PathBuf>,
-    },
-    /// Validate deployment files without starting anything.
-    Check {
-        #[arg(required = true)]
-        configs: Vec<PathBuf>,
-        /// CPUs of the machine the files target (default: this machine's).
-        #[arg(long)]
-        cores: Option<usize>,
-    },
-    /// Print the processes a deployment would start.
-    Plan { config: Option<PathBuf> },
-}
 
 fn cores() -> usize {
     std::thread::available_parallelism().map_or(1, |n| n.get())
@@ -64,7 +32,17 @@ fn main() -> ExitCode {
             config,
             bin_dir,
             log_dir,
-        } => up(config.as_deref(), bin_dir, log_dir),
+            mps_control,
+            cache_dir,
+            log,
+        } => up(
+            config.as_deref(),
+            bin_dir,
+            log_dir,
+            mps_control,
+            cache_dir,
+            log.log_format,
+        ),
         Cmd::Check { configs, cores: c } => check(&configs, c.unwrap_or_else(cores)),
         Cmd::Plan { config } => print_plan(config.as_deref()),
     };
@@ -119,8 +97,15 @@ fn up(
     config: Option<&Path>,
     bin_dir: Option<PathBuf>,
     log_dir: Option<PathBuf>,
+    mps_control: Option<PathBuf>,
+    cache_dir: Option<PathBuf>,
+    log_format: LogFormat,
 ) -> anyhow::Result<()> {
-    let cfg = load(config)?;
+    let mut cfg = load(config)?;
+    cfg.log_format = log_format;
+    if cache_dir.is_some() {
+        cfg.model.cache_dir = cache_dir;
+    }
     cfg.validate(cores())?;
     for w in cfg.warnings() {
         eprintln!("[tandem] warning: {w}");
@@ -136,6 +121,10 @@ fn up(
     ensure_binaries(&bin_dir)?;
     let opts = LaunchOptions {
         bin_dir,
+        // The plan configures every process; nothing TANDEM_* leaks in from this shell.
+        inherited_env: std::env::vars_os()
+            .filter(|(k, _)| !k.to_string_lossy().starts_with("TANDEM_"))
+            .collect(),
         log_dir: log_dir.or_else(|| cfg.log_dir.clone()),
         startup_timeout: Duration::from_secs(cfg.startup_timeout_s),
         stop_timeout: Duration::from_secs(15),
@@ -151,7 +140,7 @@ fn up(
     // stopped when this function returns, however the deployment ended.
     let _mps = match &cfg.gpu {
         Some(gpu) if gpu.mps => {
-            let daemon = MpsDaemon::ensure(&mps::control_program())?;
+            let daemon = MpsDaemon::ensure(&mps::control_program(mps_control))?;
             if daemon.started_here() {
                 eprintln!("[tandem] started the MPS control daemon");
             }

@@ -25,10 +25,10 @@ pub enum MpsError {
     },
 }
 
-/// The control program: `TANDEM_MPS_CONTROL`, or `nvidia-cuda-mps-control` on the PATH.
-pub fn control_program() -> PathBuf {
-    std::env::var_os("TANDEM_MPS_CONTROL")
-        .map_or_else(|| PathBuf::from("nvidia-cuda-mps-control"), PathBuf::from)
+/// The control program: the one given (`--mps-control`), or `nvidia-cuda-mps-control` on
+/// the PATH.
+pub fn control_program(given: Option<PathBuf>) -> PathBuf {
+    given.unwrap_or_else(|| PathBuf::from("nvidia-cuda-mps-control"))
 }
 
 /// A running MPS daemon; stops it on drop if this launcher started it.

@@ -6,6 +6,13 @@
 //! nothing that prints a plan (its `Debug`, [`ProcessSpec::env_display`]) can show them.
 
 use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+use clap::ValueEnum;
+use tandem_cli::{
+    DecodeArgs, EngineArgs, ModelArgs, PrefillArgs, RouterArgs, ServerArgs, TransportArg, defaults,
+    to_args,
+};
 
 use crate::config::{DeployConfig, WorkerSpec};
 use crate::security::{InternalSecurity, SECRET_PLACEHOLDER, Secret, SecurityError};
@@ -55,6 +62,41 @@ pub struct Plan {
     pub router_url: String,
 }
 
+/// The flags every worker takes, from its entry and the deployment's model.
+fn fill_worker(
+    cfg: &DeployConfig,
+    w: &WorkerSpec,
+    name: &str,
+    model: &mut ModelArgs,
+    engine: &mut EngineArgs,
+    server: &mut ServerArgs,
+) {
+    model.model = cfg.model.name.clone();
+    model.dtype = cfg.model.dtype.clone();
+    model.tokenizer = cfg.model.tokenizer.as_ref().map(PathBuf::from);
+    model.cache_dir = cfg.model.cache_dir.clone();
+    server.host = w.host.clone();
+    server.port = Some(w.port);
+    server.worker_id = Some(name.to_string());
+    server.log.log_format = cfg.log_format;
+    engine.threads = w.threads.or((!w.cpus.is_empty()).then_some(w.cpus.len()));
+    if let Some(v) = w.kv_budget_mb {
+        engine.kv_budget_mb = v;
+    }
+    if let Some(v) = w.max_batch_tokens {
+        engine.max_batch_tokens = v;
+    }
+    if let Some(v) = w.max_running {
+        engine.max_running = v;
+    }
+    // Any GPU setting puts the worker's engine on the GPU (device 0 of what
+    // CUDA_VISIBLE_DEVICES leaves it).
+    if w.uses_gpu() {
+        engine.device = "cuda".into();
+        engine.green_context_sms = w.green_context_sms;
+    }
+}
+
 fn worker(cfg: &DeployConfig, role: Role, index: usize, w: &WorkerSpec) -> ProcessSpec {
     let (binary, prefix) = match role {
         Role::Prefill => ("tandem-prefill", "prefill"),
@@ -64,54 +106,23 @@ fn worker(cfg: &DeployConfig, role: Role, index: usize, w: &WorkerSpec) -> Proce
         .name
         .clone()
         .unwrap_or_else(|| format!("{prefix}-{index}"));
-    let mut args: Vec<String> = vec![
-        "--model".into(),
-        cfg.model.name.clone(),
-        "--dtype".into(),
-        cfg.model.dtype.clone(),
-        "--host".into(),
-        w.host.clone(),
-        "--port".into(),
-        w.port.to_string(),
-        "--worker-id".into(),
-        name.clone(),
-    ];
-    if let Some(t) = &cfg.model.tokenizer {
-        args.extend(["--tokenizer".into(), t.clone()]);
-    }
-    let threads = w.threads.or((!w.cpus.is_empty()).then_some(w.cpus.len()));
-    let optional = [
-        ("--threads", threads),
-        ("--kv-budget-mb", w.kv_budget_mb),
-        ("--max-batch-tokens", w.max_batch_tokens),
-        ("--max-running", w.max_running),
-    ];
-    for (flag, value) in optional {
-        if let Some(v) = value {
-            args.extend([flag.to_string(), v.to_string()]);
-        }
-    }
-    if role == Role::Decode {
-        args.extend([
-            "--kv-tcp-port".into(),
-            w.kv_tcp_port.unwrap_or(w.port.wrapping_add(1)).to_string(),
-        ]);
-    }
+    let mut args = if role == Role::Prefill {
+        let mut a: PrefillArgs = defaults();
+        fill_worker(cfg, w, &name, &mut a.model, &mut a.engine, &mut a.server);
+        to_args(&a)
+    } else {
+        let mut a: DecodeArgs = defaults();
+        fill_worker(cfg, w, &name, &mut a.model, &mut a.engine, &mut a.server);
+        a.kv_tcp_port = w.kv_tcp_port.unwrap_or(w.port.wrapping_add(1));
+        to_args(&a)
+    };
     args.extend(w.extra_args.iter().cloned());
-    // Any GPU setting puts the worker's engine on the GPU (device 0 of what
-    // CUDA_VISIBLE_DEVICES leaves it).
-    if w.uses_gpu() {
-        args.extend(["--device".into(), "cuda".into()]);
-    }
     let mut env = w.env.clone();
     if let Some(g) = w.gpu {
         env.insert("CUDA_VISIBLE_DEVICES".into(), g.to_string());
     }
     if let Some(p) = w.mps_thread_percentage {
         env.insert("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE".into(), p.to_string());
-    }
-    if let Some(sms) = w.green_context_sms {
-        env.insert("TANDEM_GREEN_CONTEXT_SMS".into(), sms.to_string());
     }
     ProcessSpec {
         name,
@@ -141,24 +152,16 @@ pub fn plan_with(cfg: &DeployConfig, security: &InternalSecurity) -> Plan {
         processes.push(worker(cfg, Role::Decode, i, w));
     }
     let r = &cfg.router;
-    let mut args: Vec<String> = vec![
-        "--host".into(),
-        r.host.clone(),
-        "--port".into(),
-        r.port.to_string(),
-        "--transport".into(),
-        r.transport.clone(),
-        "--agg-threshold".into(),
-        r.agg_threshold.to_string(),
-        "--decode".into(),
-        cfg.decode.iter().map(url).collect::<Vec<_>>().join(","),
-    ];
-    if !cfg.prefill.is_empty() {
-        args.extend([
-            "--prefill".into(),
-            cfg.prefill.iter().map(url).collect::<Vec<_>>().join(","),
-        ]);
-    }
+    let mut router: RouterArgs = defaults();
+    router.host = Some(r.host.clone());
+    router.port = Some(r.port);
+    // `validate` checked the name; an unknown one would be left to the router's default.
+    router.transport = TransportArg::from_str(&r.transport, true).ok();
+    router.agg_threshold = Some(u32::try_from(r.agg_threshold).unwrap_or(u32::MAX));
+    router.decode = cfg.decode.iter().map(url).collect();
+    router.prefill = cfg.prefill.iter().map(url).collect();
+    router.log.log_format = cfg.log_format;
+    let mut args = to_args(&router);
     args.extend(r.extra_args.iter().cloned());
     processes.push(ProcessSpec {
         name: "router".into(),
@@ -193,12 +196,29 @@ mod tests {
         let decode = &p.processes[1];
         assert_eq!(decode.cpus, vec![1]);
         let joined = decode.args.join(" ");
+        // Defaults (the model among them) go unsaid: the processes get no TANDEM_* variable
+        // but the plan's, so the defaults hold.
         assert!(
-            joined.contains("--model smollm2")
+            !joined.contains("--model")
                 && joined.contains("--threads 1")
                 && joined.contains("--kv-tcp-port 7202"),
             "{joined}"
         );
+        let mut tiny = DeployConfig::default_local(2);
+        tiny.model.name = "tiny".into();
+        tiny.model.cache_dir = Some("/var/cache/tandem".into());
+        tiny.log_format = tandem_cli::LogFormat::Json;
+        let p = plan(&tiny).unwrap();
+        for proc in &p.processes[..2] {
+            let joined = proc.args.join(" ");
+            assert!(
+                joined.contains("--model tiny")
+                    && joined.contains("--cache-dir /var/cache/tandem")
+                    && joined.contains("--log-format json"),
+                "{joined}"
+            );
+        }
+        assert!(p.processes[2].args.join(" ").contains("--log-format json"));
         let router = p.processes[2].args.join(" ");
         assert!(
             router.contains("--prefill http://127.0.0.1:7101")
@@ -220,7 +240,14 @@ mod tests {
             "60"
         );
         assert_eq!(p.processes[1].env["CUDA_VISIBLE_DEVICES"], "1");
-        assert_eq!(p.processes[1].env["TANDEM_GREEN_CONTEXT_SMS"], "64");
+        assert!(
+            p.processes[1]
+                .args
+                .windows(2)
+                .any(|w| w == ["--green-context-sms", "64"]),
+            "{:?}",
+            p.processes[1].args
+        );
         for worker in &p.processes[..2] {
             assert!(
                 worker.args.join(" ").contains("--device cuda"),

@@ -63,7 +63,7 @@ fn plan_prints_the_default_deployment() {
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success());
     assert!(
-        stdout.contains("prefill-0: tandem-prefill --model smollm2"),
+        stdout.contains("prefill-0: tandem-prefill --kv-budget-mb 512 --threads 1 --port 7101"),
         "{stdout}"
     );
     assert!(

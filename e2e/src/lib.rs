@@ -23,7 +23,7 @@ use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
-use tandem_auth::{AuthChannel, InternalAuth, Secret};
+use tandem_auth::{AuthChannel, InternalAuth, LoadInternalAuth, Secret};
 use tandem_proto::v1::decode_service_client::DecodeServiceClient;
 use tandem_proto::v1::prefill_service_client::PrefillServiceClient;
 use tandem_proto::v1::{InfoRequest, WorkerInfo};

@@ -11,9 +11,9 @@
 //! is removed on drop, also when a test panics; namespaces left by a killed earlier run are
 //! swept when the next one starts.
 //!
-//! Needs root and iproute2's `ip`. [`Network::create_or_skip`] says why when they are missing
-//! and the test should skip — or fails when the environment demands the test (`CI` and
-//! `TANDEM_REQUIRE_NETNS` both set).
+//! Needs root and iproute2's `ip`: the tests that use it are `#[ignore]`d with that reason,
+//! `.ci/run` runs them (`--ignored`, as root), and [`Network::create_or_fail`] fails saying
+//! what is missing rather than passing without running.
 
 use std::net::Ipv4Addr;
 use std::path::PathBuf;
@@ -54,11 +54,6 @@ pub fn unavailable() -> Option<String> {
         Ok(s) => Some(format!("`ip -V` failed ({s})")),
         Err(e) => Some(format!("iproute2's `ip` is not installed ({e})")),
     }
-}
-
-/// Whether the environment demands that namespace tests run rather than skip.
-pub fn required() -> bool {
-    std::env::var_os("CI").is_some() && std::env::var_os("TANDEM_REQUIRE_NETNS").is_some()
 }
 
 fn effective_uid() -> Option<u32> {
@@ -108,22 +103,17 @@ pub struct Network {
 }
 
 impl Network {
-    /// Creates the hosts named `names` (the first one holds the bridge), or returns None
-    /// after printing why when namespaces cannot be used here. Panics instead of skipping
-    /// when [`required`].
-    pub fn create_or_skip(names: &[&str]) -> Option<Self> {
+    /// Creates the hosts named `names` (the first one holds the bridge), or fails the test
+    /// saying why namespaces cannot be used here.
+    pub fn create_or_fail(names: &[&str]) -> Self {
         let why = match unavailable() {
             Some(why) => why,
             None => match Self::create(names) {
-                Ok(net) => return Some(net),
+                Ok(net) => return net,
                 Err(e) => format!("cannot set up network namespaces: {e:#}"),
             },
         };
-        if required() {
-            panic!("CI and TANDEM_REQUIRE_NETNS are set, but {why}");
-        }
-        eprintln!("skipped: {why}");
-        None
+        panic!("this test needs network namespaces, but {why}");
     }
 
     /// Creates the hosts named `names`; the first one holds the bridge.

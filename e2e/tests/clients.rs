@@ -7,27 +7,36 @@ use std::process::Command;
 use serde_json::Value;
 use tandem_e2e::{Deployment, DeploymentSpec};
 
-/// The tools virtual environment's python (made by `scripts/tools-venv`, which `.ci/run`
-/// calls). Outside CI a missing venv skips the test with a note.
-fn tools_python() -> Option<PathBuf> {
-    let path = std::env::var_os("TANDEM_TOOLS_PYTHON")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.cache/tools-venv/bin/python")
-        });
-    let ok = Command::new(&path)
-        .args(["-c", "import openai"])
-        .status()
-        .is_ok_and(|s| s.success());
-    if ok {
-        return Some(path);
+/// A python with the `openai` package: `TANDEM_TOOLS_PYTHON`, else the tools venv, made on
+/// first use by `scripts/tools-venv` (pip, once), as the harness builds the binaries on first
+/// use. If neither works the test fails saying why: it never passes without running.
+fn tools_python() -> PathBuf {
+    let works = |python: &PathBuf| {
+        Command::new(python)
+            .args(["-c", "import openai"])
+            .status()
+            .is_ok_and(|s| s.success())
+    };
+    if let Some(given) = std::env::var_os("TANDEM_TOOLS_PYTHON").map(PathBuf::from) {
+        assert!(
+            works(&given),
+            "TANDEM_TOOLS_PYTHON={} cannot import openai",
+            given.display()
+        );
+        return given;
     }
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../scripts/tools-venv");
+    let out = Command::new(&script)
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run {}: {e}", script.display()));
     assert!(
-        std::env::var_os("CI").is_none(),
-        "CI must provide the openai package: run scripts/tools-venv"
+        out.status.success(),
+        "scripts/tools-venv could not make the Python tools venv (pip needs PyPI once): {}",
+        String::from_utf8_lossy(&out.stderr)
     );
-    eprintln!("skipping: no python with the openai package (run scripts/tools-venv)");
-    None
+    let python = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
+    assert!(works(&python), "{} cannot import openai", python.display());
+    python
 }
 
 const OPENAI_SCRIPT: &str = r#"
@@ -53,7 +62,7 @@ print(json.dumps({"models": models, "chat": chat, "finish": finish, "usage": usa
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn openai_python_client_streams_chat_and_completions() {
-    let Some(python) = tools_python() else { return };
+    let python = tools_python();
     let dep = Deployment::start(&DeploymentSpec::default()).await.unwrap();
     let base = dep.url("");
     let out = tokio::task::spawn_blocking(move || {

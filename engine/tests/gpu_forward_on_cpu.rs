@@ -29,7 +29,6 @@ use tandem_kv::DevicePoolLayout;
 use tandem_kv::{BlockPool, KvCache, KvLocation, blocks_for};
 
 use cuda_on_cpu::device::{Bytes, EmulatedDevice, launches_on_this_thread};
-use cuda_on_cpu::harness;
 
 fn relative_error(got: &[f32], want: &[f32]) -> f32 {
     let worst = got
@@ -106,9 +105,6 @@ impl SideBySide {
 
 #[test]
 fn the_gpu_forward_pass_matches_the_cpu_engine() {
-    if harness().is_none() {
-        return;
-    }
     // The tiny test model (GQA 4/2, head_dim 16), and one with SmolLM2's attention shape
     // (9 heads over 3, head_dim 64: two values per lane) and an untied head.
     let smol_attention = ModelConfig {
@@ -237,9 +233,6 @@ fn seq<'a>(tokens: &'a [u32], start_pos: usize, table: &'a [u32]) -> SeqInput<'a
 
 #[test]
 fn host_staging_carries_prompt_kv_to_the_cpu_cache_and_back_exactly() {
-    if harness().is_none() {
-        return;
-    }
     let cfg = ModelConfig::preset("tiny").expect("preset");
     let cpu = dummy_model(cfg.clone(), WeightDtype::Bf16, 5, "tiny").expect("model");
     let weights = DeviceWeights::upload(&EmulatedDevice, &cpu).expect("upload");
@@ -347,9 +340,6 @@ fn host_staging_carries_prompt_kv_to_the_cpu_cache_and_back_exactly() {
 /// from as the CPU engine does.
 #[test]
 fn the_device_backend_hands_each_layer_over_then_releases_it() {
-    if harness().is_none() {
-        return;
-    }
     // SmolLM2's attention shape: a block-layer of 24 KiB, whole pages the host can release.
     let cfg = ModelConfig {
         num_hidden_layers: 3,

@@ -4,35 +4,20 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::Parser;
+use tandem_cli::PrefillArgs as Args;
 use tandem_engine::EngineConfig;
 use tandem_prefill::{PrefillConfig, PrefillWorker, serve};
 use tandem_worker::telemetry::{init_tracing, shutdown_signal};
-use tandem_worker::{EngineArgs, ModelArgs, ServerArgs};
 use tokio::net::TcpListener;
-
-/// tandem's prefill worker: runs prompts and ships their KV to decode workers.
-#[derive(Debug, Parser)]
-#[command(version)]
-struct Args {
-    #[command(flatten)]
-    model: ModelArgs,
-    #[command(flatten)]
-    engine: EngineArgs,
-    #[command(flatten)]
-    server: ServerArgs,
-    /// How long shutdown waits for running prefills (s).
-    #[arg(long, env = "TANDEM_DRAIN_TIMEOUT_S", default_value_t = 30)]
-    drain_timeout_s: u64,
-}
 
 fn main() -> anyhow::Result<()> {
     // `ps` shows every process's command line to every user: the secret never goes there.
     tandem_auth::refuse_secret_on_command_line(std::env::args_os())?;
     let args = Args::parse();
-    init_tracing(args.server.log_json);
+    init_tracing(args.server.log.log_format);
     // Bad engine flags fail here, before the runtime starts or a model loads.
-    let engine_config = args.engine.engine_config().map_err(anyhow::Error::msg)?;
-    args.engine.init_compute().map_err(anyhow::Error::msg)?;
+    let engine_config = tandem_worker::engine_config(&args.engine).map_err(anyhow::Error::msg)?;
+    tandem_worker::init_compute(&args.engine).map_err(anyhow::Error::msg)?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -47,10 +32,7 @@ fn main() -> anyhow::Result<()> {
 
 async fn run(args: Args, engine_config: EngineConfig) -> anyhow::Result<()> {
     let mut shutdown = shutdown_signal();
-    let auth = args
-        .server
-        .internal_auth()
-        .context("internal authentication")?;
+    let auth = tandem_worker::internal_auth(&args.server).context("internal authentication")?;
     let port = args.server.port.unwrap_or(7101);
     let grpc = TcpListener::bind((args.server.host.as_str(), port))
         .await
@@ -63,13 +45,11 @@ async fn run(args: Args, engine_config: EngineConfig) -> anyhow::Result<()> {
             .clone()
             .unwrap_or_else(|| format!("prefill@{local}")),
         drain_timeout: Duration::from_secs(args.drain_timeout_s),
-        shm_dir: args.server.shm_dir(),
+        shm_dir: tandem_worker::shm_dir(&args.server),
         auth,
     };
     tracing::info!(model = %args.model.model, "loading model");
-    let Some((model, tokenizer)) = args
-        .model
-        .load_until(&mut shutdown)
+    let Some((model, tokenizer)) = tandem_worker::load_model_until(&args.model, &mut shutdown)
         .await
         .context("loading the model")?
     else {

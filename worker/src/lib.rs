@@ -1,5 +1,5 @@
-//! What the two worker binaries (`tandem-prefill`, `tandem-decode`) share: their common flag
-//! groups, model loading, the engine actor that owns an [`tandem_engine::Engine`] on its own
+//! What the two worker binaries (`tandem-prefill`, `tandem-decode`) share: what their flags
+//! drive (model loading, engine sizing, credentials), the engine actor that owns an [`tandem_engine::Engine`] on its own
 //! thread, conversions between the wire types and the engine's, and telemetry setup.
 //!
 //! Kept in a library so that neither binary depends on the other.
@@ -10,4 +10,7 @@ pub mod convert;
 pub mod telemetry;
 
 pub use actor::{EngineHandle, LoadSnapshot, SeqEvent, spawn_engine};
-pub use args::{EngineArgs, ModelArgs, ServerArgs};
+pub use args::{
+    EngineArgs, ModelArgs, ServerArgs, engine_config, init_compute, internal_auth, load_model,
+    load_model_until, shm_dir,
+};

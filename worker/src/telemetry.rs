@@ -3,7 +3,8 @@
 use tracing_subscriber::EnvFilter;
 
 /// Logs to stderr, filtered by `RUST_LOG` (default `info`), as text or JSON lines.
-pub fn init_tracing(json: bool) {
+pub fn init_tracing(format: tandem_cli::LogFormat) {
+    let json = format == tandem_cli::LogFormat::Json;
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)

@@ -127,11 +127,8 @@ impl LaunchDevice for EmulatedDevice {
             })
             .collect();
         let name = kernel.name();
-        let buffers = match try_launch(name, at.blocks, at.threads, &request) {
-            Some(Ok(buffers)) => buffers,
-            Some(Err(e)) => return Err(EngineError::Unsupported(format!("{name}: {e}"))),
-            None => return Err(EngineError::Unsupported("no C++ compiler".into())),
-        };
+        let buffers = try_launch(name, at.blocks, at.threads, &request)
+            .map_err(|e| EngineError::Unsupported(format!("{name}: {e}")))?;
         // The harness returns every buffer in argument order: copy back the written ones.
         let mut returned = buffers.into_iter();
         for a in args.iter_mut() {

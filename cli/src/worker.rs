@@ -1,0 +1,142 @@
+//! The flags of the two workers (`tandem-prefill`, `tandem-decode`): the groups they share
+//! (which model, how large an engine, where to listen) and each one's own. What they drive
+//! (loading the model, sizing the engine) is `tandem-worker`'s.
+
+use std::path::PathBuf;
+
+use clap::{Args, Parser};
+use serde::{Deserialize, Serialize};
+
+use crate::{InternalAuthArgs, LogArgs};
+
+/// Which model to serve.
+#[derive(Debug, Clone, PartialEq, Args, Serialize, Deserialize)]
+pub struct ModelArgs {
+    /// `smollm2` (default model, fetched once with pip), `tiny` (built-in test model),
+    /// `dummy:PRESET[:SEED]`, or a path to an HF folder or a GGUF file.
+    #[arg(long, env = "TANDEM_MODEL", default_value = "smollm2")]
+    pub model: String,
+    /// Weight storage type: f32, f16 or bf16 (compute is f32 on the CPU).
+    #[arg(long, env = "TANDEM_DTYPE", default_value = "f32")]
+    pub dtype: String,
+    /// A tokenizer (tokenizer.json, HF folder or GGUF) instead of the model's own.
+    #[arg(long, env = "TANDEM_TOKENIZER")]
+    pub tokenizer: Option<PathBuf>,
+    /// Where the default model is cached (default: the user's cache dir + /tandem).
+    #[arg(long, env = "TANDEM_CACHE")]
+    pub cache_dir: Option<PathBuf>,
+}
+
+/// Engine sizing and threads.
+#[derive(Debug, Clone, PartialEq, Args, Serialize, Deserialize)]
+pub struct EngineArgs {
+    /// MiB of KV cache.
+    #[arg(long, env = "TANDEM_KV_BUDGET_MB", default_value_t = 1024)]
+    pub kv_budget_mb: usize,
+    /// Tokens per forward pass (decode tokens plus prefill chunks).
+    #[arg(long, env = "TANDEM_MAX_BATCH_TOKENS", default_value_t = 2048)]
+    pub max_batch_tokens: usize,
+    /// Sequences running at once.
+    #[arg(long, env = "TANDEM_MAX_RUNNING", default_value_t = 256)]
+    pub max_running: usize,
+    /// Compute threads (default: one per available core).
+    #[arg(long, env = "TANDEM_THREADS")]
+    pub threads: Option<usize>,
+    /// Where the engine computes: `cpu`, `cuda` or `cuda:N` (binaries built with the `cuda`
+    /// feature, see scripts/build-gpu).
+    #[arg(long, env = "TANDEM_DEVICE", default_value = "cpu")]
+    pub device: String,
+    /// Confine the GPU engine to a green context of this many SMs (set by `tandem up` from a
+    /// GPU deployment). Refused with `--device cpu`, never ignored.
+    #[arg(long, env = "TANDEM_GREEN_CONTEXT_SMS")]
+    pub green_context_sms: Option<u32>,
+    /// Instruction set of the CPU kernels: avx512, avx2, neon or scalar (default: the best
+    /// this CPU runs). Every set gives the same bits; a set the CPU lacks is refused.
+    #[arg(long, env = "TANDEM_ISA")]
+    pub isa: Option<String>,
+}
+
+/// Where the gRPC server listens, and the credentials it requires.
+#[derive(Debug, Clone, PartialEq, Args, Serialize, Deserialize)]
+pub struct ServerArgs {
+    /// Address the gRPC server listens on (beyond loopback it needs the internal secret).
+    #[arg(long, env = "TANDEM_HOST", default_value = "127.0.0.1")]
+    pub host: String,
+    /// gRPC port (default: 7101 for a prefill worker, 7201 for a decode worker).
+    #[arg(long, env = "TANDEM_PORT")]
+    pub port: Option<u16>,
+    /// Host other machines reach this worker at (for the KV TCP port), if not `host`.
+    #[arg(long, env = "TANDEM_ADVERTISE_HOST")]
+    pub advertise_host: Option<String>,
+    #[command(flatten)]
+    pub log: LogArgs,
+    /// A name for this worker in logs and metrics (default: role@host:port).
+    #[arg(long, env = "TANDEM_WORKER_ID")]
+    pub worker_id: Option<String>,
+    /// Folder of the decode workers' shared-memory KV pools (default /dev/shm). Prefill
+    /// workers map pools only from here.
+    #[arg(long, env = "TANDEM_SHM_DIR")]
+    pub shm_dir: Option<PathBuf>,
+    #[command(flatten)]
+    pub auth: InternalAuthArgs,
+}
+
+/// tandem's prefill worker: runs prompts and ships their KV to decode workers.
+#[derive(Debug, Clone, PartialEq, Parser, Serialize, Deserialize)]
+#[command(name = "tandem-prefill", version)]
+pub struct PrefillArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    #[command(flatten)]
+    pub engine: EngineArgs,
+    #[command(flatten)]
+    pub server: ServerArgs,
+    /// How long shutdown waits for running prefills (s).
+    #[arg(long, env = "TANDEM_DRAIN_TIMEOUT_S", default_value_t = 30)]
+    pub drain_timeout_s: u64,
+}
+
+/// tandem's decode worker: receives KV from prefill workers and streams tokens.
+#[derive(Debug, Clone, PartialEq, Parser, Serialize, Deserialize)]
+#[command(name = "tandem-decode", version)]
+pub struct DecodeArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    #[command(flatten)]
+    pub engine: EngineArgs,
+    #[command(flatten)]
+    pub server: ServerArgs,
+    /// Raw TCP port for KV transfer (0 picks a free one; `--no-kv-tcp` disables it).
+    #[arg(long, env = "TANDEM_KV_TCP_PORT", default_value_t = 0)]
+    pub kv_tcp_port: u16,
+    /// Do not listen for raw TCP KV transfers.
+    #[arg(long, env = "TANDEM_NO_KV_TCP")]
+    pub no_kv_tcp: bool,
+    /// KV TCP connections served at once; more are closed as they arrive.
+    #[arg(long, env = "TANDEM_KV_TCP_MAX_CONNECTIONS", default_value_t = 256)]
+    pub kv_tcp_max_connections: usize,
+    /// How long a KV TCP connection may take to prove itself (ms).
+    #[arg(long, env = "TANDEM_KV_TCP_HELLO_TIMEOUT_MS", default_value_t = 5_000)]
+    pub kv_tcp_hello_timeout_ms: u64,
+    /// How long a KV TCP transfer may stay silent (ms).
+    #[arg(long, env = "TANDEM_KV_TCP_READ_TIMEOUT_MS", default_value_t = 30_000)]
+    pub kv_tcp_read_timeout_ms: u64,
+    /// Keep the KV pool in private memory (disables the shm transport).
+    #[arg(long, env = "TANDEM_NO_SHM")]
+    pub no_shm: bool,
+    /// Default lease: how long a reservation waits for KV without progress (ms).
+    #[arg(long, env = "TANDEM_LEASE_TTL_MS", default_value_t = 30_000)]
+    pub lease_ttl_ms: u64,
+    /// The longest wait without progress a caller may ask of a reservation (ms).
+    #[arg(long, env = "TANDEM_MAX_LEASE_TTL_MS", default_value_t = 60_000)]
+    pub max_lease_ttl_ms: u64,
+    /// The longest a reservation may stay open, renewals included (s).
+    #[arg(long, env = "TANDEM_MAX_LEASE_LIFETIME_S", default_value_t = 600)]
+    pub max_lease_lifetime_s: u64,
+    /// Share of the KV pool one caller (address) may hold in reservations awaiting KV.
+    #[arg(long, env = "TANDEM_CALLER_LEASE_SHARE", default_value_t = 0.9)]
+    pub caller_lease_share: f64,
+    /// How long shutdown waits for running requests (s).
+    #[arg(long, env = "TANDEM_DRAIN_TIMEOUT_S", default_value_t = 30)]
+    pub drain_timeout_s: u64,
+}

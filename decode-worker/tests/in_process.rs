@@ -1,0 +1,334 @@
+//! The decode worker run in-process through [`serve`] (no binary, no model download: the tiny
+//! model), driven over its authenticated gRPC as the router and a prefill worker drive it: KV
+//! pushed into a lease over each host transport decodes to what aggregated serving gives;
+//! leases end cleanly when cancelled, expired or guessed at; shutdown drains and removes the
+//! shared-memory files.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tandem_cli::ModelArgs;
+use tandem_decode::{DecodeConfig, DecodeWorker, serve};
+use tandem_e2e::{DecodeClient, decode_client, test_auth};
+use tandem_engine::{Engine, EngineConfig, Model};
+use tandem_proto::v1::*;
+use tandem_text::TextTokenizer;
+use tandem_transfer::{Peers, connect};
+use tokio::net::TcpListener;
+
+struct Decode {
+    client: DecodeClient,
+    info: WorkerInfo,
+    endpoint: String,
+    model: Arc<Model>,
+    tokenizer: TextTokenizer,
+    shm: tempfile::TempDir,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    served: tokio::task::JoinHandle<Result<(), tandem_decode::DecodeError>>,
+}
+
+fn tiny() -> (Arc<Model>, TextTokenizer) {
+    let args = ModelArgs {
+        model: "tiny".into(),
+        dtype: "f32".into(),
+        tokenizer: None,
+        cache_dir: None,
+    };
+    tandem_worker::load_model(&args).expect("the tiny model")
+}
+
+async fn start(lease_ttl: Duration) -> Decode {
+    let (model, tokenizer) = tiny();
+    let shm = tempfile::tempdir().expect("shm folder");
+    let grpc = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let kv = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let kv_port = kv.local_addr().expect("addr").port();
+    let endpoint = format!("http://{}", grpc.local_addr().expect("addr"));
+    let config = DecodeConfig {
+        shm_dir: Some(shm.path().to_path_buf()),
+        default_lease_ttl: lease_ttl,
+        auth: test_auth(),
+        drain_timeout: Duration::from_secs(2),
+        ..DecodeConfig::default()
+    };
+    let engine = EngineConfig {
+        kv_budget_bytes: 8 << 20,
+        ..EngineConfig::default()
+    };
+    let worker = DecodeWorker::new(model.clone(), tokenizer.clone(), engine, config, kv_port)
+        .expect("decode worker");
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let served = tokio::spawn(serve(worker, grpc, Some(kv), async {
+        let _ = stopped.await;
+    }));
+    let (client, info) = decode_client(&endpoint, Duration::from_secs(10))
+        .await
+        .expect("client");
+    Decode {
+        client,
+        info,
+        endpoint,
+        model,
+        tokenizer,
+        shm,
+        stop: Some(stop),
+        served,
+    }
+}
+
+fn request(prompt: Vec<u32>, mode: Mode, max_tokens: u32, lease_ttl_ms: u32) -> GenerateRequest {
+    GenerateRequest {
+        request_id: format!("r{}", prompt.len()),
+        prompt,
+        sampling: Some(SamplingParams::default()),
+        stop: Some(StopParams {
+            max_tokens,
+            ignore_eos: true,
+            ..Default::default()
+        }),
+        mode: mode as i32,
+        lease_ttl_ms,
+    }
+}
+
+async fn tokens(stream: &mut tonic::Streaming<GenerateEvent>) -> (Vec<u32>, Option<Finished>) {
+    let mut out = Vec::new();
+    while let Some(ev) = stream.message().await.expect("stream") {
+        match ev.event {
+            Some(generate_event::Event::Token(t)) => out.push(t.id),
+            Some(generate_event::Event::Finished(f)) => return (out, Some(f)),
+            _ => {}
+        }
+    }
+    (out, None)
+}
+
+async fn lease_of(stream: &mut tonic::Streaming<GenerateEvent>) -> Lease {
+    match stream
+        .message()
+        .await
+        .expect("stream")
+        .and_then(|e| e.event)
+    {
+        Some(generate_event::Event::Lease(lease)) => lease,
+        other => panic!("the first event must be the lease, got {other:?}"),
+    }
+}
+
+async fn used_blocks(d: &mut DecodeClient) -> u32 {
+    let l = d.get_load(LoadRequest {}).await.expect("load").into_inner();
+    l.total_blocks - l.free_blocks
+}
+
+async fn wait_free(d: &mut DecodeClient, within: Duration) {
+    let start = Instant::now();
+    while used_blocks(d).await > 0 {
+        assert!(
+            start.elapsed() < within,
+            "blocks still held after {within:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// A prompt's KV: per layer, `(logical block, bytes)`.
+type PromptKv = Vec<Vec<(u32, Vec<u8>)>>;
+
+/// The prompt's KV and its greedy first token, computed by a local engine as a prefill
+/// worker computes them.
+fn prompt_kv(model: &Arc<Model>, tokenizer: &TextTokenizer, prompt: &[u32]) -> (PromptKv, u32) {
+    let mut engine =
+        Engine::new(model.clone(), tokenizer.clone(), EngineConfig::default()).expect("engine");
+    let stop = tandem_engine::StopParams {
+        max_tokens: 1,
+        ignore_eos: true,
+        ..Default::default()
+    };
+    engine
+        .add_request(
+            prompt.to_vec(),
+            tandem_engine::SamplingParams::greedy(),
+            stop,
+        )
+        .expect("request");
+    let mut layers = vec![Vec::new(); model.config().num_hidden_layers];
+    let out = engine
+        .step_with(&mut |layer, cache, chunks| {
+            for c in chunks {
+                for lb in c.logical_blocks() {
+                    let bytes = cache.block_layer_bytes(layer, c.blocks[lb]).expect("block");
+                    layers[layer].push((lb as u32, bytes.to_vec()));
+                }
+            }
+        })
+        .expect("prefill");
+    (layers, out[0].token)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kv_pushed_into_a_lease_decodes_as_aggregated_serving_does() {
+    let mut d = start(Duration::from_secs(30)).await;
+    let prompt: Vec<u32> = (0..37).map(|i| 3 + (i * 7) % 250).collect();
+    let mut agg = d
+        .client
+        .generate(request(prompt.clone(), Mode::Aggregated, 10, 0))
+        .await
+        .expect("aggregated")
+        .into_inner();
+    let (want, _) = tokens(&mut agg).await;
+    assert_eq!(want.len(), 10);
+    let (kv, first) = prompt_kv(&d.model, &d.tokenizer, &prompt);
+    assert_eq!(first, want[0]);
+    let peers = Peers::new(test_auth(), Some(d.shm.path().to_path_buf()));
+    for transport in [Transport::Grpc, Transport::Tcp, Transport::Shm] {
+        let mut stream = d
+            .client
+            .generate(request(prompt.clone(), Mode::Disaggregated, 10, 0))
+            .await
+            .expect("disaggregated")
+            .into_inner();
+        let lease = lease_of(&mut stream).await;
+        let dest = KvDestination {
+            transport: transport as i32,
+            decode_endpoint: d.endpoint.clone(),
+            decode_instance: d.info.instance_id.clone(),
+            lease: lease.token,
+            block_ids: lease.block_ids,
+            kv_layout_hash: d.info.kv_layout_hash.clone(),
+        };
+        let layout = d.model.kv_layout();
+        let mut sender = connect(&peers, &dest, &layout, "test", prompt.len())
+            .await
+            .unwrap_or_else(|e| panic!("{transport:?}: {e}"));
+        // Layers are handed over from a plain thread, as the engine's thread does.
+        let layers = kv.clone();
+        let sender = tokio::task::spawn_blocking(move || {
+            for (layer, pieces) in layers.iter().enumerate() {
+                let pieces: Vec<(u32, &[u8])> =
+                    pieces.iter().map(|(lb, b)| (*lb, b.as_slice())).collect();
+                sender.send_layer(layer, &pieces).expect("send");
+            }
+            sender
+        })
+        .await
+        .expect("sender thread");
+        let stats = sender.commit(first, 0.0).await.expect("commit");
+        let (got, fin) = tokens(&mut stream).await;
+        assert_eq!(
+            got, want,
+            "{transport:?} decodes as aggregated serving does"
+        );
+        let fin = fin.expect("finished");
+        assert_eq!(fin.transport, transport as i32);
+        assert_eq!(fin.kv_bytes, stats.bytes);
+    }
+    wait_free(&mut d.client, Duration::from_secs(2)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn leases_end_cleanly_when_cancelled_expired_or_guessed() {
+    let mut d = start(Duration::from_secs(30)).await;
+    let prompt: Vec<u32> = (0..50).map(|i| 3 + i % 200).collect();
+
+    // The router goes away before any KV arrives: the reservation is returned.
+    let mut stream = d
+        .client
+        .generate(request(prompt.clone(), Mode::Disaggregated, 4, 0))
+        .await
+        .expect("generate")
+        .into_inner();
+    lease_of(&mut stream).await;
+    assert!(used_blocks(&mut d.client).await > 0);
+    drop(stream);
+    wait_free(&mut d.client, Duration::from_secs(2)).await;
+
+    // No KV ever comes: the lease expires with DEADLINE_EXCEEDED and its blocks return.
+    let mut stream = d
+        .client
+        .generate(request(prompt.clone(), Mode::Disaggregated, 4, 300))
+        .await
+        .expect("generate")
+        .into_inner();
+    lease_of(&mut stream).await;
+    let err = stream.message().await.expect_err("the lease expires");
+    assert_eq!(err.code(), tonic::Code::DeadlineExceeded, "{err}");
+    wait_free(&mut d.client, Duration::from_secs(2)).await;
+
+    // A commit on a guessed capability fails, names nothing, and leaves the real one alone.
+    let mut victim = d
+        .client
+        .generate(request(prompt.clone(), Mode::Disaggregated, 4, 0))
+        .await
+        .expect("generate")
+        .into_inner();
+    let lease = lease_of(&mut victim).await;
+    let guess = KvCommit {
+        lease: vec![0x42; 16],
+        kv_layout_hash: d.info.kv_layout_hash.clone(),
+        num_tokens: prompt.len() as u32,
+        transport: Transport::Grpc as i32,
+        ..Default::default()
+    };
+    let err = d.client.commit_kv(guess).await.expect_err("guessed commit");
+    assert_eq!(err.code(), tonic::Code::NotFound, "{err}");
+    assert!(!err.message().contains(&prompt.len().to_string()), "{err}");
+    let (kv, first) = prompt_kv(&d.model, &d.tokenizer, &prompt);
+    let dest = KvDestination {
+        transport: Transport::Grpc as i32,
+        decode_endpoint: d.endpoint.clone(),
+        decode_instance: d.info.instance_id.clone(),
+        lease: lease.token,
+        block_ids: lease.block_ids,
+        kv_layout_hash: d.info.kv_layout_hash.clone(),
+    };
+    let peers = Peers::new(test_auth(), None);
+    let mut sender = connect(&peers, &dest, &d.model.kv_layout(), "victim", prompt.len())
+        .await
+        .expect("connect");
+    let sender = tokio::task::spawn_blocking(move || {
+        for (layer, pieces) in kv.iter().enumerate() {
+            let pieces: Vec<(u32, &[u8])> =
+                pieces.iter().map(|(lb, b)| (*lb, b.as_slice())).collect();
+            sender.send_layer(layer, &pieces).expect("send");
+        }
+        sender
+    })
+    .await
+    .expect("sender thread");
+    sender
+        .commit(first, 0.0)
+        .await
+        .expect("the victim's own commit");
+    let (got, fin) = tokens(&mut victim).await;
+    assert_eq!(got.len(), 4, "the victim finishes");
+    assert!(fin.is_some());
+    wait_free(&mut d.client, Duration::from_secs(2)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_drains_and_removes_the_shared_memory_files() {
+    let mut d = start(Duration::from_secs(30)).await;
+    let pool = std::path::PathBuf::from(&d.info.shm_path);
+    assert!(pool.starts_with(d.shm.path()) && pool.exists(), "{pool:?}");
+    let mut stream = d
+        .client
+        .generate(request(vec![5; 20], Mode::Aggregated, 6, 0))
+        .await
+        .expect("generate")
+        .into_inner();
+    let _ = d.stop.take().map(|s| s.send(()));
+    // The running request still finishes: shutdown drains before it stops serving.
+    let (got, fin) = tokens(&mut stream).await;
+    assert_eq!(got.len(), 6);
+    assert!(fin.is_some());
+    tokio::time::timeout(Duration::from_secs(10), d.served)
+        .await
+        .expect("serve returns")
+        .expect("task")
+        .expect("serve ends cleanly");
+    assert!(!pool.exists(), "the pool file outlived the worker");
+    assert!(
+        !tandem_kv::shm::tags_path(&pool).exists(),
+        "the tags file outlived it"
+    );
+}
