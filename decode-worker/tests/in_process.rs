@@ -165,6 +165,41 @@ fn prompt_kv(model: &Arc<Model>, tokenizer: &TextTokenizer, prompt: &[u32]) -> (
     (layers, out[0].token)
 }
 
+/// Ships `kv` (a prompt of `tokens` tokens) into `lease` over `transport` as a prefill
+/// worker does (layers handed over from a plain thread, as from the engine's), and commits
+/// with `first`.
+async fn ship(
+    d: &Decode,
+    peers: &Peers,
+    lease: Lease,
+    transport: Transport,
+    (kv, tokens, first): (&PromptKv, usize, u32),
+) -> tandem_transfer::SendStats {
+    let dest = KvDestination {
+        transport: transport as i32,
+        decode_endpoint: d.endpoint.clone(),
+        decode_instance: d.info.instance_id.clone(),
+        lease: lease.token,
+        block_ids: lease.block_ids,
+        kv_layout_hash: d.info.kv_layout_hash.clone(),
+    };
+    let mut sender = connect(peers, &dest, &d.model.kv_layout(), "test", tokens)
+        .await
+        .unwrap_or_else(|e| panic!("{transport:?}: {e}"));
+    let layers = kv.clone();
+    let sender = tokio::task::spawn_blocking(move || {
+        for (layer, pieces) in layers.iter().enumerate() {
+            let pieces: Vec<(u32, &[u8])> =
+                pieces.iter().map(|(lb, b)| (*lb, b.as_slice())).collect();
+            sender.send_layer(layer, &pieces).expect("send");
+        }
+        sender
+    })
+    .await
+    .expect("sender thread");
+    sender.commit(first, 0.0).await.expect("commit")
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kv_pushed_into_a_lease_decodes_as_aggregated_serving_does() {
     let mut d = start(Duration::from_secs(30)).await;
@@ -188,31 +223,7 @@ async fn kv_pushed_into_a_lease_decodes_as_aggregated_serving_does() {
             .expect("disaggregated")
             .into_inner();
         let lease = lease_of(&mut stream).await;
-        let dest = KvDestination {
-            transport: transport as i32,
-            decode_endpoint: d.endpoint.clone(),
-            decode_instance: d.info.instance_id.clone(),
-            lease: lease.token,
-            block_ids: lease.block_ids,
-            kv_layout_hash: d.info.kv_layout_hash.clone(),
-        };
-        let layout = d.model.kv_layout();
-        let mut sender = connect(&peers, &dest, &layout, "test", prompt.len())
-            .await
-            .unwrap_or_else(|e| panic!("{transport:?}: {e}"));
-        // Layers are handed over from a plain thread, as the engine's thread does.
-        let layers = kv.clone();
-        let sender = tokio::task::spawn_blocking(move || {
-            for (layer, pieces) in layers.iter().enumerate() {
-                let pieces: Vec<(u32, &[u8])> =
-                    pieces.iter().map(|(lb, b)| (*lb, b.as_slice())).collect();
-                sender.send_layer(layer, &pieces).expect("send");
-            }
-            sender
-        })
-        .await
-        .expect("sender thread");
-        let stats = sender.commit(first, 0.0).await.expect("commit");
+        let stats = ship(&d, &peers, lease, transport, (&kv, prompt.len(), first)).await;
         let (got, fin) = tokens(&mut stream).await;
         assert_eq!(
             got, want,
@@ -273,32 +284,15 @@ async fn leases_end_cleanly_when_cancelled_expired_or_guessed() {
     assert_eq!(err.code(), tonic::Code::NotFound, "{err}");
     assert!(!err.message().contains(&prompt.len().to_string()), "{err}");
     let (kv, first) = prompt_kv(&d.model, &d.tokenizer, &prompt);
-    let dest = KvDestination {
-        transport: Transport::Grpc as i32,
-        decode_endpoint: d.endpoint.clone(),
-        decode_instance: d.info.instance_id.clone(),
-        lease: lease.token,
-        block_ids: lease.block_ids,
-        kv_layout_hash: d.info.kv_layout_hash.clone(),
-    };
     let peers = Peers::new(test_auth(), None);
-    let mut sender = connect(&peers, &dest, &d.model.kv_layout(), "victim", prompt.len())
-        .await
-        .expect("connect");
-    let sender = tokio::task::spawn_blocking(move || {
-        for (layer, pieces) in kv.iter().enumerate() {
-            let pieces: Vec<(u32, &[u8])> =
-                pieces.iter().map(|(lb, b)| (*lb, b.as_slice())).collect();
-            sender.send_layer(layer, &pieces).expect("send");
-        }
-        sender
-    })
-    .await
-    .expect("sender thread");
-    sender
-        .commit(first, 0.0)
-        .await
-        .expect("the victim's own commit");
+    ship(
+        &d,
+        &peers,
+        lease,
+        Transport::Grpc,
+        (&kv, prompt.len(), first),
+    )
+    .await;
     let (got, fin) = tokens(&mut victim).await;
     assert_eq!(got.len(), 4, "the victim finishes");
     assert!(fin.is_some());
