@@ -9,6 +9,11 @@ use serde::{Deserialize, Serialize};
 
 use crate::{InternalAuthArgs, LogArgs};
 
+/// The values `--weights` takes (the engine's `WeightFormat` names).
+pub const WEIGHT_FORMATS: [&str; 10] = [
+    "native", "f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q4_k", "q5_k", "q6_k",
+];
+
 /// Which model to serve.
 #[derive(Debug, Clone, PartialEq, Args, Serialize, Deserialize)]
 pub struct ModelArgs {
@@ -16,9 +21,11 @@ pub struct ModelArgs {
     /// `dummy:PRESET[:SEED]`, or a path to an HF folder or a GGUF file.
     #[arg(long, env = "TANDEM_MODEL", default_value = "smollm2")]
     pub model: String,
-    /// Weight storage type: f32, f16 or bf16 (compute is f32 on the CPU).
-    #[arg(long, env = "TANDEM_DTYPE", default_value = "f32")]
-    pub dtype: String,
+    /// How to store the weights: `native` (a GGUF's own formats, an HF folder's dtype), `f32`,
+    /// `f16`, `bf16`, or a GGML format to quantize to at load (`q8_0`, `q4_0`, `q4_1`, `q4_k`,
+    /// `q5_k`, `q6_k`). Compute is f32 on the CPU whatever the storage.
+    #[arg(long, env = "TANDEM_WEIGHTS", default_value = "native", value_parser = clap::builder::PossibleValuesParser::new(WEIGHT_FORMATS))]
+    pub weights: String,
     /// A tokenizer (tokenizer.json, HF folder or GGUF) instead of the model's own.
     #[arg(long, env = "TANDEM_TOKENIZER")]
     pub tokenizer: Option<PathBuf>,

@@ -30,7 +30,7 @@ struct Decode {
 fn tiny() -> (Arc<Model>, TextTokenizer) {
     let args = ModelArgs {
         model: "tiny".into(),
-        dtype: "f32".into(),
+        weights: "f32".into(),
         tokenizer: None,
         cache_dir: None,
     };

@@ -39,8 +39,9 @@ pub struct ModelSection {
     /// `smollm2`, `tiny`, `dummy:PRESET[:SEED]`, or a path (passed to the workers' `--model`).
     #[serde(default = "default_model")]
     pub name: String,
-    #[serde(default = "default_dtype")]
-    pub dtype: String,
+    /// How the workers store the weights (their `--weights`).
+    #[serde(default = "default_weights")]
+    pub weights: String,
     /// A tokenizer to use instead of the model's own.
     pub tokenizer: Option<String>,
     /// Where the workers cache the default model (`tandem up --cache-dir` overrides it).
@@ -51,15 +52,15 @@ fn default_model() -> String {
     "smollm2".into()
 }
 
-fn default_dtype() -> String {
-    "f32".into()
+fn default_weights() -> String {
+    "native".into()
 }
 
 impl Default for ModelSection {
     fn default() -> Self {
         Self {
             name: default_model(),
-            dtype: default_dtype(),
+            weights: default_weights(),
             tokenizer: None,
             cache_dir: None,
         }
@@ -370,10 +371,11 @@ impl DeployConfig {
                 ));
             }
         }
-        if !["f32", "f16", "bf16"].contains(&self.model.dtype.as_str()) {
+        if !tandem_cli::WEIGHT_FORMATS.contains(&self.model.weights.as_str()) {
             return bad(format!(
-                "model.dtype `{}`: use f32, f16 or bf16",
-                self.model.dtype
+                "model.weights `{}`: use one of {}",
+                self.model.weights,
+                tandem_cli::WEIGHT_FORMATS.join(", ")
             ));
         }
         let name = self.model.name.as_str();

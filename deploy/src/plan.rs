@@ -72,7 +72,7 @@ fn fill_worker(
     server: &mut ServerArgs,
 ) {
     model.model = cfg.model.name.clone();
-    model.dtype = cfg.model.dtype.clone();
+    model.weights = cfg.model.weights.clone();
     model.tokenizer = cfg.model.tokenizer.as_ref().map(PathBuf::from);
     model.cache_dir = cfg.model.cache_dir.clone();
     server.host = w.host.clone();

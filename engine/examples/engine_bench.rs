@@ -3,7 +3,9 @@
 //! at batch 1, 8, 32 and 64, each set against the floor that bounds it.
 //!
 //! `cargo run --release -p tandem-engine --example engine_bench -- --model smollm2`
-//! prints a table and, last, one JSON line. `--isa avx2` (or `TANDEM_ISA=avx2`) runs the
+//! prints a table and, last, one JSON line. `--weights f32|bf16|q8_0|…` stores the weights
+//! otherwise than the file does (default `native`); the decode floor counts the bytes a step
+//! reads in that storage. `--isa avx2` (or `TANDEM_ISA=avx2`) runs the
 //! kernels of another instruction set than the CPU's best; both print the set that ran.
 
 use std::path::PathBuf;
@@ -14,13 +16,13 @@ use candle_core::{Device, Tensor};
 use rayon::prelude::*;
 use tandem_engine::backend::cpu::kernels::{Isa, Matrix, WeightData, isa, linear, select_isa};
 use tandem_engine::{
-    Engine, EngineConfig, LoadOptions, ModelSource, SamplingParams, StopParams, WeightDtype,
+    Engine, EngineConfig, LoadOptions, ModelSource, SamplingParams, StopParams, WeightFormat,
     load_model,
 };
 
 struct Args {
     model: String,
-    dtype: WeightDtype,
+    weights: WeightFormat,
     cache: PathBuf,
     prompt_len: usize,
     decode_steps: usize,
@@ -29,7 +31,7 @@ struct Args {
 fn parse_args() -> anyhow::Result<Args> {
     let mut args = Args {
         model: "smollm2".into(),
-        dtype: WeightDtype::F32,
+        weights: WeightFormat::Native,
         cache: std::env::var_os("TANDEM_CACHE")
             .map_or_else(tandem_engine::fetch::default_cache_dir, PathBuf::from),
         prompt_len: 512,
@@ -43,7 +45,7 @@ fn parse_args() -> anyhow::Result<Args> {
         };
         match flag.as_str() {
             "--model" => args.model = value()?,
-            "--dtype" => args.dtype = value()?.parse()?,
+            "--weights" => args.weights = value()?.parse()?,
             "--cache" => args.cache = value()?.into(),
             "--prompt-len" => args.prompt_len = value()?.parse()?,
             "--decode-steps" => args.decode_steps = value()?.parse()?,
@@ -51,7 +53,7 @@ fn parse_args() -> anyhow::Result<Args> {
                 select_isa(Isa::parse(&value()?)?)?;
             }
             other => anyhow::bail!(
-                "unknown flag {other} (--model, --dtype, --cache, --prompt-len, --decode-steps, --isa)"
+                "unknown flag {other} (--model, --weights, --cache, --prompt-len, --decode-steps, --isa)"
             ),
         }
     }
@@ -145,7 +147,7 @@ fn main() -> anyhow::Result<()> {
 
     let source: ModelSource = args.model.parse()?;
     let opts = LoadOptions {
-        dtype: args.dtype,
+        format: args.weights,
         cache_dir: args.cache.clone(),
         tokenizer: None,
     };
@@ -153,7 +155,9 @@ fn main() -> anyhow::Result<()> {
     let (model, tokenizer) = load_model(&source, &opts)?;
     let model = Arc::new(model);
     let cfg = model.config().clone();
-    let weight_bytes = model.weight_bytes();
+    // What one decode step reads: every layer matrix, the LM head and the norms (an untied
+    // embedding table is only looked up), in the format they are stored in.
+    let weight_bytes = model.weights().bytes_read_per_step();
     let vocab = cfg.vocab_size as u32;
     let config = EngineConfig {
         kv_budget_bytes: 2 << 30,
@@ -239,9 +243,10 @@ fn main() -> anyhow::Result<()> {
         own_gflops / 1e9
     );
     println!(
-        "| model | {} ({}, {:.1} MB of weights) |",
+        "| model | {} (--weights {}: {}; {:.1} MB read per decode step) |",
         model.name(),
-        args.dtype.name(),
+        args.weights.name(),
+        model.storage_summary(),
         weight_bytes as f64 / 1e6
     );
     println!(
@@ -265,7 +270,8 @@ fn main() -> anyhow::Result<()> {
     }
     let json = serde_json::json!({
         "model": model.name(),
-        "dtype": args.dtype.name(),
+        "weights": args.weights.name(),
+        "storage": model.storage_summary(),
         "threads": threads,
         "isa": isa.name(),
         "bandwidth_gb_s": bandwidth / 1e9,

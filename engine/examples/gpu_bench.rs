@@ -13,7 +13,7 @@ use half::bf16;
 use tandem_engine::backend::cuda::forward::StepBuffers;
 use tandem_engine::backend::cuda::gpu::{GpuContext, GpuModel, PoolSize, available, device_pool};
 use tandem_engine::config::ModelConfig;
-use tandem_engine::{LoadOptions, ModelSource, SeqInput, WeightDtype, load_model};
+use tandem_engine::{LoadOptions, ModelSource, SeqInput, WeightFormat, load_model};
 use tandem_kv::{BlockPool, blocks_for};
 
 fn copy_bandwidth(gpu: &GpuContext) -> anyhow::Result<f64> {
@@ -180,7 +180,7 @@ fn main() -> anyhow::Result<()> {
     if let Ok((cpu, _)) = load_model(
         &ModelSource::DefaultSmolLm2,
         &LoadOptions {
-            dtype: WeightDtype::Bf16,
+            format: WeightFormat::Bf16,
             cache_dir,
             tokenizer: None,
         },

@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use tandem_engine::backend::cuda::forward::StepBuffers;
 use tandem_engine::backend::cuda::gpu::{GpuContext, GpuModel, PoolSize, available, device_pool};
-use tandem_engine::{LoadOptions, ModelSource, SeqInput, WeightDtype, load_model};
+use tandem_engine::{LoadOptions, ModelSource, SeqInput, WeightFormat, load_model};
 use tandem_kv::{BlockPool, KvCache, blocks_for};
 
 fn rel_err(a: &[f32], b: &[f32]) -> f32 {
@@ -40,7 +40,7 @@ fn main() -> anyhow::Result<()> {
         return Ok(());
     }
     let opts = LoadOptions {
-        dtype: WeightDtype::Bf16,
+        format: WeightFormat::Bf16,
         cache_dir,
         tokenizer: None,
     };

@@ -3,46 +3,57 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::backend::cpu::kernels::QuantKind;
 use crate::error::{EngineError, Result};
 
-/// Storage type of the weights. Compute is always f32 on the CPU: f16 and bf16 weights are
-/// widened inside the matmul kernel, which halves the bytes read per decode step.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
-#[serde(rename_all = "lowercase")]
-pub enum WeightDtype {
+/// How the weight matrices are stored. Compute is f32 on the CPU whatever the storage: f16 and
+/// bf16 weights are widened inside the matmul kernel and GGML formats dequantized there (see
+/// `backend::cpu::kernels::quant`), so fewer bytes are read per decode step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum WeightFormat {
+    /// As the file stores them: a GGUF's tensors in their own formats (Q8_0, Q4_0, Q4_1,
+    /// Q4_K, Q5_K, Q6_K, f16, bf16, f32), an HF folder's in its dtype; dummy weights in f32.
     #[default]
+    Native,
     F32,
     F16,
     Bf16,
+    /// Every matrix in this GGML format, quantized at load where the file holds another.
+    Quant(QuantKind),
 }
 
-impl WeightDtype {
-    pub fn size_in_bytes(self) -> usize {
-        match self {
-            WeightDtype::F32 => 4,
-            WeightDtype::F16 | WeightDtype::Bf16 => 2,
-        }
-    }
-
+impl WeightFormat {
     pub fn name(self) -> &'static str {
         match self {
-            WeightDtype::F32 => "f32",
-            WeightDtype::F16 => "f16",
-            WeightDtype::Bf16 => "bf16",
+            WeightFormat::Native => "native",
+            WeightFormat::F32 => "f32",
+            WeightFormat::F16 => "f16",
+            WeightFormat::Bf16 => "bf16",
+            WeightFormat::Quant(k) => k.name(),
         }
     }
 }
 
-impl std::str::FromStr for WeightDtype {
+impl std::fmt::Display for WeightFormat {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for WeightFormat {
     type Err = EngineError;
     fn from_str(s: &str) -> Result<Self> {
-        match s.to_ascii_lowercase().as_str() {
-            "f32" | "float32" => Ok(WeightDtype::F32),
-            "f16" | "float16" | "half" => Ok(WeightDtype::F16),
-            "bf16" | "bfloat16" => Ok(WeightDtype::Bf16),
-            other => Err(EngineError::Config(format!(
-                "unknown dtype `{other}` (f32, f16 or bf16)"
-            ))),
+        match s.trim().to_ascii_lowercase().as_str() {
+            "native" => Ok(WeightFormat::Native),
+            "f32" | "float32" => Ok(WeightFormat::F32),
+            "f16" | "float16" | "half" => Ok(WeightFormat::F16),
+            "bf16" | "bfloat16" => Ok(WeightFormat::Bf16),
+            other => QuantKind::parse(other).map(WeightFormat::Quant).ok_or_else(|| {
+                EngineError::Config(format!(
+                    "unknown weight format `{other}` (native, f32, f16, bf16, q8_0, q4_0, q4_1, \
+                     q4_k, q5_k or q6_k)"
+                ))
+            }),
         }
     }
 }
@@ -365,7 +376,16 @@ mod tests {
 
     #[test]
     fn dtype_names() {
-        assert_eq!("BF16".parse::<WeightDtype>().unwrap(), WeightDtype::Bf16);
-        assert!("int4".parse::<WeightDtype>().is_err());
+        assert_eq!("BF16".parse::<WeightFormat>().unwrap(), WeightFormat::Bf16);
+        assert_eq!(
+            "Q4_K".parse::<WeightFormat>().unwrap(),
+            WeightFormat::Quant(QuantKind::Q4K)
+        );
+        for f in [
+            "native", "f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q4_k", "q5_k", "q6_k",
+        ] {
+            assert_eq!(f.parse::<WeightFormat>().unwrap().name(), f);
+        }
+        assert!("int4".parse::<WeightFormat>().is_err());
     }
 }

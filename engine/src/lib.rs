@@ -9,12 +9,13 @@ pub mod config;
 pub mod device;
 pub mod engine;
 pub mod error;
+pub mod eval;
 pub mod fetch;
 pub mod model;
 pub mod sampling;
 mod sequence;
 
-pub use config::{ModelConfig, WeightDtype};
+pub use config::{ModelConfig, WeightFormat};
 pub use device::Device;
 
 /// Whether this build has the CUDA engine (the `cuda` feature).

@@ -16,7 +16,7 @@ use std::sync::Arc;
 
 use sha2::{Digest, Sha256};
 use tandem_engine::backend::cpu::kernels::isa;
-use tandem_engine::config::{ModelConfig, WeightDtype};
+use tandem_engine::config::{ModelConfig, WeightFormat};
 use tandem_engine::model::dummy_model;
 use tandem_engine::{Model, SeqInput};
 use tandem_kv::{BlockPool, KvCache, blocks_for};
@@ -25,7 +25,7 @@ const GOLDEN: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/golden/logits.s
 
 /// SmolLM2's attention shape (head_dim 64, 9 query heads over 3 KV heads), 3 layers, a small
 /// vocabulary.
-fn model(dtype: WeightDtype) -> Arc<Model> {
+fn model(dtype: WeightFormat) -> Arc<Model> {
     let cfg = ModelConfig {
         num_hidden_layers: 3,
         vocab_size: 1000,
@@ -120,7 +120,7 @@ fn digest(logits: &[Vec<f32>]) -> String {
 #[test]
 fn logits_match_the_x86_golden_digests_bit_for_bit() {
     let mut lines = String::new();
-    for dtype in [WeightDtype::F32, WeightDtype::Bf16, WeightDtype::F16] {
+    for dtype in [WeightFormat::F32, WeightFormat::Bf16, WeightFormat::F16] {
         let logits = scenario(&model(dtype));
         assert!(logits.iter().flatten().all(|v| v.is_finite()));
         let _ = writeln!(lines, "{} {}", dtype.name(), digest(&logits));

@@ -4,7 +4,7 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use tandem_engine::config::{ModelConfig, WeightDtype};
+use tandem_engine::config::{ModelConfig, WeightFormat};
 use tandem_engine::engine::{EngineStats, ReceivedKv};
 use tandem_engine::model::dummy_model;
 use tandem_engine::{
@@ -17,7 +17,7 @@ fn model() -> Arc<Model> {
     Arc::new(
         dummy_model(
             ModelConfig::preset("tiny").unwrap(),
-            WeightDtype::F32,
+            WeightFormat::F32,
             0,
             "tiny",
         )

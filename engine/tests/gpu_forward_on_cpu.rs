@@ -21,7 +21,7 @@ use tandem_engine::backend::cuda::DeviceBackend;
 use tandem_engine::backend::cuda::forward::{self as device_forward, DeviceWeights, StepBuffers};
 use tandem_engine::backend::cuda::staging::KvStaging;
 use tandem_engine::backend::{Batch, ComputeBackend};
-use tandem_engine::config::{ModelConfig, WeightDtype};
+use tandem_engine::config::{ModelConfig, WeightFormat};
 use tandem_engine::engine::ChunkInfo;
 use tandem_engine::model::dummy_model;
 use tandem_engine::{EngineError, Model, SeqInput};
@@ -59,7 +59,7 @@ struct SideBySide {
 
 impl SideBySide {
     fn new(cfg: &ModelConfig, name: &str, blocks: usize) -> Self {
-        let cpu = dummy_model(cfg.clone(), WeightDtype::Bf16, 3, name).expect("model");
+        let cpu = dummy_model(cfg.clone(), WeightFormat::Bf16, 3, name).expect("model");
         let weights = DeviceWeights::upload(&EmulatedDevice, &cpu).expect("upload");
         let layout = cpu.kv_layout();
         Self {
@@ -186,7 +186,7 @@ fn the_gpu_forward_pass_matches_the_cpu_engine() {
 #[test]
 fn a_bad_batch_is_an_error_before_any_launch() {
     let cfg = ModelConfig::preset("tiny").expect("preset");
-    let cpu = dummy_model(cfg.clone(), WeightDtype::Bf16, 3, "tiny").expect("model");
+    let cpu = dummy_model(cfg.clone(), WeightFormat::Bf16, 3, "tiny").expect("model");
     let weights = DeviceWeights::upload(&EmulatedDevice, &cpu).expect("upload");
     let mut cache = vec![0u8; 2 * 4 * device_forward::block_layer_elems(&cfg) * 2];
     let run = |cache: &mut Bytes, tokens: &[u32], table: &[u32]| {
@@ -234,7 +234,7 @@ fn seq<'a>(tokens: &'a [u32], start_pos: usize, table: &'a [u32]) -> SeqInput<'a
 #[test]
 fn host_staging_carries_prompt_kv_to_the_cpu_cache_and_back_exactly() {
     let cfg = ModelConfig::preset("tiny").expect("preset");
-    let cpu = dummy_model(cfg.clone(), WeightDtype::Bf16, 5, "tiny").expect("model");
+    let cpu = dummy_model(cfg.clone(), WeightFormat::Bf16, 5, "tiny").expect("model");
     let weights = DeviceWeights::upload(&EmulatedDevice, &cpu).expect("upload");
     let layout = cpu.kv_layout();
     let blocks = 12;
@@ -346,7 +346,7 @@ fn the_device_backend_hands_each_layer_over_then_releases_it() {
         vocab_size: 512,
         ..ModelConfig::preset("smollm2-135m").expect("preset")
     };
-    let cpu = dummy_model(cfg.clone(), WeightDtype::Bf16, 9, "smol3").expect("model");
+    let cpu = dummy_model(cfg.clone(), WeightFormat::Bf16, 9, "smol3").expect("model");
     let layout = cpu.kv_layout();
     let blocks = 12;
     let host_cache = || KvCache::with_budget(layout.clone(), blocks * layout.block_bytes());

@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use tandem_engine::config::{ModelConfig, WeightDtype};
+use tandem_engine::config::{ModelConfig, WeightFormat};
 use tandem_engine::model::dummy_model;
 mod candle_reference;
 
@@ -16,7 +16,7 @@ fn tiny() -> Arc<Model> {
     Arc::new(
         dummy_model(
             ModelConfig::preset("tiny").unwrap(),
-            WeightDtype::F32,
+            WeightFormat::F32,
             0,
             "tiny",
         )
@@ -31,7 +31,7 @@ fn smol_shaped() -> Arc<Model> {
         vocab_size: 2048,
         ..ModelConfig::preset("smollm2-135m").unwrap()
     };
-    Arc::new(dummy_model(cfg, WeightDtype::F32, 5, "smol4").unwrap())
+    Arc::new(dummy_model(cfg, WeightFormat::F32, 5, "smol4").unwrap())
 }
 
 fn tokens(seed: u32, n: usize, vocab: usize) -> Vec<u32> {
@@ -130,7 +130,7 @@ fn mixed_length_batch_matches_reference_at_real_head_dim() {
 
 #[test]
 fn half_precision_weights_match_their_own_reference() {
-    for dtype in [WeightDtype::F16, WeightDtype::Bf16] {
+    for dtype in [WeightFormat::F16, WeightFormat::Bf16] {
         let model =
             Arc::new(dummy_model(ModelConfig::preset("tiny").unwrap(), dtype, 3, "tiny").unwrap());
         check_model(model, &[7, 30], 1e-4);

@@ -24,7 +24,7 @@ const BLOCKS: usize = 64;
 fn tiny() -> (Arc<Model>, TextTokenizer) {
     let args = ModelArgs {
         model: "tiny".into(),
-        dtype: "f32".into(),
+        weights: "f32".into(),
         tokenizer: None,
         cache_dir: None,
     };

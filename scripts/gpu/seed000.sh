@@ -27,7 +27,7 @@ server() {
 description = "seed 000 on one GPU: $name ($share)"
 [model]
 name = "$MODEL"
-dtype = "bf16"
+weights = "bf16"
 [gpu]
 count = 1
 sms = 132

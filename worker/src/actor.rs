@@ -446,7 +446,7 @@ fn publish(engine: &Engine, load: &LoadSnapshot) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use tandem_engine::config::{ModelConfig, WeightDtype};
+    use tandem_engine::config::{ModelConfig, WeightFormat};
     use tandem_engine::model::dummy_model;
     use tandem_engine::{EngineConfig, Model};
     use tandem_kv::DeviceKv;
@@ -481,7 +481,7 @@ mod tests {
         let model: Arc<Model> = Arc::new(
             dummy_model(
                 ModelConfig::preset("tiny").unwrap(),
-                WeightDtype::F32,
+                WeightFormat::F32,
                 0,
                 "tiny",
             )

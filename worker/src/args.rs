@@ -9,16 +9,16 @@ use tandem_auth::LoadInternalAuth;
 pub use tandem_cli::{EngineArgs, ModelArgs, ServerArgs};
 use tandem_engine::backend::cpu::kernels::{Isa, isa, select_isa};
 use tandem_engine::{
-    Device, EngineConfig, EngineError, LoadOptions, Model, ModelSource, WeightDtype,
+    Device, EngineConfig, EngineError, LoadOptions, Model, ModelSource, WeightFormat,
 };
 use tandem_text::TextTokenizer;
 
 /// Loads the model and its tokenizer.
 pub fn load_model(args: &ModelArgs) -> Result<(Arc<Model>, TextTokenizer), EngineError> {
     let source: ModelSource = args.model.parse()?;
-    let dtype: WeightDtype = args.dtype.parse()?;
+    let format: WeightFormat = args.weights.parse()?;
     let opts = LoadOptions {
-        dtype,
+        format,
         cache_dir: args
             .cache_dir
             .clone()
@@ -127,6 +127,14 @@ pub fn shm_dir(args: &ServerArgs) -> Option<PathBuf> {
 mod tests {
     use super::*;
     use clap::Parser;
+
+    #[test]
+    fn every_weights_value_the_flag_offers_is_a_format_the_engine_loads() {
+        for name in tandem_cli::WEIGHT_FORMATS {
+            let format: WeightFormat = name.parse().unwrap();
+            assert_eq!(format.name(), name);
+        }
+    }
 
     #[derive(Parser)]
     struct Flags {

@@ -1,20 +1,20 @@
-//! Where weights come from: a GGUF file (dequantized at load), an HF folder of safetensors,
+//! Where weights come from: a GGUF file (`gguf`), an HF folder of safetensors,
 //! seeded dummy weights of any shape, or the default SmolLM2 fetched into the cache.
 
 use std::fs::File;
 use std::io::Read;
 use std::path::{Path, PathBuf};
 
-use candle_core::quantized::gguf_file;
 use candle_core::{DType, Device};
 use rayon::prelude::*;
 use sha2::{Digest, Sha256};
 use tandem_text::TextTokenizer;
 
 use super::Model;
-use super::weights::{LayerWeights, Weights, to_weight_data, unpermute_rows};
-use crate::backend::cpu::kernels::Matrix;
-use crate::config::{ModelConfig, WeightDtype};
+use super::gguf::load_gguf;
+use super::tensors::{FileDtype, Loaded, fuse, into_matrix};
+use super::weights::{LayerWeights, Weights};
+use crate::config::{ModelConfig, WeightFormat};
 use crate::error::{EngineError, Result};
 use crate::fetch;
 
@@ -72,7 +72,8 @@ impl std::str::FromStr for ModelSource {
 /// How to load.
 #[derive(Debug, Clone, Default)]
 pub struct LoadOptions {
-    pub dtype: WeightDtype,
+    /// How to store the weights (`--weights`).
+    pub format: WeightFormat,
     /// Where the default model is cached.
     pub cache_dir: PathBuf,
     /// A tokenizer to use instead of the model's own (required for realistic token counts
@@ -85,21 +86,21 @@ pub fn load_model(source: &ModelSource, opts: &LoadOptions) -> Result<(Model, Te
     let (model, tokenizer) = match source {
         ModelSource::DefaultSmolLm2 => {
             let path = fetch::ensure_smollm2(&opts.cache_dir)?;
-            load_gguf(&path, opts.dtype, "SmolLM2-135M-Instruct")?
+            load_gguf(&path, opts.format, "SmolLM2-135M-Instruct")?
         }
         ModelSource::Dummy { preset, seed } => {
             let cfg = ModelConfig::preset(preset)?;
-            let model = dummy_model(cfg, opts.dtype, *seed, preset)?;
+            let model = dummy_model(cfg, opts.format, *seed, preset)?;
             (model, TextTokenizer::byte_level())
         }
-        ModelSource::Path(path) if path.is_dir() => load_hf_dir(path, opts.dtype)?,
+        ModelSource::Path(path) if path.is_dir() => load_hf_dir(path, opts.format)?,
         ModelSource::Path(path) => {
             let name = path
                 .file_stem()
                 .and_then(|s| s.to_str())
                 .unwrap_or("model")
                 .to_string();
-            load_gguf(path, opts.dtype, &name)?
+            load_gguf(path, opts.format, &name)?
         }
     };
     let tokenizer = match &opts.tokenizer {
@@ -118,33 +119,49 @@ pub fn load_model(source: &ModelSource, opts: &LoadOptions) -> Result<(Model, Te
 
 /// Seeded random weights: uniform with the standard deviation of a fan-in init, so dummy
 /// models produce varied, peaked logits rather than near-ties.
-pub fn dummy_model(cfg: ModelConfig, dtype: WeightDtype, seed: u64, name: &str) -> Result<Model> {
+pub fn dummy_model(cfg: ModelConfig, format: WeightFormat, seed: u64, name: &str) -> Result<Model> {
     cfg.validate()?;
     let h = cfg.hidden_size;
     let mut next_id = 0u64;
-    let mut matrix = |rows: usize, cols: usize, std: f32| {
+    let mut matrix = |what: &str, rows: usize, cols: usize, std: f32| {
         next_id += 1;
         let values = seeded_uniform(
             rows * cols,
             seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ next_id,
             std,
         );
-        Matrix::new(rows, cols, to_weight_data(values, dtype))
+        into_matrix(Loaded::from_values(
+            what,
+            rows,
+            cols,
+            values,
+            FileDtype::F32,
+            format,
+        )?)
     };
     let fan_in = |n: usize| 1.0 / (n as f32).sqrt();
-    let embed = matrix(cfg.vocab_size, h, 1.0);
+    let embed = matrix("embed", cfg.vocab_size, h, 1.0)?;
     let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
     for _ in 0..cfg.num_hidden_layers {
         layers.push(LayerWeights {
             attn_norm: vec![1.0; h],
-            qkv: matrix(cfg.q_width() + 2 * cfg.kv_width(), h, fan_in(h)),
-            o: matrix(h, cfg.q_width(), fan_in(cfg.q_width())),
+            qkv: matrix("qkv", cfg.q_width() + 2 * cfg.kv_width(), h, fan_in(h))?,
+            o: matrix("o", h, cfg.q_width(), fan_in(cfg.q_width()))?,
             ffn_norm: vec![1.0; h],
-            gate_up: matrix(2 * cfg.intermediate_size, h, fan_in(h)),
-            down: matrix(h, cfg.intermediate_size, fan_in(cfg.intermediate_size)),
+            gate_up: matrix("gate_up", 2 * cfg.intermediate_size, h, fan_in(h))?,
+            down: matrix(
+                "down",
+                h,
+                cfg.intermediate_size,
+                fan_in(cfg.intermediate_size),
+            )?,
         });
     }
-    let lm_head = (!cfg.tie_word_embeddings).then(|| matrix(cfg.vocab_size, h, fan_in(h)));
+    let lm_head = if cfg.tie_word_embeddings {
+        None
+    } else {
+        Some(matrix("lm_head", cfg.vocab_size, h, fan_in(h))?)
+    };
     let weights = Weights {
         embed,
         layers,
@@ -152,11 +169,11 @@ pub fn dummy_model(cfg: ModelConfig, dtype: WeightDtype, seed: u64, name: &str) 
         lm_head,
     };
     weights.validate(&cfg)?;
-    let fingerprint = fingerprint(&cfg, dtype, &format!("dummy:{name}:{seed}"));
+    let fingerprint = fingerprint(&cfg, format, &format!("dummy:{name}:{seed}"));
     Ok(Model::new(
         cfg,
         weights,
-        dtype,
+        format,
         fingerprint,
         format!("dummy-{name}"),
     ))
@@ -184,84 +201,8 @@ fn seeded_uniform(n: usize, seed: u64, std: f32) -> Vec<f32> {
     out
 }
 
-/// Loads a GGUF file: tensors dequantized to f32 by candle, Q/K un-permuted to the HF RoPE
-/// layout, tokenizer and chat template rebuilt from the metadata.
-pub fn load_gguf(path: &Path, dtype: WeightDtype, name: &str) -> Result<(Model, TextTokenizer)> {
-    let meta = tandem_text::gguf::read_metadata(path)?;
-    let tokenizer = TextTokenizer::from_gguf_metadata(&meta)?;
-    let mut file = File::open(path).map_err(|e| EngineError::io(path, e))?;
-    let content = gguf_file::Content::read(&mut file).map_err(|e| EngineError::load(path, e))?;
-    let has_output = content.tensor_infos.contains_key("output.weight");
-    let cfg = ModelConfig::from_gguf(&meta, has_output)?;
-    let mut tensor = |name: &str| -> Result<(Vec<f32>, usize, usize)> {
-        let qt = content
-            .tensor(&mut file, name, &Device::Cpu)
-            .map_err(|e| EngineError::load(path, format!("{name}: {e}")))?;
-        let t = qt.dequantize(&Device::Cpu)?;
-        let (rows, cols) = match t.dims() {
-            [n] => (1, *n),
-            [r, c] => (*r, *c),
-            other => {
-                return Err(EngineError::load(
-                    path,
-                    format!("{name}: unexpected shape {other:?}"),
-                ));
-            }
-        };
-        Ok((t.flatten_all()?.to_vec1::<f32>()?, rows, cols))
-    };
-    let h = cfg.hidden_size;
-    let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
-    for l in 0..cfg.num_hidden_layers {
-        let p = |s: &str| format!("blk.{l}.{s}.weight");
-        let (q, qr, qc) = tensor(&p("attn_q"))?;
-        let (k, kr, kc) = tensor(&p("attn_k"))?;
-        let q = unpermute_rows(&q, qr, qc, cfg.num_attention_heads);
-        let k = unpermute_rows(&k, kr, kc, cfg.num_key_value_heads);
-        let (v, ..) = tensor(&p("attn_v"))?;
-        let (o, or, oc) = tensor(&p("attn_output"))?;
-        let (gate, ..) = tensor(&p("ffn_gate"))?;
-        let (up, ..) = tensor(&p("ffn_up"))?;
-        let (down, dr, dc) = tensor(&p("ffn_down"))?;
-        let qkv_rows = cfg.q_width() + 2 * cfg.kv_width();
-        layers.push(LayerWeights {
-            attn_norm: tensor(&p("attn_norm"))?.0,
-            qkv: Matrix::new(qkv_rows, h, to_weight_data([q, k, v].concat(), dtype)),
-            o: Matrix::new(or, oc, to_weight_data(o, dtype)),
-            ffn_norm: tensor(&p("ffn_norm"))?.0,
-            gate_up: Matrix::new(
-                2 * cfg.intermediate_size,
-                h,
-                to_weight_data([gate, up].concat(), dtype),
-            ),
-            down: Matrix::new(dr, dc, to_weight_data(down, dtype)),
-        });
-    }
-    let (embed, er, ec) = tensor("token_embd.weight")?;
-    let lm_head = if has_output {
-        let (w, r, c) = tensor("output.weight")?;
-        Some(Matrix::new(r, c, to_weight_data(w, dtype)))
-    } else {
-        None
-    };
-    let weights = Weights {
-        embed: Matrix::new(er, ec, to_weight_data(embed, dtype)),
-        layers,
-        final_norm: tensor("output_norm.weight")?.0,
-        lm_head,
-    };
-    weights
-        .validate(&cfg)
-        .map_err(|e| EngineError::load(path, e))?;
-    let fingerprint = fingerprint(&cfg, dtype, &file_identity(path)?);
-    Ok((
-        Model::new(cfg, weights, dtype, fingerprint, name.to_string()),
-        tokenizer,
-    ))
-}
-
 /// Loads an HF folder: `config.json`, `*.safetensors`, `tokenizer.json`.
-pub fn load_hf_dir(dir: &Path, dtype: WeightDtype) -> Result<(Model, TextTokenizer)> {
+pub fn load_hf_dir(dir: &Path, format: WeightFormat) -> Result<(Model, TextTokenizer)> {
     let config_path = dir.join("config.json");
     let json =
         std::fs::read_to_string(&config_path).map_err(|e| EngineError::io(&config_path, e))?;
@@ -279,62 +220,45 @@ pub fn load_hf_dir(dir: &Path, dtype: WeightDtype) -> Result<(Model, TextTokeniz
     // SAFETY: the files are only read; a concurrent writer would be a user error.
     let st = unsafe { candle_core::safetensors::MmapedSafetensors::multi(&files) }
         .map_err(|e| EngineError::load(dir, e))?;
-    let tensor = |name: &str| -> Result<(Vec<f32>, usize, usize)> {
-        let t = st
-            .load(name, &Device::Cpu)
-            .map_err(|e| EngineError::load(dir, format!("{name}: {e}")))?
-            .to_dtype(DType::F32)?;
-        let (rows, cols) = match t.dims() {
-            [n] => (1, *n),
-            [r, c] => (*r, *c),
-            other => {
-                return Err(EngineError::load(
-                    dir,
-                    format!("{name}: unexpected shape {other:?}"),
-                ));
-            }
-        };
-        Ok((t.flatten_all()?.to_vec1::<f32>()?, rows, cols))
+    let tensor = |name: &str| {
+        st.load(name, &Device::Cpu)
+            .map_err(|e| EngineError::load(dir, format!("{name}: {e}")))
     };
-    let h = cfg.hidden_size;
+    let matrix = |name: &str| Loaded::from_tensor(name, &tensor(name)?, format);
+    let vector = |name: &str| -> Result<Vec<f32>> {
+        Ok(tensor(name)?
+            .to_dtype(DType::F32)?
+            .flatten_all()?
+            .to_vec1::<f32>()?)
+    };
     let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
     for l in 0..cfg.num_hidden_layers {
         let p = |s: &str| format!("model.layers.{l}.{s}.weight");
-        let (q, ..) = tensor(&p("self_attn.q_proj"))?;
-        let (k, ..) = tensor(&p("self_attn.k_proj"))?;
-        let (v, ..) = tensor(&p("self_attn.v_proj"))?;
-        let (o, or, oc) = tensor(&p("self_attn.o_proj"))?;
-        let (gate, ..) = tensor(&p("mlp.gate_proj"))?;
-        let (up, ..) = tensor(&p("mlp.up_proj"))?;
-        let (down, dr, dc) = tensor(&p("mlp.down_proj"))?;
         layers.push(LayerWeights {
-            attn_norm: tensor(&p("input_layernorm"))?.0,
-            qkv: Matrix::new(
-                cfg.q_width() + 2 * cfg.kv_width(),
-                h,
-                to_weight_data([q, k, v].concat(), dtype),
-            ),
-            o: Matrix::new(or, oc, to_weight_data(o, dtype)),
-            ffn_norm: tensor(&p("post_attention_layernorm"))?.0,
-            gate_up: Matrix::new(
-                2 * cfg.intermediate_size,
-                h,
-                to_weight_data([gate, up].concat(), dtype),
-            ),
-            down: Matrix::new(dr, dc, to_weight_data(down, dtype)),
+            attn_norm: vector(&p("input_layernorm"))?,
+            qkv: fuse(vec![
+                matrix(&p("self_attn.q_proj"))?,
+                matrix(&p("self_attn.k_proj"))?,
+                matrix(&p("self_attn.v_proj"))?,
+            ])?,
+            o: into_matrix(matrix(&p("self_attn.o_proj"))?)?,
+            ffn_norm: vector(&p("post_attention_layernorm"))?,
+            gate_up: fuse(vec![
+                matrix(&p("mlp.gate_proj"))?,
+                matrix(&p("mlp.up_proj"))?,
+            ])?,
+            down: into_matrix(matrix(&p("mlp.down_proj"))?)?,
         });
     }
-    let (embed, er, ec) = tensor("model.embed_tokens.weight")?;
     let lm_head = if cfg.tie_word_embeddings {
         None
     } else {
-        let (w, r, c) = tensor("lm_head.weight")?;
-        Some(Matrix::new(r, c, to_weight_data(w, dtype)))
+        Some(into_matrix(matrix("lm_head.weight")?)?)
     };
     let weights = Weights {
-        embed: Matrix::new(er, ec, to_weight_data(embed, dtype)),
+        embed: into_matrix(matrix("model.embed_tokens.weight")?)?,
         layers,
-        final_norm: tensor("model.norm.weight")?.0,
+        final_norm: vector("model.norm.weight")?,
         lm_head,
     };
     weights
@@ -344,20 +268,20 @@ pub fn load_hf_dir(dir: &Path, dtype: WeightDtype) -> Result<(Model, TextTokeniz
     for f in &files {
         identity.push_str(&file_identity(f)?);
     }
-    let fingerprint = fingerprint(&cfg, dtype, &identity);
+    let fingerprint = fingerprint(&cfg, format, &identity);
     let name = dir
         .file_name()
         .and_then(|s| s.to_str())
         .unwrap_or("model")
         .to_string();
     Ok((
-        Model::new(cfg, weights, dtype, fingerprint, name),
+        Model::new(cfg, weights, format, fingerprint, name),
         tokenizer,
     ))
 }
 
 /// A cheap identity of a weights file: its name, size, and a hash of its first and last MiB.
-fn file_identity(path: &Path) -> Result<String> {
+pub(super) fn file_identity(path: &Path) -> Result<String> {
     use std::io::{Seek, SeekFrom};
     let mut file = File::open(path).map_err(|e| EngineError::io(path, e))?;
     let len = file.metadata().map_err(|e| EngineError::io(path, e))?.len();
@@ -379,9 +303,9 @@ fn file_identity(path: &Path) -> Result<String> {
     Ok(format!("{name}:{len}:{:x}", hasher.finalize()))
 }
 
-fn fingerprint(cfg: &ModelConfig, dtype: WeightDtype, source: &str) -> String {
+pub(super) fn fingerprint(cfg: &ModelConfig, format: WeightFormat, source: &str) -> String {
     let cfg_json = serde_json::to_string(cfg).unwrap_or_default();
-    let digest = Sha256::digest(format!("{source};{cfg_json};{}", dtype.name()).as_bytes());
+    let digest = Sha256::digest(format!("{source};{cfg_json};{}", format.name()).as_bytes());
     digest.iter().take(12).map(|b| format!("{b:02x}")).collect()
 }
 
@@ -409,9 +333,9 @@ mod tests {
     #[test]
     fn dummy_is_deterministic_and_seed_dependent() {
         let cfg = ModelConfig::preset("tiny").unwrap();
-        let a = dummy_model(cfg.clone(), WeightDtype::F32, 1, "tiny").unwrap();
-        let b = dummy_model(cfg.clone(), WeightDtype::F32, 1, "tiny").unwrap();
-        let c = dummy_model(cfg, WeightDtype::F32, 2, "tiny").unwrap();
+        let a = dummy_model(cfg.clone(), WeightFormat::F32, 1, "tiny").unwrap();
+        let b = dummy_model(cfg.clone(), WeightFormat::F32, 1, "tiny").unwrap();
+        let c = dummy_model(cfg, WeightFormat::F32, 2, "tiny").unwrap();
         assert_eq!(a.fingerprint(), b.fingerprint());
         assert_ne!(a.fingerprint(), c.fingerprint());
         assert_eq!(a.weights().embed.get(0, 17), b.weights().embed.get(0, 17));

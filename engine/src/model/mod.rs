@@ -7,16 +7,19 @@
 //! each row sees. The forward pass itself belongs to a backend (`backend::cpu` for
 //! [`Model::forward`], `backend::cuda` on a device).
 
+mod gguf;
 mod load;
+mod tensors;
 mod weights;
 
-pub use load::{LoadOptions, ModelSource, dummy_model, load_gguf, load_hf_dir, load_model};
+pub use gguf::load_gguf;
+pub use load::{LoadOptions, ModelSource, dummy_model, load_hf_dir, load_model};
 pub use weights::{LayerWeights, Weights};
 
 use tandem_kv::{BLOCK_SIZE, KvDtype, KvLayout};
 
 use crate::backend::cpu::kernels::RopeTable;
-use crate::config::{ModelConfig, WeightDtype};
+use crate::config::{ModelConfig, WeightFormat};
 
 /// A loaded model: configuration, weights and the identity that KV peers compare.
 #[derive(Debug)]
@@ -24,7 +27,7 @@ pub struct Model {
     cfg: ModelConfig,
     weights: Weights,
     rope: RopeTable,
-    dtype: WeightDtype,
+    format: WeightFormat,
     fingerprint: String,
     name: String,
 }
@@ -45,7 +48,7 @@ impl Model {
     pub fn new(
         cfg: ModelConfig,
         weights: Weights,
-        dtype: WeightDtype,
+        format: WeightFormat,
         fingerprint: String,
         name: String,
     ) -> Self {
@@ -54,7 +57,7 @@ impl Model {
             cfg,
             weights,
             rope,
-            dtype,
+            format,
             fingerprint,
             name,
         }
@@ -64,8 +67,49 @@ impl Model {
         &self.cfg
     }
 
-    pub fn dtype(&self) -> WeightDtype {
-        self.dtype
+    /// The storage that was asked for (`--weights`).
+    pub fn format(&self) -> WeightFormat {
+        self.format
+    }
+
+    /// The same model with every matrix widened to f32: the reference for a quantized one
+    /// (its own fingerprint, so KV peers never mix the two).
+    pub fn to_f32(&self) -> Model {
+        let fingerprint = format!("{}-f32", self.fingerprint);
+        Model::new(
+            self.cfg.clone(),
+            self.weights.to_f32(),
+            WeightFormat::F32,
+            fingerprint,
+            format!("{}-f32", self.name),
+        )
+    }
+
+    /// The storage formats the matrices ended up in, with how many matrix parts use each
+    /// (`q4_1×210 q8_0×1` for SmolLM2's Q4_1 GGUF).
+    pub fn storage_summary(&self) -> String {
+        let w = &self.weights;
+        let mut counts: Vec<(&'static str, usize)> = Vec::new();
+        let matrices = w
+            .layers
+            .iter()
+            .flat_map(|l| [&l.qkv, &l.o, &l.gate_up, &l.down])
+            .chain(std::iter::once(&w.embed))
+            .chain(w.lm_head.as_ref());
+        for m in matrices {
+            for f in m.formats() {
+                match counts.iter_mut().find(|(name, _)| *name == f) {
+                    Some((_, n)) => *n += 1,
+                    None => counts.push((f, 1)),
+                }
+            }
+        }
+        counts.sort_by_key(|c| std::cmp::Reverse(c.1));
+        counts
+            .iter()
+            .map(|(f, n)| format!("{f}×{n}"))
+            .collect::<Vec<_>>()
+            .join(" ")
     }
 
     /// A short human name (preset or file stem).

@@ -1,10 +1,7 @@
-//! Weight containers: one `Matrix` per fused projection, f32 norm vectors, and the
-//! conversions from loaded tensors.
+//! Weight containers: one `Matrix` per fused projection and f32 norm vectors.
 
-use half::{bf16, f16};
-
-use crate::backend::cpu::kernels::{Matrix, WeightData};
-use crate::config::{ModelConfig, WeightDtype};
+use crate::backend::cpu::kernels::Matrix;
+use crate::config::ModelConfig;
 use crate::error::{EngineError, Result};
 
 /// The weights of one decoder block.
@@ -50,6 +47,45 @@ impl Weights {
             })
             .sum();
         layers + m(&self.embed) + self.lm_head.as_ref().map_or(0, m) + 4 * self.final_norm.len()
+    }
+
+    /// Every matrix widened to f32 (the reference a quantized model is checked against).
+    pub fn to_f32(&self) -> Weights {
+        Weights {
+            embed: self.embed.to_f32(),
+            layers: self
+                .layers
+                .iter()
+                .map(|l| LayerWeights {
+                    attn_norm: l.attn_norm.clone(),
+                    qkv: l.qkv.to_f32(),
+                    o: l.o.to_f32(),
+                    ffn_norm: l.ffn_norm.clone(),
+                    gate_up: l.gate_up.to_f32(),
+                    down: l.down.to_f32(),
+                })
+                .collect(),
+            final_norm: self.final_norm.clone(),
+            lm_head: self.lm_head.as_ref().map(Matrix::to_f32),
+        }
+    }
+
+    /// Bytes one decode step reads: the layers' matrices and norms, the LM head (the
+    /// embedding table when tied) and the final norm. An untied embedding table only has
+    /// rows looked up, so it does not count.
+    pub fn bytes_read_per_step(&self) -> usize {
+        let layers: usize = self
+            .layers
+            .iter()
+            .map(|l| {
+                l.qkv.size_in_bytes()
+                    + l.o.size_in_bytes()
+                    + l.gate_up.size_in_bytes()
+                    + l.down.size_in_bytes()
+                    + 4 * (l.attn_norm.len() + l.ffn_norm.len())
+            })
+            .sum();
+        layers + self.lm_head().size_in_bytes() + 4 * self.final_norm.len()
     }
 
     /// Checks every shape against the config.
@@ -103,50 +139,5 @@ impl Weights {
             return Err(EngineError::Config("final norm width".into()));
         }
         Ok(())
-    }
-}
-
-/// Stores f32 values in the chosen weight dtype.
-pub(crate) fn to_weight_data(values: Vec<f32>, dtype: WeightDtype) -> WeightData {
-    match dtype {
-        WeightDtype::F32 => WeightData::F32(values),
-        WeightDtype::F16 => WeightData::F16(values.iter().map(|&v| f16::from_f32(v)).collect()),
-        WeightDtype::Bf16 => WeightData::Bf16(values.iter().map(|&v| bf16::from_f32(v)).collect()),
-    }
-}
-
-/// llama.cpp stores Q and K rows permuted for its interleaved RoPE; this restores the HF
-/// rotate-half order: `(heads, rows/heads/2, 2, cols)` → swap axes 1 and 2.
-pub(crate) fn unpermute_rows(w: &[f32], rows: usize, cols: usize, heads: usize) -> Vec<f32> {
-    let per_head = rows / heads;
-    let half = per_head / 2;
-    let mut out = vec![0f32; w.len()];
-    for h in 0..heads {
-        for i in 0..half {
-            for pair in 0..2 {
-                let src = h * per_head + i * 2 + pair;
-                let dst = h * per_head + pair * half + i;
-                out[dst * cols..(dst + 1) * cols].copy_from_slice(&w[src * cols..(src + 1) * cols]);
-            }
-        }
-    }
-    out
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn unpermute_moves_interleaved_pairs_to_halves() {
-        // One head of 4 rows, 1 column: llama.cpp order [r0, r2, r1, r3] → HF [r0, r1, r2, r3].
-        let w = [0.0, 2.0, 1.0, 3.0];
-        assert_eq!(unpermute_rows(&w, 4, 1, 1), vec![0.0, 1.0, 2.0, 3.0]);
-        // Two heads keep their own rows.
-        let w2 = [0.0, 2.0, 1.0, 3.0, 10.0, 12.0, 11.0, 13.0];
-        assert_eq!(
-            unpermute_rows(&w2, 8, 1, 2),
-            vec![0.0, 1.0, 2.0, 3.0, 10.0, 11.0, 12.0, 13.0]
-        );
     }
 }

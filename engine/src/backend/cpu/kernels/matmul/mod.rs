@@ -13,6 +13,7 @@
 
 use half::{bf16, f16};
 
+use super::quant::{QuantPanels, dequant_panel};
 use super::{Isa, SharedMut, isa};
 
 /// Output features per panel: one AVX-512 vector of f32.
@@ -83,11 +84,28 @@ impl WeightData {
 }
 
 /// A weight matrix of `rows` output features by `cols` input features, stored in panels.
+///
+/// Usually one block of storage; a fused projection whose parts came in different formats
+/// (a GGUF's Q4_K query rows and Q6_K value rows) keeps one block per part, stacked by rows.
 #[derive(Debug, Clone)]
 pub struct Matrix {
     pub rows: usize,
     pub cols: usize,
-    data: WeightData,
+    parts: Vec<Part>,
+}
+
+/// Rows `first_row..first_row + rows` of a matrix, in one storage format.
+#[derive(Debug, Clone)]
+struct Part {
+    first_row: usize,
+    rows: usize,
+    storage: Storage,
+}
+
+#[derive(Debug, Clone)]
+enum Storage {
+    Dense(WeightData),
+    Quant(QuantPanels),
 }
 
 impl Matrix {
@@ -106,13 +124,56 @@ impl Matrix {
                 data.copy_from((p * cols + c) * PANEL + lane, &row_major, r * cols + c);
             }
         }
-        Self { rows, cols, data }
+        Self::single(rows, cols, Storage::Dense(data))
     }
 
-    /// Element `(r, c)` widened to f32.
+    /// A matrix kept in its GGML format.
+    pub fn quantized(q: QuantPanels) -> Self {
+        Self::single(q.rows(), q.cols(), Storage::Quant(q))
+    }
+
+    fn single(rows: usize, cols: usize, storage: Storage) -> Self {
+        Self {
+            rows,
+            cols,
+            parts: vec![Part {
+                first_row: 0,
+                rows,
+                storage,
+            }],
+        }
+    }
+
+    /// Stacks matrices of the same width by rows (`None` if the widths differ).
+    pub fn stack(matrices: Vec<Matrix>) -> Option<Matrix> {
+        let cols = matrices.first()?.cols;
+        let mut parts = Vec::new();
+        let mut rows = 0;
+        for m in matrices {
+            if m.cols != cols {
+                return None;
+            }
+            for mut part in m.parts {
+                part.first_row += rows;
+                parts.push(part);
+            }
+            rows += m.rows;
+        }
+        Some(Matrix { rows, cols, parts })
+    }
+
+    /// Element `(r, c)` widened (or dequantized) to f32.
     pub fn get(&self, r: usize, c: usize) -> f32 {
-        self.data
-            .get(((r / PANEL) * self.cols + c) * PANEL + r % PANEL)
+        let part = self
+            .parts
+            .iter()
+            .find(|p| r < p.first_row + p.rows)
+            .unwrap_or_else(|| panic!("row {r} of a {}-row matrix", self.rows));
+        let r = r - part.first_row;
+        match &part.storage {
+            Storage::Dense(data) => data.get(((r / PANEL) * self.cols + c) * PANEL + r % PANEL),
+            Storage::Quant(q) => q.get(r, c),
+        }
     }
 
     /// Copies row `r` into `out` as f32 (embedding lookups).
@@ -124,11 +185,36 @@ impl Matrix {
 
     /// Bytes of storage (padding included).
     pub fn size_in_bytes(&self) -> usize {
-        self.data.size_in_bytes()
+        self.parts
+            .iter()
+            .map(|p| match &p.storage {
+                Storage::Dense(d) => d.size_in_bytes(),
+                Storage::Quant(q) => q.size_in_bytes(),
+            })
+            .sum()
     }
 
-    pub fn data(&self) -> &WeightData {
-        &self.data
+    /// The same values widened to f32 in one dense block (what a quantized matrix computes
+    /// as: see `quant`).
+    pub fn to_f32(&self) -> Matrix {
+        let values = (0..self.rows)
+            .flat_map(|r| (0..self.cols).map(move |c| (r, c)))
+            .map(|(r, c)| self.get(r, c))
+            .collect();
+        Matrix::new(self.rows, self.cols, WeightData::F32(values))
+    }
+
+    /// The storage formats of the parts, top to bottom (`f32`, `q4_k`, ...).
+    pub fn formats(&self) -> Vec<&'static str> {
+        self.parts
+            .iter()
+            .map(|p| match &p.storage {
+                Storage::Dense(WeightData::F32(_)) => "f32",
+                Storage::Dense(WeightData::F16(_)) => "f16",
+                Storage::Dense(WeightData::Bf16(_)) => "bf16",
+                Storage::Quant(q) => q.kind().name(),
+            })
+            .collect()
     }
 }
 
@@ -156,20 +242,106 @@ pub fn linear_on(isa: Isa, x: &[f32], m: usize, w: &Matrix, out: &mut [f32]) {
     if m == 0 || n == 0 {
         return;
     }
-    let panels = n.div_ceil(PANEL);
+    for part in &w.parts {
+        let cols = Columns {
+            first: part.first_row,
+            count: part.rows,
+            ldo: n,
+        };
+        linear_part(isa, x, m, k, &part.storage, cols, out);
+    }
+}
+
+/// The output columns one part writes: `first..first + count` of rows `ldo` apart.
+#[derive(Clone, Copy)]
+struct Columns {
+    first: usize,
+    count: usize,
+    ldo: usize,
+}
+
+fn linear_part(
+    isa: Isa,
+    x: &[f32],
+    m: usize,
+    k: usize,
+    storage: &Storage,
+    cols: Columns,
+    out: &mut [f32],
+) {
+    let panels = cols.count.div_ceil(PANEL);
     let threads = super::team::threads();
     // Enough tasks to balance, each a whole number of micro-tile column groups.
     let per_task = panels.div_ceil(threads * 4).next_multiple_of(NP).max(NP);
     let tasks = panels.div_ceil(per_task);
-    let out_ptr = SharedMut(out.as_mut_ptr());
+    // SAFETY: `first` lies inside every output row (parts stack inside the matrix's rows).
+    let out_ptr = SharedMut(unsafe { out.as_mut_ptr().add(cols.first) });
     let run = |t: usize| {
         let p0 = t * per_task;
         let p1 = (p0 + per_task).min(panels);
         // SAFETY: tasks own disjoint panel ranges, i.e. disjoint output columns; every
-        // offset stays inside the buffers checked above and the packed weights.
-        unsafe { panel_block(isa, x, m, k, n, &w.data, p0, p1, out_ptr) }
+        // offset stays inside the buffers checked by `linear_on` and the packed weights.
+        unsafe {
+            match storage {
+                Storage::Dense(w) => panel_block(isa, x, m, k, cols, w, p0, p1, out_ptr),
+                Storage::Quant(w) => quant_block(isa, x, m, k, cols, w, p0, p1, out_ptr),
+            }
+        }
     };
     super::team::parallel_for(tasks, &run);
+}
+
+thread_local! {
+    /// Dequantized panels of the column group a thread is working on.
+    static DEQUANTIZED: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// Panels `p0..p1` of a quantized part: each column group is dequantized once into the
+/// thread's buffer, then every row of x runs over it on the f32 tiles (the same tiles, so
+/// the same bits, as the dequantized matrix would give).
+#[allow(clippy::too_many_arguments)]
+unsafe fn quant_block(
+    isa: Isa,
+    x: &[f32],
+    m: usize,
+    k: usize,
+    cols: Columns,
+    w: &QuantPanels,
+    p0: usize,
+    p1: usize,
+    out: SharedMut,
+) {
+    DEQUANTIZED.with_borrow_mut(|buf| {
+        if buf.len() < NP * k * PANEL {
+            buf.resize(NP * k * PANEL, 0.0);
+        }
+        let mut p = p0;
+        while p < p1 {
+            // Whole column groups: a one-row tile needs its four panels' accumulator chains
+            // to keep the FMA units busy.
+            let np = (p1 - p).min(NP);
+            for c in 0..np {
+                dequant_panel(isa, w, p + c, &mut buf[c * k * PANEL..(c + 1) * k * PANEL]);
+            }
+            let mut i = 0;
+            while i < m {
+                let mr = (m - i).min(MR);
+                let tile = Tile {
+                    x: unsafe { x.as_ptr().add(i * k) },
+                    k,
+                    out: unsafe { out.0.add(i * cols.ldo + p * PANEL) },
+                    ldo: cols.ldo,
+                    cols: (cols.count - p * PANEL).min(np * PANEL),
+                    prefetch: std::ptr::null(),
+                };
+                // SAFETY: the buffer holds `np` dequantized panels of `k` inputs; the tile's
+                // rows and columns lie inside x and the part's output columns.
+                unsafe { tile_f32(isa, mr, np, tile, buf.as_ptr()) };
+                i += mr;
+            }
+            p += np;
+        }
+    });
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -178,12 +350,13 @@ unsafe fn panel_block(
     x: &[f32],
     m: usize,
     k: usize,
-    n: usize,
+    cols: Columns,
     w: &WeightData,
     p0: usize,
     p1: usize,
     out: SharedMut,
 ) {
+    let n = cols.count;
     let (w_base, w_size) = match w {
         WeightData::F32(v) => (v.as_ptr() as *const u8, 4),
         WeightData::F16(v) => (v.as_ptr() as *const u8, 2),
@@ -223,8 +396,8 @@ unsafe fn panel_block(
                 let tile = Tile {
                     x: unsafe { x.as_ptr().add(i * k) },
                     k,
-                    out: unsafe { out.0.add(i * n + p * PANEL) },
-                    ldo: n,
+                    out: unsafe { out.0.add(i * cols.ldo + p * PANEL) },
+                    ldo: cols.ldo,
                     // Output columns this tile may write (the last panel can be partial).
                     cols: (n - p * PANEL).min(np * PANEL),
                     prefetch,

@@ -1,0 +1,114 @@
+//! Loading a GGUF file: the Llama tensors read as `--weights` asks (by default each in its
+//! own format, so a Q4_1 file takes about its size in memory), Q/K rows put back in the HF
+//! RoPE order, the tokenizer and chat template rebuilt from the metadata.
+
+use std::fs::File;
+use std::path::Path;
+
+use candle_core::Device;
+use candle_core::quantized::gguf_file;
+use tandem_text::TextTokenizer;
+
+use super::Model;
+use super::load::{file_identity, fingerprint};
+use super::tensors::{Loaded, fuse, into_matrix};
+use super::weights::{LayerWeights, Weights};
+use crate::config::{ModelConfig, WeightFormat};
+use crate::error::{EngineError, Result};
+
+/// An open GGUF file and its tensor directory.
+struct GgufReader<'a> {
+    path: &'a Path,
+    file: File,
+    content: gguf_file::Content,
+    format: WeightFormat,
+}
+
+impl GgufReader<'_> {
+    fn qtensor(&mut self, name: &str) -> Result<candle_core::quantized::QTensor> {
+        self.content
+            .tensor(&mut self.file, name, &Device::Cpu)
+            .map_err(|e| EngineError::load(self.path, format!("{name}: {e}")))
+    }
+
+    /// A 2-D weight, stored as the format asks.
+    fn matrix(&mut self, name: &str) -> Result<Loaded> {
+        let qt = self.qtensor(name)?;
+        let (rows, cols) = match qt.shape().dims() {
+            [r, c] => (*r, *c),
+            other => {
+                return Err(EngineError::load(
+                    self.path,
+                    format!("{name}: shape {other:?}, expected a matrix"),
+                ));
+            }
+        };
+        Loaded::from_qtensor(name, rows, cols, &qt, self.format)
+    }
+
+    /// A 1-D weight (norms), always f32.
+    fn vector(&mut self, name: &str) -> Result<Vec<f32>> {
+        let qt = self.qtensor(name)?;
+        Ok(qt
+            .dequantize(&Device::Cpu)?
+            .flatten_all()?
+            .to_vec1::<f32>()?)
+    }
+}
+
+/// Loads a GGUF file as a Llama-family model named `name`.
+pub fn load_gguf(path: &Path, format: WeightFormat, name: &str) -> Result<(Model, TextTokenizer)> {
+    let meta = tandem_text::gguf::read_metadata(path)?;
+    let tokenizer = TextTokenizer::from_gguf_metadata(&meta)?;
+    let mut file = File::open(path).map_err(|e| EngineError::io(path, e))?;
+    let content = gguf_file::Content::read(&mut file).map_err(|e| EngineError::load(path, e))?;
+    let has_output = content.tensor_infos.contains_key("output.weight");
+    let cfg = ModelConfig::from_gguf(&meta, has_output)?;
+    let mut reader = GgufReader {
+        path,
+        file,
+        content,
+        format,
+    };
+    let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
+    for l in 0..cfg.num_hidden_layers {
+        let p = |s: &str| format!("blk.{l}.{s}.weight");
+        let q = reader
+            .matrix(&p("attn_q"))?
+            .unpermute_rows(cfg.num_attention_heads);
+        let k = reader
+            .matrix(&p("attn_k"))?
+            .unpermute_rows(cfg.num_key_value_heads);
+        let v = reader.matrix(&p("attn_v"))?;
+        layers.push(LayerWeights {
+            attn_norm: reader.vector(&p("attn_norm"))?,
+            qkv: fuse(vec![q, k, v])?,
+            o: into_matrix(reader.matrix(&p("attn_output"))?)?,
+            ffn_norm: reader.vector(&p("ffn_norm"))?,
+            gate_up: fuse(vec![
+                reader.matrix(&p("ffn_gate"))?,
+                reader.matrix(&p("ffn_up"))?,
+            ])?,
+            down: into_matrix(reader.matrix(&p("ffn_down"))?)?,
+        });
+    }
+    let lm_head = if has_output {
+        Some(into_matrix(reader.matrix("output.weight")?)?)
+    } else {
+        None
+    };
+    let weights = Weights {
+        embed: into_matrix(reader.matrix("token_embd.weight")?)?,
+        layers,
+        final_norm: reader.vector("output_norm.weight")?,
+        lm_head,
+    };
+    weights
+        .validate(&cfg)
+        .map_err(|e| EngineError::load(path, e))?;
+    let fingerprint = fingerprint(&cfg, format, &file_identity(path)?);
+    Ok((
+        Model::new(cfg, weights, format, fingerprint, name.to_string()),
+        tokenizer,
+    ))
+}
