@@ -291,6 +291,10 @@ fn linear_part(
     super::team::parallel_for(tasks, &run);
 }
 
+/// Rows up to which AVX-512 dequantizes in registers rather than into the buffer.
+#[cfg(target_arch = "x86_64")]
+const FUSED_ROWS: usize = 4;
+
 thread_local! {
     /// Dequantized panels of the column group a thread is working on.
     static DEQUANTIZED: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
@@ -311,6 +315,25 @@ unsafe fn quant_block(
     p1: usize,
     out: SharedMut,
 ) {
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx512 && m <= FUSED_ROWS {
+        let mut p = p0;
+        while p < p1 {
+            let np = (p1 - p).min(NP);
+            let tile = super::quant::fused::RowTile {
+                x: x.as_ptr(),
+                k,
+                out: unsafe { out.0.add(p * PANEL) },
+                ldo: cols.ldo,
+                cols: (cols.count - p * PANEL).min(np * PANEL),
+            };
+            // SAFETY: AVX-512 was checked against the CPU; the tile's rows and columns lie
+            // inside x and the part's output columns, its panels inside the matrix.
+            unsafe { super::quant::fused::rows_avx512(w, p, np, m, tile) };
+            p += np;
+        }
+        return;
+    }
     DEQUANTIZED.with_borrow_mut(|buf| {
         if buf.len() < NP * k * PANEL {
             buf.resize(NP * k * PANEL, 0.0);

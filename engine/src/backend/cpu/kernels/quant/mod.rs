@@ -3,7 +3,9 @@
 //! f32, so a decode step reads about the bytes of the GGUF file rather than four per weight.
 //!
 //! `linear` runs a quantized matrix by dequantizing one column group of panels at a time into
-//! a per-thread f32 buffer (vectorized, [`dequant_panel`]) and handing that to the f32 tiles.
+//! a per-thread f32 buffer (vectorized, [`dequant_panel`]) and handing that to the f32 tiles;
+//! for the few rows of a decode step on AVX-512, tiles that dequantize in registers
+//! (`fused`) skip the buffer.
 //! Each dequantized weight is exactly the f32 that ggml's `dequantize_row_*` gives (see
 //! [`ggml`]), and the f32 tiles keep their order of summation, so a quantized matrix computes
 //! the same bits as its dequantized copy: batch invariance and bit-identity across
@@ -16,6 +18,8 @@
 //! - `d`, `m`: f16 per block or super-block, at `(p·nd + s)·16 + lane`;
 //! - `sc`, `neg_min`: the K formats' per-group integers, at `(p·groups + g)·16 + lane`.
 
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod fused;
 pub mod ggml;
 #[cfg(target_arch = "x86_64")]
 mod x86;

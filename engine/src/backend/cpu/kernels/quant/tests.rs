@@ -78,29 +78,31 @@ fn every_format_dequantizes_to_candles_bits() {
 
 #[test]
 fn a_quantized_matrix_computes_the_bits_of_its_dequantized_copy() {
-    // Rows that leave a partial last panel; batches that reach every tile shape.
-    let (n, k) = (70, 512);
-    for kind in QuantKind::ALL {
-        let (bytes, values) = quantized(kind, n, k, 2);
-        let native = Matrix::quantized(QuantPanels::from_ggml(kind, n, k, &bytes).unwrap());
-        let dense = Matrix::new(n, k, WeightData::F32(values));
-        assert!(native.size_in_bytes() < dense.size_in_bytes() / 3, "{kind}");
-        for m in [1, 2, 5, 7, 40] {
-            let x = random(m * k, 3);
-            let mut want = vec![0f32; m * n];
-            linear_on(Isa::Scalar, &x, m, &dense, &mut want);
-            for isa in Isa::available() {
-                let mut got = vec![f32::NAN; m * n + 1];
-                linear_on(isa, &x, m, &native, &mut got);
-                assert!(
-                    got[m * n].is_nan(),
-                    "{kind} on {isa}: wrote past the output"
-                );
-                let same = got[..m * n]
-                    .iter()
-                    .zip(&want)
-                    .all(|(a, b)| a.to_bits() == b.to_bits());
-                assert!(same, "{kind} on {isa}, batch {m}: differs from f32");
+    // Rows leaving a partial last panel, column groups of 4 + 1 and of 3 panels; batches
+    // through the in-register tiles (1-4 rows on AVX-512) and the buffered ones.
+    for (n, k) in [(70, 512), (40, 256)] {
+        for kind in QuantKind::ALL {
+            let (bytes, values) = quantized(kind, n, k, 2);
+            let native = Matrix::quantized(QuantPanels::from_ggml(kind, n, k, &bytes).unwrap());
+            let dense = Matrix::new(n, k, WeightData::F32(values));
+            assert!(native.size_in_bytes() < dense.size_in_bytes() / 3, "{kind}");
+            for m in [1, 2, 3, 4, 5, 7, 40] {
+                let x = random(m * k, 3);
+                let mut want = vec![0f32; m * n];
+                linear_on(Isa::Scalar, &x, m, &dense, &mut want);
+                for isa in Isa::available() {
+                    let mut got = vec![f32::NAN; m * n + 1];
+                    linear_on(isa, &x, m, &native, &mut got);
+                    assert!(
+                        got[m * n].is_nan(),
+                        "{kind} on {isa}: wrote past the output"
+                    );
+                    let same = got[..m * n]
+                        .iter()
+                        .zip(&want)
+                        .all(|(a, b)| a.to_bits() == b.to_bits());
+                    assert!(same, "{kind} on {isa}, {m}x{n}x{k}: differs from f32");
+                }
             }
         }
     }

@@ -1,0 +1,224 @@
+//! AVX-512 tiles that dequantize in registers, for the few rows of a decode step: each weight
+//! vector is built once (`q·S`, then `+ O`, the portable loop's operations) and multiplied
+//! straight into the accumulators, so the integers stream from memory with nothing written
+//! in between. With many rows the column-group buffer of `matmul` is cheaper (the dequant
+//! is shared by the rows); both give the same bits, since each output is the same chain of
+//! fused multiply-adds over the same f32 weights.
+
+use std::arch::x86_64::*;
+
+use super::{PANEL, QuantPanels};
+
+/// One call: rows of x against `C` consecutive panels of a quantized matrix.
+#[derive(Clone, Copy)]
+pub(crate) struct RowTile {
+    pub x: *const f32,
+    pub k: usize,
+    pub out: *mut f32,
+    pub ldo: usize,
+    /// Output columns to store, counted from the first panel.
+    pub cols: usize,
+}
+
+/// Runs `mr` (1..=4) rows against panels `p..p + np` (`np` 1..=4) of `w`.
+///
+/// # Safety
+/// The CPU has AVX-512 F/BW/VL and F16C; x holds `mr` rows of `k = w.cols` floats; `out`
+/// may be written at `r·ldo + c` for `r < mr`, `c < cols`; the panels exist.
+pub(crate) unsafe fn rows_avx512(w: &QuantPanels, p: usize, np: usize, mr: usize, t: RowTile) {
+    debug_assert!((1..=4).contains(&mr) && (1..=4).contains(&np));
+    let mut c = 0;
+    while c < np && c * PANEL < t.cols {
+        // Registers: R·C accumulators, C scales, C offsets, 2·C weights and a broadcast.
+        let cp = match (mr, np - c) {
+            (1 | 2, 4) => 4,
+            (_, n) if n >= 2 => 2,
+            _ => 1,
+        };
+        let sub = RowTile {
+            out: t.out.wrapping_add(c * PANEL),
+            cols: t.cols - c * PANEL,
+            ..t
+        };
+        // SAFETY: the caller's promises, narrowed to panels p + c..p + c + cp.
+        unsafe { dispatch(w, p + c, mr, cp, sub) };
+        c += cp;
+    }
+}
+
+/// Picks the instantiation for the tile shape and the format's flags.
+unsafe fn dispatch(w: &QuantPanels, p: usize, mr: usize, cp: usize, t: RowTile) {
+    macro_rules! by_flags {
+        ($r:literal, $c:literal) => {
+            match (
+                w.kind.nibbles(),
+                w.kind.nibble_bias() != 0,
+                w.kind.asymmetric(),
+            ) {
+                (true, true, _) => tile::<$r, $c, true, true, false>(w, p, t),
+                (true, false, true) => tile::<$r, $c, true, false, true>(w, p, t),
+                (true, false, false) => tile::<$r, $c, true, false, false>(w, p, t),
+                (false, _, true) => tile::<$r, $c, false, false, true>(w, p, t),
+                (false, _, false) => tile::<$r, $c, false, false, false>(w, p, t),
+            }
+        };
+    }
+    // SAFETY: forwarded from `rows_avx512`.
+    unsafe {
+        match (mr, cp) {
+            (1, 4) => by_flags!(1, 4),
+            (2, 4) => by_flags!(2, 4),
+            (1, 2) => by_flags!(1, 2),
+            (2, 2) => by_flags!(2, 2),
+            (3, 2) => by_flags!(3, 2),
+            (4, 2) => by_flags!(4, 2),
+            (1, _) => by_flags!(1, 1),
+            (2, _) => by_flags!(2, 1),
+            (3, _) => by_flags!(3, 1),
+            _ => by_flags!(4, 1),
+        }
+    }
+}
+
+/// `q·scale (+ offset)` for 16 lanes of integers.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,f16c,fma")]
+#[inline]
+fn weight<const ASYM: bool>(q: __m512i, scale: __m512, offset: __m512) -> __m512 {
+    let w = _mm512_mul_ps(_mm512_cvtepi32_ps(q), scale);
+    if ASYM { _mm512_add_ps(w, offset) } else { w }
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,f16c,fma")]
+#[inline]
+unsafe fn tile<
+    const R: usize,
+    const C: usize,
+    const NIB: bool,
+    const BIASED: bool,
+    const ASYM: bool,
+>(
+    w: &QuantPanels,
+    p: usize,
+    t: RowTile,
+) {
+    let kind = w.kind;
+    let group = kind.group();
+    let groups = w.cols / group;
+    let nd = kind.scales_per_row(w.cols) * PANEL;
+    let ng = kind.group_scales_per_row(w.cols) * PANEL;
+    let qb = w.q_panel_bytes();
+    let q0 = w.q.as_ptr().wrapping_add(p * qb);
+    let d0 = w.d.as_ptr().wrapping_add(p * nd);
+    let m0 = w.m.as_ptr().wrapping_add(p * nd);
+    let sc0 = w.sc.as_ptr().wrapping_add(p * ng);
+    let nm0 = w.neg_min.as_ptr().wrapping_add(p * ng);
+    let bias = _mm512_set1_epi32(kind.nibble_bias());
+    let low = _mm512_set1_epi32(0xF);
+    let group_bytes = qb / groups;
+    let mut acc = [[_mm512_setzero_ps(); C]; R];
+    for g in 0..groups {
+        let s = if kind.super_blocks() {
+            g * group / super::SUPER_BLOCK
+        } else {
+            g
+        } * PANEL;
+        let mut scale = [_mm512_setzero_ps(); C];
+        let mut offset = [_mm512_setzero_ps(); C];
+        // SAFETY (this block): panel p + c's scales, offsets and integers lie at these
+        // offsets (see the module docs of `quant`); x and out as the caller promised.
+        unsafe {
+            for c in 0..C {
+                let d = _mm512_cvtph_ps(_mm256_loadu_si256(d0.add(c * nd + s).cast()));
+                let m = if ASYM {
+                    _mm512_cvtph_ps(_mm256_loadu_si256(m0.add(c * nd + s).cast()))
+                } else {
+                    _mm512_setzero_ps()
+                };
+                (scale[c], offset[c]) = if kind.super_blocks() {
+                    let at = c * ng + g * PANEL;
+                    let i8x16 = |p: *const i8| {
+                        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p.cast())))
+                    };
+                    let sc = i8x16(sc0.add(at));
+                    let o = if ASYM {
+                        _mm512_mul_ps(m, i8x16(nm0.add(at)))
+                    } else {
+                        m
+                    };
+                    (_mm512_mul_ps(d, sc), o)
+                } else {
+                    (d, m)
+                };
+                // The same spot one column group on: what this tile's successor reads.
+                let ahead = q0.wrapping_add(c * qb + C * qb + g * group_bytes);
+                for line in (0..group_bytes).step_by(64) {
+                    _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(line).cast());
+                }
+            }
+            let first = g * group;
+            if NIB {
+                for j in first / 2..(first + group) / 2 {
+                    let mut lo = [_mm512_setzero_ps(); C];
+                    let mut hi = [_mm512_setzero_ps(); C];
+                    for c in 0..C {
+                        let src = q0.add(c * qb + j * PANEL);
+                        let bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(src.cast()));
+                        let mut l = _mm512_and_si512(bytes, low);
+                        let mut h = _mm512_srli_epi32::<4>(bytes);
+                        if BIASED {
+                            l = _mm512_sub_epi32(l, bias);
+                            h = _mm512_sub_epi32(h, bias);
+                        }
+                        lo[c] = weight::<ASYM>(l, scale[c], offset[c]);
+                        hi[c] = weight::<ASYM>(h, scale[c], offset[c]);
+                    }
+                    for (r, row) in acc.iter_mut().enumerate() {
+                        let xv = _mm512_set1_ps(*t.x.add(r * t.k + 2 * j));
+                        for (a, wv) in row.iter_mut().zip(&lo) {
+                            *a = _mm512_fmadd_ps(xv, *wv, *a);
+                        }
+                    }
+                    for (r, row) in acc.iter_mut().enumerate() {
+                        let xv = _mm512_set1_ps(*t.x.add(r * t.k + 2 * j + 1));
+                        for (a, wv) in row.iter_mut().zip(&hi) {
+                            *a = _mm512_fmadd_ps(xv, *wv, *a);
+                        }
+                    }
+                }
+            } else {
+                for i in first..first + group {
+                    let mut wv = [_mm512_setzero_ps(); C];
+                    for (c, v) in wv.iter_mut().enumerate() {
+                        let src = q0.add(c * qb + i * PANEL);
+                        let q = _mm512_cvtepi8_epi32(_mm_loadu_si128(src.cast()));
+                        *v = weight::<ASYM>(q, scale[c], offset[c]);
+                    }
+                    for (r, row) in acc.iter_mut().enumerate() {
+                        let xv = _mm512_set1_ps(*t.x.add(r * t.k + i));
+                        for (a, v) in row.iter_mut().zip(&wv) {
+                            *a = _mm512_fmadd_ps(xv, *v, *a);
+                        }
+                    }
+                }
+            }
+        }
+    }
+    for (r, row) in acc.iter().enumerate() {
+        for (c, a) in row.iter().enumerate() {
+            let col = c * PANEL;
+            if col >= t.cols {
+                break;
+            }
+            let valid = (t.cols - col).min(PANEL);
+            // SAFETY: the caller lets this tile write `cols` columns of each of its rows.
+            unsafe {
+                let dst = t.out.add(r * t.ldo + col);
+                if valid == PANEL {
+                    _mm512_storeu_ps(dst, *a);
+                } else {
+                    _mm512_mask_storeu_ps(dst, ((1u32 << valid) - 1) as __mmask16, *a);
+                }
+            }
+        }
+    }
+}
