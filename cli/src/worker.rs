@@ -26,6 +26,11 @@ pub struct ModelArgs {
     /// `q5_k`, `q6_k`). Compute is f32 on the CPU whatever the storage.
     #[arg(long, env = "TANDEM_WEIGHTS", default_value = "native", value_parser = clap::builder::PossibleValuesParser::new(WEIGHT_FORMATS))]
     pub weights: String,
+    /// Element type of the KV cache: `f32`, or `bf16`/`f16` for half the memory and half the
+    /// bytes on every transport (K and V rounded; the CPU engine only). Prefill and decode
+    /// workers must agree: the dtype is part of the layout they compare.
+    #[arg(long, env = "TANDEM_KV_DTYPE", default_value = "f32", value_parser = ["f32", "bf16", "f16"])]
+    pub kv_dtype: String,
     /// A tokenizer (tokenizer.json, HF folder or GGUF) instead of the model's own.
     #[arg(long, env = "TANDEM_TOKENIZER")]
     pub tokenizer: Option<PathBuf>,

@@ -31,6 +31,7 @@ fn tiny() -> (Arc<Model>, TextTokenizer) {
     let args = ModelArgs {
         model: "tiny".into(),
         weights: "f32".into(),
+        kv_dtype: "f32".into(),
         tokenizer: None,
         cache_dir: None,
     };

@@ -42,6 +42,9 @@ pub struct ModelSection {
     /// How the workers store the weights (their `--weights`).
     #[serde(default = "default_weights")]
     pub weights: String,
+    /// Element type of every worker's KV cache (their `--kv-dtype`): f32, bf16 or f16.
+    #[serde(default = "default_kv_dtype")]
+    pub kv_dtype: String,
     /// A tokenizer to use instead of the model's own.
     pub tokenizer: Option<String>,
     /// Where the workers cache the default model (`tandem up --cache-dir` overrides it).
@@ -56,11 +59,16 @@ fn default_weights() -> String {
     "native".into()
 }
 
+fn default_kv_dtype() -> String {
+    "f32".into()
+}
+
 impl Default for ModelSection {
     fn default() -> Self {
         Self {
             name: default_model(),
             weights: default_weights(),
+            kv_dtype: default_kv_dtype(),
             tokenizer: None,
             cache_dir: None,
         }
@@ -370,6 +378,12 @@ impl DeployConfig {
                     hosts.len()
                 ));
             }
+        }
+        if !["f32", "bf16", "f16"].contains(&self.model.kv_dtype.as_str()) {
+            return bad(format!(
+                "model.kv_dtype `{}`: use f32, bf16 or f16",
+                self.model.kv_dtype
+            ));
         }
         if !tandem_cli::WEIGHT_FORMATS.contains(&self.model.weights.as_str()) {
             return bad(format!(

@@ -15,10 +15,17 @@ struct Pair {
     info: WorkerInfo,
 }
 
+const COMMON: [&str; 6] = ["--model", "tiny", "--kv-budget-mb", "16", "--threads", "1"];
+
 async fn start_pair() -> Pair {
-    let common = ["--model", "tiny", "--kv-budget-mb", "16", "--threads", "1"];
-    let decode = Proc::start("tandem-decode", &common).unwrap();
-    let prefill = Proc::start("tandem-prefill", &common).unwrap();
+    start_pair_with(&[]).await
+}
+
+/// Both workers with the common flags and `extra`.
+async fn start_pair_with(extra: &[&str]) -> Pair {
+    let args: Vec<&str> = COMMON.iter().chain(extra).copied().collect();
+    let decode = Proc::start("tandem-decode", &args).unwrap();
+    let prefill = Proc::start("tandem-prefill", &args).unwrap();
     let (d, info) = decode_client(&decode.endpoint(), Duration::from_secs(60))
         .await
         .unwrap();
@@ -303,4 +310,71 @@ async fn device_transports_are_refused_by_cpu_workers() {
         drop(stream);
         wait_blocks_free(&mut pair.d, Duration::from_secs(5)).await;
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn half_precision_kv_crosses_every_transport_at_half_the_bytes() {
+    let mut full = start_pair().await;
+    let mut half = start_pair_with(&["--kv-dtype", "bf16"]).await;
+    assert_ne!(full.info.kv_layout_hash, half.info.kv_layout_hash);
+    let p = prompt(3, 40);
+    let (_, f32_fin, _) = disaggregated(&mut full, p.clone(), Transport::Tcp, 8).await;
+    let mut agg = half
+        .d
+        .generate(request(p.clone(), Mode::Aggregated, 8))
+        .await
+        .unwrap()
+        .into_inner();
+    let (want, _) = tokens(&mut agg).await;
+    for transport in [Transport::Grpc, Transport::Tcp, Transport::Shm] {
+        let (got, fin, _) = disaggregated(&mut half, p.clone(), transport, 8).await;
+        assert_eq!(got, want, "bf16 KV over {transport:?}");
+        assert_eq!(2 * fin.kv_bytes, f32_fin.kv_bytes, "{transport:?}");
+    }
+    wait_blocks_free(&mut half.d, Duration::from_secs(2)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn workers_with_different_kv_dtypes_refuse_each_other() {
+    let mut pair = start_pair().await;
+    let args: Vec<&str> = COMMON
+        .iter()
+        .chain(&["--kv-dtype", "f16"])
+        .copied()
+        .collect();
+    let other = Proc::start("tandem-prefill", &args).unwrap();
+    let (mut p16, info16) = prefill_client(&other.endpoint(), Duration::from_secs(60))
+        .await
+        .unwrap();
+    assert_ne!(info16.kv_layout_hash, pair.info.kv_layout_hash);
+    let p = prompt(4, 20);
+    let mut stream = pair
+        .d
+        .generate(request(p.clone(), Mode::Disaggregated, 4))
+        .await
+        .unwrap()
+        .into_inner();
+    let Some(generate_event::Event::Lease(lease)) = stream.message().await.unwrap().unwrap().event
+    else {
+        panic!("first event must be the lease");
+    };
+    let err = p16
+        .prefill(PrefillRequest {
+            request_id: "mixed".into(),
+            prompt: p,
+            sampling: Some(SamplingParams::default()),
+            destination: Some(KvDestination {
+                transport: Transport::Tcp as i32,
+                decode_endpoint: pair.decode.endpoint(),
+                decode_instance: pair.info.instance_id.clone(),
+                lease: lease.token,
+                block_ids: lease.block_ids,
+                kv_layout_hash: pair.info.kv_layout_hash.clone(),
+            }),
+        })
+        .await
+        .unwrap_err();
+    assert!(err.message().contains("layout"), "{err:?}");
+    drop(stream);
+    wait_blocks_free(&mut pair.d, Duration::from_secs(5)).await;
 }

@@ -5,7 +5,7 @@
 //! `cargo run --release -p tandem-engine --example engine_bench -- --model smollm2`
 //! prints a table and, last, one JSON line. `--weights f32|bf16|q8_0|…` stores the weights
 //! otherwise than the file does (default `native`); the decode floor counts the bytes a step
-//! reads in that storage. `--isa avx2` (or `TANDEM_ISA=avx2`) runs the
+//! reads in that storage. `--kv-dtype bf16|f16` keeps the KV cache in half precision. `--isa avx2` (or `TANDEM_ISA=avx2`) runs the
 //! kernels of another instruction set than the CPU's best; both print the set that ran.
 
 use std::path::PathBuf;
@@ -23,6 +23,7 @@ use tandem_engine::{
 struct Args {
     model: String,
     weights: WeightFormat,
+    kv_dtype: tandem_kv::KvDtype,
     cache: PathBuf,
     prompt_len: usize,
     decode_steps: usize,
@@ -32,6 +33,7 @@ fn parse_args() -> anyhow::Result<Args> {
     let mut args = Args {
         model: "smollm2".into(),
         weights: WeightFormat::Native,
+        kv_dtype: tandem_kv::KvDtype::F32,
         cache: std::env::var_os("TANDEM_CACHE")
             .map_or_else(tandem_engine::fetch::default_cache_dir, PathBuf::from),
         prompt_len: 512,
@@ -46,6 +48,7 @@ fn parse_args() -> anyhow::Result<Args> {
         match flag.as_str() {
             "--model" => args.model = value()?,
             "--weights" => args.weights = value()?.parse()?,
+            "--kv-dtype" => args.kv_dtype = value()?.parse()?,
             "--cache" => args.cache = value()?.into(),
             "--prompt-len" => args.prompt_len = value()?.parse()?,
             "--decode-steps" => args.decode_steps = value()?.parse()?,
@@ -53,7 +56,7 @@ fn parse_args() -> anyhow::Result<Args> {
                 select_isa(Isa::parse(&value()?)?)?;
             }
             other => anyhow::bail!(
-                "unknown flag {other} (--model, --weights, --cache, --prompt-len, --decode-steps, --isa)"
+                "unknown flag {other} (--model, --weights, --kv-dtype, --cache, --prompt-len, --decode-steps, --isa)"
             ),
         }
     }
@@ -148,6 +151,7 @@ fn main() -> anyhow::Result<()> {
     let source: ModelSource = args.model.parse()?;
     let opts = LoadOptions {
         format: args.weights,
+        kv_dtype: args.kv_dtype,
         cache_dir: args.cache.clone(),
         tokenizer: None,
     };
@@ -243,10 +247,11 @@ fn main() -> anyhow::Result<()> {
         own_gflops / 1e9
     );
     println!(
-        "| model | {} (--weights {}: {}; {:.1} MB read per decode step) |",
+        "| model | {} (--weights {}: {}; {} KV; {:.1} MB of weights read per decode step) |",
         model.name(),
         args.weights.name(),
         model.storage_summary(),
+        args.kv_dtype.name(),
         weight_bytes as f64 / 1e6
     );
     println!(
@@ -271,6 +276,7 @@ fn main() -> anyhow::Result<()> {
     let json = serde_json::json!({
         "model": model.name(),
         "weights": args.weights.name(),
+        "kv_dtype": args.kv_dtype.name(),
         "storage": model.storage_summary(),
         "threads": threads,
         "isa": isa.name(),

@@ -2,7 +2,7 @@
 //! what a storage format costs in accuracy, beside the bytes a decode step reads in it.
 //!
 //! `cargo run --release -p tandem-engine --example perplexity -- --text FILE
-//!  [--model smollm2] [--weights native,f32,bf16,q8_0,q4_0] [--tokens 512]`
+//!  [--model smollm2] [--weights native,f32,bf16,q8_0,q4_0] [--kv-dtype f32] [--tokens 512]`
 //! prints a table and, last, one JSON line. The first format listed is the baseline the
 //! others are set against. `scripts/bench-quant` runs it on the book text.
 
@@ -16,6 +16,7 @@ struct Args {
     formats: Vec<WeightFormat>,
     text: PathBuf,
     tokens: usize,
+    kv_dtype: tandem_kv::KvDtype,
     cache: PathBuf,
 }
 
@@ -24,6 +25,7 @@ fn parse_args() -> anyhow::Result<Args> {
     let mut formats = "f32,native,bf16,q8_0,q4_0,q4_1".to_string();
     let mut text = None;
     let mut tokens = 512;
+    let mut kv_dtype = tandem_kv::KvDtype::F32;
     let mut cache = std::env::var_os("TANDEM_CACHE")
         .map_or_else(tandem_engine::fetch::default_cache_dir, PathBuf::from);
     let mut it = std::env::args().skip(1);
@@ -38,8 +40,9 @@ fn parse_args() -> anyhow::Result<Args> {
             "--text" => text = Some(PathBuf::from(value()?)),
             "--tokens" => tokens = value()?.parse()?,
             "--cache" => cache = value()?.into(),
+            "--kv-dtype" => kv_dtype = value()?.parse()?,
             other => anyhow::bail!(
-                "unknown flag {other} (--model, --weights, --text, --tokens, --cache)"
+                "unknown flag {other} (--model, --weights, --kv-dtype, --text, --tokens, --cache)"
             ),
         }
     }
@@ -54,6 +57,7 @@ fn parse_args() -> anyhow::Result<Args> {
         formats,
         text,
         tokens,
+        kv_dtype,
         cache,
     })
 }
@@ -68,6 +72,7 @@ fn main() -> anyhow::Result<()> {
         let opts = LoadOptions {
             format,
             cache_dir: args.cache.clone(),
+            kv_dtype: args.kv_dtype,
             tokenizer: None,
         };
         eprintln!("loading {} as {format}...", args.model);

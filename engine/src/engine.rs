@@ -199,6 +199,13 @@ impl Engine {
         if let Some(why) = cache.layout().mismatch(&model.kv_layout()) {
             return Err(EngineError::LayoutMismatch(why));
         }
+        if config.device != Device::Cpu && cache.layout().dtype != tandem_kv::KvDtype::F32 {
+            return Err(EngineError::Unsupported(format!(
+                "a {} KV cache on the GPU engine, which keeps bf16 on the device and stages \
+                 f32 on the host; --kv-dtype bf16 and f16 run on the CPU engine",
+                cache.layout().dtype.name()
+            )));
+        }
         let eos = tokenizer.info().eos_token_ids.clone();
         let backend = backend::for_device(&config.device, &model, cache.num_blocks())?;
         Ok(Self {

@@ -4,7 +4,8 @@
 //! AVX2 one, or x86 and aarch64). Greedy output stays token-for-token identical only if their
 //! kernels agree bit for bit, which the kernels promise by summing every element in one fixed
 //! order on every path. This test holds them to it: it runs fixed scenarios (a chunked prefill
-//! beside decode steps, f32, bf16 and f16 weights, GQA at head_dim 64) and compares a SHA-256
+//! beside decode steps, f32, bf16, f16, Q4_1, Q8_0 and Q4_0 weights, bf16 and f16 KV caches,
+//! GQA at head_dim 64) and compares a SHA-256
 //! of every logit's bits with `golden/logits.sha256`, which was written on x86-64. CI runs it
 //! under each x86 instruction set (`TANDEM_ISA`) and on aarch64 under qemu.
 //!
@@ -15,23 +16,23 @@ use std::fmt::Write;
 use std::sync::Arc;
 
 use sha2::{Digest, Sha256};
-use tandem_engine::backend::cpu::kernels::isa;
+use tandem_engine::backend::cpu::kernels::{QuantKind, isa};
 use tandem_engine::config::{ModelConfig, WeightFormat};
 use tandem_engine::model::dummy_model;
 use tandem_engine::{Model, SeqInput};
-use tandem_kv::{BlockPool, KvCache, blocks_for};
+use tandem_kv::{BlockPool, KvCache, KvDtype, blocks_for};
 
 const GOLDEN: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/golden/logits.sha256");
 
 /// SmolLM2's attention shape (head_dim 64, 9 query heads over 3 KV heads), 3 layers, a small
 /// vocabulary.
-fn model(dtype: WeightFormat) -> Arc<Model> {
+fn model(dtype: WeightFormat, kv: KvDtype) -> Arc<Model> {
     let cfg = ModelConfig {
         num_hidden_layers: 3,
         vocab_size: 1000,
         ..ModelConfig::preset("smollm2-135m").unwrap()
     };
-    Arc::new(dummy_model(cfg, dtype, 7, "isa").unwrap())
+    Arc::new(dummy_model(cfg, dtype, 7, "isa").unwrap().with_kv_dtype(kv))
 }
 
 fn tokens(seed: u32, n: usize) -> Vec<u32> {
@@ -120,10 +121,24 @@ fn digest(logits: &[Vec<f32>]) -> String {
 #[test]
 fn logits_match_the_x86_golden_digests_bit_for_bit() {
     let mut lines = String::new();
-    for dtype in [WeightFormat::F32, WeightFormat::Bf16, WeightFormat::F16] {
-        let logits = scenario(&model(dtype));
+    let q = |k| WeightFormat::Quant(k);
+    for (dtype, kv) in [
+        (WeightFormat::F32, KvDtype::F32),
+        (WeightFormat::Bf16, KvDtype::F32),
+        (WeightFormat::F16, KvDtype::F32),
+        (q(QuantKind::Q4_1), KvDtype::F32),
+        (q(QuantKind::Q8_0), KvDtype::F32),
+        (q(QuantKind::Q4_0), KvDtype::F32),
+        (WeightFormat::F32, KvDtype::Bf16),
+        (WeightFormat::F32, KvDtype::F16),
+    ] {
+        let logits = scenario(&model(dtype, kv));
         assert!(logits.iter().flatten().all(|v| v.is_finite()));
-        let _ = writeln!(lines, "{} {}", dtype.name(), digest(&logits));
+        let name = match kv {
+            KvDtype::F32 => dtype.name().to_string(),
+            other => format!("{}+kv-{}", dtype.name(), other.name()),
+        };
+        let _ = writeln!(lines, "{name} {}", digest(&logits));
     }
     if std::env::var_os("TANDEM_BLESS").is_some() {
         std::fs::write(GOLDEN, &lines).unwrap();

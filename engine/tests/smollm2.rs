@@ -145,39 +145,42 @@ fn the_q4_1_file_runs_in_its_own_size_with_the_logits_of_its_f32_widening() {
 /// The opening of A Tale of Two Cities (public domain): perplexity of each storage on the
 /// same 150 tokens, against the f32 widening of the file. The kernels give the same bits on
 /// every CPU, so these figures are exact, not noisy; the margins are the formats' own
-/// rounding (measured: bf16 −0.07 %, q8_0 −0.49 %, q4_0 +16.1 %).
+/// rounding (measured: bf16 −0.07 %, q8_0 −0.49 %, q4_0 +16.1 %; a bf16 KV cache +0.03 %).
 #[test]
 fn each_storage_keeps_the_perplexity_within_its_stated_margin() {
     let text = include_str!("golden/tale-of-two-cities.txt");
-    let load_as = |format: tandem_engine::WeightFormat| {
+    let load_as = |format: tandem_engine::WeightFormat, kv_dtype| {
         let opts = LoadOptions {
             cache_dir: cache_dir(),
             format,
+            kv_dtype,
             ..Default::default()
         };
         load_model(&ModelSource::DefaultSmolLm2, &opts).expect("SmolLM2 loads")
     };
     use tandem_engine::WeightFormat as W;
     use tandem_engine::backend::cpu::kernels::QuantKind;
-    let (f32_model, tok) = load_as(W::F32);
+    use tandem_kv::KvDtype;
+    let (f32_model, tok) = load_as(W::F32, KvDtype::F32);
     let mut tokens = tok.encode(text, false).unwrap();
     tokens.truncate(150);
     assert_eq!(tokens.len(), 150);
     let base = tandem_engine::eval::perplexity(&f32_model, &tokens).unwrap();
     assert!((10.0..25.0).contains(&base), "f32 perplexity {base}");
     drop(f32_model);
-    for (format, margin) in [
-        (W::Native, 0.0),
-        (W::Bf16, 0.01),
-        (W::Quant(QuantKind::Q8_0), 0.02),
-        (W::Quant(QuantKind::Q4_0), 0.25),
+    for (format, kv, margin) in [
+        (W::Native, KvDtype::F32, 0.0),
+        (W::Bf16, KvDtype::F32, 0.01),
+        (W::Quant(QuantKind::Q8_0), KvDtype::F32, 0.02),
+        (W::Quant(QuantKind::Q4_0), KvDtype::F32, 0.25),
+        (W::Native, KvDtype::Bf16, 0.005),
     ] {
-        let (model, _) = load_as(format);
+        let (model, _) = load_as(format, kv);
         let ppl = tandem_engine::eval::perplexity(&model, &tokens).unwrap();
         let change = ppl / base - 1.0;
         assert!(
             change.abs() <= margin,
-            "{format}: perplexity {ppl} vs {base} in f32 ({:+.2} %, margin {} %)",
+            "{format} ({kv:?} KV): perplexity {ppl} vs {base} in f32 ({:+.2} %, margin {} %)",
             change * 100.0,
             margin * 100.0
         );

@@ -3,8 +3,9 @@
 //! prefill worker on the same host maps too and writes reserved blocks into (the `shm`
 //! transport: one copy, no serialization).
 //!
-//! Blocks move as bytes of the layout's dtype (transports, staging); the CPU engine computes
-//! on f32 caches through the typed accessors, which refuse a cache of another dtype.
+//! Blocks move as bytes of the layout's dtype (transports, staging). Tokens are written and
+//! read in any dtype (rounded to it on the way in); the whole-block f32 accessors refuse a
+//! cache of another dtype.
 
 use std::fs::OpenOptions;
 use std::path::{Path, PathBuf};
@@ -260,8 +261,8 @@ impl KvCache {
         Ok(unsafe { std::slice::from_raw_parts_mut(self.floats_ptr().add(off), n) })
     }
 
-    /// Writes one token's K and V rows (`kv_heads × head_dim` each) into `slot` of `block`
-    /// of an f32 cache.
+    /// Writes one token's K and V rows (`kv_heads × head_dim` each) into `slot` of `block`,
+    /// rounded to the cache's dtype (to nearest, ties to even: the same bits on every CPU).
     pub fn write_token(
         &mut self,
         layer: usize,
@@ -270,16 +271,26 @@ impl KvCache {
         k: &[f32],
         v: &[f32],
     ) -> Result<()> {
-        let (bs, d) = (self.layout.block_size, self.layout.head_dim);
-        let heads = self.layout.num_kv_heads;
-        let dst = self.block_layer_mut(layer, block)?;
-        let (kpart, vpart) = dst.split_at_mut(heads * d * bs);
-        for h in 0..heads {
-            for i in 0..d {
-                kpart[(h * d + i) * bs + slot] = k[h * d + i];
+        let off = self.offset(layer, block)?;
+        let n = self.layout.block_layer_elems();
+        let shape = TokenShape::of(&self.layout, slot, k, v)?;
+        // SAFETY (each arm): `off..off + n` is one block of one layer (checked offset) in
+        // elements of the cache's dtype; `&mut self` excludes every other reader and writer.
+        match self.layout.dtype {
+            KvDtype::F32 => {
+                let dst = unsafe { std::slice::from_raw_parts_mut(self.floats_ptr().add(off), n) };
+                shape.scatter(dst, k, v, |x| x);
             }
-            vpart[(h * bs + slot) * d..(h * bs + slot + 1) * d]
-                .copy_from_slice(&v[h * d..(h + 1) * d]);
+            KvDtype::Bf16 => {
+                let base = self.storage.base.cast::<half::bf16>();
+                let dst = unsafe { std::slice::from_raw_parts_mut(base.add(off), n) };
+                shape.scatter(dst, k, v, half::bf16::from_f32);
+            }
+            KvDtype::F16 => {
+                let base = self.storage.base.cast::<half::f16>();
+                let dst = unsafe { std::slice::from_raw_parts_mut(base.add(off), n) };
+                shape.scatter(dst, k, v, half::f16::from_f32);
+            }
         }
         Ok(())
     }
@@ -298,27 +309,53 @@ impl KvCache {
         Ok(())
     }
 
-    /// Reads back one token's K and V rows (for tests and the reference comparison).
+    /// Reads back one token's K and V rows, widened to f32 (for tests and the reference
+    /// comparison).
     pub fn read_token(
         &self,
         layer: usize,
         block: u32,
         slot: usize,
     ) -> Result<(Vec<f32>, Vec<f32>)> {
-        let (bs, d) = (self.layout.block_size, self.layout.head_dim);
-        let heads = self.layout.num_kv_heads;
-        let src = self.block_layer(layer, block)?;
-        let (kpart, vpart) = src.split_at(heads * d * bs);
-        let mut k = vec![0f32; heads * d];
-        let mut v = vec![0f32; heads * d];
-        for h in 0..heads {
-            for i in 0..d {
-                k[h * d + i] = kpart[(h * d + i) * bs + slot];
+        let width = self.layout.num_kv_heads * self.layout.head_dim;
+        let (mut k, mut v) = (vec![0f32; width], vec![0f32; width]);
+        let off = self.offset(layer, block)?;
+        let n = self.layout.block_layer_elems();
+        let shape = TokenShape::of(&self.layout, slot, &k, &v)?;
+        // SAFETY (each arm): as in `write_token`, reading only.
+        match self.layout.dtype {
+            KvDtype::F32 => {
+                let src = unsafe { std::slice::from_raw_parts(self.floats_ptr().add(off), n) };
+                shape.gather(src, &mut k, &mut v, |x| x);
             }
-            v[h * d..(h + 1) * d]
-                .copy_from_slice(&vpart[(h * bs + slot) * d..(h * bs + slot + 1) * d]);
+            KvDtype::Bf16 => {
+                let base = self.storage.base.cast::<half::bf16>();
+                let src = unsafe { std::slice::from_raw_parts(base.add(off), n) };
+                shape.gather(src, &mut k, &mut v, half::bf16::to_f32);
+            }
+            KvDtype::F16 => {
+                let base = self.storage.base.cast::<half::f16>();
+                let src = unsafe { std::slice::from_raw_parts(base.add(off), n) };
+                shape.gather(src, &mut k, &mut v, half::f16::to_f32);
+            }
         }
         Ok((k, v))
+    }
+
+    /// Base of a layer's blocks, in bytes, for the attention kernels (which read any dtype:
+    /// block `b` starts `b × block_layer_bytes` further on).
+    ///
+    /// # Panics
+    /// If the layer is out of range.
+    pub fn layer_bytes_ptr(&self, layer: usize) -> *const u8 {
+        assert!(
+            layer < self.layout.num_layers,
+            "layer {layer} of a cache of {} layers",
+            self.layout.num_layers
+        );
+        let off = layer * self.num_blocks * self.layout.block_layer_bytes();
+        // SAFETY: `layer` < num_layers (checked), so the offset is in bounds.
+        unsafe { self.storage.base.add(off) }
     }
 
     /// Base pointer of a layer's blocks of an f32 cache, for the attention kernel.
@@ -351,6 +388,54 @@ impl KvCache {
                 "f32 access to a {} cache",
                 self.layout.dtype.name()
             )))
+        }
+    }
+}
+
+/// Where one token's K and V elements lie in a block of one layer (see `KvLayout`: K is
+/// `[kv_head][head_dim][slot]`, V `[kv_head][slot][head_dim]`).
+struct TokenShape {
+    heads: usize,
+    d: usize,
+    bs: usize,
+    slot: usize,
+}
+
+impl TokenShape {
+    fn of(layout: &KvLayout, slot: usize, k: &[f32], v: &[f32]) -> Result<Self> {
+        let (heads, d, bs) = (layout.num_kv_heads, layout.head_dim, layout.block_size);
+        if slot >= bs || k.len() != heads * d || v.len() != heads * d {
+            return Err(KvError::InvalidKv(format!(
+                "token of {}+{} values at slot {slot}; a block holds {bs} slots of {}",
+                k.len(),
+                v.len(),
+                heads * d
+            )));
+        }
+        Ok(Self { heads, d, bs, slot })
+    }
+
+    fn scatter<T: Copy>(&self, dst: &mut [T], k: &[f32], v: &[f32], to: impl Fn(f32) -> T) {
+        let (heads, d, bs, slot) = (self.heads, self.d, self.bs, self.slot);
+        let (kpart, vpart) = dst.split_at_mut(heads * d * bs);
+        for h in 0..heads {
+            for i in 0..d {
+                kpart[(h * d + i) * bs + slot] = to(k[h * d + i]);
+            }
+            for i in 0..d {
+                vpart[(h * bs + slot) * d + i] = to(v[h * d + i]);
+            }
+        }
+    }
+
+    fn gather<T: Copy>(&self, src: &[T], k: &mut [f32], v: &mut [f32], from: impl Fn(T) -> f32) {
+        let (heads, d, bs, slot) = (self.heads, self.d, self.bs, self.slot);
+        let (kpart, vpart) = src.split_at(heads * d * bs);
+        for h in 0..heads {
+            for i in 0..d {
+                k[h * d + i] = from(kpart[(h * d + i) * bs + slot]);
+                v[h * d + i] = from(vpart[(h * bs + slot) * d + i]);
+            }
         }
     }
 }
@@ -462,7 +547,51 @@ mod tests {
         // The last piece of the pool: offsets count 2-byte elements, not 4.
         assert_eq!(cache.block_layer_bytes(0, 1).unwrap().len(), n);
         assert!(cache.block_layer(0, 0).is_err());
-        assert!(cache.write_token(0, 0, 0, &[0.0; 8], &[0.0; 8]).is_err());
+    }
+
+    #[test]
+    fn tokens_are_rounded_to_the_cache_dtype_and_read_back_widened() {
+        let width = layout().num_kv_heads * layout().head_dim;
+        let k: Vec<f32> = (0..width).map(|i| 1.0 + i as f32 / 3.0).collect();
+        let v: Vec<f32> = (0..width).map(|i| -0.1 * i as f32).collect();
+        for dtype in [KvDtype::F32, KvDtype::Bf16, KvDtype::F16] {
+            let l = KvLayout { dtype, ..layout() };
+            let mut cache = KvCache::with_budget(l.clone(), 2 * l.block_bytes()).unwrap();
+            cache.write_token(1, 1, 5, &k, &v).unwrap();
+            let (rk, rv) = cache.read_token(1, 1, 5).unwrap();
+            let round = |x: f32| match dtype {
+                KvDtype::F32 => x,
+                KvDtype::Bf16 => half::bf16::from_f32(x).to_f32(),
+                KvDtype::F16 => half::f16::from_f32(x).to_f32(),
+            };
+            assert_eq!(
+                rk,
+                k.iter().map(|&x| round(x)).collect::<Vec<_>>(),
+                "{dtype:?}"
+            );
+            assert_eq!(
+                rv,
+                v.iter().map(|&x| round(x)).collect::<Vec<_>>(),
+                "{dtype:?}"
+            );
+            // Other slots stay untouched.
+            assert!(
+                cache
+                    .read_token(1, 1, 4)
+                    .unwrap()
+                    .0
+                    .iter()
+                    .all(|&x| x == 0.0)
+            );
+            assert!(
+                cache.write_token(0, 0, 16, &k, &v).is_err(),
+                "slot past the block"
+            );
+            assert!(
+                cache.write_token(0, 0, 0, &k[1..], &v).is_err(),
+                "short row"
+            );
+        }
     }
 
     #[test]

@@ -4,11 +4,14 @@
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
-/// Element type of the cache. The CPU engine computes on f32 KV; a GPU engine keeps bf16. The
-/// dtype is part of the layout hash, so workers whose caches differ refuse each other.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+/// Element type of the cache. The CPU engine keeps f32 unless asked for bf16 or f16 (it
+/// computes in f32, widening each block as it reads it); a GPU engine keeps bf16 on the
+/// device. The dtype is part of the layout hash, so workers whose caches differ refuse each
+/// other.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum KvDtype {
+    #[default]
     F32,
     Bf16,
     F16,

@@ -17,8 +17,13 @@ use tandem_text::TextTokenizer;
 pub fn load_model(args: &ModelArgs) -> Result<(Arc<Model>, TextTokenizer), EngineError> {
     let source: ModelSource = args.model.parse()?;
     let format: WeightFormat = args.weights.parse()?;
+    let kv_dtype: tandem_kv::KvDtype = args
+        .kv_dtype
+        .parse()
+        .map_err(|e: tandem_kv::KvError| EngineError::Config(e.to_string()))?;
     let opts = LoadOptions {
         format,
+        kv_dtype,
         cache_dir: args
             .cache_dir
             .clone()

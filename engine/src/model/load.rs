@@ -17,6 +17,7 @@ use super::weights::{LayerWeights, Weights};
 use crate::config::{ModelConfig, WeightFormat};
 use crate::error::{EngineError, Result};
 use crate::fetch;
+use tandem_kv::KvDtype;
 
 /// What to load.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -76,6 +77,8 @@ pub struct LoadOptions {
     pub format: WeightFormat,
     /// Where the default model is cached.
     pub cache_dir: PathBuf,
+    /// Element type of the KV cache (f32 unless asked).
+    pub kv_dtype: KvDtype,
     /// A tokenizer to use instead of the model's own (required for realistic token counts
     /// with dummy weights of real shapes).
     pub tokenizer: Option<PathBuf>,
@@ -103,6 +106,7 @@ pub fn load_model(source: &ModelSource, opts: &LoadOptions) -> Result<(Model, Te
             load_gguf(path, opts.format, &name)?
         }
     };
+    let model = model.with_kv_dtype(opts.kv_dtype);
     let tokenizer = match &opts.tokenizer {
         Some(p) => TextTokenizer::from_path(p)?,
         None => tokenizer,

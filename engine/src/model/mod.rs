@@ -30,6 +30,7 @@ pub struct Model {
     format: WeightFormat,
     fingerprint: String,
     name: String,
+    kv_dtype: KvDtype,
 }
 
 /// One sequence's share of a forward pass.
@@ -60,7 +61,15 @@ impl Model {
             format,
             fingerprint,
             name,
+            kv_dtype: KvDtype::F32,
         }
+    }
+
+    /// The same model keeping its KV cache in `dtype` (f32 by default; bf16 and f16 halve the
+    /// cache and the bytes every transport moves, at the cost of rounding K and V).
+    pub fn with_kv_dtype(mut self, dtype: KvDtype) -> Self {
+        self.kv_dtype = dtype;
+        self
     }
 
     pub fn config(&self) -> &ModelConfig {
@@ -83,6 +92,7 @@ impl Model {
             fingerprint,
             format!("{}-f32", self.name),
         )
+        .with_kv_dtype(self.kv_dtype)
     }
 
     /// The storage formats the matrices ended up in, with how many matrix parts use each
@@ -138,7 +148,7 @@ impl Model {
             num_kv_heads: self.cfg.num_key_value_heads,
             head_dim: self.cfg.head_dim,
             block_size: BLOCK_SIZE,
-            dtype: KvDtype::F32,
+            dtype: self.kv_dtype,
             model_fingerprint: self.fingerprint.clone(),
         }
     }

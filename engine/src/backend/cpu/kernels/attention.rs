@@ -8,7 +8,7 @@
 //! ran in a batch of one or sixty-four, in one chunk or several.
 
 use super::{Isa, SharedMut, isa};
-use tandem_kv::{BLOCK_SIZE, KvCache};
+use tandem_kv::{BLOCK_SIZE, KvCache, KvDtype};
 
 /// The query rows of one sequence in a batch.
 #[derive(Debug, Clone, Copy)]
@@ -85,7 +85,8 @@ pub fn paged_attention_on(
         }
     }
     let geom = Geometry {
-        layer_base: cache.layer_ptr(layer),
+        layer_base: cache.layer_bytes_ptr(layer),
+        dtype: layout.dtype,
         block_elems: layout.block_layer_elems(),
         kv_heads,
         n_rep: n_heads / kv_heads,
@@ -105,7 +106,8 @@ pub fn paged_attention_on(
 }
 
 struct Geometry {
-    layer_base: *const f32,
+    layer_base: *const u8,
+    dtype: KvDtype,
     block_elems: usize,
     kv_heads: usize,
     n_rep: usize,
@@ -216,11 +218,16 @@ unsafe fn task_body(
     let blocks = last_pos / BLOCK_SIZE + 1;
     let k_off = group * d * BLOCK_SIZE;
     let v_off = g.kv_heads * d * BLOCK_SIZE + group * BLOCK_SIZE * d;
+    // A half-precision cache is widened block by block into these (exactly: every bf16 and
+    // f16 value is an f32), so the arithmetic below is the f32 cache's.
+    let mut widened = match g.dtype {
+        KvDtype::F32 => Vec::new(),
+        KvDtype::Bf16 | KvDtype::F16 => vec![0f32; 2 * d * BLOCK_SIZE],
+    };
     for b in 0..blocks {
-        let base = unsafe { g.layer_base.add(s.block_table[b] as usize * g.block_elems) };
+        let block = s.block_table[b] as usize * g.block_elems;
         // SAFETY: both parts lie inside the block (checked block id, layout sizes).
-        let kt = unsafe { std::slice::from_raw_parts(base.add(k_off), d * BLOCK_SIZE) };
-        let vb = unsafe { std::slice::from_raw_parts(base.add(v_off), BLOCK_SIZE * d) };
+        let (kt, vb) = unsafe { block_kv(g, block + k_off, block + v_off, &mut widened) };
         let first_key = b * BLOCK_SIZE;
         // Lanes (row, head) that see at least one key of this block: the causal mask only
         // drops rows from the front of the task, so they are a suffix.
@@ -294,6 +301,50 @@ unsafe fn task_body(
             for i in 0..d {
                 // SAFETY: (row, head) belongs to this task alone.
                 unsafe { *out.0.add(row * g.width + head * d + i) = acc[lane * d + i] * inv };
+            }
+        }
+    }
+}
+
+/// The K part (`d` rows of 16) and V part (16 rows of `d`) of one block for one KV group,
+/// starting at elements `k_at` and `v_at` of the layer: the cache itself when it is f32,
+/// else widened into `buf` (`2·d·16` floats).
+///
+/// # Safety
+/// Both parts lie inside the layer's blocks.
+#[inline(always)]
+unsafe fn block_kv<'a>(
+    g: &Geometry,
+    k_at: usize,
+    v_at: usize,
+    buf: &'a mut [f32],
+) -> (&'a [f32], &'a [f32]) {
+    use half::slice::HalfFloatSliceExt;
+    let n = g.d * BLOCK_SIZE;
+    // SAFETY (each arm): the caller's bounds, in elements of the cache's dtype; the storage
+    // is page-aligned, so every element is aligned.
+    unsafe {
+        match g.dtype {
+            KvDtype::F32 => {
+                let base = g.layer_base.cast::<f32>();
+                (
+                    std::slice::from_raw_parts(base.add(k_at), n),
+                    std::slice::from_raw_parts(base.add(v_at), n),
+                )
+            }
+            KvDtype::Bf16 => {
+                let base = g.layer_base.cast::<half::bf16>();
+                let (kb, vb) = buf.split_at_mut(n);
+                std::slice::from_raw_parts(base.add(k_at), n).convert_to_f32_slice(kb);
+                std::slice::from_raw_parts(base.add(v_at), n).convert_to_f32_slice(vb);
+                (kb, vb)
+            }
+            KvDtype::F16 => {
+                let base = g.layer_base.cast::<half::f16>();
+                let (kb, vb) = buf.split_at_mut(n);
+                std::slice::from_raw_parts(base.add(k_at), n).convert_to_f32_slice(kb);
+                std::slice::from_raw_parts(base.add(v_at), n).convert_to_f32_slice(vb);
+                (kb, vb)
             }
         }
     }
