@@ -77,6 +77,18 @@ async fn tokens(stream: &mut tonic::Streaming<GenerateEvent>) -> (Vec<u32>, Opti
     (out, None)
 }
 
+/// Where a prefill worker is to write the KV of `lease`, granted by the pair's decode worker.
+fn destination(pair: &Pair, lease: Lease, transport: Transport) -> KvDestination {
+    KvDestination {
+        transport: transport as i32,
+        decode_endpoint: pair.decode.endpoint(),
+        decode_instance: pair.info.instance_id.clone(),
+        lease: lease.token,
+        block_ids: lease.block_ids,
+        kv_layout_hash: pair.info.kv_layout_hash.clone(),
+    }
+}
+
 async fn disaggregated(
     pair: &mut Pair,
     prompt: Vec<u32>,
@@ -93,14 +105,7 @@ async fn disaggregated(
     else {
         panic!("first event must be the lease");
     };
-    let dest = KvDestination {
-        transport: transport as i32,
-        decode_endpoint: pair.decode.endpoint(),
-        decode_instance: pair.info.instance_id.clone(),
-        lease: lease.token,
-        block_ids: lease.block_ids,
-        kv_layout_hash: pair.info.kv_layout_hash.clone(),
-    };
+    let dest = destination(pair, lease, transport);
     let prefill = pair
         .p
         .prefill(PrefillRequest {
@@ -363,14 +368,7 @@ async fn workers_with_different_kv_dtypes_refuse_each_other() {
             request_id: "mixed".into(),
             prompt: p,
             sampling: Some(SamplingParams::default()),
-            destination: Some(KvDestination {
-                transport: Transport::Tcp as i32,
-                decode_endpoint: pair.decode.endpoint(),
-                decode_instance: pair.info.instance_id.clone(),
-                lease: lease.token,
-                block_ids: lease.block_ids,
-                kv_layout_hash: pair.info.kv_layout_hash.clone(),
-            }),
+            destination: Some(destination(&pair, lease, Transport::Tcp)),
         })
         .await
         .unwrap_err();

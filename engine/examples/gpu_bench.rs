@@ -182,7 +182,7 @@ fn main() -> anyhow::Result<()> {
         &LoadOptions {
             format: WeightFormat::Bf16,
             cache_dir,
-            tokenizer: None,
+            ..Default::default()
         },
     ) {
         let m = GpuModel::upload(gpu.clone(), &cpu)?;

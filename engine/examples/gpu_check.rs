@@ -42,7 +42,7 @@ fn main() -> anyhow::Result<()> {
     let opts = LoadOptions {
         format: WeightFormat::Bf16,
         cache_dir,
-        tokenizer: None,
+        ..Default::default()
     };
     let (cpu, _) = load_model(&model.parse::<ModelSource>()?, &opts)?;
     let gpu_ctx = Arc::new(GpuContext::new(0, None)?);

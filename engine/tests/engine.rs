@@ -6,6 +6,8 @@ use std::sync::Arc;
 
 use tandem_engine::config::{ModelConfig, WeightFormat};
 use tandem_engine::engine::{EngineStats, ReceivedKv};
+
+mod common;
 use tandem_engine::model::dummy_model;
 use tandem_engine::{
     Engine, EngineConfig, EngineError, FinishReason, Model, SamplingParams, StepOutput, StopParams,
@@ -137,65 +139,8 @@ fn exported_kv_continues_identically_in_another_engine() {
     let model = model();
     for len in [1, 15, 16, 17, 100, 300] {
         let p = prompt(len, len);
-        let mut prefill = engine(&model, 64);
-        let (s, _) = greedy(1);
-        let stop_prefill = StopParams {
-            max_tokens: 1,
-            ignore_eos: true,
-            ..Default::default()
-        };
-        prefill
-            .add_request(p.clone(), s.clone(), stop_prefill)
-            .unwrap();
-        // Capture every (logical block, layer) as the layers complete.
-        let mut shipped: HashMap<(usize, usize), Vec<u8>> = HashMap::new();
-        let mut first = None;
-        while prefill.has_work() {
-            let outs = prefill
-                .step_with(&mut |layer, cache, chunks| {
-                    for c in chunks {
-                        for lb in c.logical_blocks() {
-                            let bytes = cache.block_layer_bytes(layer, c.blocks[lb]).unwrap();
-                            shipped.insert((lb, layer), bytes.to_vec());
-                        }
-                    }
-                })
-                .unwrap();
-            if let Some(o) = outs.into_iter().next() {
-                first = Some(o);
-            }
-        }
-        let first = first.unwrap();
-        assert_eq!(prefill.used_blocks(), 0, "prefill side frees its blocks");
-
-        let mut decode = engine(&model, 64);
-        let blocks = decode.reserve(len).unwrap();
-        for ((lb, layer), bytes) in &shipped {
-            decode
-                .import_block_layer(*layer, blocks[*lb], bytes)
-                .unwrap();
-        }
-        let (s, st) = greedy(20);
-        let (id, out0) = decode
-            .add_prefilled(
-                p.clone(),
-                first.token,
-                first.logprob,
-                ReceivedKv::host(blocks),
-                s,
-                st,
-            )
-            .unwrap();
-        let mut got = vec![out0.token];
-        got.extend(
-            decode
-                .run_to_completion(id)
-                .unwrap()
-                .iter()
-                .map(|o| o.token),
-        );
+        let got = common::handoff(|| engine(&model, 64), &p, 20);
         assert_eq!(got, run_alone(&model, &p, 20), "prompt of {len}");
-        assert_eq!(decode.used_blocks(), 0);
     }
 }
 

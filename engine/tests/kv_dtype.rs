@@ -6,11 +6,12 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use tandem_engine::config::{ModelConfig, WeightFormat};
-use tandem_engine::engine::ReceivedKv;
 use tandem_engine::model::dummy_model;
 use tandem_engine::{Engine, EngineConfig, EngineError, Model, SamplingParams, StopParams};
 use tandem_kv::{KvCache, KvDtype};
 use tandem_text::TextTokenizer;
+
+mod common;
 
 fn model(kv: KvDtype) -> Arc<Model> {
     let cfg = ModelConfig::preset("tiny").unwrap();
@@ -112,60 +113,11 @@ fn batching_and_chunking_keep_each_sequence_its_solo_tokens() {
 }
 
 #[test]
-fn a_half_cache_hands_over_to_another_engine_byte_for_byte() {
+fn a_half_cache_hands_over_to_another_engine() {
     for kv in [KvDtype::Bf16, KvDtype::F16] {
         let model = model(kv);
         let p = prompt(9, 50);
-        let mut prefill = engine(&model);
-        prefill
-            .add_request(p.clone(), SamplingParams::greedy(), stop(1))
-            .unwrap();
-        let mut shipped: HashMap<(usize, usize), Vec<u8>> = HashMap::new();
-        let mut first = None;
-        while prefill.has_work() {
-            let outs = prefill
-                .step_with(&mut |layer, cache, chunks| {
-                    for c in chunks {
-                        for lb in c.logical_blocks() {
-                            let bytes = cache.block_layer_bytes(layer, c.blocks[lb]).unwrap();
-                            shipped.insert((lb, layer), bytes.to_vec());
-                        }
-                    }
-                })
-                .unwrap();
-            first = outs.into_iter().next().or(first);
-        }
-        assert!(
-            shipped
-                .values()
-                .all(|b| b.len() == model.kv_layout().block_layer_bytes())
-        );
-        let first = first.unwrap();
-        let mut decode = engine(&model);
-        let blocks = decode.reserve(p.len()).unwrap();
-        for ((lb, layer), bytes) in &shipped {
-            decode
-                .import_block_layer(*layer, blocks[*lb], bytes)
-                .unwrap();
-        }
-        let (id, out0) = decode
-            .add_prefilled(
-                p.clone(),
-                first.token,
-                first.logprob,
-                ReceivedKv::host(blocks),
-                SamplingParams::greedy(),
-                stop(12),
-            )
-            .unwrap();
-        let mut got = vec![out0.token];
-        got.extend(
-            decode
-                .run_to_completion(id)
-                .unwrap()
-                .iter()
-                .map(|o| o.token),
-        );
+        let got = common::handoff(|| engine(&model), &p, 12);
         assert_eq!(got, alone(&model, &p, 12), "{kv:?}");
     }
 }

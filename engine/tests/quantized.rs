@@ -3,16 +3,16 @@
 //! in the f32 kernels' order), stays batch-invariant, and hands its KV from one engine to
 //! another with the same greedy tokens as one engine alone.
 
-use std::collections::HashMap;
 use std::sync::Arc;
 
 use tandem_engine::backend::cpu::kernels::QuantKind;
 use tandem_engine::config::{ModelConfig, WeightFormat};
-use tandem_engine::engine::ReceivedKv;
 use tandem_engine::model::dummy_model;
 use tandem_engine::{Engine, EngineConfig, Model, SamplingParams, SeqInput, StopParams};
 use tandem_kv::{BlockPool, KvCache, blocks_for};
 use tandem_text::TextTokenizer;
+
+mod common;
 
 /// A shape every format can hold: rows a multiple of the K formats' 256-element blocks.
 fn config() -> ModelConfig {
@@ -136,52 +136,7 @@ fn every_format_decodes_disaggregated_as_one_engine_does() {
                 .collect();
             tokens
         };
-        // The prefill side ships each (block, layer) as its layer completes.
-        let mut prefill = engine(&model);
-        prefill
-            .add_request(p.clone(), SamplingParams::greedy(), stop(1))
-            .unwrap();
-        let mut shipped: HashMap<(usize, usize), Vec<u8>> = HashMap::new();
-        let mut first = None;
-        while prefill.has_work() {
-            let outs = prefill
-                .step_with(&mut |layer, cache, chunks| {
-                    for c in chunks {
-                        for lb in c.logical_blocks() {
-                            let bytes = cache.block_layer_bytes(layer, c.blocks[lb]).unwrap();
-                            shipped.insert((lb, layer), bytes.to_vec());
-                        }
-                    }
-                })
-                .unwrap();
-            first = outs.into_iter().next().or(first);
-        }
-        let first = first.unwrap();
-        let mut decode = engine(&model);
-        let blocks = decode.reserve(p.len()).unwrap();
-        for ((lb, layer), bytes) in &shipped {
-            decode
-                .import_block_layer(*layer, blocks[*lb], bytes)
-                .unwrap();
-        }
-        let (id, out0) = decode
-            .add_prefilled(
-                p.clone(),
-                first.token,
-                first.logprob,
-                ReceivedKv::host(blocks),
-                SamplingParams::greedy(),
-                stop(12),
-            )
-            .unwrap();
-        let mut got = vec![out0.token];
-        got.extend(
-            decode
-                .run_to_completion(id)
-                .unwrap()
-                .iter()
-                .map(|o| o.token),
-        );
+        let got = common::handoff(|| engine(&model), &p, 12);
         assert_eq!(got, alone, "{kind}");
     }
 }

@@ -36,21 +36,6 @@ pub(crate) enum FileDtype {
     Bf16,
 }
 
-fn ggml_dtype(kind: QuantKind) -> GgmlDType {
-    match kind {
-        QuantKind::Q8_0 => GgmlDType::Q8_0,
-        QuantKind::Q4_0 => GgmlDType::Q4_0,
-        QuantKind::Q4_1 => GgmlDType::Q4_1,
-        QuantKind::Q4K => GgmlDType::Q4K,
-        QuantKind::Q5K => GgmlDType::Q5K,
-        QuantKind::Q6K => GgmlDType::Q6K,
-    }
-}
-
-fn quant_kind(dtype: GgmlDType) -> Option<QuantKind> {
-    QuantKind::ALL.into_iter().find(|&k| ggml_dtype(k) == dtype)
-}
-
 impl Loaded {
     /// From f32 values (the file held them as `file`), stored as `format` asks.
     pub fn from_values(
@@ -94,7 +79,7 @@ impl Loaded {
         format: WeightFormat,
     ) -> Result<Self> {
         let dtype = qt.dtype();
-        let keep = match (format, quant_kind(dtype)) {
+        let keep = match (format, QuantKind::from_ggml(dtype)) {
             (WeightFormat::Native, Some(kind)) => Some(kind),
             (WeightFormat::Quant(want), Some(kind)) if want == kind => Some(kind),
             _ => None,
@@ -157,9 +142,7 @@ impl Loaded {
         QuantPanels::ggml_size(kind, rows, cols)
             .map_err(|e| EngineError::Config(format!("{name}: {e}")))?;
         let t = Tensor::from_vec(values, (rows, cols), &Device::Cpu)?;
-        let bytes = QTensor::quantize(&t, ggml_dtype(kind))?
-            .data()?
-            .into_owned();
+        let bytes = QTensor::quantize(&t, kind.to_ggml())?.data()?.into_owned();
         Ok(Self {
             name: name.to_string(),
             rows,

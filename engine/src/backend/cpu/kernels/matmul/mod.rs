@@ -1,5 +1,6 @@
 //! `linear`: `out[m×n] = x[m×k] · Wᵀ` for a weight matrix W of `n` output features by `k`
-//! input features (every Llama projection), f32 activations, f32/f16/bf16 weights.
+//! input features (every Llama projection), f32 activations, f32/f16/bf16 weights or GGML
+//! formats (`quant`, which feeds the same f32 tiles).
 //!
 //! W is repacked at load into panels of 16 output features: panel `p` holds, for every input
 //! feature `i`, the 16 weights `W[16p..16p+16][i]` side by side (zero-padded past `n`). The

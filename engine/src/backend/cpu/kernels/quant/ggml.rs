@@ -120,6 +120,26 @@ impl QuantKind {
     }
 }
 
+impl QuantKind {
+    /// candle's name for the format (its quantizer and GGUF reader).
+    pub fn to_ggml(self) -> candle_core::quantized::GgmlDType {
+        use candle_core::quantized::GgmlDType;
+        match self {
+            QuantKind::Q8_0 => GgmlDType::Q8_0,
+            QuantKind::Q4_0 => GgmlDType::Q4_0,
+            QuantKind::Q4_1 => GgmlDType::Q4_1,
+            QuantKind::Q4K => GgmlDType::Q4K,
+            QuantKind::Q5K => GgmlDType::Q5K,
+            QuantKind::Q6K => GgmlDType::Q6K,
+        }
+    }
+
+    /// The format of a candle tensor type, if it is one of these.
+    pub fn from_ggml(dtype: candle_core::quantized::GgmlDType) -> Option<QuantKind> {
+        QuantKind::ALL.into_iter().find(|k| k.to_ggml() == dtype)
+    }
+}
+
 impl std::fmt::Display for QuantKind {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(self.name())

@@ -1,23 +1,12 @@
 //! Each format against candle's own quantizer and dequantizer (an independent reading of the
 //! GGML blocks), on every instruction set, and through `linear`.
 
-use candle_core::quantized::{GgmlDType, QTensor};
+use candle_core::quantized::QTensor;
 use candle_core::{Device, Tensor};
 use rand::{Rng, SeedableRng, rngs::StdRng};
 
 use super::*;
 use crate::backend::cpu::kernels::matmul::{Matrix, WeightData, linear_on};
-
-pub(crate) fn ggml_dtype(kind: QuantKind) -> GgmlDType {
-    match kind {
-        QuantKind::Q8_0 => GgmlDType::Q8_0,
-        QuantKind::Q4_0 => GgmlDType::Q4_0,
-        QuantKind::Q4_1 => GgmlDType::Q4_1,
-        QuantKind::Q4K => GgmlDType::Q4K,
-        QuantKind::Q5K => GgmlDType::Q5K,
-        QuantKind::Q6K => GgmlDType::Q6K,
-    }
-}
 
 fn random(n: usize, seed: u64) -> Vec<f32> {
     let mut rng = StdRng::seed_from_u64(seed);
@@ -28,7 +17,7 @@ fn random(n: usize, seed: u64) -> Vec<f32> {
 /// dequantized values.
 fn quantized(kind: QuantKind, rows: usize, cols: usize, seed: u64) -> (Vec<u8>, Vec<f32>) {
     let t = Tensor::from_vec(random(rows * cols, seed), (rows, cols), &Device::Cpu).unwrap();
-    let q = QTensor::quantize(&t, ggml_dtype(kind)).unwrap();
+    let q = QTensor::quantize(&t, kind.to_ggml()).unwrap();
     let bytes = q.data().unwrap().to_vec();
     let values = q
         .dequantize(&Device::Cpu)

@@ -1,0 +1,67 @@
+//! What the engine's integration tests share: the disaggregated path inside one process. A
+//! prefill engine runs the prompt and ships each (block, layer) as its layer completes; a
+//! second engine imports them into blocks it reserved and continues the sequence.
+
+use std::collections::HashMap;
+
+use tandem_engine::engine::ReceivedKv;
+use tandem_engine::{Engine, SamplingParams, StopParams};
+
+/// The greedy tokens of `prompt` prefilled on one engine and decoded on another (both made
+/// by `engine`), the first token from the prefill side. Both engines must free every block.
+pub fn handoff(engine: impl Fn() -> Engine, prompt: &[u32], max_tokens: usize) -> Vec<u32> {
+    let stop = |n| StopParams {
+        max_tokens: n,
+        ignore_eos: true,
+        ..Default::default()
+    };
+    let mut prefill = engine();
+    prefill
+        .add_request(prompt.to_vec(), SamplingParams::greedy(), stop(1))
+        .unwrap();
+    let mut shipped: HashMap<(usize, usize), Vec<u8>> = HashMap::new();
+    let mut first = None;
+    while prefill.has_work() {
+        let outs = prefill
+            .step_with(&mut |layer, cache, chunks| {
+                for c in chunks {
+                    for lb in c.logical_blocks() {
+                        let bytes = cache.block_layer_bytes(layer, c.blocks[lb]).unwrap();
+                        shipped.insert((lb, layer), bytes.to_vec());
+                    }
+                }
+            })
+            .unwrap();
+        first = outs.into_iter().next().or(first);
+    }
+    let first = first.expect("the prefill side sampled a first token");
+    assert_eq!(prefill.used_blocks(), 0, "prefill side frees its blocks");
+
+    let mut decode = engine();
+    let blocks = decode.reserve(prompt.len()).unwrap();
+    for ((lb, layer), bytes) in &shipped {
+        decode
+            .import_block_layer(*layer, blocks[*lb], bytes)
+            .unwrap();
+    }
+    let (id, out0) = decode
+        .add_prefilled(
+            prompt.to_vec(),
+            first.token,
+            first.logprob,
+            ReceivedKv::host(blocks),
+            SamplingParams::greedy(),
+            stop(max_tokens),
+        )
+        .unwrap();
+    let mut tokens = vec![out0.token];
+    tokens.extend(
+        decode
+            .run_to_completion(id)
+            .unwrap()
+            .iter()
+            .map(|o| o.token),
+    );
+    assert_eq!(decode.used_blocks(), 0, "decode side frees its blocks");
+    tokens
+}
