@@ -19,4 +19,6 @@ pub use argv::{defaults, parse_without_env, to_args};
 pub use auth::InternalAuthArgs;
 pub use log::{LogArgs, LogFormat};
 pub use router::{FallbackPolicy, RouterArgs, TransportArg};
-pub use worker::{DecodeArgs, EngineArgs, ModelArgs, PrefillArgs, ServerArgs, WEIGHT_FORMATS};
+pub use worker::{
+    DecodeArgs, EngineArgs, KV_DTYPES, ModelArgs, PrefillArgs, ServerArgs, WEIGHT_FORMATS,
+};

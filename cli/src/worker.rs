@@ -14,6 +14,9 @@ pub const WEIGHT_FORMATS: [&str; 10] = [
     "native", "f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q4_k", "q5_k", "q6_k",
 ];
 
+/// The values `--kv-dtype` takes (`tandem_kv::KvDtype` names).
+pub const KV_DTYPES: [&str; 3] = ["f32", "bf16", "f16"];
+
 /// Which model to serve.
 #[derive(Debug, Clone, PartialEq, Args, Serialize, Deserialize)]
 pub struct ModelArgs {
@@ -29,7 +32,7 @@ pub struct ModelArgs {
     /// Element type of the KV cache: `f32`, or `bf16`/`f16` for half the memory and half the
     /// bytes on every transport (K and V rounded; the CPU engine only). Prefill and decode
     /// workers must agree: the dtype is part of the layout they compare.
-    #[arg(long, env = "TANDEM_KV_DTYPE", default_value = "f32", value_parser = ["f32", "bf16", "f16"])]
+    #[arg(long, env = "TANDEM_KV_DTYPE", default_value = "f32", value_parser = clap::builder::PossibleValuesParser::new(KV_DTYPES))]
     pub kv_dtype: String,
     /// A tokenizer (tokenizer.json, HF folder or GGUF) instead of the model's own.
     #[arg(long, env = "TANDEM_TOKENIZER")]

@@ -9,8 +9,8 @@ use std::time::{Duration, Instant};
 
 use tandem_cli::ModelArgs;
 use tandem_decode::{DecodeConfig, DecodeWorker, serve};
-use tandem_e2e::{DecodeClient, decode_client, test_auth};
-use tandem_engine::{Engine, EngineConfig, Model};
+use tandem_e2e::{DecodeClient, PromptKv, decode_client, local_prefill, test_auth};
+use tandem_engine::{EngineConfig, Model};
 use tandem_proto::v1::*;
 use tandem_text::TextTokenizer;
 use tandem_transfer::{Peers, connect};
@@ -132,40 +132,6 @@ async fn wait_free(d: &mut DecodeClient, within: Duration) {
     }
 }
 
-/// A prompt's KV: per layer, `(logical block, bytes)`.
-type PromptKv = Vec<Vec<(u32, Vec<u8>)>>;
-
-/// The prompt's KV and its greedy first token, computed by a local engine as a prefill
-/// worker computes them.
-fn prompt_kv(model: &Arc<Model>, tokenizer: &TextTokenizer, prompt: &[u32]) -> (PromptKv, u32) {
-    let mut engine =
-        Engine::new(model.clone(), tokenizer.clone(), EngineConfig::default()).expect("engine");
-    let stop = tandem_engine::StopParams {
-        max_tokens: 1,
-        ignore_eos: true,
-        ..Default::default()
-    };
-    engine
-        .add_request(
-            prompt.to_vec(),
-            tandem_engine::SamplingParams::greedy(),
-            stop,
-        )
-        .expect("request");
-    let mut layers = vec![Vec::new(); model.config().num_hidden_layers];
-    let out = engine
-        .step_with(&mut |layer, cache, chunks| {
-            for c in chunks {
-                for lb in c.logical_blocks() {
-                    let bytes = cache.block_layer_bytes(layer, c.blocks[lb]).expect("block");
-                    layers[layer].push((lb as u32, bytes.to_vec()));
-                }
-            }
-        })
-        .expect("prefill");
-    (layers, out[0].token)
-}
-
 /// Ships `kv` (a prompt of `tokens` tokens) into `lease` over `transport` as a prefill
 /// worker does (layers handed over from a plain thread, as from the engine's), and commits
 /// with `first`.
@@ -213,7 +179,7 @@ async fn kv_pushed_into_a_lease_decodes_as_aggregated_serving_does() {
         .into_inner();
     let (want, _) = tokens(&mut agg).await;
     assert_eq!(want.len(), 10);
-    let (kv, first) = prompt_kv(&d.model, &d.tokenizer, &prompt);
+    let (kv, first) = local_prefill(&d.model, &d.tokenizer, &prompt);
     assert_eq!(first, want[0]);
     let peers = Peers::new(test_auth(), Some(d.shm.path().to_path_buf()));
     for transport in [Transport::Grpc, Transport::Tcp, Transport::Shm] {
@@ -284,7 +250,7 @@ async fn leases_end_cleanly_when_cancelled_expired_or_guessed() {
     let err = d.client.commit_kv(guess).await.expect_err("guessed commit");
     assert_eq!(err.code(), tonic::Code::NotFound, "{err}");
     assert!(!err.message().contains(&prompt.len().to_string()), "{err}");
-    let (kv, first) = prompt_kv(&d.model, &d.tokenizer, &prompt);
+    let (kv, first) = local_prefill(&d.model, &d.tokenizer, &prompt);
     let peers = Peers::new(test_auth(), None);
     ship(
         &d,

@@ -379,10 +379,11 @@ impl DeployConfig {
                 ));
             }
         }
-        if !["f32", "bf16", "f16"].contains(&self.model.kv_dtype.as_str()) {
+        if !tandem_cli::KV_DTYPES.contains(&self.model.kv_dtype.as_str()) {
             return bad(format!(
-                "model.kv_dtype `{}`: use f32, bf16 or f16",
-                self.model.kv_dtype
+                "model.kv_dtype `{}`: use one of {}",
+                self.model.kv_dtype,
+                tandem_cli::KV_DTYPES.join(", ")
             ));
         }
         if !tandem_cli::WEIGHT_FORMATS.contains(&self.model.weights.as_str()) {

@@ -551,3 +551,38 @@ pub fn test_pki(
     std::fs::write(&paths.2, key.serialize_pem())?;
     Ok(paths)
 }
+
+/// A prompt's KV as a prefill worker ships it: per layer, `(logical block, bytes)`.
+pub type PromptKv = Vec<Vec<(u32, Vec<u8>)>>;
+
+/// The prompt's KV and its greedy first token, computed by a local engine as a prefill
+/// worker computes them (for the workers' in-process tests).
+pub fn local_prefill(
+    model: &std::sync::Arc<tandem_engine::Model>,
+    tokenizer: &tandem_text::TextTokenizer,
+    prompt: &[u32],
+) -> (PromptKv, u32) {
+    use tandem_engine::{Engine, EngineConfig, SamplingParams, StopParams};
+    let mut engine =
+        Engine::new(model.clone(), tokenizer.clone(), EngineConfig::default()).expect("engine");
+    let stop = StopParams {
+        max_tokens: 1,
+        ignore_eos: true,
+        ..Default::default()
+    };
+    engine
+        .add_request(prompt.to_vec(), SamplingParams::greedy(), stop)
+        .expect("request");
+    let mut layers = vec![Vec::new(); model.config().num_hidden_layers];
+    let out = engine
+        .step_with(&mut |layer, cache, chunks| {
+            for c in chunks {
+                for lb in c.logical_blocks() {
+                    let bytes = cache.block_layer_bytes(layer, c.blocks[lb]).expect("block");
+                    layers[layer].push((lb as u32, bytes.to_vec()));
+                }
+            }
+        })
+        .expect("prefill");
+    (layers, out[0].token)
+}

@@ -117,6 +117,7 @@ fn main() -> anyhow::Result<()> {
         "model": args.model,
         "text": args.text.file_name().and_then(|n| n.to_str()),
         "tokens": tokens.len(),
+        "kv_dtype": args.kv_dtype.name(),
         "baseline": rows[0].0.name(),
         "results": rows.iter().map(|(f, s, b, p)| serde_json::json!({
             "weights": f.name(),

@@ -9,8 +9,8 @@ use std::time::{Duration, Instant};
 
 use tandem_auth::{InternalAuth, Secret};
 use tandem_cli::ModelArgs;
-use tandem_e2e::{PrefillClient, prefill_client, test_auth};
-use tandem_engine::{Engine, EngineConfig, Model};
+use tandem_e2e::{PrefillClient, local_prefill, prefill_client, test_auth};
+use tandem_engine::{EngineConfig, Model};
 use tandem_kv::KvCache;
 use tandem_prefill::{PrefillConfig, PrefillWorker, serve};
 use tandem_proto::v1::decode_service_server::DecodeServiceServer;
@@ -113,44 +113,6 @@ fn prompt(len: u32) -> Vec<u32> {
     (0..len).map(|i| 3 + (i * 11) % 250).collect()
 }
 
-/// What a local engine computes for `prompt`: each layer's block bytes and the first token.
-fn local_prefill(
-    model: &Arc<Model>,
-    tokenizer: &TextTokenizer,
-    prompt: &[u32],
-) -> (Vec<Vec<Vec<u8>>>, u32) {
-    let mut engine =
-        Engine::new(model.clone(), tokenizer.clone(), EngineConfig::default()).expect("engine");
-    let stop = tandem_engine::StopParams {
-        max_tokens: 1,
-        ignore_eos: true,
-        ..Default::default()
-    };
-    engine
-        .add_request(
-            prompt.to_vec(),
-            tandem_engine::SamplingParams::greedy(),
-            stop,
-        )
-        .expect("request");
-    let mut layers = vec![Vec::new(); model.config().num_hidden_layers];
-    let out = engine
-        .step_with(&mut |layer, cache, chunks| {
-            for c in chunks {
-                for lb in c.logical_blocks() {
-                    layers[layer].push(
-                        cache
-                            .block_layer_bytes(layer, c.blocks[lb])
-                            .expect("block")
-                            .to_vec(),
-                    );
-                }
-            }
-        })
-        .expect("prefill");
-    (layers, out[0].token)
-}
-
 fn destination(
     side: &KvSide,
     lease: &tandem_transfer::Lease,
@@ -202,10 +164,10 @@ async fn shipped_kv_is_the_computed_kv_committed_with_the_first_token() {
             .expect("a good commit");
         assert_eq!(commit.first_token, first);
         for (layer, pieces) in want.iter().enumerate() {
-            for (lb, bytes) in pieces.iter().enumerate() {
+            for (lb, bytes) in pieces {
                 let got = side
                     .cache
-                    .block_layer_bytes(layer, blocks[lb])
+                    .block_layer_bytes(layer, blocks[*lb as usize])
                     .expect("block");
                 assert!(
                     got == bytes.as_slice(),

@@ -134,10 +134,14 @@ mod tests {
     use clap::Parser;
 
     #[test]
-    fn every_weights_value_the_flag_offers_is_a_format_the_engine_loads() {
+    fn every_value_the_storage_flags_offer_is_one_the_engine_loads() {
         for name in tandem_cli::WEIGHT_FORMATS {
             let format: WeightFormat = name.parse().unwrap();
             assert_eq!(format.name(), name);
+        }
+        for name in tandem_cli::KV_DTYPES {
+            let dtype: tandem_kv::KvDtype = name.parse().unwrap();
+            assert_eq!(dtype.name(), name);
         }
     }
 

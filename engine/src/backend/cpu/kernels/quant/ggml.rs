@@ -253,16 +253,3 @@ pub fn decode_row(kind: QuantKind, bytes: &[u8], cols: usize, out: &mut DecodedR
         }
     }
 }
-
-/// The dequantized value of `q` in group `g`, super-block (or block) `s`: the scalar form of
-/// what the kernels compute.
-#[inline(always)]
-pub fn dequant_value(kind: QuantKind, q: i8, d: f16, m: f16, sc: i8, neg_min: i8) -> f32 {
-    let (scale, offset) = if kind.super_blocks() {
-        (d.to_f32() * sc as f32, m.to_f32() * neg_min as f32)
-    } else {
-        (d.to_f32(), m.to_f32())
-    };
-    let v = q as f32 * scale;
-    if kind.asymmetric() { v + offset } else { v }
-}

@@ -145,34 +145,10 @@ impl QuantPanels {
 
     /// Element `(r, c)` dequantized, as ggml dequantizes it.
     pub fn get(&self, r: usize, c: usize) -> f32 {
-        let (p, lane) = (r / PANEL, r % PANEL);
-        let kind = self.kind;
-        let q = if kind.nibbles() {
-            let byte = self.q[(p * self.cols / 2 + c / 2) * PANEL + lane];
-            let nibble = if c.is_multiple_of(2) {
-                byte & 0xF
-            } else {
-                byte >> 4
-            };
-            (nibble as i32 - kind.nibble_bias()) as i8
-        } else {
-            self.q[(p * self.cols + c) * PANEL + lane] as i8
-        };
-        let nd = kind.scales_per_row(self.cols);
-        let s = if kind.super_blocks() {
-            c / SUPER_BLOCK
-        } else {
-            c / kind.group()
-        };
-        let at = (p * nd + s) * PANEL + lane;
-        let m = self.m.get(at).copied().unwrap_or(f16::ZERO);
-        let (sc, neg_min) = if kind.super_blocks() {
-            let g = (p * kind.group_scales_per_row(self.cols) + c / kind.group()) * PANEL + lane;
-            (self.sc[g], self.neg_min.get(g).copied().unwrap_or(0))
-        } else {
-            (0, 0)
-        };
-        ggml::dequant_value(kind, q, self.d[at], m, sc, neg_min)
+        let view = PanelView::new(self, r / PANEL);
+        let lane = r % PANEL;
+        let (scale, offset) = view.scale_offset(c / self.kind.group(), lane);
+        view.weight(view.q(c, lane), scale, offset)
     }
 
     /// Bytes of `q` per panel.
@@ -310,46 +286,57 @@ impl<'a> PanelView<'a> {
             g
         }
     }
+
+    /// The stored integer of input `i`, lane `lane`, with the nibble bias taken off.
+    fn q(&self, i: usize, lane: usize) -> i8 {
+        if self.kind.nibbles() {
+            let byte = self.q[(i / 2) * PANEL + lane];
+            let nibble = if i.is_multiple_of(2) {
+                byte & 0xF
+            } else {
+                byte >> 4
+            };
+            (nibble as i32 - self.kind.nibble_bias()) as i8
+        } else {
+            self.q[i * PANEL + lane] as i8
+        }
+    }
+
+    /// Group `g`'s scale and offset in lane `lane`: `d` and `m` of direct formats, the exact
+    /// products `d·sc` and `dmin·(−m)` of the K formats (the offset is 0 when symmetric).
+    fn scale_offset(&self, g: usize, lane: usize) -> (f32, f32) {
+        let at = self.scale_index(g) * PANEL + lane;
+        let d = self.d[at].to_f32();
+        let m = self.m.get(at).map_or(0.0, |m| m.to_f32());
+        if self.kind.super_blocks() {
+            let sc = self.sc[g * PANEL + lane];
+            let neg_min = self.neg_min.get(g * PANEL + lane).copied().unwrap_or(0);
+            (d * sc as f32, m * neg_min as f32)
+        } else {
+            (d, m)
+        }
+    }
+
+    /// `q·scale`, then `+ offset` for asymmetric formats: ggml's operations, in its order.
+    #[inline(always)]
+    fn weight(&self, q: i8, scale: f32, offset: f32) -> f32 {
+        let w = q as f32 * scale;
+        if self.kind.asymmetric() {
+            w + offset
+        } else {
+            w
+        }
+    }
 }
 
-/// The portable dequantization: [`ggml::dequant_value`] per element.
+/// The portable dequantization: [`PanelView::weight`] per element, scales once per group.
 fn dequant_portable(v: &PanelView, out: &mut [f32]) {
-    let kind = v.kind;
-    let group = kind.group();
+    let group = v.kind.group();
     for g in 0..v.cols / group {
-        let s = v.scale_index(g);
-        let mut scale = [0f32; PANEL];
-        let mut offset = [0f32; PANEL];
-        for lane in 0..PANEL {
-            let d = v.d[s * PANEL + lane];
-            let m = v.m.get(s * PANEL + lane).copied().unwrap_or(f16::ZERO);
-            (scale[lane], offset[lane]) = if kind.super_blocks() {
-                let sc = v.sc[g * PANEL + lane];
-                let nm = v.neg_min.get(g * PANEL + lane).copied().unwrap_or(0);
-                (d.to_f32() * sc as f32, m.to_f32() * nm as f32)
-            } else {
-                (d.to_f32(), m.to_f32())
-            };
-        }
+        let lanes: [(f32, f32); PANEL] = std::array::from_fn(|lane| v.scale_offset(g, lane));
         for i in g * group..(g + 1) * group {
-            for lane in 0..PANEL {
-                let q = if kind.nibbles() {
-                    let byte = v.q[(i / 2) * PANEL + lane];
-                    let nibble = if i.is_multiple_of(2) {
-                        byte & 0xF
-                    } else {
-                        byte >> 4
-                    };
-                    (nibble as i32 - kind.nibble_bias()) as f32
-                } else {
-                    v.q[i * PANEL + lane] as i8 as f32
-                };
-                let w = q * scale[lane];
-                out[i * PANEL + lane] = if kind.asymmetric() {
-                    w + offset[lane]
-                } else {
-                    w
-                };
+            for (lane, &(scale, offset)) in lanes.iter().enumerate() {
+                out[i * PANEL + lane] = v.weight(v.q(i, lane), scale, offset);
             }
         }
     }
