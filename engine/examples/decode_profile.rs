@@ -1,5 +1,6 @@
 //! Runs decode steps at one batch size, for profiling (`perf record`):
-//! `cargo run --release -p tandem-engine --example decode_profile -- 32`.
+//! `cargo run --release -p tandem-engine --example decode_profile -- 32 [steps] [prompt_len]`
+//! (the first step prefills every prompt and is not timed).
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -8,7 +9,8 @@ use tandem_engine::{
 };
 
 fn main() -> anyhow::Result<()> {
-    let batch: usize = std::env::args().nth(1).map_or(Ok(32), |s| s.parse())?;
+    let arg = |i: usize, default: usize| std::env::args().nth(i).map_or(Ok(default), |s| s.parse());
+    let (batch, steps, prompt_len) = (arg(1, 32)?, arg(2, 50)?, arg(3, 128)? as u32);
     let cache = std::env::var_os("TANDEM_CACHE")
         .map_or_else(tandem_engine::fetch::default_cache_dir, Into::into);
     let opts = LoadOptions {
@@ -24,14 +26,14 @@ fn main() -> anyhow::Result<()> {
     };
     let mut e = Engine::new(Arc::new(model), tok, config)?;
     for i in 0..batch as u32 {
-        let p: Vec<u32> = (0..128u32)
+        let p: Vec<u32> = (0..prompt_len)
             .map(|j| 3 + (j * 7919 + i * 104_729) % 49_000)
             .collect();
         e.add_request(
             p,
             SamplingParams::greedy(),
             StopParams {
-                max_tokens: 60,
+                max_tokens: steps + 10,
                 ignore_eos: true,
                 ..Default::default()
             },
@@ -40,12 +42,12 @@ fn main() -> anyhow::Result<()> {
     e.step()?;
     e.step()?;
     let t = Instant::now();
-    for _ in 0..50 {
+    for _ in 0..steps {
         e.step()?;
     }
     println!(
         "batch {batch}: {:.1} ms/step",
-        t.elapsed().as_secs_f64() * 1e3 / 50.0
+        t.elapsed().as_secs_f64() * 1e3 / steps as f64
     );
     Ok(())
 }

@@ -4,6 +4,7 @@
 use tandem_kv::{BLOCK_SIZE, KvCache};
 
 use super::kernels::attention::{AttnSeq, paged_attention};
+use super::kernels::team::parallel_rows;
 use super::kernels::{add_in_place, linear, rms_norm, silu_mul};
 use crate::error::{EngineError, Result};
 use crate::model::{Model, SeqInput};
@@ -82,16 +83,38 @@ impl Model {
         let mut act = vec![0f32; t * f];
         let eps = cfg.rms_norm_eps as f32;
 
+        // The per-row operations below run over row ranges on the compute team when a pass
+        // has many rows (a prefill chunk); each row's arithmetic is the same either way.
+        let half = d / 2;
+        let norm = |x: &[f32], weight: &[f32], out: &mut [f32]| {
+            parallel_rows(out, h, &|r0, rows| {
+                rms_norm(&x[r0 * h..r0 * h + rows.len()], weight, eps, rows);
+            });
+        };
+        let residual = |x: &mut [f32], proj: &[f32]| {
+            parallel_rows(x, h, &|r0, rows| {
+                add_in_place(rows, &proj[r0 * h..r0 * h + rows.len()]);
+            });
+        };
         for (l, layer) in self.weights().layers.iter().enumerate() {
-            rms_norm(&x, &layer.attn_norm, eps, &mut normed);
+            norm(&x, &layer.attn_norm, &mut normed);
             linear(&normed, t, &layer.qkv, &mut qkv);
-            self.rope()
-                .apply(&mut qkv, qkv_w, 0, cfg.num_attention_heads, &cos, &sin);
-            self.rope()
-                .apply(&mut qkv, qkv_w, qw, cfg.num_key_value_heads, &cos, &sin);
-            for (row, qrow) in qkv.chunks_exact(qkv_w).zip(q.chunks_exact_mut(qw)) {
-                qrow.copy_from_slice(&row[..qw]);
-            }
+            parallel_rows(&mut qkv, qkv_w, &|r0, rows| {
+                let n = rows.len() / qkv_w;
+                let (cos, sin) = (
+                    &cos[r0 * half..(r0 + n) * half],
+                    &sin[r0 * half..(r0 + n) * half],
+                );
+                let rope = self.rope();
+                rope.apply(rows, qkv_w, 0, cfg.num_attention_heads, cos, sin);
+                rope.apply(rows, qkv_w, qw, cfg.num_key_value_heads, cos, sin);
+            });
+            parallel_rows(&mut q, qw, &|r0, rows| {
+                let src = qkv[r0 * qkv_w..].chunks_exact(qkv_w);
+                for (row, qrow) in src.zip(rows.chunks_exact_mut(qw)) {
+                    qrow.copy_from_slice(&row[..qw]);
+                }
+            });
             for a in &attn_seqs {
                 for i in 0..a.q_len {
                     let pos = a.start_pos + i;
@@ -108,16 +131,17 @@ impl Model {
             }
             paged_attention(cache, l, &q, &attn_seqs, cfg.num_attention_heads, &mut attn);
             linear(&attn, t, &layer.o, &mut proj);
-            add_in_place(&mut x, &proj);
+            residual(&mut x, &proj);
 
-            rms_norm(&x, &layer.ffn_norm, eps, &mut normed);
+            norm(&x, &layer.ffn_norm, &mut normed);
             linear(&normed, t, &layer.gate_up, &mut gate_up);
-            silu_mul(&gate_up, f, &mut act);
+            parallel_rows(&mut act, f, &|r0, rows| {
+                silu_mul(&gate_up[2 * f * r0..2 * (f * r0 + rows.len())], f, rows);
+            });
             linear(&act, t, &layer.down, &mut proj);
-            add_in_place(&mut x, &proj);
+            residual(&mut x, &proj);
             on_layer(l, cache);
         }
-        let _ = d;
 
         // Final norm and LM head only for the rows that need logits.
         let wanted: Vec<usize> = attn_seqs

@@ -238,25 +238,8 @@ unsafe fn task_body(
         for lane in first_lane..lanes {
             let pos = s.start_pos + r0 + lane / n_rep;
             let valid = (pos - first_key + 1).min(BLOCK_SIZE);
-            let lane_scores = &scores[lane];
-            let mut block_max = f32::NEG_INFINITY;
-            for &sc in &lane_scores[..valid] {
-                block_max = block_max.max(sc);
-            }
             let st = &mut states[lane];
-            let new_max = st.max.max(block_max);
-            let mut p = *lane_scores;
-            for v in p.iter_mut() {
-                *v -= new_max;
-            }
-            exp16(&mut p);
-            let mut psum = 0f32;
-            for (j, v) in p.iter_mut().enumerate() {
-                if j >= valid {
-                    *v = 0.0;
-                }
-                psum += *v;
-            }
+            let (new_max, p, psum) = block_softmax(&scores[lane], valid, st.max);
             let a = &mut acc[lane * d..(lane + 1) * d];
             // Rescale only when the running maximum moved (x·1 is exact, so skipping it
             // changes no bit of the result).
@@ -623,6 +606,57 @@ unsafe fn accumulate_avx2<const N: usize>(
             }
         }
     }
+}
+
+/// One lane's share of a block in the online softmax: the running maximum updated with the
+/// block's first `valid` scores, `p = exp(score - max)` (0 past `valid`) and `Σ p`.
+///
+/// Written as whole-block operations and fixed-shape reduction trees so it compiles to a
+/// handful of vector instructions on every instruction set (a scalar pass over the 16
+/// positions, with a 16-long chain of dependent additions, was most of a prefill's attention
+/// time); the tree's order is the same on every path, so the bits are too.
+#[inline(always)]
+fn block_softmax(
+    scores: &[f32; BLOCK_SIZE],
+    valid: usize,
+    running_max: f32,
+) -> (f32, [f32; BLOCK_SIZE], f32) {
+    let mut masked = [f32::NEG_INFINITY; BLOCK_SIZE];
+    for (j, (m, &sc)) in masked.iter_mut().zip(scores).enumerate() {
+        if j < valid {
+            *m = sc;
+        }
+    }
+    // The maximum is exact whatever the order; the tree only shortens the chain.
+    let block_max = tree16(&masked, f32::max);
+    let new_max = running_max.max(block_max);
+    let mut p = [0f32; BLOCK_SIZE];
+    for (pj, &sc) in p.iter_mut().zip(scores) {
+        *pj = sc - new_max;
+    }
+    exp16(&mut p);
+    for (j, pj) in p.iter_mut().enumerate() {
+        if j >= valid {
+            *pj = 0.0;
+        }
+    }
+    (new_max, p, tree16(&p, |a, b| a + b))
+}
+
+/// `x[0..16]` folded by halves: `x[j] ∘ x[j + 8]`, then `+4`, `+2`, `+1`.
+#[inline(always)]
+fn tree16(x: &[f32; BLOCK_SIZE], op: impl Fn(f32, f32) -> f32) -> f32 {
+    let mut h = [0f32; 8];
+    for (j, v) in h.iter_mut().enumerate() {
+        *v = op(x[j], x[j + 8]);
+    }
+    let q = [
+        op(h[0], h[4]),
+        op(h[1], h[5]),
+        op(h[2], h[6]),
+        op(h[3], h[7]),
+    ];
+    op(op(q[0], q[2]), op(q[1], q[3]))
 }
 
 /// `e^x` for 16 lanes: Cephes' polynomial, written so the compiler vectorizes it

@@ -168,6 +168,32 @@ pub fn parallel_for(tasks: usize, f: &(dyn Fn(usize) + Sync)) {
     *team.slot.lock().unwrap_or_else(|p| p.into_inner()) = None;
 }
 
+/// Rows per task of the per-row operations; fewer than twice this run on the caller alone
+/// (starting a region costs more than a few short rows, as in every decode step).
+const MIN_ROWS_PER_TASK: usize = 16;
+
+/// Runs `f(first_row, rows)` over disjoint runs of `out`'s rows (`width` floats each) on the
+/// team: for per-row operations (norms, RoPE, SwiGLU, residual adds) of a prefill chunk,
+/// which a row computes the same way whichever thread runs it.
+pub fn parallel_rows(out: &mut [f32], width: usize, f: &(dyn Fn(usize, &mut [f32]) + Sync)) {
+    let rows = out.len() / width.max(1);
+    if rows < 2 * MIN_ROWS_PER_TASK || width == 0 {
+        f(0, out);
+        return;
+    }
+    let tasks = (rows / MIN_ROWS_PER_TASK).min(threads() * 4);
+    let per_task = rows.div_ceil(tasks);
+    let base = super::SharedMut(out.as_mut_ptr());
+    parallel_for(rows.div_ceil(per_task), &|t| {
+        let (r0, r1) = (t * per_task, ((t + 1) * per_task).min(rows));
+        let base = &base;
+        // SAFETY: tasks own disjoint row ranges of `out`, which outlives the region.
+        let chunk =
+            unsafe { std::slice::from_raw_parts_mut(base.0.add(r0 * width), (r1 - r0) * width) };
+        f(r0, chunk);
+    });
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -180,6 +206,20 @@ mod tests {
                 hits[i].fetch_add(1, Ordering::Relaxed);
             });
             assert!(hits.iter().all(|h| h.load(Ordering::Relaxed) == 1));
+        }
+    }
+
+    #[test]
+    fn parallel_rows_covers_each_row_once() {
+        for rows in [0, 1, 31, 32, 33, 200, 513] {
+            let mut out = vec![0f32; rows * 3];
+            parallel_rows(&mut out, 3, &|r0, chunk| {
+                for (i, row) in chunk.chunks_exact_mut(3).enumerate() {
+                    row.iter_mut().for_each(|v| *v += (r0 + i) as f32);
+                }
+            });
+            let want: Vec<f32> = (0..rows).flat_map(|r| [r as f32; 3]).collect();
+            assert_eq!(out, want, "{rows} rows");
         }
     }
 

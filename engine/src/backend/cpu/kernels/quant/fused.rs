@@ -1,5 +1,5 @@
 //! AVX-512 tiles that dequantize in registers, for the few rows of a decode step: each weight
-//! vector is built once (`q·S`, then `+ O`, the portable loop's operations) and multiplied
+//! vector is built once (`q·S + O`, the portable loop's value) and multiplied
 //! straight into the accumulators, so the integers stream from memory with nothing written
 //! in between. With many rows the column-group buffer of `matmul` is cheaper (the dequant
 //! is shared by the rows); both give the same bits, since each output is the same chain of
@@ -80,12 +80,17 @@ unsafe fn dispatch(w: &QuantPanels, p: usize, mr: usize, cp: usize, t: RowTile) 
     }
 }
 
-/// `q·scale (+ offset)` for 16 lanes of integers.
+/// `q·scale (+ offset)` for 16 lanes of integers, one fused multiply-add when there is an
+/// offset (the same bits as the portable multiply-then-add: see `QuantPanels::weight`).
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,f16c,fma")]
 #[inline]
 fn weight<const ASYM: bool>(q: __m512i, scale: __m512, offset: __m512) -> __m512 {
-    let w = _mm512_mul_ps(_mm512_cvtepi32_ps(q), scale);
-    if ASYM { _mm512_add_ps(w, offset) } else { w }
+    let q = _mm512_cvtepi32_ps(q);
+    if ASYM {
+        _mm512_fmadd_ps(q, scale, offset)
+    } else {
+        _mm512_mul_ps(q, scale)
+    }
 }
 
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,f16c,fma")]
@@ -153,6 +158,18 @@ unsafe fn tile<
                 let ahead = q0.wrapping_add(c * qb + C * qb + g * group_bytes);
                 for line in (0..group_bytes).step_by(64) {
                     _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(line).cast());
+                }
+                // The scales and offsets are streams of their own: fetch the successor's too.
+                _mm_prefetch::<_MM_HINT_T0>(d0.wrapping_add((c + C) * nd + s).cast());
+                if ASYM {
+                    _mm_prefetch::<_MM_HINT_T0>(m0.wrapping_add((c + C) * nd + s).cast());
+                }
+                if kind.super_blocks() {
+                    let at = (c + C) * ng + g * PANEL;
+                    _mm_prefetch::<_MM_HINT_T0>(sc0.wrapping_add(at).cast());
+                    if ASYM {
+                        _mm_prefetch::<_MM_HINT_T0>(nm0.wrapping_add(at).cast());
+                    }
                 }
             }
             let first = g * group;

@@ -318,6 +318,12 @@ impl<'a> PanelView<'a> {
     }
 
     /// `q·scale`, then `+ offset` for asymmetric formats: ggml's operations, in its order.
+    ///
+    /// The product is exact in f32: `q` has at most 8 significant bits (6 in the K formats)
+    /// and `scale` at most 11 (an f16) or 17 (an f16 times a 6-bit K-format scale), so
+    /// `q·scale` needs at most 24 bits (7-bit Q6_K scales: 11 + 7 + 5 = 23). Only the addition
+    /// rounds, which is why the vector paths may compute the same value as one fused
+    /// multiply-add (`q·scale + offset`, rounded once) and still write these bits.
     #[inline(always)]
     fn weight(&self, q: i8, scale: f32, offset: f32) -> f32 {
         let w = q as f32 * scale;

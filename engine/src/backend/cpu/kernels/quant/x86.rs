@@ -1,6 +1,6 @@
-//! x86-64 dequantization of one panel: the portable loop's operations (`q·S`, then `+ O`),
-//! 16 lanes at a time on AVX-512 and two halves of 8 on AVX2. Lane arithmetic is IEEE
-//! single precision either way, so every path writes the same bits.
+//! x86-64 dequantization of one panel: the portable loop's value (`q·S`, then `+ O`), 16
+//! lanes at a time on AVX-512 and two halves of 8 on AVX2, as one fused multiply-add where
+//! there is an offset (the same bits: see `QuantPanels::weight`).
 
 use std::arch::x86_64::*;
 
@@ -9,16 +9,24 @@ use super::{PANEL, PanelView};
 /// Writes `q·scale (+ offset)` for one 16-lane input of integers.
 macro_rules! store512 {
     ($asym:expr, $dst:expr, $q:expr, $scale:expr, $offset:expr) => {{
-        let w = _mm512_mul_ps(_mm512_cvtepi32_ps($q), $scale);
-        let w = if $asym { _mm512_add_ps(w, $offset) } else { w };
+        let q = _mm512_cvtepi32_ps($q);
+        let w = if $asym {
+            _mm512_fmadd_ps(q, $scale, $offset)
+        } else {
+            _mm512_mul_ps(q, $scale)
+        };
         _mm512_storeu_ps($dst, w);
     }};
 }
 
 macro_rules! store256 {
     ($asym:expr, $dst:expr, $q:expr, $scale:expr, $offset:expr) => {{
-        let w = _mm256_mul_ps(_mm256_cvtepi32_ps($q), $scale);
-        let w = if $asym { _mm256_add_ps(w, $offset) } else { w };
+        let q = _mm256_cvtepi32_ps($q);
+        let w = if $asym {
+            _mm256_fmadd_ps(q, $scale, $offset)
+        } else {
+            _mm256_mul_ps(q, $scale)
+        };
         _mm256_storeu_ps($dst, w);
     }};
 }
