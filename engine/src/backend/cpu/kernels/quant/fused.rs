@@ -109,44 +109,38 @@ unsafe fn tile<
     let kind = w.kind;
     let group = kind.group();
     let groups = w.cols / group;
-    let nd = kind.scales_per_row(w.cols) * PANEL;
-    let ng = kind.group_scales_per_row(w.cols) * PANEL;
-    let qb = w.q_panel_bytes();
-    let q0 = w.q.as_ptr().wrapping_add(p * qb);
-    let d0 = w.d.as_ptr().wrapping_add(p * nd);
-    let m0 = w.m.as_ptr().wrapping_add(p * nd);
-    let sc0 = w.sc.as_ptr().wrapping_add(p * ng);
-    let nm0 = w.neg_min.as_ptr().wrapping_add(p * ng);
+    let layout = *w.layout();
+    let stride = layout.panel_bytes;
+    let base = w.panel_ptr(p);
     let bias = _mm512_set1_epi32(kind.nibble_bias());
     let low = _mm512_set1_epi32(0xF);
-    let group_bytes = qb / groups;
     let mut acc = [[_mm512_setzero_ps(); C]; R];
     for g in 0..groups {
-        let s = if kind.super_blocks() {
-            g * group / super::SUPER_BLOCK
-        } else {
-            g
-        } * PANEL;
+        let (block, head, q) = (layout.block_at(g), layout.group_at(g), layout.q_at(g));
+        let record = layout.record(g);
         let mut scale = [_mm512_setzero_ps(); C];
         let mut offset = [_mm512_setzero_ps(); C];
-        // SAFETY (this block): panel p + c's scales, offsets and integers lie at these
-        // offsets (see the module docs of `quant`); x and out as the caller promised.
+        // SAFETY (this block): panel p + c's bytes start at `base + c·stride` and hold the
+        // layout's offsets; x and out as the caller promised.
         unsafe {
             for c in 0..C {
-                let d = _mm512_cvtph_ps(_mm256_loadu_si256(d0.add(c * nd + s).cast()));
+                let panel = base.add(c * stride);
+                let f16x16 = |at: usize| _mm512_cvtph_ps(_mm256_loadu_si256(panel.add(at).cast()));
+                let d = f16x16(block);
                 let m = if ASYM {
-                    _mm512_cvtph_ps(_mm256_loadu_si256(m0.add(c * nd + s).cast()))
+                    f16x16(block + 2 * PANEL)
                 } else {
                     _mm512_setzero_ps()
                 };
                 (scale[c], offset[c]) = if kind.super_blocks() {
-                    let at = c * ng + g * PANEL;
-                    let i8x16 = |p: *const i8| {
-                        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p.cast())))
+                    let i8x16 = |at: usize| {
+                        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
+                            panel.add(at).cast(),
+                        )))
                     };
-                    let sc = i8x16(sc0.add(at));
+                    let sc = i8x16(head);
                     let o = if ASYM {
-                        _mm512_mul_ps(m, i8x16(nm0.add(at)))
+                        _mm512_mul_ps(m, i8x16(head + PANEL))
                     } else {
                         m
                     };
@@ -154,31 +148,20 @@ unsafe fn tile<
                 } else {
                     (d, m)
                 };
-                // The same spot one column group on: what this tile's successor reads.
-                let ahead = q0.wrapping_add(c * qb + C * qb + g * group_bytes);
-                for line in (0..group_bytes).step_by(64) {
+                // The same bytes one tile on (scales and integers together): what this
+                // tile's successor reads for this group.
+                let ahead = panel.wrapping_add(C * stride + record.start);
+                for line in (0..record.len()).step_by(64) {
                     _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(line).cast());
-                }
-                // The scales and offsets are streams of their own: fetch the successor's too.
-                _mm_prefetch::<_MM_HINT_T0>(d0.wrapping_add((c + C) * nd + s).cast());
-                if ASYM {
-                    _mm_prefetch::<_MM_HINT_T0>(m0.wrapping_add((c + C) * nd + s).cast());
-                }
-                if kind.super_blocks() {
-                    let at = (c + C) * ng + g * PANEL;
-                    _mm_prefetch::<_MM_HINT_T0>(sc0.wrapping_add(at).cast());
-                    if ASYM {
-                        _mm_prefetch::<_MM_HINT_T0>(nm0.wrapping_add(at).cast());
-                    }
                 }
             }
             let first = g * group;
             if NIB {
-                for j in first / 2..(first + group) / 2 {
+                for j in 0..group / 2 {
                     let mut lo = [_mm512_setzero_ps(); C];
                     let mut hi = [_mm512_setzero_ps(); C];
                     for c in 0..C {
-                        let src = q0.add(c * qb + j * PANEL);
+                        let src = base.add(c * stride + q + j * PANEL);
                         let bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(src.cast()));
                         let mut l = _mm512_and_si512(bytes, low);
                         let mut h = _mm512_srli_epi32::<4>(bytes);
@@ -189,29 +172,30 @@ unsafe fn tile<
                         lo[c] = weight::<ASYM>(l, scale[c], offset[c]);
                         hi[c] = weight::<ASYM>(h, scale[c], offset[c]);
                     }
+                    let i = first + 2 * j;
                     for (r, row) in acc.iter_mut().enumerate() {
-                        let xv = _mm512_set1_ps(*t.x.add(r * t.k + 2 * j));
+                        let xv = _mm512_set1_ps(*t.x.add(r * t.k + i));
                         for (a, wv) in row.iter_mut().zip(&lo) {
                             *a = _mm512_fmadd_ps(xv, *wv, *a);
                         }
                     }
                     for (r, row) in acc.iter_mut().enumerate() {
-                        let xv = _mm512_set1_ps(*t.x.add(r * t.k + 2 * j + 1));
+                        let xv = _mm512_set1_ps(*t.x.add(r * t.k + i + 1));
                         for (a, wv) in row.iter_mut().zip(&hi) {
                             *a = _mm512_fmadd_ps(xv, *wv, *a);
                         }
                     }
                 }
             } else {
-                for i in first..first + group {
+                for i in 0..group {
                     let mut wv = [_mm512_setzero_ps(); C];
                     for (c, v) in wv.iter_mut().enumerate() {
-                        let src = q0.add(c * qb + i * PANEL);
-                        let q = _mm512_cvtepi8_epi32(_mm_loadu_si128(src.cast()));
-                        *v = weight::<ASYM>(q, scale[c], offset[c]);
+                        let src = base.add(c * stride + q + i * PANEL);
+                        let qs = _mm512_cvtepi8_epi32(_mm_loadu_si128(src.cast()));
+                        *v = weight::<ASYM>(qs, scale[c], offset[c]);
                     }
                     for (r, row) in acc.iter_mut().enumerate() {
-                        let xv = _mm512_set1_ps(*t.x.add(r * t.k + i));
+                        let xv = _mm512_set1_ps(*t.x.add(r * t.k + first + i));
                         for (a, v) in row.iter_mut().zip(&wv) {
                             *a = _mm512_fmadd_ps(xv, *v, *a);
                         }

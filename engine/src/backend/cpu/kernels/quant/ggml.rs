@@ -100,24 +100,6 @@ impl QuantKind {
     pub fn super_blocks(self) -> bool {
         matches!(self, QuantKind::Q4K | QuantKind::Q5K | QuantKind::Q6K)
     }
-
-    /// Stored `d` (and `m`) values per row of `cols` elements.
-    pub fn scales_per_row(self, cols: usize) -> usize {
-        if self.super_blocks() {
-            cols / SUPER_BLOCK
-        } else {
-            cols / self.group()
-        }
-    }
-
-    /// Stored `sc` (and `−m`) values per row: one per group of the K formats.
-    pub fn group_scales_per_row(self, cols: usize) -> usize {
-        if self.super_blocks() {
-            cols / self.group()
-        } else {
-            0
-        }
-    }
 }
 
 impl QuantKind {

@@ -12,11 +12,16 @@
 //! instruction sets carry over unchanged, and the accuracy cost of a format is only the
 //! format's own rounding.
 //!
-//! Storage, per panel `p` of 16 rows (lane = row mod 16; rows past the end are zero):
-//! - `q`: byte formats at `(p·cols + i)·16 + lane`; nibble formats hold inputs `2j` (low
-//!   nibble) and `2j + 1` (high) of 16 rows in the 16 bytes at `(p·cols/2 + j)·16`;
-//! - `d`, `m`: f16 per block or super-block, at `(p·nd + s)·16 + lane`;
-//! - `sc`, `neg_min`: the K formats' per-group integers, at `(p·groups + g)·16 + lane`.
+//! Storage: one contiguous run of bytes per panel `p` of 16 rows (lane = row mod 16; rows
+//! past the end are zero), laid out like the GGML blocks it came from: a panel's scales sit
+//! just before the integers they scale, so a one-row tile reads one stream per panel and one
+//! prefetch brings a group's scales with its integers. Per scale block (a block, or a K
+//! format's super-block), in input order:
+//! - `d`, then `m` when asymmetric: 16 f16 each, one per lane (little-endian);
+//! - per group of the block: a K format's `sc`, then `−m` when asymmetric (16 i8 each), then
+//!   the integers: byte formats hold input `i` of 16 rows in the 16 bytes at `16·i`, nibble
+//!   formats inputs `2j` (low nibble) and `2j + 1` (high) at `16·j`, counted from the
+//!   group's first input.
 
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod fused;
@@ -57,20 +62,91 @@ pub struct QuantPanels {
     kind: QuantKind,
     rows: usize,
     cols: usize,
-    q: Vec<u8>,
-    d: Vec<f16>,
-    m: Vec<f16>,
-    sc: Vec<i8>,
-    neg_min: Vec<i8>,
+    layout: Layout,
+    data: Vec<u8>,
 }
 
-/// What one panel contributes to each array, built in parallel and then concatenated.
-struct PanelParts {
-    q: Vec<u8>,
-    d: Vec<f16>,
-    m: Vec<f16>,
-    sc: Vec<i8>,
-    neg_min: Vec<i8>,
+/// Where things lie inside one panel's bytes, for a format and row length.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Layout {
+    /// Groups per scale block: 1, or a K format's groups per super-block.
+    groups_per_block: usize,
+    /// Bytes of a scale block's `d` and `m`.
+    block_header: usize,
+    /// Bytes of a group's `sc` and `−m`.
+    pub group_header: usize,
+    /// Bytes of a group's integers.
+    pub group_q: usize,
+    /// Bytes of a scale block, its groups included.
+    block_bytes: usize,
+    /// Bytes of a panel.
+    pub panel_bytes: usize,
+}
+
+impl Layout {
+    fn new(kind: QuantKind, cols: usize) -> Self {
+        let lanes16 = |bytes_per_lane: usize| PANEL * bytes_per_lane;
+        let group = kind.group();
+        let groups_per_block = if kind.super_blocks() {
+            SUPER_BLOCK / group
+        } else {
+            1
+        };
+        let asym = usize::from(kind.asymmetric());
+        let block_header = lanes16(2) * (1 + asym);
+        let group_header = if kind.super_blocks() {
+            lanes16(1) * (1 + asym)
+        } else {
+            0
+        };
+        let group_q = if kind.nibbles() {
+            lanes16(group) / 2
+        } else {
+            lanes16(group)
+        };
+        let block_bytes = block_header + groups_per_block * (group_header + group_q);
+        let blocks = cols / (group * groups_per_block);
+        Layout {
+            groups_per_block,
+            block_header,
+            group_header,
+            group_q,
+            block_bytes,
+            panel_bytes: blocks * block_bytes,
+        }
+    }
+
+    /// Offset in a panel of the scale block holding group `g` (its `d`; `m` follows 32 bytes on).
+    #[inline(always)]
+    pub fn block_at(&self, g: usize) -> usize {
+        (g / self.groups_per_block) * self.block_bytes
+    }
+
+    /// Offset in a panel of group `g`'s header (its integers follow `group_header` on).
+    #[inline(always)]
+    pub fn group_at(&self, g: usize) -> usize {
+        self.block_at(g)
+            + self.block_header
+            + (g % self.groups_per_block) * (self.group_header + self.group_q)
+    }
+
+    /// Offset in a panel of group `g`'s integers.
+    #[inline(always)]
+    pub fn q_at(&self, g: usize) -> usize {
+        self.group_at(g) + self.group_header
+    }
+
+    /// The bytes group `g` brings with it: from its scale block's start when it is the
+    /// block's first group, else from its own header, to the end of its integers.
+    #[inline(always)]
+    pub fn record(&self, g: usize) -> std::ops::Range<usize> {
+        let start = if g.is_multiple_of(self.groups_per_block) {
+            self.block_at(g)
+        } else {
+            self.group_at(g)
+        };
+        start..self.q_at(g) + self.group_q
+    }
 }
 
 impl QuantPanels {
@@ -101,29 +177,18 @@ impl QuantPanels {
             });
         }
         let row_bytes = expected / rows.max(1);
-        let parts: Vec<PanelParts> = (0..rows.div_ceil(PANEL))
-            .into_par_iter()
-            .map(|p| pack_panel(kind, rows, cols, row_bytes, bytes, p))
-            .collect();
-        let cat = |f: &dyn Fn(&PanelParts) -> usize| parts.iter().map(f).sum::<usize>();
-        let mut out = QuantPanels {
+        let layout = Layout::new(kind, cols);
+        let mut data = vec![0u8; rows.div_ceil(PANEL) * layout.panel_bytes];
+        data.par_chunks_mut(layout.panel_bytes.max(1))
+            .enumerate()
+            .for_each(|(p, panel)| pack_panel(kind, rows, cols, row_bytes, bytes, p, panel));
+        Ok(QuantPanels {
             kind,
             rows,
             cols,
-            q: Vec::with_capacity(cat(&|p| p.q.len())),
-            d: Vec::with_capacity(cat(&|p| p.d.len())),
-            m: Vec::with_capacity(cat(&|p| p.m.len())),
-            sc: Vec::with_capacity(cat(&|p| p.sc.len())),
-            neg_min: Vec::with_capacity(cat(&|p| p.neg_min.len())),
-        };
-        for p in parts {
-            out.q.extend_from_slice(&p.q);
-            out.d.extend_from_slice(&p.d);
-            out.m.extend_from_slice(&p.m);
-            out.sc.extend_from_slice(&p.sc);
-            out.neg_min.extend_from_slice(&p.neg_min);
-        }
-        Ok(out)
+            layout,
+            data,
+        })
     }
 
     pub fn kind(&self) -> QuantKind {
@@ -140,7 +205,7 @@ impl QuantPanels {
 
     /// Bytes of storage (panel padding included).
     pub fn size_in_bytes(&self) -> usize {
-        self.q.len() + 2 * (self.d.len() + self.m.len()) + self.sc.len() + self.neg_min.len()
+        self.data.len()
     }
 
     /// Element `(r, c)` dequantized, as ggml dequantizes it.
@@ -151,16 +216,17 @@ impl QuantPanels {
         view.weight(view.q(c, lane), scale, offset)
     }
 
-    /// Bytes of `q` per panel.
-    fn q_panel_bytes(&self) -> usize {
-        if self.kind.nibbles() {
-            self.cols * PANEL / 2
-        } else {
-            self.cols * PANEL
-        }
+    pub(crate) fn layout(&self) -> &Layout {
+        &self.layout
+    }
+
+    /// The first byte of panel `p` (panels follow each other `layout().panel_bytes` apart).
+    pub(crate) fn panel_ptr(&self, p: usize) -> *const u8 {
+        self.data.as_ptr().wrapping_add(p * self.layout.panel_bytes)
     }
 }
 
+/// Writes panel `p` of a row-major GGML tensor into `out` (one panel's bytes, zeroed).
 fn pack_panel(
     kind: QuantKind,
     rows: usize,
@@ -168,21 +234,10 @@ fn pack_panel(
     row_bytes: usize,
     bytes: &[u8],
     p: usize,
-) -> PanelParts {
-    let nd = kind.scales_per_row(cols);
-    let ng = kind.group_scales_per_row(cols);
-    let q_len = if kind.nibbles() {
-        cols * PANEL / 2
-    } else {
-        cols * PANEL
-    };
-    let mut out = PanelParts {
-        q: vec![0; q_len],
-        d: vec![f16::ZERO; nd * PANEL],
-        m: vec![f16::ZERO; if kind.asymmetric() { nd * PANEL } else { 0 }],
-        sc: vec![0; ng * PANEL],
-        neg_min: vec![0; if kind.asymmetric() { ng * PANEL } else { 0 }],
-    };
+    out: &mut [u8],
+) {
+    let layout = Layout::new(kind, cols);
+    let group = kind.group();
     let mut row = DecodedRow::default();
     for lane in 0..PANEL {
         let r = p * PANEL + lane;
@@ -195,36 +250,40 @@ fn pack_panel(
             cols,
             &mut row,
         );
-        if kind.nibbles() {
-            let bias = kind.nibble_bias();
-            for (i, &q) in row.q.iter().enumerate() {
+        let bias = kind.nibble_bias();
+        for (i, &q) in row.q.iter().enumerate() {
+            let (g, within) = (i / group, i % group);
+            let base = layout.q_at(g);
+            if kind.nibbles() {
                 let nibble = ((q as i32 + bias) as u8) & 0xF;
-                let at = (i / 2) * PANEL + lane;
-                out.q[at] |= if i.is_multiple_of(2) {
+                let at = base + (within / 2) * PANEL + lane;
+                out[at] |= if within.is_multiple_of(2) {
                     nibble
                 } else {
                     nibble << 4
                 };
-            }
-        } else {
-            for (i, &q) in row.q.iter().enumerate() {
-                out.q[i * PANEL + lane] = q as u8;
+            } else {
+                out[base + within * PANEL + lane] = q as u8;
             }
         }
-        for (s, &d) in row.d.iter().enumerate() {
-            out.d[s * PANEL + lane] = d;
+        // `d` and `m` hold one value per scale block, `sc` and `−m` one per group.
+        let f16_lane = |out: &mut [u8], at: usize, v: f16| {
+            out[at + 2 * lane..at + 2 * lane + 2].copy_from_slice(&v.to_le_bytes());
+        };
+        let first_group = |b: usize| b * layout.groups_per_block;
+        for (b, &d) in row.d.iter().enumerate() {
+            f16_lane(out, layout.block_at(first_group(b)), d);
         }
-        for (s, &m) in row.m.iter().enumerate() {
-            out.m[s * PANEL + lane] = m;
+        for (b, &m) in row.m.iter().enumerate() {
+            f16_lane(out, layout.block_at(first_group(b)) + 2 * PANEL, m);
         }
         for (g, &sc) in row.sc.iter().enumerate() {
-            out.sc[g * PANEL + lane] = sc;
+            out[layout.group_at(g) + lane] = sc as u8;
         }
         for (g, &v) in row.neg_min.iter().enumerate() {
-            out.neg_min[g * PANEL + lane] = v;
+            out[layout.group_at(g) + PANEL + lane] = v as u8;
         }
     }
-    out
 }
 
 /// Writes panel `p` of `w` dequantized into `out` in the f32 panel layout (`cols × 16`, input
@@ -248,69 +307,65 @@ pub fn dequant_panel(isa: Isa, w: &QuantPanels, p: usize, out: &mut [f32]) {
     }
 }
 
-/// One panel's slices of the arrays, with the format's shape.
+/// One panel's bytes, with the format's shape.
 pub(crate) struct PanelView<'a> {
     kind: QuantKind,
     cols: usize,
-    q: &'a [u8],
-    d: &'a [f16],
-    m: &'a [f16],
-    sc: &'a [i8],
-    neg_min: &'a [i8],
+    layout: Layout,
+    bytes: &'a [u8],
 }
 
 impl<'a> PanelView<'a> {
     fn new(w: &'a QuantPanels, p: usize) -> Self {
-        let kind = w.kind;
-        let nd = kind.scales_per_row(w.cols) * PANEL;
-        let ng = kind.group_scales_per_row(w.cols) * PANEL;
-        let qb = w.q_panel_bytes();
-        let slice_or_empty =
-            |v: usize, len: usize| if v == 0 { 0..0 } else { p * len..(p + 1) * len };
+        let n = w.layout.panel_bytes;
         PanelView {
-            kind,
+            kind: w.kind,
             cols: w.cols,
-            q: &w.q[p * qb..(p + 1) * qb],
-            d: &w.d[p * nd..(p + 1) * nd],
-            m: &w.m[slice_or_empty(w.m.len(), nd)],
-            sc: &w.sc[slice_or_empty(w.sc.len(), ng)],
-            neg_min: &w.neg_min[slice_or_empty(w.neg_min.len(), ng)],
-        }
-    }
-
-    /// Index into `d`/`m` of group `g`'s block or super-block.
-    fn scale_index(&self, g: usize) -> usize {
-        if self.kind.super_blocks() {
-            g * self.kind.group() / SUPER_BLOCK
-        } else {
-            g
+            layout: w.layout,
+            bytes: &w.data[p * n..(p + 1) * n],
         }
     }
 
     /// The stored integer of input `i`, lane `lane`, with the nibble bias taken off.
     fn q(&self, i: usize, lane: usize) -> i8 {
+        let group = self.kind.group();
+        let (base, within) = (self.layout.q_at(i / group), i % group);
         if self.kind.nibbles() {
-            let byte = self.q[(i / 2) * PANEL + lane];
-            let nibble = if i.is_multiple_of(2) {
+            let byte = self.bytes[base + (within / 2) * PANEL + lane];
+            let nibble = if within.is_multiple_of(2) {
                 byte & 0xF
             } else {
                 byte >> 4
             };
             (nibble as i32 - self.kind.nibble_bias()) as i8
         } else {
-            self.q[i * PANEL + lane] as i8
+            self.bytes[base + within * PANEL + lane] as i8
         }
+    }
+
+    fn f16_at(&self, at: usize) -> f32 {
+        f16::from_le_bytes([self.bytes[at], self.bytes[at + 1]]).to_f32()
     }
 
     /// Group `g`'s scale and offset in lane `lane`: `d` and `m` of direct formats, the exact
     /// products `d·sc` and `dmin·(−m)` of the K formats (the offset is 0 when symmetric).
     fn scale_offset(&self, g: usize, lane: usize) -> (f32, f32) {
-        let at = self.scale_index(g) * PANEL + lane;
-        let d = self.d[at].to_f32();
-        let m = self.m.get(at).map_or(0.0, |m| m.to_f32());
+        let block = self.layout.block_at(g) + 2 * lane;
+        let asym = self.kind.asymmetric();
+        let d = self.f16_at(block);
+        let m = if asym {
+            self.f16_at(block + 2 * PANEL)
+        } else {
+            0.0
+        };
         if self.kind.super_blocks() {
-            let sc = self.sc[g * PANEL + lane];
-            let neg_min = self.neg_min.get(g * PANEL + lane).copied().unwrap_or(0);
+            let at = self.layout.group_at(g) + lane;
+            let sc = self.bytes[at] as i8;
+            let neg_min = if asym {
+                self.bytes[at + PANEL] as i8
+            } else {
+                0
+            };
             (d * sc as f32, m * neg_min as f32)
         } else {
             (d, m)

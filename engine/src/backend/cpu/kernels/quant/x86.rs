@@ -36,23 +36,15 @@ macro_rules! store256 {
 /// about a third of the bandwidth the f32 kernels reach with their own prefetching.
 const PREFETCH_AHEAD: usize = 16384;
 
-/// Prefetches the integers `PREFETCH_AHEAD` bytes past group `g` (running into the next
-/// panels, which follow in memory) and the scales a little past its own.
+/// Prefetches the bytes `PREFETCH_AHEAD` past group `g`'s (running into the next panels,
+/// which follow in memory).
 #[inline(always)]
 fn prefetch_ahead(v: &PanelView, g: usize) {
-    let group_bytes = v.q.len() / (v.cols / v.kind.group());
-    let q = v.q.as_ptr().wrapping_add(g * group_bytes + PREFETCH_AHEAD);
-    for line in (0..group_bytes).step_by(64) {
+    let record = v.layout.record(g);
+    let at = v.bytes.as_ptr().wrapping_add(record.start + PREFETCH_AHEAD);
+    for line in (0..record.len()).step_by(64) {
         // SAFETY: a prefetch is a hint and never faults, whatever the address.
-        unsafe { _mm_prefetch::<_MM_HINT_T1>(q.wrapping_add(line).cast()) };
-    }
-    let d = v.d.as_ptr().wrapping_add(v.scale_index(g) * PANEL + 512);
-    // SAFETY: as above.
-    unsafe { _mm_prefetch::<_MM_HINT_T0>(d.cast()) };
-    if !v.m.is_empty() {
-        let m = v.m.as_ptr().wrapping_add(v.scale_index(g) * PANEL + 512);
-        // SAFETY: as above.
-        unsafe { _mm_prefetch::<_MM_HINT_T0>(m.cast()) };
+        unsafe { _mm_prefetch::<_MM_HINT_T1>(at.wrapping_add(line).cast()) };
     }
 }
 
@@ -77,27 +69,26 @@ unsafe fn groups512<const NIB: bool, const ASYM: bool>(v: &PanelView, out: *mut 
     let group = kind.group();
     let bias = _mm512_set1_epi32(kind.nibble_bias());
     let low = _mm512_set1_epi32(0xF);
-    let f16x16 = |p: *const half::f16| unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(p.cast())) };
-    let i8x16 = |p: *const i8| unsafe { _mm512_cvtepi8_epi32(_mm_loadu_si128(p.cast())) };
+    let f16x16 = |p: *const u8| unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(p.cast())) };
+    let i8x16 = |p: *const u8| unsafe { _mm512_cvtepi8_epi32(_mm_loadu_si128(p.cast())) };
+    let base = v.bytes.as_ptr();
     for g in 0..v.cols / group {
-        let s = v.scale_index(g) * PANEL;
         prefetch_ahead(v, g);
-        // SAFETY (this block): the view's arrays hold 16 lanes per block, super-block and
-        // group of the panel; `out` holds `cols × 16` floats.
+        let (block, head) = (v.layout.block_at(g), v.layout.group_at(g));
+        let q = v.layout.q_at(g);
+        // SAFETY (this block): the offsets come from the panel's layout, inside its bytes;
+        // `out` holds `cols × 16` floats.
         unsafe {
-            let d = f16x16(v.d.as_ptr().add(s));
+            let d = f16x16(base.add(block));
             let m = if ASYM {
-                f16x16(v.m.as_ptr().add(s))
+                f16x16(base.add(block + 2 * PANEL))
             } else {
                 _mm512_setzero_ps()
             };
             let (scale, offset) = if kind.super_blocks() {
-                let sc = _mm512_cvtepi32_ps(i8x16(v.sc.as_ptr().add(g * PANEL)));
+                let sc = _mm512_cvtepi32_ps(i8x16(base.add(head)));
                 let offset = if ASYM {
-                    _mm512_mul_ps(
-                        m,
-                        _mm512_cvtepi32_ps(i8x16(v.neg_min.as_ptr().add(g * PANEL))),
-                    )
+                    _mm512_mul_ps(m, _mm512_cvtepi32_ps(i8x16(base.add(head + PANEL))))
                 } else {
                     m
                 };
@@ -107,18 +98,24 @@ unsafe fn groups512<const NIB: bool, const ASYM: bool>(v: &PanelView, out: *mut 
             };
             let first = g * group;
             if NIB {
-                for j in first / 2..(first + group) / 2 {
-                    let bytes =
-                        _mm512_cvtepu8_epi32(_mm_loadu_si128(v.q.as_ptr().add(j * PANEL).cast()));
+                for j in 0..group / 2 {
+                    let src = base.add(q + j * PANEL);
+                    let bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(src.cast()));
                     let lo = _mm512_sub_epi32(_mm512_and_si512(bytes, low), bias);
                     let hi = _mm512_sub_epi32(_mm512_srli_epi32::<4>(bytes), bias);
-                    store512!(ASYM, out.add(2 * j * PANEL), lo, scale, offset);
-                    store512!(ASYM, out.add((2 * j + 1) * PANEL), hi, scale, offset);
+                    store512!(ASYM, out.add((first + 2 * j) * PANEL), lo, scale, offset);
+                    store512!(
+                        ASYM,
+                        out.add((first + 2 * j + 1) * PANEL),
+                        hi,
+                        scale,
+                        offset
+                    );
                 }
             } else {
-                for i in first..first + group {
-                    let q = i8x16(v.q.as_ptr().add(i * PANEL).cast());
-                    store512!(ASYM, out.add(i * PANEL), q, scale, offset);
+                for i in 0..group {
+                    let qs = i8x16(base.add(q + i * PANEL));
+                    store512!(ASYM, out.add((first + i) * PANEL), qs, scale, offset);
                 }
             }
         }
@@ -146,25 +143,28 @@ unsafe fn groups256<const NIB: bool, const ASYM: bool>(v: &PanelView, out: *mut 
     let group = kind.group();
     let bias = _mm256_set1_epi32(kind.nibble_bias());
     let low = _mm256_set1_epi32(0xF);
-    let f16x8 = |p: *const half::f16| unsafe { _mm256_cvtph_ps(_mm_loadu_si128(p.cast())) };
-    let i8x8 = |p: *const i8| unsafe { _mm256_cvtepi8_epi32(_mm_loadl_epi64(p.cast())) };
+    let f16x8 = |p: *const u8| unsafe { _mm256_cvtph_ps(_mm_loadu_si128(p.cast())) };
+    let i8x8 = |p: *const u8| unsafe { _mm256_cvtepi8_epi32(_mm_loadl_epi64(p.cast())) };
+    let base = v.bytes.as_ptr();
     for g in 0..v.cols / group {
         prefetch_ahead(v, g);
+        let q = v.layout.q_at(g);
+        let first = g * group;
         for half in 0..2 {
-            let s = v.scale_index(g) * PANEL + half * 8;
-            let gs = g * PANEL + half * 8;
+            let block = v.layout.block_at(g) + 2 * 8 * half;
+            let head = v.layout.group_at(g) + 8 * half;
             // SAFETY (this block): as in `groups512`, for lanes `8·half..8·half + 8`.
             unsafe {
-                let d = f16x8(v.d.as_ptr().add(s));
+                let d = f16x8(base.add(block));
                 let m = if ASYM {
-                    f16x8(v.m.as_ptr().add(s))
+                    f16x8(base.add(block + 2 * PANEL))
                 } else {
                     _mm256_setzero_ps()
                 };
                 let (scale, offset) = if kind.super_blocks() {
-                    let sc = _mm256_cvtepi32_ps(i8x8(v.sc.as_ptr().add(gs)));
+                    let sc = _mm256_cvtepi32_ps(i8x8(base.add(head)));
                     let offset = if ASYM {
-                        _mm256_mul_ps(m, _mm256_cvtepi32_ps(i8x8(v.neg_min.as_ptr().add(gs))))
+                        _mm256_mul_ps(m, _mm256_cvtepi32_ps(i8x8(base.add(head + PANEL))))
                     } else {
                         m
                     };
@@ -172,26 +172,26 @@ unsafe fn groups256<const NIB: bool, const ASYM: bool>(v: &PanelView, out: *mut 
                 } else {
                     (d, m)
                 };
-                let first = g * group;
                 if NIB {
-                    for j in first / 2..(first + group) / 2 {
-                        let src = v.q.as_ptr().add(j * PANEL + half * 8);
+                    for j in 0..group / 2 {
+                        let src = base.add(q + j * PANEL + half * 8);
                         let bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(src.cast()));
                         let lo = _mm256_sub_epi32(_mm256_and_si256(bytes, low), bias);
                         let hi = _mm256_sub_epi32(_mm256_srli_epi32::<4>(bytes), bias);
-                        store256!(ASYM, out.add(2 * j * PANEL + half * 8), lo, scale, offset);
+                        let at = |i: usize| out.add((first + i) * PANEL + half * 8);
+                        store256!(ASYM, at(2 * j), lo, scale, offset);
+                        store256!(ASYM, at(2 * j + 1), hi, scale, offset);
+                    }
+                } else {
+                    for i in 0..group {
+                        let qs = i8x8(base.add(q + i * PANEL + half * 8));
                         store256!(
                             ASYM,
-                            out.add((2 * j + 1) * PANEL + half * 8),
-                            hi,
+                            out.add((first + i) * PANEL + half * 8),
+                            qs,
                             scale,
                             offset
                         );
-                    }
-                } else {
-                    for i in first..first + group {
-                        let q = i8x8(v.q.as_ptr().add(i * PANEL + half * 8).cast());
-                        store256!(ASYM, out.add(i * PANEL + half * 8), q, scale, offset);
                     }
                 }
             }

@@ -1,0 +1,116 @@
+//! One-row `linear` (a batch-1 decode projection) per weight storage, twice: streaming from
+//! memory (enough copies of the matrix to overflow the last-level cache, visited in turn) and
+//! from cache (one copy, visited again and again). The weight bytes per second of each tells
+//! whether a storage's tile is bound by memory or by its own arithmetic: a tile whose cached
+//! rate is near the machine's bandwidth cannot reach that bandwidth from memory.
+//!
+//! `cargo run --release -p tandem-engine --example quant_bench -- [--formats q4_1,q8_0,f32]
+//! [--rows 3072] [--cols 576] [--isa avx2]` prints a table and one JSON line. The default
+//! shape is SmolLM2's fused gate/up projection.
+
+use std::time::Instant;
+
+use candle_core::quantized::QTensor;
+use candle_core::{Device, Tensor};
+use tandem_engine::backend::cpu::kernels::{
+    Isa, Matrix, QuantKind, QuantPanels, WeightData, isa, linear, select_isa,
+};
+
+/// Bytes of matrices streamed per pass of the "memory" case: several times any L3 here.
+const MEMORY_BYTES: usize = 512 << 20;
+
+fn main() -> anyhow::Result<()> {
+    let mut formats = "q4_1,q8_0,q4_0,bf16,f32".to_string();
+    let (mut rows, mut cols) = (3072usize, 576usize);
+    let mut it = std::env::args().skip(1);
+    while let Some(flag) = it.next() {
+        let mut value = || {
+            it.next()
+                .ok_or_else(|| anyhow::anyhow!("{flag} needs a value"))
+        };
+        match flag.as_str() {
+            "--formats" => formats = value()?,
+            "--rows" => rows = value()?.parse()?,
+            "--cols" => cols = value()?.parse()?,
+            "--isa" => {
+                select_isa(Isa::parse(&value()?)?)?;
+            }
+            other => anyhow::bail!("unknown flag {other} (--formats, --rows, --cols, --isa)"),
+        }
+    }
+    // Values in [-1, 1), deterministic: the rate does not depend on them.
+    let values: Vec<f32> = (0..rows * cols)
+        .map(|i| ((i as u64).wrapping_mul(2_654_435_761) % 2000) as f32 / 1000.0 - 1.0)
+        .collect();
+    let x: Vec<f32> = (0..cols).map(|i| (i % 17) as f32 / 17.0 - 0.5).collect();
+    let mut out = vec![0f32; rows];
+
+    println!("| storage | {rows}×{cols}, bytes | from memory | from cache |");
+    println!("|---|---:|---:|---:|");
+    let mut json = Vec::new();
+    for name in formats.split(',') {
+        let one = matrix(name, rows, cols, &values)?;
+        let bytes = one.size_in_bytes();
+        let copies = MEMORY_BYTES.div_ceil(bytes).max(2);
+        let many: Vec<Matrix> = (0..copies).map(|_| one.clone()).collect();
+        let memory = rate(&many, &x, &mut out, bytes);
+        let cache = rate(std::slice::from_ref(&one), &x, &mut out, bytes);
+        println!(
+            "| {name} | {bytes} | {:.1} GB/s | {:.1} GB/s |",
+            memory / 1e9,
+            cache / 1e9
+        );
+        json.push(serde_json::json!({
+            "storage": name, "bytes": bytes,
+            "memory_gb_s": memory / 1e9, "cache_gb_s": cache / 1e9,
+        }));
+    }
+    println!(
+        "{}",
+        serde_json::json!({
+            "isa": isa().to_string(),
+            "threads": tandem_engine::backend::cpu::kernels::team::threads(),
+            "rows": rows, "cols": cols, "results": json,
+        })
+    );
+    Ok(())
+}
+
+/// `values` (row-major) stored as `name`: a GGML format quantized by candle, or a float type.
+fn matrix(name: &str, rows: usize, cols: usize, values: &[f32]) -> anyhow::Result<Matrix> {
+    Ok(match name {
+        "f32" => Matrix::new(rows, cols, WeightData::F32(values.to_vec())),
+        "bf16" => Matrix::new(
+            rows,
+            cols,
+            WeightData::Bf16(values.iter().map(|&v| half::bf16::from_f32(v)).collect()),
+        ),
+        "f16" => Matrix::new(
+            rows,
+            cols,
+            WeightData::F16(values.iter().map(|&v| half::f16::from_f32(v)).collect()),
+        ),
+        other => {
+            let kind = QuantKind::parse(other)
+                .ok_or_else(|| anyhow::anyhow!("unknown storage {other}"))?;
+            let t = Tensor::from_slice(values, (rows, cols), &Device::Cpu)?;
+            let q = QTensor::quantize(&t, kind.to_ggml())?;
+            Matrix::quantized(QuantPanels::from_ggml(kind, rows, cols, &q.data()?)?)
+        }
+    })
+}
+
+/// Weight bytes per second of one-row `linear` over `matrices` in turn, best of three passes
+/// of at least ~0.3 s each.
+fn rate(matrices: &[Matrix], x: &[f32], out: &mut [f32], bytes: usize) -> f64 {
+    let per_pass = (300_000_000 / bytes.max(1)).max(matrices.len());
+    let mut best = 0f64;
+    for _ in 0..3 {
+        let t = Instant::now();
+        for i in 0..per_pass {
+            linear(x, 1, &matrices[i % matrices.len()], out);
+        }
+        best = best.max((per_pass * bytes) as f64 / t.elapsed().as_secs_f64());
+    }
+    best
+}
