@@ -418,11 +418,16 @@ unsafe fn scores_avx512<const N: usize>(
         kt.len() >= d * BLOCK_SIZE && qs.len() >= (from + N) * d && scores.len() >= from + N
     );
     let mut acc = [_mm512_setzero_ps(); N];
+    // One base pointer per lane, so the loop below indexes rather than recomputing
+    // `(from + l)·d` for every lane and input (that arithmetic was a third of this loop).
+    // SAFETY: lanes from..from + N hold d floats each (asserted above).
+    let lanes: [*const f32; N] =
+        std::array::from_fn(|l| unsafe { qs.as_ptr().add((from + l) * d) });
     for i in 0..d {
-        // SAFETY: i < d, so row i's 16 floats are inside `kt`; lanes are below from + N.
+        // SAFETY: i < d, so row i's 16 floats are inside `kt` and input i inside each lane.
         let k = unsafe { _mm512_loadu_ps(kt.as_ptr().add(i * BLOCK_SIZE)) };
-        for (l, a) in acc.iter_mut().enumerate() {
-            let q = unsafe { *qs.get_unchecked((from + l) * d + i) };
+        for (a, lane) in acc.iter_mut().zip(&lanes) {
+            let q = unsafe { *lane.add(i) };
             *a = _mm512_fmadd_ps(_mm512_set1_ps(q), k, *a);
         }
     }
@@ -627,8 +632,9 @@ fn block_softmax(
             *m = sc;
         }
     }
-    // The maximum is exact whatever the order; the tree only shortens the chain.
-    let block_max = tree16(&masked, f32::max);
+    // The maximum is exact whatever the order; the tree only shortens the chain. A plain
+    // comparison rather than `f32::max`, whose NaN rules kept the tree scalar.
+    let block_max = tree16(&masked, |a, b| if a > b { a } else { b });
     let new_max = running_max.max(block_max);
     let mut p = [0f32; BLOCK_SIZE];
     for (pj, &sc) in p.iter_mut().zip(scores) {
