@@ -272,26 +272,49 @@ impl KvCache {
         v: &[f32],
     ) -> Result<()> {
         let off = self.offset(layer, block)?;
-        let n = self.layout.block_layer_elems();
         let shape = TokenShape::of(&self.layout, slot, k, v)?;
-        // SAFETY (each arm): `off..off + n` is one block of one layer (checked offset) in
-        // elements of the cache's dtype; `&mut self` excludes every other reader and writer.
-        match self.layout.dtype {
-            KvDtype::F32 => {
-                let dst = unsafe { std::slice::from_raw_parts_mut(self.floats_ptr().add(off), n) };
-                shape.scatter(dst, k, v, |x| x);
-            }
-            KvDtype::Bf16 => {
-                let base = self.storage.base.cast::<half::bf16>();
-                let dst = unsafe { std::slice::from_raw_parts_mut(base.add(off), n) };
-                shape.scatter(dst, k, v, half::bf16::from_f32);
-            }
-            KvDtype::F16 => {
-                let base = self.storage.base.cast::<half::f16>();
-                let dst = unsafe { std::slice::from_raw_parts_mut(base.add(off), n) };
-                shape.scatter(dst, k, v, half::f16::from_f32);
+        // SAFETY: `off` is one block of one layer (checked offset); `&mut self` excludes every
+        // other reader and writer.
+        unsafe { scatter_token(self.storage.base, &self.layout, off, &shape, k, v) };
+        Ok(())
+    }
+
+    /// [`write_token`](Self::write_token) for many tokens of one layer (a prefill chunk's),
+    /// spread over threads by `parallel`. Every token of a block is written by the same task,
+    /// so tasks write disjoint memory; every token is checked before any is written.
+    pub fn write_tokens(
+        &mut self,
+        layer: usize,
+        tokens: &[TokenKv<'_>],
+        parallel: Parallel<'_>,
+    ) -> Result<()> {
+        let mut checked = Vec::with_capacity(tokens.len());
+        for t in tokens {
+            let shape = TokenShape::of(&self.layout, t.slot, t.k, t.v)?;
+            checked.push((self.offset(layer, t.block)?, shape));
+        }
+        // Tokens grouped by block (a stable sort keeps each block's writes in their order).
+        let mut order: Vec<usize> = (0..tokens.len()).collect();
+        order.sort_by_key(|&i| checked[i].0);
+        let mut runs = Vec::new();
+        let mut start = 0;
+        for end in 1..=order.len() {
+            if end == order.len() || checked[order[end]].0 != checked[order[start]].0 {
+                runs.push(start..end);
+                start = end;
             }
         }
+        let base = BasePtr(self.storage.base);
+        let layout = &self.layout;
+        parallel(runs.len(), &|r| {
+            let base = &base;
+            for &i in &order[runs[r].clone()] {
+                let (off, shape) = &checked[i];
+                // SAFETY: checked offsets; the runs partition the blocks, so no two tasks
+                // write one block, and `&mut self` excludes every other reader and writer.
+                unsafe { scatter_token(base.0, layout, *off, shape, tokens[i].k, tokens[i].v) };
+            }
+        });
         Ok(())
     }
 
@@ -418,12 +441,15 @@ impl TokenShape {
     fn scatter<T: Copy>(&self, dst: &mut [T], k: &[f32], v: &[f32], to: impl Fn(f32) -> T) {
         let (heads, d, bs, slot) = (self.heads, self.d, self.bs, self.slot);
         let (kpart, vpart) = dst.split_at_mut(heads * d * bs);
-        for h in 0..heads {
-            for i in 0..d {
-                kpart[(h * d + i) * bs + slot] = to(k[h * d + i]);
+        // K is stored transposed (dimension-major, one slot per key), V token-major.
+        for (h, (kh, vh)) in k.chunks_exact(d).zip(v.chunks_exact(d)).enumerate() {
+            let kdst = kpart[h * d * bs + slot..].iter_mut().step_by(bs);
+            for (dst, &x) in kdst.zip(kh) {
+                *dst = to(x);
             }
-            for i in 0..d {
-                vpart[(h * bs + slot) * d + i] = to(v[h * d + i]);
+            let vdst = &mut vpart[(h * bs + slot) * d..(h * bs + slot + 1) * d];
+            for (dst, &x) in vdst.iter_mut().zip(vh) {
+                *dst = to(x);
             }
         }
     }
@@ -435,6 +461,57 @@ impl TokenShape {
             for i in 0..d {
                 k[h * d + i] = from(kpart[(h * d + i) * bs + slot]);
                 v[h * d + i] = from(vpart[(h * bs + slot) * d + i]);
+            }
+        }
+    }
+}
+
+/// How [`KvCache::write_tokens`] runs its tasks: `parallel(tasks, task)` calls `task(i)` for
+/// every `i < tasks`, on any threads, and returns when all have run.
+pub type Parallel<'a> = &'a dyn Fn(usize, &(dyn Fn(usize) + Sync));
+
+/// One token's K and V rows (`kv_heads × head_dim` each) for [`KvCache::write_tokens`].
+#[derive(Debug, Clone, Copy)]
+pub struct TokenKv<'a> {
+    pub block: u32,
+    pub slot: usize,
+    pub k: &'a [f32],
+    pub v: &'a [f32],
+}
+
+/// The cache's base pointer, shared by the tasks of one `write_tokens` call.
+struct BasePtr(*mut u8);
+// SAFETY: the tasks write disjoint blocks through it (see `write_tokens`).
+unsafe impl Sync for BasePtr {}
+
+/// Writes one token into the block-layer piece at element `off`, in the cache's dtype.
+///
+/// # Safety
+/// `off` is a checked block offset of a storage at `base` laid out by `layout`, and nobody
+/// else reads or writes that piece meanwhile.
+unsafe fn scatter_token(
+    base: *mut u8,
+    layout: &KvLayout,
+    off: usize,
+    shape: &TokenShape,
+    k: &[f32],
+    v: &[f32],
+) {
+    let n = layout.block_layer_elems();
+    // SAFETY (each arm): `off..off + n` is one block of one layer in elements of the dtype.
+    unsafe {
+        match layout.dtype {
+            KvDtype::F32 => {
+                let dst = std::slice::from_raw_parts_mut(base.cast::<f32>().add(off), n);
+                shape.scatter(dst, k, v, |x| x);
+            }
+            KvDtype::Bf16 => {
+                let dst = std::slice::from_raw_parts_mut(base.cast::<half::bf16>().add(off), n);
+                shape.scatter(dst, k, v, half::bf16::from_f32);
+            }
+            KvDtype::F16 => {
+                let dst = std::slice::from_raw_parts_mut(base.cast::<half::f16>().add(off), n);
+                shape.scatter(dst, k, v, half::f16::from_f32);
             }
         }
     }

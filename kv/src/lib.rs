@@ -21,7 +21,7 @@ mod pool;
 pub mod shm;
 pub mod staging;
 
-pub use cache::{KvBlockWriter, KvCache, KvStorage};
+pub use cache::{KvBlockWriter, KvCache, KvStorage, Parallel, TokenKv};
 pub use device::{CopyRun, DeviceKv, DevicePoolLayout, ExportedKv, KvLocation, plan_layer_copy};
 pub use error::{KvError, Result};
 pub use layout::{KvDtype, KvLayout};

@@ -1,10 +1,10 @@
 //! [`Model::forward`] on the CPU: one batch of token rows through every layer with the
 //! batch-invariant kernels, K and V written into the paged cache as each layer computes them.
 
-use tandem_kv::{BLOCK_SIZE, KvCache};
+use tandem_kv::{BLOCK_SIZE, KvCache, Parallel, TokenKv};
 
 use super::kernels::attention::{AttnSeq, paged_attention};
-use super::kernels::team::parallel_rows;
+use super::kernels::team::{parallel_for, parallel_rows};
 use super::kernels::{add_in_place, linear, rms_norm, silu_mul};
 use crate::error::{EngineError, Result};
 use crate::model::{Model, SeqInput};
@@ -96,6 +96,13 @@ impl Model {
                 add_in_place(rows, &proj[r0 * h..r0 * h + rows.len()]);
             });
         };
+        // A prefill chunk's KV writes go over the team by block; a decode step's few tokens
+        // stay on this thread.
+        let kv_writers: Parallel = if t >= 32 {
+            &parallel_for
+        } else {
+            &|tasks, task| (0..tasks).for_each(task)
+        };
         for (l, layer) in self.weights().layers.iter().enumerate() {
             norm(&x, &layer.attn_norm, &mut normed);
             linear(&normed, t, &layer.qkv, &mut qkv);
@@ -115,20 +122,23 @@ impl Model {
                     qrow.copy_from_slice(&row[..qw]);
                 }
             });
-            for a in &attn_seqs {
-                for i in 0..a.q_len {
-                    let pos = a.start_pos + i;
-                    let row = &qkv[(a.q_row + i) * qkv_w..(a.q_row + i + 1) * qkv_w];
-                    let block = a.block_table[pos / BLOCK_SIZE];
-                    cache.write_token(
-                        l,
-                        block,
-                        pos % BLOCK_SIZE,
-                        &row[qw..qw + kw],
-                        &row[qw + kw..],
-                    )?;
-                }
-            }
+            let tokens: Vec<TokenKv> = attn_seqs
+                .iter()
+                .flat_map(|a| {
+                    let qkv = &qkv;
+                    (0..a.q_len).map(move |i| {
+                        let pos = a.start_pos + i;
+                        let row = &qkv[(a.q_row + i) * qkv_w..(a.q_row + i + 1) * qkv_w];
+                        TokenKv {
+                            block: a.block_table[pos / BLOCK_SIZE],
+                            slot: pos % BLOCK_SIZE,
+                            k: &row[qw..qw + kw],
+                            v: &row[qw + kw..],
+                        }
+                    })
+                })
+                .collect();
+            cache.write_tokens(l, &tokens, kv_writers)?;
             paged_attention(cache, l, &q, &attn_seqs, cfg.num_attention_heads, &mut attn);
             linear(&attn, t, &layer.o, &mut proj);
             residual(&mut x, &proj);

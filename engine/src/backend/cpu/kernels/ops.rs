@@ -4,20 +4,55 @@
 
 use crate::config::{ModelConfig, RopeScaling};
 
+/// Runs a body compiled for the given instruction set: the same Rust, in AVX-512 or AVX2
+/// code on x86-64 (where the compiler may vectorize it), portable code elsewhere. A body's
+/// arithmetic is element-wise or in an explicit order, never contracted into fused
+/// multiply-adds (Rust does not do that), so every set computes the same bits.
+macro_rules! on_isa {
+    ($isa:expr, fn($($arg:ident : $ty:ty),* $(,)?) $(-> $ret:ty)? $body:block) => {{
+        #[inline(always)]
+        fn body($($arg: $ty),*) $(-> $ret)? $body
+        #[cfg(target_arch = "x86_64")]
+        #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
+        unsafe fn avx512($($arg: $ty),*) $(-> $ret)? {
+            body($($arg),*)
+        }
+        #[cfg(target_arch = "x86_64")]
+        #[target_feature(enable = "avx2,fma")]
+        unsafe fn avx2($($arg: $ty),*) $(-> $ret)? {
+            body($($arg),*)
+        }
+        let isa: super::Isa = $isa;
+        assert!(isa.supported(), "this CPU cannot run the {isa} kernels");
+        match isa {
+            // SAFETY: the CPU runs this instruction set (asserted above).
+            #[cfg(target_arch = "x86_64")]
+            super::Isa::Avx512 => unsafe { avx512($($arg),*) },
+            // SAFETY: as above.
+            #[cfg(target_arch = "x86_64")]
+            super::Isa::Avx2 => unsafe { avx2($($arg),*) },
+            _ => body($($arg),*),
+        }
+    }};
+}
+
 /// `out[t] = x[t] / rms(x[t]) * weight`, for each row `t` of width `weight.len()`.
 pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
-    let h = weight.len();
-    for (row, o) in x.chunks_exact(h).zip(out.chunks_exact_mut(h)) {
-        let mut sum = [0f32; 8];
-        for (i, &v) in row.iter().enumerate() {
-            sum[i % 8] += v * v;
+    on_isa!(super::isa(), fn(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
+        let h = weight.len();
+        for (row, o) in x.chunks_exact(h).zip(out.chunks_exact_mut(h)) {
+            let mut sum = [0f32; 8];
+            for (i, &v) in row.iter().enumerate() {
+                sum[i % 8] += v * v;
+            }
+            let ss =
+                ((sum[0] + sum[1]) + (sum[2] + sum[3])) + ((sum[4] + sum[5]) + (sum[6] + sum[7]));
+            let scale = 1.0 / (ss / h as f32 + eps).sqrt();
+            for ((o, &v), &w) in o.iter_mut().zip(row).zip(weight) {
+                *o = v * scale * w;
+            }
         }
-        let ss = ((sum[0] + sum[1]) + (sum[2] + sum[3])) + ((sum[4] + sum[5]) + (sum[6] + sum[7]));
-        let scale = 1.0 / (ss / h as f32 + eps).sqrt();
-        for ((o, &v), &w) in o.iter_mut().zip(row).zip(weight) {
-            *o = v * scale * w;
-        }
-    }
+    })
 }
 
 /// SwiGLU on a fused gate/up projection: each input row is `[gate(f), up(f)]`, each output
@@ -29,36 +64,14 @@ pub fn silu_mul(gate_up: &[f32], f: usize, out: &mut [f32]) {
 
 /// [`silu_mul`] on a given instruction set (one this CPU runs).
 pub(crate) fn silu_mul_on(isa: super::Isa, gate_up: &[f32], f: usize, out: &mut [f32]) {
-    assert!(isa.supported());
-    match isa {
-        #[cfg(target_arch = "x86_64")]
-        super::Isa::Avx512 => unsafe { silu_mul_avx512(gate_up, f, out) },
-        #[cfg(target_arch = "x86_64")]
-        super::Isa::Avx2 => unsafe { silu_mul_avx2(gate_up, f, out) },
-        _ => silu_mul_body(gate_up, f, out),
-    }
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
-unsafe fn silu_mul_avx512(gate_up: &[f32], f: usize, out: &mut [f32]) {
-    silu_mul_body(gate_up, f, out)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn silu_mul_avx2(gate_up: &[f32], f: usize, out: &mut [f32]) {
-    silu_mul_body(gate_up, f, out)
-}
-
-#[inline(always)]
-fn silu_mul_body(gate_up: &[f32], f: usize, out: &mut [f32]) {
-    for (row, o) in gate_up.chunks_exact(2 * f).zip(out.chunks_exact_mut(f)) {
-        let (gate, up) = row.split_at(f);
-        for ((o, &g), &u) in o.iter_mut().zip(gate).zip(up) {
-            *o = g / (1.0 + exp_poly(-g)) * u;
+    on_isa!(isa, fn(gate_up: &[f32], f: usize, out: &mut [f32]) {
+        for (row, o) in gate_up.chunks_exact(2 * f).zip(out.chunks_exact_mut(f)) {
+            let (gate, up) = row.split_at(f);
+            for ((o, &g), &u) in o.iter_mut().zip(gate).zip(up) {
+                *o = g / (1.0 + exp_poly(-g)) * u;
+            }
         }
-    }
+    })
 }
 
 /// `Σ exp(x - max)` over a row of logits (the log-softmax denominator), vectorized like
@@ -69,39 +82,17 @@ pub fn sum_exp(x: &[f32], max: f32) -> f32 {
 
 /// [`sum_exp`] on a given instruction set (one this CPU runs).
 pub(crate) fn sum_exp_on(isa: super::Isa, x: &[f32], max: f32) -> f32 {
-    assert!(isa.supported());
-    match isa {
-        #[cfg(target_arch = "x86_64")]
-        super::Isa::Avx512 => unsafe { sum_exp_avx512(x, max) },
-        #[cfg(target_arch = "x86_64")]
-        super::Isa::Avx2 => unsafe { sum_exp_avx2(x, max) },
-        _ => sum_exp_body(x, max),
-    }
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
-unsafe fn sum_exp_avx512(x: &[f32], max: f32) -> f32 {
-    sum_exp_body(x, max)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn sum_exp_avx2(x: &[f32], max: f32) -> f32 {
-    sum_exp_body(x, max)
-}
-
-#[inline(always)]
-fn sum_exp_body(x: &[f32], max: f32) -> f32 {
-    let mut acc = [0f32; 16];
-    let mut chunks = x.chunks_exact(16);
-    for c in &mut chunks {
-        for (a, &v) in acc.iter_mut().zip(c) {
-            *a += exp_poly(v - max);
+    on_isa!(isa, fn(x: &[f32], max: f32) -> f32 {
+        let mut acc = [0f32; 16];
+        let mut chunks = x.chunks_exact(16);
+        for c in &mut chunks {
+            for (a, &v) in acc.iter_mut().zip(c) {
+                *a += exp_poly(v - max);
+            }
         }
-    }
-    let tail: f32 = chunks.remainder().iter().map(|&v| exp_poly(v - max)).sum();
-    acc.iter().sum::<f32>() + tail
+        let tail: f32 = chunks.remainder().iter().map(|&v| exp_poly(v - max)).sum();
+        acc.iter().sum::<f32>() + tail
+    })
 }
 
 /// `e^x`: Cephes' polynomial, written to vectorize inside target-feature code (relative error
@@ -130,9 +121,11 @@ pub(crate) fn exp_poly(v: f32) -> f32 {
 
 /// `x += y`.
 pub fn add_in_place(x: &mut [f32], y: &[f32]) {
-    for (a, b) in x.iter_mut().zip(y) {
-        *a += b;
-    }
+    on_isa!(super::isa(), fn(x: &mut [f32], y: &[f32]) {
+        for (a, b) in x.iter_mut().zip(y) {
+            *a += b;
+        }
+    })
 }
 
 /// Rotary position embeddings: the inverse frequencies of a model, applied to Q and K rows.
@@ -189,19 +182,29 @@ impl RopeTable {
         sin: &[f32],
     ) {
         let d = self.head_dim;
-        let half = d / 2;
-        for (t, row) in x.chunks_exact_mut(row_stride).enumerate() {
-            let c = &cos[t * half..(t + 1) * half];
-            let s = &sin[t * half..(t + 1) * half];
-            for head in row[col_offset..col_offset + heads * d].chunks_exact_mut(d) {
-                let (a, b) = head.split_at_mut(half);
-                for i in 0..half {
-                    let (x1, x2) = (a[i], b[i]);
-                    a[i] = x1 * c[i] - x2 * s[i];
-                    b[i] = x2 * c[i] + x1 * s[i];
+        on_isa!(super::isa(), fn(
+            x: &mut [f32],
+            d: usize,
+            row_stride: usize,
+            col_offset: usize,
+            heads: usize,
+            cos: &[f32],
+            sin: &[f32],
+        ) {
+            let half = d / 2;
+            for (t, row) in x.chunks_exact_mut(row_stride).enumerate() {
+                let c = &cos[t * half..(t + 1) * half];
+                let s = &sin[t * half..(t + 1) * half];
+                for head in row[col_offset..col_offset + heads * d].chunks_exact_mut(d) {
+                    let (a, b) = head.split_at_mut(half);
+                    for i in 0..half {
+                        let (x1, x2) = (a[i], b[i]);
+                        a[i] = x1 * c[i] - x2 * s[i];
+                        b[i] = x2 * c[i] + x1 * s[i];
+                    }
                 }
             }
-        }
+        })
     }
 }
 
