@@ -1,5 +1,5 @@
-//! Model configuration: the Llama-family hyper-parameters, read from an HF `config.json`, from
-//! GGUF metadata, or taken from a preset (for dummy weights of real shapes).
+//! Model configuration: the decoder's family and hyper-parameters, read from an HF
+//! `config.json`, from GGUF metadata, or taken from a preset (for dummy weights of real shapes).
 
 use serde::{Deserialize, Serialize};
 
@@ -67,9 +67,50 @@ pub struct RopeScaling {
     pub original_max_position_embeddings: usize,
 }
 
-/// The resolved hyper-parameters of a Llama-family decoder.
+/// The decoder families the engine runs: the Llama block, and what each other family changes
+/// in it. Anything a family's config asks for beyond these is refused at load, by name.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Architecture {
+    /// Llama 2/3, SmolLM, Mistral (within its attention window).
+    #[default]
+    Llama,
+    /// Qwen2 and Qwen2.5: biases on the Q, K and V projections.
+    Qwen2,
+    /// Qwen3 (dense): per-head RMSNorm of Q and K before RoPE, head_dim set on its own.
+    Qwen3,
+}
+
+impl Architecture {
+    /// The name GGUF metadata uses (`general.architecture`), which prefixes its keys.
+    pub fn name(self) -> &'static str {
+        match self {
+            Architecture::Llama => "llama",
+            Architecture::Qwen2 => "qwen2",
+            Architecture::Qwen3 => "qwen3",
+        }
+    }
+
+    fn from_gguf(name: &str) -> Option<Self> {
+        [Self::Llama, Self::Qwen2, Self::Qwen3]
+            .into_iter()
+            .find(|a| a.name() == name)
+    }
+}
+
+impl std::fmt::Display for Architecture {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// The resolved hyper-parameters of a decoder.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ModelConfig {
+    /// The family; part of the KV layout's fingerprint, so workers of different families
+    /// refuse each other.
+    #[serde(default)]
+    pub arch: Architecture,
     pub vocab_size: usize,
     pub hidden_size: usize,
     pub intermediate_size: usize,
@@ -82,9 +123,15 @@ pub struct ModelConfig {
     pub max_position_embeddings: usize,
     pub tie_word_embeddings: bool,
     pub rope_scaling: Option<RopeScaling>,
+    /// Biases on the Q, K and V projections (Qwen2; Llama configs with `attention_bias`).
+    #[serde(default)]
+    pub attention_bias: bool,
+    /// Per-head RMSNorm of Q and K before RoPE (Qwen3).
+    #[serde(default)]
+    pub qk_norm: bool,
 }
 
-/// The subset of an HF `config.json` that a Llama model needs.
+/// The subset of an HF `config.json` that the supported families need.
 #[derive(Debug, Deserialize)]
 struct HfConfig {
     vocab_size: usize,
@@ -100,6 +147,10 @@ struct HfConfig {
     tie_word_embeddings: Option<bool>,
     rope_scaling: Option<serde_json::Value>,
     model_type: Option<String>,
+    attention_bias: Option<bool>,
+    mlp_bias: Option<bool>,
+    sliding_window: Option<usize>,
+    use_sliding_window: Option<bool>,
 }
 
 impl ModelConfig {
@@ -107,11 +158,25 @@ impl ModelConfig {
     pub fn from_hf_json(json: &str) -> Result<Self> {
         let hf: HfConfig = serde_json::from_str(json)
             .map_err(|e| EngineError::Config(format!("config.json: {e}")))?;
-        if let Some(t) = &hf.model_type
-            && !matches!(t.as_str(), "llama" | "mistral")
-        {
+        let model_type = hf.model_type.as_deref().unwrap_or("llama");
+        let arch = match model_type {
+            "llama" | "mistral" => Architecture::Llama,
+            "qwen2" => Architecture::Qwen2,
+            "qwen3" => Architecture::Qwen3,
+            other => {
+                return Err(EngineError::Unsupported(format!(
+                    "model_type `{other}` (supported: llama, mistral, qwen2, qwen3)"
+                )));
+            }
+        };
+        if hf.mlp_bias == Some(true) {
             return Err(EngineError::Unsupported(format!(
-                "model_type `{t}`: only the Llama family (llama, mistral) is supported"
+                "{model_type} with mlp_bias: true"
+            )));
+        }
+        if hf.use_sliding_window == Some(true) {
+            return Err(EngineError::Unsupported(format!(
+                "{model_type} with use_sliding_window: true (sliding-window attention)"
             )));
         }
         let rope_scaling = match &hf.rope_scaling {
@@ -136,7 +201,23 @@ impl ModelConfig {
             }
             _ => None,
         };
+        let mut max_position_embeddings = hf.max_position_embeddings.unwrap_or(4096);
+        // Mistral's sliding window: attention inside the window is plain causal attention, so
+        // a context capped at the window runs the model exactly; longer prompts are refused
+        // (as too long) rather than attended over keys the model never sees.
+        if model_type == "mistral"
+            && let Some(window) = hf.sliding_window
+            && window < max_position_embeddings
+        {
+            tracing::info!(
+                window,
+                max_position_embeddings,
+                "Mistral sliding-window attention: context capped at the window"
+            );
+            max_position_embeddings = window;
+        }
         let cfg = ModelConfig {
+            arch,
             vocab_size: hf.vocab_size,
             hidden_size: hf.hidden_size,
             intermediate_size: hf.intermediate_size,
@@ -148,61 +229,85 @@ impl ModelConfig {
                 .unwrap_or(hf.hidden_size / hf.num_attention_heads.max(1)),
             rms_norm_eps: hf.rms_norm_eps.unwrap_or(1e-5),
             rope_theta: hf.rope_theta.unwrap_or(10_000.0),
-            max_position_embeddings: hf.max_position_embeddings.unwrap_or(4096),
+            max_position_embeddings,
             tie_word_embeddings: hf.tie_word_embeddings.unwrap_or(false),
             rope_scaling,
+            attention_bias: arch == Architecture::Qwen2 || hf.attention_bias == Some(true),
+            qk_norm: arch == Architecture::Qwen3,
         };
         cfg.validate()?;
         Ok(cfg)
     }
 
-    /// Reads the `llama.*` keys of GGUF metadata.
+    /// Reads the `<architecture>.*` keys of GGUF metadata; `has_tensor` tells which optional
+    /// tensors the file holds (an untied LM head, Q/K/V biases).
     pub fn from_gguf(
         meta: &tandem_text::gguf::GgufMetadata,
-        has_output_weight: bool,
+        has_tensor: &dyn Fn(&str) -> bool,
     ) -> Result<Self> {
-        let arch = meta.get_str("general.architecture").unwrap_or("none");
-        if arch != "llama" {
-            return Err(EngineError::Unsupported(format!(
-                "GGUF architecture `{arch}`: only `llama` is supported"
-            )));
-        }
+        let name = meta.get_str("general.architecture").unwrap_or("none");
+        let arch = Architecture::from_gguf(name).ok_or_else(|| {
+            EngineError::Unsupported(format!(
+                "GGUF architecture `{name}` (supported: llama, qwen2, qwen3)"
+            ))
+        })?;
+        let key = |k: &str| format!("{name}.{k}");
         let req = |k: &str| {
-            meta.get_u64(&format!("llama.{k}"))
+            meta.get_u64(&key(k))
                 .map(|v| v as usize)
-                .ok_or_else(|| EngineError::Config(format!("GGUF metadata lacks llama.{k}")))
+                .ok_or_else(|| EngineError::Config(format!("GGUF metadata lacks {}", key(k))))
         };
         let heads = req("attention.head_count")?;
         let hidden = req("embedding_length")?;
-        let vocab = match meta.get_u64("llama.vocab_size") {
+        let vocab = match meta.get_u64(&key("vocab_size")) {
             Some(v) => v as usize,
             None => meta.get_strings("tokenizer.ggml.tokens")?.len(),
         };
         let cfg = ModelConfig {
+            arch,
             vocab_size: vocab,
             hidden_size: hidden,
             intermediate_size: req("feed_forward_length")?,
             num_hidden_layers: req("block_count")?,
             num_attention_heads: heads,
             num_key_value_heads: meta
-                .get_u64("llama.attention.head_count_kv")
+                .get_u64(&key("attention.head_count_kv"))
                 .map_or(heads, |v| v as usize),
             head_dim: meta
-                .get_u64("llama.attention.key_length")
+                .get_u64(&key("attention.key_length"))
                 .map_or(hidden / heads.max(1), |v| v as usize),
             rms_norm_eps: meta
-                .get_f64("llama.attention.layer_norm_rms_epsilon")
+                .get_f64(&key("attention.layer_norm_rms_epsilon"))
                 .unwrap_or(1e-5),
-            rope_theta: meta.get_f64("llama.rope.freq_base").unwrap_or(10_000.0),
+            rope_theta: meta.get_f64(&key("rope.freq_base")).unwrap_or(10_000.0),
             max_position_embeddings: req("context_length")?,
-            tie_word_embeddings: !has_output_weight,
+            tie_word_embeddings: !has_tensor("output.weight"),
             rope_scaling: None,
+            attention_bias: has_tensor("blk.0.attn_q.bias"),
+            qk_norm: arch == Architecture::Qwen3,
         };
+        if let Some(kind) = meta.get_str(&key("rope.scaling.type"))
+            && kind != "none"
+        {
+            return Err(EngineError::Unsupported(format!(
+                "GGUF {name} with RoPE scaling `{kind}`"
+            )));
+        }
         cfg.validate()?;
         Ok(cfg)
     }
 
-    /// A named preset shape: `tiny`, `smollm2-135m`, `llama-3.2-1b`, `llama-3.1-8b`.
+    /// The preset shapes (`dummy:<preset>` models, benchmarks).
+    pub const PRESETS: [&str; 6] = [
+        "tiny",
+        "smollm2-135m",
+        "llama-3.2-1b",
+        "llama-3.1-8b",
+        "qwen2.5-0.5b",
+        "qwen3-0.6b",
+    ];
+
+    /// A named preset shape, one of [`Self::PRESETS`] (`smollm2` also names SmolLM2's).
     pub fn preset(name: &str) -> Result<Self> {
         let llama3_scaling = |factor| {
             Some(RopeScaling {
@@ -216,6 +321,7 @@ impl ModelConfig {
             // The built-in test model: byte-level vocabulary, small enough for debug builds,
             // a context long enough for 32k-token chunked-prefill tests.
             "tiny" => ModelConfig {
+                arch: Architecture::Llama,
                 vocab_size: 259,
                 hidden_size: 64,
                 intermediate_size: 176,
@@ -228,8 +334,11 @@ impl ModelConfig {
                 max_position_embeddings: 40_960,
                 tie_word_embeddings: true,
                 rope_scaling: None,
+                attention_bias: false,
+                qk_norm: false,
             },
             "smollm2-135m" | "smollm2" => ModelConfig {
+                arch: Architecture::Llama,
                 vocab_size: 49_152,
                 hidden_size: 576,
                 intermediate_size: 1536,
@@ -242,8 +351,11 @@ impl ModelConfig {
                 max_position_embeddings: 8192,
                 tie_word_embeddings: true,
                 rope_scaling: None,
+                attention_bias: false,
+                qk_norm: false,
             },
             "llama-3.2-1b" => ModelConfig {
+                arch: Architecture::Llama,
                 vocab_size: 128_256,
                 hidden_size: 2048,
                 intermediate_size: 8192,
@@ -256,8 +368,11 @@ impl ModelConfig {
                 max_position_embeddings: 131_072,
                 tie_word_embeddings: true,
                 rope_scaling: llama3_scaling(32.0),
+                attention_bias: false,
+                qk_norm: false,
             },
             "llama-3.1-8b" => ModelConfig {
+                arch: Architecture::Llama,
                 vocab_size: 128_256,
                 hidden_size: 4096,
                 intermediate_size: 14_336,
@@ -270,10 +385,47 @@ impl ModelConfig {
                 max_position_embeddings: 131_072,
                 tie_word_embeddings: false,
                 rope_scaling: llama3_scaling(8.0),
+                attention_bias: false,
+                qk_norm: false,
+            },
+            "qwen2.5-0.5b" => ModelConfig {
+                arch: Architecture::Qwen2,
+                vocab_size: 151_936,
+                hidden_size: 896,
+                intermediate_size: 4864,
+                num_hidden_layers: 24,
+                num_attention_heads: 14,
+                num_key_value_heads: 2,
+                head_dim: 64,
+                rms_norm_eps: 1e-6,
+                rope_theta: 1_000_000.0,
+                max_position_embeddings: 32_768,
+                tie_word_embeddings: true,
+                rope_scaling: None,
+                attention_bias: true,
+                qk_norm: false,
+            },
+            "qwen3-0.6b" => ModelConfig {
+                arch: Architecture::Qwen3,
+                vocab_size: 151_936,
+                hidden_size: 1024,
+                intermediate_size: 3072,
+                num_hidden_layers: 28,
+                num_attention_heads: 16,
+                num_key_value_heads: 8,
+                head_dim: 128,
+                rms_norm_eps: 1e-6,
+                rope_theta: 1_000_000.0,
+                max_position_embeddings: 40_960,
+                tie_word_embeddings: true,
+                rope_scaling: None,
+                attention_bias: false,
+                qk_norm: true,
             },
             other => {
                 return Err(EngineError::Config(format!(
-                    "unknown preset `{other}` (tiny, smollm2-135m, llama-3.2-1b, llama-3.1-8b)"
+                    "unknown preset `{other}` ({})",
+                    Self::PRESETS.join(", ")
                 )));
             }
         };
@@ -319,10 +471,13 @@ impl ModelConfig {
     /// Number of weight elements, as loaded (tied embeddings counted once).
     pub fn num_parameters(&self) -> usize {
         let h = self.hidden_size;
-        let per_layer = h * (self.q_width() + 2 * self.kv_width())
+        let qkv = self.q_width() + 2 * self.kv_width();
+        let per_layer = h * qkv
             + self.q_width() * h
             + 3 * h * self.intermediate_size
-            + 2 * h;
+            + 2 * h
+            + if self.attention_bias { qkv } else { 0 }
+            + if self.qk_norm { 2 * self.head_dim } else { 0 };
         let embed = self.vocab_size * h;
         let head = if self.tie_word_embeddings { 0 } else { embed };
         per_layer * self.num_hidden_layers + embed + head + h
@@ -335,10 +490,17 @@ mod tests {
 
     #[test]
     fn presets_are_valid_and_sized() {
-        for name in ["tiny", "smollm2-135m", "llama-3.2-1b", "llama-3.1-8b"] {
+        for name in ModelConfig::PRESETS {
             let cfg = ModelConfig::preset(name).unwrap();
             cfg.validate().unwrap();
         }
+        // Published sizes: Qwen2.5-0.5B 494 M parameters, Qwen3-0.6B 596 M (tied embeddings).
+        let q25 = ModelConfig::preset("qwen2.5-0.5b")
+            .unwrap()
+            .num_parameters();
+        assert!((490_000_000..498_000_000).contains(&q25), "{q25}");
+        let q3 = ModelConfig::preset("qwen3-0.6b").unwrap().num_parameters();
+        assert!((592_000_000..600_000_000).contains(&q3), "{q3}");
         let smol = ModelConfig::preset("smollm2-135m").unwrap();
         let params = smol.num_parameters();
         assert!((134_000_000..136_000_000).contains(&params), "{params}");
@@ -372,6 +534,104 @@ mod tests {
             ModelConfig::from_hf_json(bad_heads),
             Err(EngineError::Config(_))
         ));
+    }
+
+    #[test]
+    fn families_from_hf_config() {
+        let base = |extra: &str| {
+            format!(
+                r#"{{"vocab_size":151936,"hidden_size":896,"intermediate_size":4864,
+                "num_hidden_layers":24,"num_attention_heads":14,"num_key_value_heads":2,
+                "rms_norm_eps":1e-06,"rope_theta":1000000.0,"max_position_embeddings":32768,
+                "tie_word_embeddings":true,"sliding_window":32768,"use_sliding_window":false,
+                {extra}}}"#
+            )
+        };
+        let qwen2 = ModelConfig::from_hf_json(&base(r#""model_type":"qwen2""#)).unwrap();
+        assert_eq!(qwen2, ModelConfig::preset("qwen2.5-0.5b").unwrap());
+        let qwen3 = ModelConfig::from_hf_json(&base(
+            r#""model_type":"qwen3","head_dim":128,"attention_bias":false"#,
+        ))
+        .unwrap();
+        assert!(qwen3.qk_norm && !qwen3.attention_bias && qwen3.head_dim == 128);
+        assert_eq!(qwen3.arch, Architecture::Qwen3);
+
+        // Mistral's window caps the context (exact inside it); none leaves it alone.
+        let mistral = |window: &str| {
+            ModelConfig::from_hf_json(&format!(
+                r#"{{"model_type":"mistral","vocab_size":32000,"hidden_size":64,
+                "intermediate_size":128,"num_hidden_layers":1,"num_attention_heads":4,
+                "num_key_value_heads":2,"max_position_embeddings":32768,"sliding_window":{window}}}"#
+            ))
+            .unwrap()
+        };
+        assert_eq!(mistral("4096").max_position_embeddings, 4096);
+        assert_eq!(mistral("null").max_position_embeddings, 32768);
+
+        // What no family here runs is refused by name.
+        for (extra, named) in [
+            (
+                r#""model_type":"qwen2","use_sliding_window":true"#,
+                "use_sliding_window",
+            ),
+            (r#""model_type":"llama","mlp_bias":true"#, "mlp_bias"),
+            (r#""model_type":"gemma2""#, "gemma2"),
+            (
+                r#""model_type":"qwen2","rope_scaling":{"type":"yarn","factor":4.0}"#,
+                "yarn",
+            ),
+        ] {
+            let json = base(extra).replace(r#""use_sliding_window":false,"#, "");
+            let err = ModelConfig::from_hf_json(&json).unwrap_err().to_string();
+            assert!(err.contains(named), "{extra}: {err}");
+        }
+    }
+
+    #[test]
+    fn families_from_gguf_metadata() {
+        use tandem_text::gguf::{GgufMetadata, GgufValue};
+        let meta = |arch: &str, extra: &[(&str, GgufValue)]| {
+            let mut m = GgufMetadata::default();
+            let mut put = |k: &str, v: GgufValue| m.entries.insert(k.to_string(), v);
+            put("general.architecture", GgufValue::String(arch.into()));
+            for (k, v) in [
+                ("block_count", 28u64),
+                ("context_length", 40960),
+                ("embedding_length", 1024),
+                ("feed_forward_length", 3072),
+                ("attention.head_count", 16),
+                ("attention.head_count_kv", 8),
+                ("attention.key_length", 128),
+                ("vocab_size", 151936),
+            ] {
+                put(&format!("{arch}.{k}"), GgufValue::U64(v));
+            }
+            put(&format!("{arch}.rope.freq_base"), GgufValue::F32(1e6));
+            put(
+                &format!("{arch}.attention.layer_norm_rms_epsilon"),
+                GgufValue::F32(1e-6),
+            );
+            for (k, v) in extra {
+                put(k, v.clone());
+            }
+            m
+        };
+        let none = |_: &str| false;
+        let qwen3 = ModelConfig::from_gguf(&meta("qwen3", &[]), &none).unwrap();
+        // GGUF stores the epsilon as an f32.
+        let want = ModelConfig {
+            rms_norm_eps: f64::from(1e-6f32),
+            ..ModelConfig::preset("qwen3-0.6b").unwrap()
+        };
+        assert_eq!(qwen3, want);
+        let bias = |name: &str| name == "blk.0.attn_q.bias";
+        let qwen2 = ModelConfig::from_gguf(&meta("qwen2", &[]), &bias).unwrap();
+        assert!(qwen2.attention_bias && !qwen2.qk_norm && qwen2.arch == Architecture::Qwen2);
+        let err = ModelConfig::from_gguf(&meta("phi3", &[]), &none).unwrap_err();
+        assert!(err.to_string().contains("phi3"), "{err}");
+        let yarn = [("qwen2.rope.scaling.type", GgufValue::String("yarn".into()))];
+        let err = ModelConfig::from_gguf(&meta("qwen2", &yarn), &bias).unwrap_err();
+        assert!(err.to_string().contains("yarn"), "{err}");
     }
 
     #[test]

@@ -480,3 +480,25 @@ fn the_device_backend_hands_each_layer_over_then_releases_it() {
         .import_blocks(&mut cpu_cache, &table, KvLocation::Device)
         .expect("device-resident KV");
 }
+
+#[test]
+fn families_the_device_kernels_lack_are_refused_by_name() {
+    for (preset, lacks) in [
+        ("qwen2.5-0.5b", "biases on the Q, K and V projections"),
+        ("qwen3-0.6b", "per-head RMSNorm of Q and K"),
+    ] {
+        let cfg = ModelConfig {
+            num_hidden_layers: 1,
+            vocab_size: 64,
+            ..ModelConfig::preset(preset).expect("preset")
+        };
+        let model = dummy_model(cfg, WeightFormat::Bf16, 1, preset).expect("model");
+        match DeviceBackend::new(EmulatedDevice, "emulated", &model, 4) {
+            Err(EngineError::Unsupported(why)) => {
+                assert!(why.contains(lacks) && why.contains("--device cpu"), "{why}")
+            }
+            Err(other) => panic!("{preset}: {other}"),
+            Ok(_) => panic!("{preset} must be refused on the GPU engine"),
+        }
+    }
+}

@@ -1,6 +1,7 @@
-//! Loading a GGUF file: the Llama tensors read as `--weights` asks (by default each in its
-//! own format, so a Q4_1 file takes about its size in memory), Q/K rows put back in the HF
-//! RoPE order, the tokenizer and chat template rebuilt from the metadata.
+//! Loading a GGUF file: the decoder's tensors read as `--weights` asks (by default each in
+//! its own format, so a Q4_1 file takes about its size in memory), a Llama file's Q/K rows put
+//! back in the HF RoPE order (llama.cpp's converter permutes them for Llama only), the
+//! tokenizer and chat template rebuilt from the metadata.
 
 use std::fs::File;
 use std::path::Path;
@@ -11,9 +12,9 @@ use tandem_text::TextTokenizer;
 
 use super::Model;
 use super::load::{file_identity, fingerprint};
-use super::tensors::{Loaded, fuse, into_matrix};
-use super::weights::{LayerWeights, Weights};
-use crate::config::{ModelConfig, WeightFormat};
+use super::tensors::{Loaded, fuse, into_matrix, unpermute};
+use super::weights::{LayerExtras, LayerWeights, Weights};
+use crate::config::{Architecture, ModelConfig, WeightFormat};
 use crate::error::{EngineError, Result};
 
 /// An open GGUF file and its tensor directory.
@@ -56,14 +57,15 @@ impl GgufReader<'_> {
     }
 }
 
-/// Loads a GGUF file as a Llama-family model named `name`.
+/// Loads a GGUF file (a supported architecture: see [`Architecture`]) as a model named `name`.
 pub fn load_gguf(path: &Path, format: WeightFormat, name: &str) -> Result<(Model, TextTokenizer)> {
     let meta = tandem_text::gguf::read_metadata(path)?;
     let tokenizer = TextTokenizer::from_gguf_metadata(&meta)?;
     let mut file = File::open(path).map_err(|e| EngineError::io(path, e))?;
     let content = gguf_file::Content::read(&mut file).map_err(|e| EngineError::load(path, e))?;
-    let has_output = content.tensor_infos.contains_key("output.weight");
-    let cfg = ModelConfig::from_gguf(&meta, has_output)?;
+    let has_tensor = |name: &str| content.tensor_infos.contains_key(name);
+    let cfg = ModelConfig::from_gguf(&meta, &has_tensor)?;
+    let has_output = has_tensor("output.weight");
     let mut reader = GgufReader {
         path,
         file,
@@ -73,13 +75,32 @@ pub fn load_gguf(path: &Path, format: WeightFormat, name: &str) -> Result<(Model
     let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
     for l in 0..cfg.num_hidden_layers {
         let p = |s: &str| format!("blk.{l}.{s}.weight");
-        let q = reader
-            .matrix(&p("attn_q"))?
-            .unpermute_rows(cfg.num_attention_heads);
-        let k = reader
-            .matrix(&p("attn_k"))?
-            .unpermute_rows(cfg.num_key_value_heads);
+        let permuted = cfg.arch == Architecture::Llama;
+        let (mut q, mut k) = (reader.matrix(&p("attn_q"))?, reader.matrix(&p("attn_k"))?);
+        if permuted {
+            q = q.unpermute_rows(cfg.num_attention_heads);
+            k = k.unpermute_rows(cfg.num_key_value_heads);
+        }
         let v = reader.matrix(&p("attn_v"))?;
+        let mut extras = LayerExtras::default();
+        if cfg.attention_bias {
+            let bias = |reader: &mut GgufReader, s: &str, heads: usize| -> Result<Vec<f32>> {
+                let b = reader.vector(&format!("blk.{l}.{s}.bias"))?;
+                Ok(if permuted && heads > 0 {
+                    unpermute(&b, b.len(), heads)
+                } else {
+                    b
+                })
+            };
+            let mut qkv = bias(&mut reader, "attn_q", cfg.num_attention_heads)?;
+            qkv.extend(bias(&mut reader, "attn_k", cfg.num_key_value_heads)?);
+            qkv.extend(bias(&mut reader, "attn_v", 0)?);
+            extras.qkv_bias = Some(qkv);
+        }
+        if cfg.qk_norm {
+            extras.q_norm = Some(reader.vector(&p("attn_q_norm"))?);
+            extras.k_norm = Some(reader.vector(&p("attn_k_norm"))?);
+        }
         layers.push(LayerWeights {
             attn_norm: reader.vector(&p("attn_norm"))?,
             qkv: fuse(vec![q, k, v])?,
@@ -90,6 +111,7 @@ pub fn load_gguf(path: &Path, format: WeightFormat, name: &str) -> Result<(Model
                 reader.matrix(&p("ffn_up"))?,
             ])?,
             down: into_matrix(reader.matrix(&p("ffn_down"))?)?,
+            extras,
         });
     }
     let lm_head = if has_output {

@@ -13,7 +13,7 @@ use tandem_text::TextTokenizer;
 use super::Model;
 use super::gguf::load_gguf;
 use super::tensors::{FileDtype, Loaded, fuse, into_matrix};
-use super::weights::{LayerWeights, Weights};
+use super::weights::{LayerExtras, LayerWeights, Weights};
 use crate::config::{ModelConfig, WeightFormat};
 use crate::error::{EngineError, Result};
 use crate::fetch;
@@ -146,7 +146,19 @@ pub fn dummy_model(cfg: ModelConfig, format: WeightFormat, seed: u64, name: &str
     let fan_in = |n: usize| 1.0 / (n as f32).sqrt();
     let embed = matrix("embed", cfg.vocab_size, h, 1.0)?;
     let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
-    for _ in 0..cfg.num_hidden_layers {
+    for l in 0..cfg.num_hidden_layers {
+        // The family's vectors: small random biases, norm weights around 1 (so a test sees
+        // whether they are applied).
+        let vector = |what: u64, n: usize, center: f32, std: f32| {
+            let noise = seeded_uniform(n, seed ^ (what << 32) ^ l as u64, std);
+            noise.into_iter().map(|v| center + v).collect::<Vec<f32>>()
+        };
+        let qkv_rows = cfg.q_width() + 2 * cfg.kv_width();
+        let extras = LayerExtras {
+            qkv_bias: cfg.attention_bias.then(|| vector(1, qkv_rows, 0.0, 0.1)),
+            q_norm: cfg.qk_norm.then(|| vector(2, cfg.head_dim, 1.0, 0.2)),
+            k_norm: cfg.qk_norm.then(|| vector(3, cfg.head_dim, 1.0, 0.2)),
+        };
         layers.push(LayerWeights {
             attn_norm: vec![1.0; h],
             qkv: matrix("qkv", cfg.q_width() + 2 * cfg.kv_width(), h, fan_in(h))?,
@@ -159,6 +171,7 @@ pub fn dummy_model(cfg: ModelConfig, format: WeightFormat, seed: u64, name: &str
                 cfg.intermediate_size,
                 fan_in(cfg.intermediate_size),
             )?,
+            extras,
         });
     }
     let lm_head = if cfg.tie_word_embeddings {
@@ -207,11 +220,16 @@ fn seeded_uniform(n: usize, seed: u64, std: f32) -> Vec<f32> {
 
 /// Loads an HF folder: `config.json`, `*.safetensors`, `tokenizer.json`.
 pub fn load_hf_dir(dir: &Path, format: WeightFormat) -> Result<(Model, TextTokenizer)> {
+    let tokenizer = TextTokenizer::from_hf_dir(dir)?;
+    Ok((load_hf_model(dir, format)?, tokenizer))
+}
+
+/// The model of an HF folder (`config.json` and `*.safetensors`), without its tokenizer.
+pub fn load_hf_model(dir: &Path, format: WeightFormat) -> Result<Model> {
     let config_path = dir.join("config.json");
     let json =
         std::fs::read_to_string(&config_path).map_err(|e| EngineError::io(&config_path, e))?;
     let cfg = ModelConfig::from_hf_json(&json)?;
-    let tokenizer = TextTokenizer::from_hf_dir(dir)?;
     let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
         .map_err(|e| EngineError::io(dir, e))?
         .filter_map(|e| e.ok().map(|e| e.path()))
@@ -238,6 +256,15 @@ pub fn load_hf_dir(dir: &Path, format: WeightFormat) -> Result<(Model, TextToken
     let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
     for l in 0..cfg.num_hidden_layers {
         let p = |s: &str| format!("model.layers.{l}.{s}.weight");
+        let mut extras = LayerExtras::default();
+        if cfg.attention_bias {
+            let b = |s: &str| vector(&format!("model.layers.{l}.self_attn.{s}.bias"));
+            extras.qkv_bias = Some([b("q_proj")?, b("k_proj")?, b("v_proj")?].concat());
+        }
+        if cfg.qk_norm {
+            extras.q_norm = Some(vector(&p("self_attn.q_norm"))?);
+            extras.k_norm = Some(vector(&p("self_attn.k_norm"))?);
+        }
         layers.push(LayerWeights {
             attn_norm: vector(&p("input_layernorm"))?,
             qkv: fuse(vec![
@@ -252,6 +279,7 @@ pub fn load_hf_dir(dir: &Path, format: WeightFormat) -> Result<(Model, TextToken
                 matrix(&p("mlp.up_proj"))?,
             ])?,
             down: into_matrix(matrix(&p("mlp.down_proj"))?)?,
+            extras,
         });
     }
     let lm_head = if cfg.tie_word_embeddings {
@@ -278,10 +306,7 @@ pub fn load_hf_dir(dir: &Path, format: WeightFormat) -> Result<(Model, TextToken
         .and_then(|s| s.to_str())
         .unwrap_or("model")
         .to_string();
-    Ok((
-        Model::new(cfg, weights, format, fingerprint, name),
-        tokenizer,
-    ))
+    Ok(Model::new(cfg, weights, format, fingerprint, name))
 }
 
 /// A cheap identity of a weights file: its name, size, and a hash of its first and last MiB.

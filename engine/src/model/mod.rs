@@ -13,8 +13,8 @@ mod tensors;
 mod weights;
 
 pub use gguf::load_gguf;
-pub use load::{LoadOptions, ModelSource, dummy_model, load_hf_dir, load_model};
-pub use weights::{LayerWeights, Weights};
+pub use load::{LoadOptions, ModelSource, dummy_model, load_hf_dir, load_hf_model, load_model};
+pub use weights::{LayerExtras, LayerWeights, Weights};
 
 use tandem_kv::{BLOCK_SIZE, KvDtype, KvLayout};
 

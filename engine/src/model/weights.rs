@@ -15,6 +15,49 @@ pub struct LayerWeights {
     /// Gate and up projections stacked: `2·intermediate × hidden`.
     pub gate_up: Matrix,
     pub down: Matrix,
+    /// The family's extra per-layer vectors (empty for Llama).
+    pub extras: LayerExtras,
+}
+
+/// What a family adds to the Llama block, per layer.
+#[derive(Debug, Clone, Default)]
+pub struct LayerExtras {
+    /// Q, K and V biases stacked like `qkv`'s rows (Qwen2).
+    pub qkv_bias: Option<Vec<f32>>,
+    /// Per-head RMSNorm weights of Q and of K, `head_dim` each (Qwen3).
+    pub q_norm: Option<Vec<f32>>,
+    pub k_norm: Option<Vec<f32>>,
+}
+
+impl LayerExtras {
+    fn floats(&self) -> usize {
+        [&self.qkv_bias, &self.q_norm, &self.k_norm]
+            .into_iter()
+            .flatten()
+            .map(Vec::len)
+            .sum()
+    }
+
+    /// Checks that exactly the vectors the config asks for are there, at their widths.
+    fn validate(&self, cfg: &ModelConfig, layer: usize) -> Result<()> {
+        let check = |what: &str, v: &Option<Vec<f32>>, wanted: bool, len: usize| match v {
+            Some(v) if wanted && v.len() == len => Ok(()),
+            None if !wanted => Ok(()),
+            Some(v) if wanted => Err(EngineError::Config(format!(
+                "layer {layer} {what}: {} values, expected {len}",
+                v.len()
+            ))),
+            _ => Err(EngineError::Config(format!(
+                "layer {layer} {what}: {} for a {} model",
+                if wanted { "missing" } else { "unexpected" },
+                cfg.arch
+            ))),
+        };
+        let qkv = cfg.q_width() + 2 * cfg.kv_width();
+        check("q/k/v bias", &self.qkv_bias, cfg.attention_bias, qkv)?;
+        check("q_norm", &self.q_norm, cfg.qk_norm, cfg.head_dim)?;
+        check("k_norm", &self.k_norm, cfg.qk_norm, cfg.head_dim)
+    }
 }
 
 /// All weights of a model.
@@ -43,7 +86,7 @@ impl Weights {
                     + m(&l.o)
                     + m(&l.gate_up)
                     + m(&l.down)
-                    + 4 * (l.attn_norm.len() + l.ffn_norm.len())
+                    + 4 * (l.attn_norm.len() + l.ffn_norm.len() + l.extras.floats())
             })
             .sum();
         layers + m(&self.embed) + self.lm_head.as_ref().map_or(0, m) + 4 * self.final_norm.len()
@@ -63,6 +106,7 @@ impl Weights {
                     ffn_norm: l.ffn_norm.clone(),
                     gate_up: l.gate_up.to_f32(),
                     down: l.down.to_f32(),
+                    extras: l.extras.clone(),
                 })
                 .collect(),
             final_norm: self.final_norm.clone(),
@@ -82,7 +126,7 @@ impl Weights {
                     + l.o.size_in_bytes()
                     + l.gate_up.size_in_bytes()
                     + l.down.size_in_bytes()
-                    + 4 * (l.attn_norm.len() + l.ffn_norm.len())
+                    + 4 * (l.attn_norm.len() + l.ffn_norm.len() + l.extras.floats())
             })
             .sum();
         layers + self.lm_head().size_in_bytes() + 4 * self.final_norm.len()
@@ -134,6 +178,7 @@ impl Weights {
             if l.attn_norm.len() != h || l.ffn_norm.len() != h {
                 return Err(EngineError::Config(format!("layer {i}: norm width")));
             }
+            l.extras.validate(cfg, i)?;
         }
         if self.final_norm.len() != h {
             return Err(EngineError::Config("final norm width".into()));

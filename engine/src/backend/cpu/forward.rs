@@ -5,7 +5,7 @@ use tandem_kv::{BLOCK_SIZE, KvCache, Parallel, TokenKv};
 
 use super::kernels::attention::{AttnSeq, paged_attention};
 use super::kernels::team::{parallel_for, parallel_rows};
-use super::kernels::{add_in_place, linear, rms_norm, silu_mul};
+use super::kernels::{add_in_place, linear, rms_norm, rms_norm_heads, silu_mul};
 use crate::error::{EngineError, Result};
 use crate::model::{Model, SeqInput};
 
@@ -106,8 +106,20 @@ impl Model {
         for (l, layer) in self.weights().layers.iter().enumerate() {
             norm(&x, &layer.attn_norm, &mut normed);
             linear(&normed, t, &layer.qkv, &mut qkv);
+            // The family's additions, RoPE, all per row: Qwen2's biases, Qwen3's per-head
+            // norms of Q and K (before RoPE, as its reference does).
             parallel_rows(&mut qkv, qkv_w, &|r0, rows| {
                 let n = rows.len() / qkv_w;
+                let extras = &layer.extras;
+                if let Some(bias) = &extras.qkv_bias {
+                    for row in rows.chunks_exact_mut(qkv_w) {
+                        add_in_place(row, bias);
+                    }
+                }
+                if let (Some(qn), Some(kn)) = (&extras.q_norm, &extras.k_norm) {
+                    rms_norm_heads(rows, qkv_w, 0, cfg.num_attention_heads, qn, eps);
+                    rms_norm_heads(rows, qkv_w, qw, cfg.num_key_value_heads, kn, eps);
+                }
                 let (cos, sin) = (
                     &cos[r0 * half..(r0 + n) * half],
                     &sin[r0 * half..(r0 + n) * half],

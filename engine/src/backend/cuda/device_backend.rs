@@ -23,7 +23,7 @@ use super::staging::KvStaging;
 use crate::backend::{Batch, ComputeBackend, OnLayer};
 use crate::config::ModelConfig;
 use crate::engine::ChunkInfo;
-use crate::error::Result;
+use crate::error::{EngineError, Result};
 use crate::model::Model;
 
 /// A model's weights, KV pool and step buffers on one device.
@@ -54,6 +54,19 @@ impl<D: LaunchDevice> DeviceBackend<D> {
     /// so block ids mean the same on both sides).
     pub fn new(dev: D, name: &'static str, model: &Model, num_blocks: usize) -> Result<Self> {
         let cfg = model.config().clone();
+        // The device kernels implement the Llama block; a family that changes it runs on the
+        // CPU engine until its operations have device kernels.
+        if cfg.attention_bias || cfg.qk_norm {
+            let what = if cfg.attention_bias {
+                "biases on the Q, K and V projections"
+            } else {
+                "per-head RMSNorm of Q and K"
+            };
+            return Err(EngineError::Unsupported(format!(
+                "a {} model on the GPU engine, whose kernels lack {what}; run it with --device cpu",
+                cfg.arch
+            )));
+        }
         let layout = DevicePoolLayout {
             num_layers: cfg.num_hidden_layers,
             num_blocks,

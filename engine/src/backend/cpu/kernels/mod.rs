@@ -22,7 +22,7 @@ pub mod team;
 
 pub use isa::{ISA_ENV, Isa, IsaError, isa, isa_from_env, select_isa};
 pub use matmul::{Matrix, PANEL, WeightData, linear, linear_on};
-pub use ops::{RopeTable, add_in_place, rms_norm, silu_mul, sum_exp};
+pub use ops::{RopeTable, add_in_place, rms_norm, rms_norm_heads, silu_mul, sum_exp};
 pub use quant::{QuantError, QuantKind, QuantPanels};
 
 /// A raw output pointer shared by parallel tasks that write disjoint elements.

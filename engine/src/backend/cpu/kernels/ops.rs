@@ -36,20 +36,55 @@ macro_rules! on_isa {
     }};
 }
 
+/// `1 / rms(row)`: the sum of squares in eight interleaved lanes, then a fixed tree.
+#[inline(always)]
+fn inv_rms(row: &[f32], eps: f32) -> f32 {
+    let mut sum = [0f32; 8];
+    for (i, &v) in row.iter().enumerate() {
+        sum[i % 8] += v * v;
+    }
+    let ss = ((sum[0] + sum[1]) + (sum[2] + sum[3])) + ((sum[4] + sum[5]) + (sum[6] + sum[7]));
+    1.0 / (ss / row.len() as f32 + eps).sqrt()
+}
+
 /// `out[t] = x[t] / rms(x[t]) * weight`, for each row `t` of width `weight.len()`.
 pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
     on_isa!(super::isa(), fn(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
         let h = weight.len();
         for (row, o) in x.chunks_exact(h).zip(out.chunks_exact_mut(h)) {
-            let mut sum = [0f32; 8];
-            for (i, &v) in row.iter().enumerate() {
-                sum[i % 8] += v * v;
-            }
-            let ss =
-                ((sum[0] + sum[1]) + (sum[2] + sum[3])) + ((sum[4] + sum[5]) + (sum[6] + sum[7]));
-            let scale = 1.0 / (ss / h as f32 + eps).sqrt();
+            let scale = inv_rms(row, eps);
             for ((o, &v), &w) in o.iter_mut().zip(row).zip(weight) {
                 *o = v * scale * w;
+            }
+        }
+    })
+}
+
+/// RMSNorm of each of `heads` heads (`weight.len()` wide) in place, in every row of `x` (rows
+/// `row_stride` apart, heads from `col_offset`): Qwen3's norm of Q and K before RoPE.
+pub fn rms_norm_heads(
+    x: &mut [f32],
+    row_stride: usize,
+    col_offset: usize,
+    heads: usize,
+    weight: &[f32],
+    eps: f32,
+) {
+    on_isa!(super::isa(), fn(
+        x: &mut [f32],
+        row_stride: usize,
+        col_offset: usize,
+        heads: usize,
+        weight: &[f32],
+        eps: f32,
+    ) {
+        let d = weight.len();
+        for row in x.chunks_exact_mut(row_stride) {
+            for head in row[col_offset..col_offset + heads * d].chunks_exact_mut(d) {
+                let scale = inv_rms(head, eps);
+                for (v, &w) in head.iter_mut().zip(weight) {
+                    *v = *v * scale * w;
+                }
             }
         }
     })

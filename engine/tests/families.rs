@@ -1,0 +1,310 @@
+//! Each model family against an implementation written by others: candle-transformers' model
+//! of that family, loaded from the same safetensors folder (seeded random weights of a small
+//! shape, HF tensor names). The engine's logits must match for a chunked prefill, a batch
+//! mixing that prefill's second chunk with a new sequence, and several decode steps.
+//! Then, per family: greedy disaggregated output equals aggregated output, and the KV layout
+//! tells the families apart.
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::Arc;
+
+use candle_core::{DType, Device, Tensor};
+use candle_nn::VarBuilder;
+use tandem_engine::config::{ModelConfig, WeightFormat};
+use tandem_engine::model::{dummy_model, load_hf_model};
+use tandem_engine::{Engine, EngineConfig, Model, SamplingParams, SeqInput, StopParams};
+use tandem_kv::{BLOCK_SIZE, KvCache, blocks_for};
+use tandem_text::TextTokenizer;
+
+mod common;
+
+const VOCAB: usize = 300;
+
+/// The families under test, each with a small shape that exercises what is particular to it.
+fn families() -> Vec<(&'static str, serde_json::Value)> {
+    let base = serde_json::json!({
+        "vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 96,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "max_position_embeddings": 512, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
+        "hidden_act": "silu", "sliding_window": 512, "max_window_layers": 2,
+        "use_sliding_window": false,
+    });
+    let with = |extra: serde_json::Value| {
+        let mut v = base.clone();
+        for (k, x) in extra.as_object().unwrap() {
+            v[k] = x.clone();
+        }
+        v
+    };
+    vec![
+        // Q/K/V biases, an untied LM head.
+        (
+            "qwen2",
+            with(serde_json::json!({"model_type": "qwen2", "tie_word_embeddings": false})),
+        ),
+        // Per-head Q/K norms, head_dim (32) set apart from hidden / heads (16), tied head.
+        (
+            "qwen3",
+            with(serde_json::json!({"model_type": "qwen3", "head_dim": 32,
+                "attention_bias": false, "tie_word_embeddings": true})),
+        ),
+    ]
+}
+
+/// Seeded values in ±scale (a counter hash: no dependency on a random-number crate's stream).
+fn values(n: usize, seed: u64, scale: f32) -> Vec<f32> {
+    (0..n as u64)
+        .map(|i| {
+            let mut z = (seed << 32 ^ i).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+            z = (z ^ (z >> 29)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            ((z >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * scale
+        })
+        .collect()
+}
+
+/// Writes `config.json` and `model.safetensors` with the HF names of `cfg`'s family.
+fn write_hf_folder(dir: &Path, cfg: &serde_json::Value) {
+    let get = |k: &str| cfg[k].as_u64().unwrap() as usize;
+    let (h, f, layers) = (
+        get("hidden_size"),
+        get("intermediate_size"),
+        get("num_hidden_layers"),
+    );
+    let (heads, kv) = (get("num_attention_heads"), get("num_key_value_heads"));
+    let d = cfg["head_dim"].as_u64().map_or(h / heads, |v| v as usize);
+    let family = cfg["model_type"].as_str().unwrap();
+    let mut tensors: HashMap<String, Tensor> = HashMap::new();
+    let mut seed = 0;
+    let mut add = |name: String, shape: &[usize], scale: f32, center: f32| {
+        seed += 1;
+        let n = shape.iter().product();
+        let v: Vec<f32> = values(n, seed, scale).iter().map(|x| x + center).collect();
+        tensors.insert(name, Tensor::from_vec(v, shape, &Device::Cpu).unwrap());
+    };
+    add("model.embed_tokens.weight".into(), &[VOCAB, h], 1.0, 0.0);
+    add("model.norm.weight".into(), &[h], 0.2, 1.0);
+    if !cfg["tie_word_embeddings"].as_bool().unwrap() {
+        add("lm_head.weight".into(), &[VOCAB, h], 0.15, 0.0);
+    }
+    for l in 0..layers {
+        let p = |s: &str| format!("model.layers.{l}.{s}");
+        let fan = |n: usize| 1.7 / (n as f32).sqrt();
+        add(p("input_layernorm.weight"), &[h], 0.2, 1.0);
+        add(p("post_attention_layernorm.weight"), &[h], 0.2, 1.0);
+        add(p("self_attn.q_proj.weight"), &[heads * d, h], fan(h), 0.0);
+        add(p("self_attn.k_proj.weight"), &[kv * d, h], fan(h), 0.0);
+        add(p("self_attn.v_proj.weight"), &[kv * d, h], fan(h), 0.0);
+        add(
+            p("self_attn.o_proj.weight"),
+            &[h, heads * d],
+            fan(heads * d),
+            0.0,
+        );
+        add(p("mlp.gate_proj.weight"), &[f, h], fan(h), 0.0);
+        add(p("mlp.up_proj.weight"), &[f, h], fan(h), 0.0);
+        add(p("mlp.down_proj.weight"), &[h, f], fan(f), 0.0);
+        if family == "qwen2" {
+            add(p("self_attn.q_proj.bias"), &[heads * d], 0.3, 0.0);
+            add(p("self_attn.k_proj.bias"), &[kv * d], 0.3, 0.0);
+            add(p("self_attn.v_proj.bias"), &[kv * d], 0.3, 0.0);
+        }
+        if family == "qwen3" {
+            add(p("self_attn.q_norm.weight"), &[d], 0.3, 1.0);
+            add(p("self_attn.k_norm.weight"), &[d], 0.3, 1.0);
+        }
+    }
+    candle_core::safetensors::save(&tensors, dir.join("model.safetensors")).unwrap();
+    std::fs::write(dir.join("config.json"), cfg.to_string()).unwrap();
+}
+
+/// candle-transformers' model of the family, from the same folder; `forward(tokens, offset)`
+/// returns the last position's logits and keeps its own KV cache.
+enum Reference {
+    Qwen2(candle_transformers::models::qwen2::ModelForCausalLM),
+    Qwen3(candle_transformers::models::qwen3::ModelForCausalLM),
+}
+
+impl Reference {
+    fn load(dir: &Path, cfg: &serde_json::Value) -> Self {
+        let file = dir.join("model.safetensors");
+        // SAFETY: the test wrote the file and nothing changes it while mapped.
+        let vb = unsafe { VarBuilder::from_mmaped_safetensors(&[file], DType::F32, &Device::Cpu) }
+            .unwrap();
+        let json = cfg.to_string();
+        match cfg["model_type"].as_str().unwrap() {
+            "qwen2" => {
+                let c = serde_json::from_str(&json).unwrap();
+                Reference::Qwen2(
+                    candle_transformers::models::qwen2::ModelForCausalLM::new(&c, vb).unwrap(),
+                )
+            }
+            "qwen3" => {
+                let c = serde_json::from_str(&json).unwrap();
+                Reference::Qwen3(
+                    candle_transformers::models::qwen3::ModelForCausalLM::new(&c, vb).unwrap(),
+                )
+            }
+            other => panic!("no reference for {other}"),
+        }
+    }
+
+    fn forward(&mut self, tokens: &[u32], offset: usize) -> Vec<f32> {
+        let input = Tensor::new(tokens, &Device::Cpu)
+            .unwrap()
+            .unsqueeze(0)
+            .unwrap();
+        let logits = match self {
+            Reference::Qwen2(m) => m.forward(&input, offset),
+            Reference::Qwen3(m) => m.forward(&input, offset),
+        };
+        logits.unwrap().flatten_all().unwrap().to_vec1().unwrap()
+    }
+}
+
+/// max|a − b| / max|b|
+fn rel_err(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    let num = a
+        .iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0f32, f32::max);
+    num / b.iter().map(|y| y.abs()).fold(1e-6, f32::max)
+}
+
+fn tokens(seed: u32, n: usize) -> Vec<u32> {
+    (0..n as u32)
+        .map(|i| (i.wrapping_mul(2_654_435_761).wrapping_add(seed * 97)) % VOCAB as u32)
+        .collect()
+}
+
+fn seq<'a>(tokens: &'a [u32], start_pos: usize, block_table: &'a [u32]) -> SeqInput<'a> {
+    SeqInput {
+        tokens,
+        start_pos,
+        block_table,
+        logits: true,
+    }
+}
+
+/// The stated tolerance: both sides compute in f32, in different orders of summation.
+const TOLERANCE: f32 = 1e-4;
+
+#[test]
+fn every_family_matches_candle_transformers_through_chunks_batches_and_decode() {
+    for (family, cfg) in families() {
+        let dir = tempfile::tempdir().unwrap();
+        write_hf_folder(dir.path(), &cfg);
+        let model = load_hf_model(dir.path(), WeightFormat::F32).unwrap();
+        assert_eq!(model.config().arch.name(), family);
+        let (mut ref_a, mut ref_b) = (
+            Reference::load(dir.path(), &cfg),
+            Reference::load(dir.path(), &cfg),
+        );
+        let layout = model.kv_layout();
+        let mut cache = KvCache::with_budget(layout.clone(), 32 * layout.block_bytes()).unwrap();
+        let (a, b) = (tokens(1, 37), tokens(2, 21));
+        let ta: Vec<u32> = (0..blocks_for(48) as u32).collect();
+        let tb: Vec<u32> = (10..10 + blocks_for(32) as u32).rev().collect();
+        let mut run =
+            |inputs: &[SeqInput<'_>]| model.forward(&mut cache, inputs, &mut |_, _| {}).unwrap();
+
+        // Step 1: the first chunk of A's prompt.
+        let out = run(&[seq(&a[..20], 0, &ta)]);
+        let err = rel_err(&out[0], &ref_a.forward(&a[..20], 0));
+        assert!(err < TOLERANCE, "{family} chunk 1: {err}");
+        // Step 2: the rest of A's prompt beside all of B's.
+        let out = run(&[seq(&a[20..], 20, &ta), seq(&b, 0, &tb)]);
+        let err_a = rel_err(&out[0], &ref_a.forward(&a[20..], 20));
+        let err_b = rel_err(&out[1], &ref_b.forward(&b, 0));
+        assert!(
+            err_a < TOLERANCE && err_b < TOLERANCE,
+            "{family} mixed batch: {err_a} {err_b}"
+        );
+        // Decode steps for both: fixed next tokens, so both sides see the same sequence.
+        for step in 0..4u32 {
+            let (pa, pb) = (a.len() + step as usize, b.len() + step as usize);
+            let na = [(7 * step + 3) % VOCAB as u32];
+            let nb = [(11 * step + 5) % VOCAB as u32];
+            let out = run(&[seq(&na, pa, &ta), seq(&nb, pb, &tb)]);
+            let err_a = rel_err(&out[0], &ref_a.forward(&na, pa));
+            let err_b = rel_err(&out[1], &ref_b.forward(&nb, pb));
+            assert!(
+                err_a < TOLERANCE && err_b < TOLERANCE,
+                "{family} decode step {step}: {err_a} {err_b}"
+            );
+        }
+        assert!(a.len() + 4 <= ta.len() * BLOCK_SIZE);
+    }
+}
+
+fn preset_model(preset: &str) -> Arc<Model> {
+    let cfg = ModelConfig {
+        num_hidden_layers: 2,
+        vocab_size: 512,
+        ..ModelConfig::preset(preset).unwrap()
+    };
+    Arc::new(dummy_model(cfg, WeightFormat::F32, 4, preset).unwrap())
+}
+
+fn engine(model: &Arc<Model>) -> Engine {
+    let config = EngineConfig {
+        kv_budget_bytes: 64 * model.kv_layout().block_bytes(),
+        ..Default::default()
+    };
+    Engine::new(model.clone(), TextTokenizer::byte_level(), config).unwrap()
+}
+
+#[test]
+fn every_family_decodes_disaggregated_exactly_as_aggregated() {
+    for preset in ["qwen2.5-0.5b", "qwen3-0.6b"] {
+        let model = preset_model(preset);
+        let prompt: Vec<u32> = (0..45u32).map(|i| (i * 37 + 11) % 512).collect();
+        let mut agg = engine(&model);
+        let stop = StopParams {
+            max_tokens: 12,
+            ignore_eos: true,
+            ..Default::default()
+        };
+        let id = agg
+            .add_request(prompt.clone(), SamplingParams::greedy(), stop)
+            .unwrap();
+        let aggregated: Vec<u32> = agg
+            .run_to_completion(id)
+            .unwrap()
+            .iter()
+            .map(|o| o.token)
+            .collect();
+        let disaggregated = common::handoff(|| engine(&model), &prompt, 12);
+        assert_eq!(aggregated, disaggregated, "{preset}");
+    }
+}
+
+#[test]
+fn the_kv_layout_tells_families_of_one_shape_apart() {
+    let llama_shaped = |preset: &str| ModelConfig {
+        arch: tandem_engine::config::Architecture::Llama,
+        attention_bias: false,
+        qk_norm: false,
+        ..ModelConfig::preset(preset).unwrap()
+    };
+    for preset in ["qwen2.5-0.5b", "qwen3-0.6b"] {
+        let family = ModelConfig {
+            num_hidden_layers: 1,
+            vocab_size: 64,
+            ..ModelConfig::preset(preset).unwrap()
+        };
+        let llama = ModelConfig {
+            num_hidden_layers: 1,
+            vocab_size: 64,
+            ..llama_shaped(preset)
+        };
+        let a = dummy_model(family, WeightFormat::F32, 1, "same").unwrap();
+        let b = dummy_model(llama, WeightFormat::F32, 1, "same").unwrap();
+        assert!(
+            a.kv_layout().mismatch(&b.kv_layout()).is_some(),
+            "{preset} and a Llama of its shape must refuse each other's KV"
+        );
+    }
+}
