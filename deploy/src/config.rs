@@ -291,7 +291,15 @@ fn transports() -> Vec<String> {
         .map(|v| v.get_name().to_string())
         .collect()
 }
-const PRESETS: [&str; 4] = ["tiny", "smollm2-135m", "llama-3.2-1b", "llama-3.1-8b"];
+/// The engine's preset shapes (`ModelConfig::PRESETS`; the launcher does not link the engine).
+const PRESETS: [&str; 6] = [
+    "tiny",
+    "smollm2-135m",
+    "llama-3.2-1b",
+    "llama-3.1-8b",
+    "qwen2.5-0.5b",
+    "qwen3-0.6b",
+];
 
 impl DeployConfig {
     pub fn from_file(path: &Path) -> Result<Self, ConfigError> {

@@ -65,6 +65,12 @@ fn values(n: usize, seed: u64, scale: f32) -> Vec<f32> {
 
 /// Writes `config.json` and `model.safetensors` with the HF names of `cfg`'s family.
 fn write_hf_folder(dir: &Path, cfg: &serde_json::Value) {
+    candle_core::safetensors::save(&hf_tensors(cfg), dir.join("model.safetensors")).unwrap();
+    std::fs::write(dir.join("config.json"), cfg.to_string()).unwrap();
+}
+
+/// Seeded weights of `cfg`'s shape under their HF names.
+fn hf_tensors(cfg: &serde_json::Value) -> HashMap<String, Tensor> {
     let get = |k: &str| cfg[k].as_u64().unwrap() as usize;
     let (h, f, layers) = (
         get("hidden_size"),
@@ -114,8 +120,7 @@ fn write_hf_folder(dir: &Path, cfg: &serde_json::Value) {
             add(p("self_attn.k_norm.weight"), &[d], 0.3, 1.0);
         }
     }
-    candle_core::safetensors::save(&tensors, dir.join("model.safetensors")).unwrap();
-    std::fs::write(dir.join("config.json"), cfg.to_string()).unwrap();
+    tensors
 }
 
 /// candle-transformers' model of the family, from the same folder; `forward(tokens, offset)`
@@ -305,6 +310,121 @@ fn the_kv_layout_tells_families_of_one_shape_apart() {
         assert!(
             a.kv_layout().mismatch(&b.kv_layout()).is_some(),
             "{preset} and a Llama of its shape must refuse each other's KV"
+        );
+    }
+}
+
+/// The same weights as a GGUF file, with llama.cpp's names and keys for the family (and a
+/// byte-level tokenizer), as its converter writes them: Q and K rows in HF order (only Llama
+/// files get them permuted).
+fn write_gguf(path: &Path, cfg: &serde_json::Value) {
+    use candle_core::quantized::{GgmlDType, QTensor, gguf_file::Value};
+    let arch = cfg["model_type"].as_str().unwrap();
+    let get = |k: &str| cfg[k].as_u64().unwrap() as u32;
+    let mut meta: Vec<(String, Value)> = vec![
+        ("general.architecture".into(), Value::String(arch.into())),
+        ("tokenizer.ggml.model".into(), Value::String("gpt2".into())),
+        ("tokenizer.ggml.pre".into(), Value::String("qwen2".into())),
+        ("tokenizer.ggml.eos_token_id".into(), Value::U32(0)),
+    ];
+    // Byte-level tokens: every byte's character, then a special one.
+    let mut tokens: Vec<Value> = (0..256u32)
+        .map(|b| {
+            let c = char::from_u32(if b < 33 || (127..161).contains(&b) || b == 173 {
+                256 + b
+            } else {
+                b
+            })
+            .unwrap();
+            Value::String(c.to_string())
+        })
+        .collect();
+    tokens.push(Value::String("<|endoftext|>".into()));
+    meta.push(("tokenizer.ggml.tokens".into(), Value::Array(tokens)));
+    meta.push(("tokenizer.ggml.merges".into(), Value::Array(Vec::new())));
+    for (key, value) in [
+        ("block_count", get("num_hidden_layers")),
+        ("context_length", get("max_position_embeddings")),
+        ("embedding_length", get("hidden_size")),
+        ("feed_forward_length", get("intermediate_size")),
+        ("attention.head_count", get("num_attention_heads")),
+        ("attention.head_count_kv", get("num_key_value_heads")),
+        ("vocab_size", VOCAB as u32),
+    ] {
+        meta.push((format!("{arch}.{key}"), Value::U32(value)));
+    }
+    if let Some(d) = cfg["head_dim"].as_u64() {
+        meta.push((format!("{arch}.attention.key_length"), Value::U32(d as u32)));
+    }
+    meta.push((format!("{arch}.rope.freq_base"), Value::F32(1e6)));
+    meta.push((
+        format!("{arch}.attention.layer_norm_rms_epsilon"),
+        Value::F32(1e-6),
+    ));
+
+    let rename = |hf: &str| -> String {
+        let fixed = [
+            ("model.embed_tokens.weight", "token_embd.weight"),
+            ("model.norm.weight", "output_norm.weight"),
+            ("lm_head.weight", "output.weight"),
+        ];
+        if let Some((_, g)) = fixed.iter().find(|(h, _)| *h == hf) {
+            return g.to_string();
+        }
+        let rest = hf.strip_prefix("model.layers.").unwrap();
+        let (layer, name) = rest.split_once('.').unwrap();
+        let name = [
+            ("input_layernorm.weight", "attn_norm.weight"),
+            ("post_attention_layernorm.weight", "ffn_norm.weight"),
+            ("self_attn.q_proj.", "attn_q."),
+            ("self_attn.k_proj.", "attn_k."),
+            ("self_attn.v_proj.", "attn_v."),
+            ("self_attn.o_proj.", "attn_output."),
+            ("self_attn.q_norm.", "attn_q_norm."),
+            ("self_attn.k_norm.", "attn_k_norm."),
+            ("mlp.gate_proj.", "ffn_gate."),
+            ("mlp.up_proj.", "ffn_up."),
+            ("mlp.down_proj.", "ffn_down."),
+        ]
+        .iter()
+        .fold(name.to_string(), |n, (h, g)| n.replacen(h, g, 1));
+        format!("blk.{layer}.{name}")
+    };
+    let tensors: Vec<(String, QTensor)> = hf_tensors(cfg)
+        .iter()
+        .map(|(name, t)| (rename(name), QTensor::quantize(t, GgmlDType::F32).unwrap()))
+        .collect();
+    let meta_refs: Vec<(&str, &Value)> = meta.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    let tensor_refs: Vec<(&str, &QTensor)> = tensors.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    let mut file = std::fs::File::create(path).unwrap();
+    candle_core::quantized::gguf_file::write(&mut file, &meta_refs, &tensor_refs).unwrap();
+}
+
+#[test]
+fn a_gguf_of_each_family_computes_what_its_hf_folder_does() {
+    for (family, cfg) in families() {
+        let dir = tempfile::tempdir().unwrap();
+        write_hf_folder(dir.path(), &cfg);
+        let gguf = dir.path().join("model.gguf");
+        write_gguf(&gguf, &cfg);
+        let from_hf = load_hf_model(dir.path(), WeightFormat::F32).unwrap();
+        let (from_gguf, _tokenizer) =
+            tandem_engine::model::load_gguf(&gguf, WeightFormat::Native, family).unwrap();
+        assert_eq!(from_gguf.config().arch, from_hf.config().arch);
+        let prompt = tokens(3, 40);
+        let mut logits = Vec::new();
+        for model in [&from_hf, &from_gguf] {
+            let layout = model.kv_layout();
+            let mut cache = KvCache::with_budget(layout.clone(), 8 * layout.block_bytes()).unwrap();
+            let table: Vec<u32> = (0..blocks_for(40) as u32).collect();
+            let out = model
+                .forward(&mut cache, &[seq(&prompt, 0, &table)], &mut |_, _| {})
+                .unwrap();
+            logits.push(out.into_iter().next().unwrap());
+        }
+        assert_eq!(
+            logits[0], logits[1],
+            "{family}: the same f32 weights, the same bits"
         );
     }
 }

@@ -24,6 +24,10 @@ use crate::gguf::{self, GgufMetadata};
 /// The pre-tokenizer regex of Llama 3 (`llama-bpe` in GGUF terms).
 const LLAMA3_PATTERN: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
+/// The pre-tokenizer regex of Qwen2, Qwen2.5 and Qwen3 (`qwen2` in GGUF terms): Llama 3's,
+/// but digits one per piece.
+const QWEN2_PATTERN: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+
 /// A ChatML template, used by the built-in byte-level tokenizer (and SmolLM2's is the same).
 pub const CHATML_TEMPLATE: &str = "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
 
@@ -334,9 +338,14 @@ fn pre_tokenizer_for(pre: &str) -> Result<PreTokenizerWrapper, TextError> {
             byte_level(true),
         ])),
         "default" | "gpt2" | "gpt-2" => byte_level(true),
-        "llama-bpe" | "llama3" | "llama-v3" => {
+        "llama-bpe" | "llama3" | "llama-v3" | "qwen2" => {
+            let pattern = if pre == "qwen2" {
+                QWEN2_PATTERN
+            } else {
+                LLAMA3_PATTERN
+            };
             let split = Split::new(
-                SplitPattern::Regex(LLAMA3_PATTERN.into()),
+                SplitPattern::Regex(pattern.into()),
                 SplitDelimiterBehavior::Isolated,
                 false,
             )
@@ -430,6 +439,24 @@ mod tests {
         assert!(tok.is_special(2));
         assert!(!tok.is_special(100));
         assert_eq!(tok.decode(&ids, true).unwrap(), "user");
+    }
+
+    #[test]
+    fn qwen2_pre_tokenizer_splits_digits_one_by_one() {
+        use tokenizers::{OffsetReferential, OffsetType, PreTokenizedString, PreTokenizer};
+        let pieces = |pre: &str| -> Vec<String> {
+            let mut text = PreTokenizedString::from("year 2025!");
+            pre_tokenizer_for(pre)
+                .unwrap()
+                .pre_tokenize(&mut text)
+                .unwrap();
+            text.get_splits(OffsetReferential::Original, OffsetType::Char)
+                .into_iter()
+                .map(|(piece, _, _)| piece.to_string())
+                .collect()
+        };
+        assert_eq!(pieces("qwen2"), ["year", "Ġ", "2", "0", "2", "5", "!"]);
+        assert_eq!(pieces("llama-bpe"), ["year", "Ġ", "202", "5", "!"]);
     }
 
     #[test]
