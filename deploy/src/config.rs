@@ -292,13 +292,15 @@ fn transports() -> Vec<String> {
         .collect()
 }
 /// The engine's preset shapes (`ModelConfig::PRESETS`; the launcher does not link the engine).
-const PRESETS: [&str; 6] = [
+const PRESETS: [&str; 8] = [
     "tiny",
     "smollm2-135m",
     "llama-3.2-1b",
     "llama-3.1-8b",
     "qwen2.5-0.5b",
     "qwen3-0.6b",
+    "mistral-7b",
+    "phi3-mini",
 ];
 
 impl DeployConfig {

@@ -79,6 +79,8 @@ pub enum Architecture {
     Qwen2,
     /// Qwen3 (dense): per-head RMSNorm of Q and K before RoPE, head_dim set on its own.
     Qwen3,
+    /// Phi-3: the Llama block with Q/K/V and gate/up stored fused.
+    Phi3,
 }
 
 impl Architecture {
@@ -88,11 +90,12 @@ impl Architecture {
             Architecture::Llama => "llama",
             Architecture::Qwen2 => "qwen2",
             Architecture::Qwen3 => "qwen3",
+            Architecture::Phi3 => "phi3",
         }
     }
 
     fn from_gguf(name: &str) -> Option<Self> {
-        [Self::Llama, Self::Qwen2, Self::Qwen3]
+        [Self::Llama, Self::Qwen2, Self::Qwen3, Self::Phi3]
             .into_iter()
             .find(|a| a.name() == name)
     }
@@ -149,6 +152,7 @@ struct HfConfig {
     model_type: Option<String>,
     attention_bias: Option<bool>,
     mlp_bias: Option<bool>,
+    partial_rotary_factor: Option<f64>,
     sliding_window: Option<usize>,
     use_sliding_window: Option<bool>,
 }
@@ -163,12 +167,20 @@ impl ModelConfig {
             "llama" | "mistral" => Architecture::Llama,
             "qwen2" => Architecture::Qwen2,
             "qwen3" => Architecture::Qwen3,
+            "phi3" => Architecture::Phi3,
             other => {
                 return Err(EngineError::Unsupported(format!(
-                    "model_type `{other}` (supported: llama, mistral, qwen2, qwen3)"
+                    "model_type `{other}` (supported: llama, mistral, qwen2, qwen3, phi3)"
                 )));
             }
         };
+        if let Some(f) = hf.partial_rotary_factor
+            && f != 1.0
+        {
+            return Err(EngineError::Unsupported(format!(
+                "{model_type} with partial_rotary_factor {f} (RoPE on part of each head)"
+            )));
+        }
         if hf.mlp_bias == Some(true) {
             return Err(EngineError::Unsupported(format!(
                 "{model_type} with mlp_bias: true"
@@ -202,17 +214,17 @@ impl ModelConfig {
             _ => None,
         };
         let mut max_position_embeddings = hf.max_position_embeddings.unwrap_or(4096);
-        // Mistral's sliding window: attention inside the window is plain causal attention, so
-        // a context capped at the window runs the model exactly; longer prompts are refused
-        // (as too long) rather than attended over keys the model never sees.
-        if model_type == "mistral"
+        // Mistral's and Phi-3's sliding window: attention inside the window is plain causal
+        // attention, so a context capped at the window runs the model exactly; longer prompts
+        // are refused (as too long) rather than attended over keys the model never sees.
+        if matches!(model_type, "mistral" | "phi3")
             && let Some(window) = hf.sliding_window
             && window < max_position_embeddings
         {
             tracing::info!(
                 window,
                 max_position_embeddings,
-                "Mistral sliding-window attention: context capped at the window"
+                "sliding-window attention: context capped at the window"
             );
             max_position_embeddings = window;
         }
@@ -248,7 +260,7 @@ impl ModelConfig {
         let name = meta.get_str("general.architecture").unwrap_or("none");
         let arch = Architecture::from_gguf(name).ok_or_else(|| {
             EngineError::Unsupported(format!(
-                "GGUF architecture `{name}` (supported: llama, qwen2, qwen3)"
+                "GGUF architecture `{name}` (supported: llama, qwen2, qwen3, phi3)"
             ))
         })?;
         let key = |k: &str| format!("{name}.{k}");
@@ -286,6 +298,19 @@ impl ModelConfig {
             attention_bias: has_tensor("blk.0.attn_q.bias"),
             qk_norm: arch == Architecture::Qwen3,
         };
+        if has_tensor("rope_factors_long.weight") {
+            return Err(EngineError::Unsupported(format!(
+                "GGUF {name} with long-context RoPE factors (longrope)"
+            )));
+        }
+        if let Some(dims) = meta.get_u64(&key("rope.dimension_count"))
+            && dims as usize != cfg.head_dim
+        {
+            return Err(EngineError::Unsupported(format!(
+                "GGUF {name} with RoPE on {dims} of {} dimensions per head",
+                cfg.head_dim
+            )));
+        }
         if let Some(kind) = meta.get_str(&key("rope.scaling.type"))
             && kind != "none"
         {
@@ -298,13 +323,15 @@ impl ModelConfig {
     }
 
     /// The preset shapes (`dummy:<preset>` models, benchmarks).
-    pub const PRESETS: [&str; 6] = [
+    pub const PRESETS: [&str; 8] = [
         "tiny",
         "smollm2-135m",
         "llama-3.2-1b",
         "llama-3.1-8b",
         "qwen2.5-0.5b",
         "qwen3-0.6b",
+        "mistral-7b",
+        "phi3-mini",
     ];
 
     /// A named preset shape, one of [`Self::PRESETS`] (`smollm2` also names SmolLM2's).
@@ -422,6 +449,40 @@ impl ModelConfig {
                 attention_bias: false,
                 qk_norm: true,
             },
+            "mistral-7b" => ModelConfig {
+                arch: Architecture::Llama,
+                vocab_size: 32_768,
+                hidden_size: 4096,
+                intermediate_size: 14_336,
+                num_hidden_layers: 32,
+                num_attention_heads: 32,
+                num_key_value_heads: 8,
+                head_dim: 128,
+                rms_norm_eps: 1e-5,
+                rope_theta: 1_000_000.0,
+                max_position_embeddings: 32_768,
+                tie_word_embeddings: false,
+                rope_scaling: None,
+                attention_bias: false,
+                qk_norm: false,
+            },
+            "phi3-mini" => ModelConfig {
+                arch: Architecture::Phi3,
+                vocab_size: 32_064,
+                hidden_size: 3072,
+                intermediate_size: 8192,
+                num_hidden_layers: 32,
+                num_attention_heads: 32,
+                num_key_value_heads: 32,
+                head_dim: 96,
+                rms_norm_eps: 1e-5,
+                rope_theta: 10_000.0,
+                max_position_embeddings: 4096,
+                tie_word_embeddings: false,
+                rope_scaling: None,
+                attention_bias: false,
+                qk_norm: false,
+            },
             other => {
                 return Err(EngineError::Config(format!(
                     "unknown preset `{other}` ({})",
@@ -501,6 +562,11 @@ mod tests {
         assert!((490_000_000..498_000_000).contains(&q25), "{q25}");
         let q3 = ModelConfig::preset("qwen3-0.6b").unwrap().num_parameters();
         assert!((592_000_000..600_000_000).contains(&q3), "{q3}");
+        // Mistral-7B-v0.3 7.25 B, Phi-3-mini 3.82 B.
+        let m7 = ModelConfig::preset("mistral-7b").unwrap().num_parameters();
+        assert!((7_240_000_000..7_260_000_000).contains(&m7), "{m7}");
+        let phi = ModelConfig::preset("phi3-mini").unwrap().num_parameters();
+        assert!((3_815_000_000..3_830_000_000).contains(&phi), "{phi}");
         let smol = ModelConfig::preset("smollm2-135m").unwrap();
         let params = smol.num_parameters();
         assert!((134_000_000..136_000_000).contains(&params), "{params}");
@@ -567,6 +633,15 @@ mod tests {
         };
         assert_eq!(mistral("4096").max_position_embeddings, 4096);
         assert_eq!(mistral("null").max_position_embeddings, 32768);
+        let phi3 = ModelConfig::from_hf_json(
+            &base(r#""model_type":"phi3","sliding_window":2047"#)
+                .replace(r#""sliding_window":32768,"#, ""),
+        )
+        .unwrap();
+        assert_eq!(
+            (phi3.arch, phi3.max_position_embeddings),
+            (Architecture::Phi3, 2047)
+        );
 
         // What no family here runs is refused by name.
         for (extra, named) in [
@@ -579,6 +654,14 @@ mod tests {
             (
                 r#""model_type":"qwen2","rope_scaling":{"type":"yarn","factor":4.0}"#,
                 "yarn",
+            ),
+            (
+                r#""model_type":"phi3","rope_scaling":{"type":"longrope","short_factor":[1.0],"long_factor":[1.0]}"#,
+                "longrope",
+            ),
+            (
+                r#""model_type":"phi3","partial_rotary_factor":0.75"#,
+                "partial_rotary_factor",
             ),
         ] {
             let json = base(extra).replace(r#""use_sliding_window":false,"#, "");
@@ -627,8 +710,14 @@ mod tests {
         let bias = |name: &str| name == "blk.0.attn_q.bias";
         let qwen2 = ModelConfig::from_gguf(&meta("qwen2", &[]), &bias).unwrap();
         assert!(qwen2.attention_bias && !qwen2.qk_norm && qwen2.arch == Architecture::Qwen2);
-        let err = ModelConfig::from_gguf(&meta("phi3", &[]), &none).unwrap_err();
-        assert!(err.to_string().contains("phi3"), "{err}");
+        let err = ModelConfig::from_gguf(&meta("gemma2", &[]), &none).unwrap_err();
+        assert!(err.to_string().contains("gemma2"), "{err}");
+        let longrope = |name: &str| name == "rope_factors_long.weight";
+        let err = ModelConfig::from_gguf(&meta("phi3", &[]), &longrope).unwrap_err();
+        assert!(err.to_string().contains("longrope"), "{err}");
+        let partial = [("phi3.rope.dimension_count", GgufValue::U64(96))];
+        let err = ModelConfig::from_gguf(&meta("phi3", &partial), &none).unwrap_err();
+        assert!(err.to_string().contains("96 of 128"), "{err}");
         let yarn = [("qwen2.rope.scaling.type", GgufValue::String("yarn".into()))];
         let err = ModelConfig::from_gguf(&meta("qwen2", &yarn), &bias).unwrap_err();
         assert!(err.to_string().contains("yarn"), "{err}");

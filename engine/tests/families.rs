@@ -49,6 +49,19 @@ fn families() -> Vec<(&'static str, serde_json::Value)> {
             with(serde_json::json!({"model_type": "qwen3", "head_dim": 32,
                 "attention_bias": false, "tie_word_embeddings": true})),
         ),
+        // The Llama block under Mistral's name (its window no shorter than the context).
+        (
+            "mistral",
+            with(serde_json::json!({"model_type": "mistral", "tie_word_embeddings": false})),
+        ),
+        // Q/K/V and gate/up stored fused.
+        (
+            "phi3",
+            with(
+                serde_json::json!({"model_type": "phi3", "tie_word_embeddings": false,
+                "num_key_value_heads": 4}),
+            ),
+        ),
     ]
 }
 
@@ -120,6 +133,25 @@ fn hf_tensors(cfg: &serde_json::Value) -> HashMap<String, Tensor> {
             add(p("self_attn.k_norm.weight"), &[d], 0.3, 1.0);
         }
     }
+    if family == "phi3" {
+        // Phi-3's checkpoints hold the projections fused: Q, K, V rows; gate, then up rows.
+        for l in 0..layers {
+            let p = |s: &str| format!("model.layers.{l}.{s}.weight");
+            let mut take = |s: &str| tensors.remove(&p(s)).unwrap();
+            let qkv = Tensor::cat(
+                &[
+                    take("self_attn.q_proj"),
+                    take("self_attn.k_proj"),
+                    take("self_attn.v_proj"),
+                ],
+                0,
+            )
+            .unwrap();
+            let gate_up = Tensor::cat(&[take("mlp.gate_proj"), take("mlp.up_proj")], 0).unwrap();
+            tensors.insert(p("self_attn.qkv_proj"), qkv);
+            tensors.insert(p("mlp.gate_up_proj"), gate_up);
+        }
+    }
     tensors
 }
 
@@ -128,6 +160,8 @@ fn hf_tensors(cfg: &serde_json::Value) -> HashMap<String, Tensor> {
 enum Reference {
     Qwen2(candle_transformers::models::qwen2::ModelForCausalLM),
     Qwen3(candle_transformers::models::qwen3::ModelForCausalLM),
+    Mistral(candle_transformers::models::mistral::Model),
+    Phi3(candle_transformers::models::phi3::Model),
 }
 
 impl Reference {
@@ -150,6 +184,16 @@ impl Reference {
                     candle_transformers::models::qwen3::ModelForCausalLM::new(&c, vb).unwrap(),
                 )
             }
+            "mistral" => {
+                let c = serde_json::from_str(&json).unwrap();
+                Reference::Mistral(
+                    candle_transformers::models::mistral::Model::new(&c, vb).unwrap(),
+                )
+            }
+            "phi3" => {
+                let c = serde_json::from_str(&json).unwrap();
+                Reference::Phi3(candle_transformers::models::phi3::Model::new(&c, vb).unwrap())
+            }
             other => panic!("no reference for {other}"),
         }
     }
@@ -162,6 +206,8 @@ impl Reference {
         let logits = match self {
             Reference::Qwen2(m) => m.forward(&input, offset),
             Reference::Qwen3(m) => m.forward(&input, offset),
+            Reference::Mistral(m) => m.forward(&input, offset),
+            Reference::Phi3(m) => m.forward(&input, offset),
         };
         logits.unwrap().flatten_all().unwrap().to_vec1().unwrap()
     }
@@ -202,7 +248,9 @@ fn every_family_matches_candle_transformers_through_chunks_batches_and_decode() 
         let dir = tempfile::tempdir().unwrap();
         write_hf_folder(dir.path(), &cfg);
         let model = load_hf_model(dir.path(), WeightFormat::F32).unwrap();
-        assert_eq!(model.config().arch.name(), family);
+        // Mistral is the Llama block.
+        let arch = if family == "mistral" { "llama" } else { family };
+        assert_eq!(model.config().arch.name(), arch);
         let (mut ref_a, mut ref_b) = (
             Reference::load(dir.path(), &cfg),
             Reference::load(dir.path(), &cfg),
@@ -319,7 +367,9 @@ fn the_kv_layout_tells_families_of_one_shape_apart() {
 /// files get them permuted).
 fn write_gguf(path: &Path, cfg: &serde_json::Value) {
     use candle_core::quantized::{GgmlDType, QTensor, gguf_file::Value};
-    let arch = cfg["model_type"].as_str().unwrap();
+    let family = cfg["model_type"].as_str().unwrap();
+    // llama.cpp writes Mistral as `llama`, with Q and K rows permuted for its RoPE.
+    let arch = if family == "mistral" { "llama" } else { family };
     let get = |k: &str| cfg[k].as_u64().unwrap() as u32;
     let mut meta: Vec<(String, Value)> = vec![
         ("general.architecture".into(), Value::String(arch.into())),
@@ -382,6 +432,8 @@ fn write_gguf(path: &Path, cfg: &serde_json::Value) {
             ("self_attn.o_proj.", "attn_output."),
             ("self_attn.q_norm.", "attn_q_norm."),
             ("self_attn.k_norm.", "attn_k_norm."),
+            ("self_attn.qkv_proj.", "attn_qkv."),
+            ("mlp.gate_up_proj.", "ffn_up."),
             ("mlp.gate_proj.", "ffn_gate."),
             ("mlp.up_proj.", "ffn_up."),
             ("mlp.down_proj.", "ffn_down."),
@@ -390,14 +442,42 @@ fn write_gguf(path: &Path, cfg: &serde_json::Value) {
         .fold(name.to_string(), |n, (h, g)| n.replacen(h, g, 1));
         format!("blk.{layer}.{name}")
     };
+    let heads = |k: &str| cfg[k].as_u64().unwrap() as usize;
     let tensors: Vec<(String, QTensor)> = hf_tensors(cfg)
-        .iter()
-        .map(|(name, t)| (rename(name), QTensor::quantize(t, GgmlDType::F32).unwrap()))
+        .into_iter()
+        .map(|(name, t)| {
+            let t = match (arch, name.rsplit('.').nth(1)) {
+                ("llama", Some("q_proj")) => permute(&t, heads("num_attention_heads")),
+                ("llama", Some("k_proj")) => permute(&t, heads("num_key_value_heads")),
+                _ => t,
+            };
+            (
+                rename(&name),
+                QTensor::quantize(&t, GgmlDType::F32).unwrap(),
+            )
+        })
         .collect();
     let meta_refs: Vec<(&str, &Value)> = meta.iter().map(|(k, v)| (k.as_str(), v)).collect();
     let tensor_refs: Vec<(&str, &QTensor)> = tensors.iter().map(|(k, v)| (k.as_str(), v)).collect();
     let mut file = std::fs::File::create(path).unwrap();
     candle_core::quantized::gguf_file::write(&mut file, &meta_refs, &tensor_refs).unwrap();
+}
+
+/// llama.cpp's row order for RoPE pairs: within each head, row `pair·half + i` of the HF
+/// order goes to `2i + pair`.
+fn permute(w: &Tensor, heads: usize) -> Tensor {
+    let (rows, cols) = w.dims2().unwrap();
+    let (per_head, half) = (rows / heads, rows / heads / 2);
+    let order: Vec<u32> = (0..rows)
+        .map(|dst| {
+            let (h, r) = (dst / per_head, dst % per_head);
+            (h * per_head + (r % 2) * half + r / 2) as u32
+        })
+        .collect();
+    let index = Tensor::new(order.as_slice(), &Device::Cpu).unwrap();
+    let out = w.index_select(&index, 0).unwrap();
+    assert_eq!(out.dims2().unwrap(), (rows, cols));
+    out
 }
 
 #[test]

@@ -76,12 +76,26 @@ pub fn load_gguf(path: &Path, format: WeightFormat, name: &str) -> Result<(Model
     for l in 0..cfg.num_hidden_layers {
         let p = |s: &str| format!("blk.{l}.{s}.weight");
         let permuted = cfg.arch == Architecture::Llama;
-        let (mut q, mut k) = (reader.matrix(&p("attn_q"))?, reader.matrix(&p("attn_k"))?);
-        if permuted {
-            q = q.unpermute_rows(cfg.num_attention_heads);
-            k = k.unpermute_rows(cfg.num_key_value_heads);
-        }
-        let v = reader.matrix(&p("attn_v"))?;
+        // Phi-3 files keep Q/K/V in one tensor and gate/up in `ffn_up`, in the engine's order.
+        let fused = cfg.arch == Architecture::Phi3;
+        let (qkv, gate_up) = if fused {
+            (
+                into_matrix(reader.matrix(&p("attn_qkv"))?)?,
+                into_matrix(reader.matrix(&p("ffn_up"))?)?,
+            )
+        } else {
+            let (mut q, mut k) = (reader.matrix(&p("attn_q"))?, reader.matrix(&p("attn_k"))?);
+            if permuted {
+                q = q.unpermute_rows(cfg.num_attention_heads);
+                k = k.unpermute_rows(cfg.num_key_value_heads);
+            }
+            let v = reader.matrix(&p("attn_v"))?;
+            let gate_up = fuse(vec![
+                reader.matrix(&p("ffn_gate"))?,
+                reader.matrix(&p("ffn_up"))?,
+            ])?;
+            (fuse(vec![q, k, v])?, gate_up)
+        };
         let mut extras = LayerExtras::default();
         if cfg.attention_bias {
             let bias = |reader: &mut GgufReader, s: &str, heads: usize| -> Result<Vec<f32>> {
@@ -103,13 +117,10 @@ pub fn load_gguf(path: &Path, format: WeightFormat, name: &str) -> Result<(Model
         }
         layers.push(LayerWeights {
             attn_norm: reader.vector(&p("attn_norm"))?,
-            qkv: fuse(vec![q, k, v])?,
+            qkv,
             o: into_matrix(reader.matrix(&p("attn_output"))?)?,
             ffn_norm: reader.vector(&p("ffn_norm"))?,
-            gate_up: fuse(vec![
-                reader.matrix(&p("ffn_gate"))?,
-                reader.matrix(&p("ffn_up"))?,
-            ])?,
+            gate_up,
             down: into_matrix(reader.matrix(&p("ffn_down"))?)?,
             extras,
         });

@@ -14,7 +14,7 @@ use super::Model;
 use super::gguf::load_gguf;
 use super::tensors::{FileDtype, Loaded, fuse, into_matrix};
 use super::weights::{LayerExtras, LayerWeights, Weights};
-use crate::config::{ModelConfig, WeightFormat};
+use crate::config::{Architecture, ModelConfig, WeightFormat};
 use crate::error::{EngineError, Result};
 use crate::fetch;
 use tandem_kv::KvDtype;
@@ -265,19 +265,32 @@ pub fn load_hf_model(dir: &Path, format: WeightFormat) -> Result<Model> {
             extras.q_norm = Some(vector(&p("self_attn.q_norm"))?);
             extras.k_norm = Some(vector(&p("self_attn.k_norm"))?);
         }
+        // Phi-3 stores Q/K/V and gate/up already fused, in the engine's order.
+        let fused = cfg.arch == Architecture::Phi3;
+        let (qkv, gate_up) = if fused {
+            (
+                into_matrix(matrix(&p("self_attn.qkv_proj"))?)?,
+                into_matrix(matrix(&p("mlp.gate_up_proj"))?)?,
+            )
+        } else {
+            (
+                fuse(vec![
+                    matrix(&p("self_attn.q_proj"))?,
+                    matrix(&p("self_attn.k_proj"))?,
+                    matrix(&p("self_attn.v_proj"))?,
+                ])?,
+                fuse(vec![
+                    matrix(&p("mlp.gate_proj"))?,
+                    matrix(&p("mlp.up_proj"))?,
+                ])?,
+            )
+        };
         layers.push(LayerWeights {
             attn_norm: vector(&p("input_layernorm"))?,
-            qkv: fuse(vec![
-                matrix(&p("self_attn.q_proj"))?,
-                matrix(&p("self_attn.k_proj"))?,
-                matrix(&p("self_attn.v_proj"))?,
-            ])?,
+            qkv,
             o: into_matrix(matrix(&p("self_attn.o_proj"))?)?,
             ffn_norm: vector(&p("post_attention_layernorm"))?,
-            gate_up: fuse(vec![
-                matrix(&p("mlp.gate_proj"))?,
-                matrix(&p("mlp.up_proj"))?,
-            ])?,
+            gate_up,
             down: into_matrix(matrix(&p("mlp.down_proj"))?)?,
             extras,
         });
