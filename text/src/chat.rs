@@ -119,6 +119,55 @@ mod tests {
         assert!(err.to_string().contains("bad role tool"), "{err}");
     }
 
+    /// The constructs the Qwen2.5/Qwen3 and Phi-3 templates lean on (reversed slices, a
+    /// namespace updated inside a loop, `split(...)[-1]`, `lstrip`, `startswith`, `is
+    /// defined`, `length`), in a template of ours shaped like theirs: the last user turn is
+    /// found from the end, and earlier assistant turns lose their reasoning.
+    #[test]
+    fn reasoning_template_constructs() {
+        let src = concat!(
+            "{%- if messages[0].role == 'system' -%}",
+            "{{- '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' -}}",
+            "{%- endif -%}",
+            "{%- set ns = namespace(last_query=-1) -%}",
+            "{%- for m in messages[::-1] -%}",
+            "{%- if ns.last_query < 0 and m.role == 'user' ",
+            "and not m.content.startswith('<tool_response>') -%}",
+            "{%- set ns.last_query = messages|length - 1 - loop.index0 -%}",
+            "{%- endif -%}",
+            "{%- endfor -%}",
+            "{%- for m in messages -%}",
+            "{%- if m.role == 'user' -%}",
+            "{{- '<|im_start|>user\n' + m.content + '<|im_end|>\n' -}}",
+            "{%- elif m.role == 'assistant' -%}",
+            "{%- set answer = m.content.split('</think>')[-1].lstrip('\n') -%}",
+            "{%- if loop.index0 > ns.last_query -%}{%- set answer = m.content -%}{%- endif -%}",
+            "{{- '<|im_start|>assistant\n' + answer + '<|im_end|>\n' -}}",
+            "{%- endif -%}",
+            "{%- endfor -%}",
+            "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\n' -}}",
+            "{%- if enable_thinking is defined and not enable_thinking -%}",
+            "{{- '<think>\n\n</think>\n\n' -}}{%- endif -%}{%- endif -%}",
+        );
+        let t = ChatTemplate::new(src, None, None).unwrap();
+        let conversation = [
+            ChatMessage::new("system", "Be brief."),
+            ChatMessage::new("user", "2+2?"),
+            ChatMessage::new("assistant", "<think>\nadd\n</think>\n\n4"),
+            ChatMessage::new("user", "<tool_response>ok</tool_response>"),
+            ChatMessage::new("user", "And 3+3?"),
+        ];
+        assert_eq!(
+            t.render(&conversation, true).unwrap(),
+            "<|im_start|>system\nBe brief.<|im_end|>\n\
+             <|im_start|>user\n2+2?<|im_end|>\n\
+             <|im_start|>assistant\n4<|im_end|>\n\
+             <|im_start|>user\n<tool_response>ok</tool_response><|im_end|>\n\
+             <|im_start|>user\nAnd 3+3?<|im_end|>\n\
+             <|im_start|>assistant\n"
+        );
+    }
+
     #[test]
     fn broken_template_is_an_error() {
         assert!(matches!(
