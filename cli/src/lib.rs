@@ -20,5 +20,6 @@ pub use auth::InternalAuthArgs;
 pub use log::{LogArgs, LogFormat};
 pub use router::{FallbackPolicy, RouterArgs, TransportArg};
 pub use worker::{
-    DecodeArgs, EngineArgs, KV_DTYPES, ModelArgs, PrefillArgs, ServerArgs, WEIGHT_FORMATS,
+    DecodeArgs, EngineArgs, KV_DTYPES, MODEL_PRESETS, ModelArgs, PrefillArgs, ServerArgs,
+    WEIGHT_FORMATS,
 };

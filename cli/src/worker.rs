@@ -17,6 +17,19 @@ pub const WEIGHT_FORMATS: [&str; 10] = [
 /// The values `--kv-dtype` takes (`tandem_kv::KvDtype` names).
 pub const KV_DTYPES: [&str; 3] = ["f32", "bf16", "f16"];
 
+/// The shapes `--model dummy:<preset>` takes (the engine's `ModelConfig::PRESETS`), for the
+/// launcher's manifest check.
+pub const MODEL_PRESETS: [&str; 8] = [
+    "tiny",
+    "smollm2-135m",
+    "llama-3.2-1b",
+    "llama-3.1-8b",
+    "qwen2.5-0.5b",
+    "qwen3-0.6b",
+    "mistral-7b",
+    "phi3-mini",
+];
+
 /// Which model to serve.
 #[derive(Debug, Clone, PartialEq, Args, Serialize, Deserialize)]
 pub struct ModelArgs {

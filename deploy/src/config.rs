@@ -291,17 +291,6 @@ fn transports() -> Vec<String> {
         .map(|v| v.get_name().to_string())
         .collect()
 }
-/// The engine's preset shapes (`ModelConfig::PRESETS`; the launcher does not link the engine).
-const PRESETS: [&str; 8] = [
-    "tiny",
-    "smollm2-135m",
-    "llama-3.2-1b",
-    "llama-3.1-8b",
-    "qwen2.5-0.5b",
-    "qwen3-0.6b",
-    "mistral-7b",
-    "phi3-mini",
-];
 
 impl DeployConfig {
     pub fn from_file(path: &Path) -> Result<Self, ConfigError> {
@@ -405,14 +394,14 @@ impl DeployConfig {
         }
         let name = self.model.name.as_str();
         let known = ["smollm2", "default", "smollm2-135m-instruct", "tiny"].contains(&name)
-            || name
-                .strip_prefix("dummy:")
-                .is_some_and(|rest| PRESETS.contains(&rest.split(':').next().unwrap_or("")))
+            || name.strip_prefix("dummy:").is_some_and(|rest| {
+                tandem_cli::MODEL_PRESETS.contains(&rest.split(':').next().unwrap_or(""))
+            })
             || Path::new(name).exists();
         if !known {
             return bad(format!(
                 "model.name `{name}` is neither smollm2, tiny, dummy:<{}> nor an existing path",
-                PRESETS.join("|")
+                tandem_cli::MODEL_PRESETS.join("|")
             ));
         }
         let mut ports = HashSet::new();

@@ -143,6 +143,10 @@ mod tests {
             let dtype: tandem_kv::KvDtype = name.parse().unwrap();
             assert_eq!(dtype.name(), name);
         }
+        assert_eq!(
+            tandem_cli::MODEL_PRESETS,
+            tandem_engine::config::ModelConfig::PRESETS
+        );
     }
 
     #[derive(Parser)]
