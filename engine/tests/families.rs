@@ -66,6 +66,33 @@ fn families() -> Vec<(&'static str, serde_json::Value)> {
                 "num_key_value_heads": 4}),
             ),
         ),
+        // Scaled embeddings, (1 + w) norms before and after each sub-block, GeGLU, attention
+        // and final soft-caps low enough to bend the values, head_dim apart from hidden/heads.
+        // (candle's Gemma 2 masks windows only inside a chunk, so its window here is longer
+        // than the test; the window itself is checked against plain attention in the kernel's
+        // tests and, at decode, against candle's Gemma 3 below.)
+        (
+            "gemma2",
+            with(serde_json::json!({"model_type": "gemma2", "head_dim": 32,
+                "hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": 32,
+                "attn_logit_softcapping": 5.0, "final_logit_softcapping": 3.0,
+                "attention_bias": false, "tie_word_embeddings": true})),
+        ),
+        // Per-head (1 + w) Q/K norms, a local layer (40-key window, RoPE base 10 000: the decode
+        // steps below run past the window) then a global one (base 10⁶). One KV head, as in
+        // Gemma 3 1B (candle's Gemma 3 caches a strided V, which it only accepts with one).
+        (
+            "gemma3_text",
+            with(
+                serde_json::json!({"model_type": "gemma3_text", "head_dim": 32,
+                "num_key_value_heads": 1,
+                "hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": 32,
+                "attn_logit_softcapping": null, "final_logit_softcapping": null,
+                "sliding_window": 40, "sliding_window_pattern": 2,
+                "rope_local_base_freq": 10000.0, "attention_bias": false,
+                "tie_word_embeddings": true}),
+            ),
+        ),
     ]
 }
 
@@ -97,6 +124,9 @@ fn hf_tensors(cfg: &serde_json::Value) -> HashMap<String, Tensor> {
     let (heads, kv) = (get("num_attention_heads"), get("num_key_value_heads"));
     let d = cfg["head_dim"].as_u64().map_or(h / heads, |v| v as usize);
     let family = cfg["model_type"].as_str().unwrap();
+    let gemma = family.starts_with("gemma");
+    // Gemma's norm weights are offsets from 1.
+    let norm_center = if gemma { 0.0 } else { 1.0 };
     let mut tensors: HashMap<String, Tensor> = HashMap::new();
     let mut seed = 0;
     let mut add = |name: String, shape: &[usize], scale: f32, center: f32| {
@@ -106,15 +136,19 @@ fn hf_tensors(cfg: &serde_json::Value) -> HashMap<String, Tensor> {
         tensors.insert(name, Tensor::from_vec(v, shape, &Device::Cpu).unwrap());
     };
     add("model.embed_tokens.weight".into(), &[VOCAB, h], 1.0, 0.0);
-    add("model.norm.weight".into(), &[h], 0.2, 1.0);
+    add("model.norm.weight".into(), &[h], 0.2, norm_center);
     if !cfg["tie_word_embeddings"].as_bool().unwrap() {
         add("lm_head.weight".into(), &[VOCAB, h], 0.15, 0.0);
     }
     for l in 0..layers {
         let p = |s: &str| format!("model.layers.{l}.{s}");
         let fan = |n: usize| 1.7 / (n as f32).sqrt();
-        add(p("input_layernorm.weight"), &[h], 0.2, 1.0);
-        add(p("post_attention_layernorm.weight"), &[h], 0.2, 1.0);
+        add(p("input_layernorm.weight"), &[h], 0.2, norm_center);
+        add(p("post_attention_layernorm.weight"), &[h], 0.2, norm_center);
+        if gemma {
+            add(p("pre_feedforward_layernorm.weight"), &[h], 0.2, 0.0);
+            add(p("post_feedforward_layernorm.weight"), &[h], 0.2, 0.0);
+        }
         add(p("self_attn.q_proj.weight"), &[heads * d, h], fan(h), 0.0);
         add(p("self_attn.k_proj.weight"), &[kv * d, h], fan(h), 0.0);
         add(p("self_attn.v_proj.weight"), &[kv * d, h], fan(h), 0.0);
@@ -132,9 +166,9 @@ fn hf_tensors(cfg: &serde_json::Value) -> HashMap<String, Tensor> {
             add(p("self_attn.k_proj.bias"), &[kv * d], 0.3, 0.0);
             add(p("self_attn.v_proj.bias"), &[kv * d], 0.3, 0.0);
         }
-        if family == "qwen3" {
-            add(p("self_attn.q_norm.weight"), &[d], 0.3, 1.0);
-            add(p("self_attn.k_norm.weight"), &[d], 0.3, 1.0);
+        if family == "qwen3" || family == "gemma3_text" {
+            add(p("self_attn.q_norm.weight"), &[d], 0.3, norm_center);
+            add(p("self_attn.k_norm.weight"), &[d], 0.3, norm_center);
         }
     }
     if family == "phi3" {
@@ -166,6 +200,8 @@ enum Reference {
     Qwen3(candle_transformers::models::qwen3::ModelForCausalLM),
     Mistral(candle_transformers::models::mistral::Model),
     Phi3(candle_transformers::models::phi3::Model),
+    Gemma2(candle_transformers::models::gemma2::Model),
+    Gemma3(candle_transformers::models::gemma3::Model),
 }
 
 impl Reference {
@@ -198,6 +234,18 @@ impl Reference {
                 let c = serde_json::from_str(&json).unwrap();
                 Reference::Phi3(candle_transformers::models::phi3::Model::new(&c, vb).unwrap())
             }
+            "gemma2" => {
+                let c = serde_json::from_str(&json).unwrap();
+                Reference::Gemma2(
+                    candle_transformers::models::gemma2::Model::new(false, &c, vb).unwrap(),
+                )
+            }
+            "gemma3_text" => {
+                let c = serde_json::from_str(&json).unwrap();
+                Reference::Gemma3(
+                    candle_transformers::models::gemma3::Model::new(false, &c, vb).unwrap(),
+                )
+            }
             other => panic!("no reference for {other}"),
         }
     }
@@ -212,8 +260,19 @@ impl Reference {
             Reference::Qwen3(m) => m.forward(&input, offset),
             Reference::Mistral(m) => m.forward(&input, offset),
             Reference::Phi3(m) => m.forward(&input, offset),
+            Reference::Gemma2(m) => m.forward(&input, offset),
+            Reference::Gemma3(m) => m.forward(&input, offset),
         };
         logits.unwrap().flatten_all().unwrap().to_vec1().unwrap()
+    }
+}
+
+/// The engine's family of an HF `model_type` (Mistral is the Llama block).
+fn arch_of(model_type: &str) -> &str {
+    match model_type {
+        "mistral" => "llama",
+        "gemma3_text" => "gemma3",
+        other => other,
     }
 }
 
@@ -252,9 +311,7 @@ fn every_family_matches_candle_transformers_through_chunks_batches_and_decode() 
         let dir = tempfile::tempdir().unwrap();
         write_hf_folder(dir.path(), &cfg);
         let model = load_hf_model(dir.path(), WeightFormat::F32).unwrap();
-        // Mistral is the Llama block.
-        let arch = if family == "mistral" { "llama" } else { family };
-        assert_eq!(model.config().arch.name(), arch);
+        assert_eq!(model.config().arch.name(), arch_of(family));
         let (mut ref_a, mut ref_b) = (
             Reference::load(dir.path(), &cfg),
             Reference::load(dir.path(), &cfg),
@@ -279,8 +336,9 @@ fn every_family_matches_candle_transformers_through_chunks_batches_and_decode() 
             err_a < TOLERANCE && err_b < TOLERANCE,
             "{family} mixed batch: {err_a} {err_b}"
         );
-        // Decode steps for both: fixed next tokens, so both sides see the same sequence.
-        for step in 0..4u32 {
+        // Decode steps for both: fixed next tokens, so both sides see the same sequence (A's
+        // last ones past Gemma 3's 40-key window).
+        for step in 0..8u32 {
             let (pa, pb) = (a.len() + step as usize, b.len() + step as usize);
             let na = [(7 * step + 3) % VOCAB as u32];
             let nb = [(11 * step + 5) % VOCAB as u32];
@@ -292,15 +350,21 @@ fn every_family_matches_candle_transformers_through_chunks_batches_and_decode() 
                 "{family} decode step {step}: {err_a} {err_b}"
             );
         }
-        assert!(a.len() + 4 <= ta.len() * BLOCK_SIZE);
+        assert!(a.len() + 8 <= ta.len() * BLOCK_SIZE);
     }
 }
 
-fn preset_model(preset: &str) -> Arc<Model> {
+/// A preset's family and attention shape with two layers, a small vocabulary and a narrower
+/// residual stream (so 7 B shapes stay cheap), and its window (if any) shortened to `window`.
+fn preset_model(preset: &str, window: usize) -> Arc<Model> {
+    let full = ModelConfig::preset(preset).unwrap();
     let cfg = ModelConfig {
         num_hidden_layers: 2,
         vocab_size: 512,
-        ..ModelConfig::preset(preset).unwrap()
+        hidden_size: full.hidden_size.min(512),
+        intermediate_size: full.intermediate_size.min(768),
+        sliding_window: full.sliding_window.map(|_| window),
+        ..full
     };
     Arc::new(dummy_model(cfg, WeightFormat::F32, 4, preset).unwrap())
 }
@@ -315,8 +379,16 @@ fn engine(model: &Arc<Model>) -> Engine {
 
 #[test]
 fn every_family_decodes_disaggregated_exactly_as_aggregated() {
-    for preset in ["qwen2.5-0.5b", "qwen3-0.6b"] {
-        let model = preset_model(preset);
+    // Windows of 20 keys: the 45-token prompt and its decode steps run past them.
+    for preset in [
+        "qwen2.5-0.5b",
+        "qwen3-0.6b",
+        "mistral-7b",
+        "phi3-mini",
+        "gemma2-2b",
+        "gemma3-1b",
+    ] {
+        let model = preset_model(preset, 20);
         let prompt: Vec<u32> = (0..45u32).map(|i| (i * 37 + 11) % 512).collect();
         let mut agg = engine(&model);
         let stop = StopParams {
@@ -346,15 +418,19 @@ fn the_kv_layout_tells_families_of_one_shape_apart() {
         qk_norm: false,
         ..ModelConfig::preset(preset).unwrap()
     };
-    for preset in ["qwen2.5-0.5b", "qwen3-0.6b"] {
+    for preset in ["qwen2.5-0.5b", "qwen3-0.6b", "gemma2-2b", "gemma3-1b"] {
         let family = ModelConfig {
             num_hidden_layers: 1,
             vocab_size: 64,
+            hidden_size: 256,
+            intermediate_size: 256,
             ..ModelConfig::preset(preset).unwrap()
         };
         let llama = ModelConfig {
             num_hidden_layers: 1,
             vocab_size: 64,
+            hidden_size: 256,
+            intermediate_size: 256,
             ..llama_shaped(preset)
         };
         let a = dummy_model(family, WeightFormat::F32, 1, "same").unwrap();
@@ -373,7 +449,8 @@ fn write_gguf(path: &Path, cfg: &serde_json::Value) {
     use candle_core::quantized::{GgmlDType, QTensor, gguf_file::Value};
     let family = cfg["model_type"].as_str().unwrap();
     // llama.cpp writes Mistral as `llama`, with Q and K rows permuted for its RoPE.
-    let arch = if family == "mistral" { "llama" } else { family };
+    let arch = arch_of(family);
+    let gemma = arch.starts_with("gemma");
     let get = |k: &str| cfg[k].as_u64().unwrap() as u32;
     let mut meta: Vec<(String, Value)> = vec![
         ("general.architecture".into(), Value::String(arch.into())),
@@ -415,6 +492,25 @@ fn write_gguf(path: &Path, cfg: &serde_json::Value) {
         format!("{arch}.attention.layer_norm_rms_epsilon"),
         Value::F32(1e-6),
     ));
+    let float = |k: &str| cfg[k].as_f64().map(|v| Value::F32(v as f32));
+    for (key, value) in [
+        (
+            "attention.sliding_window",
+            cfg["sliding_window"].as_u64().map(|w| Value::U32(w as u32)),
+        ),
+        (
+            "attention.sliding_window_pattern",
+            cfg["sliding_window_pattern"]
+                .as_u64()
+                .map(|p| Value::U32(p as u32)),
+        ),
+        ("attn_logit_softcapping", float("attn_logit_softcapping")),
+        ("final_logit_softcapping", float("final_logit_softcapping")),
+    ] {
+        if let (true, Some(value)) = (gemma, value) {
+            meta.push((format!("{arch}.{key}"), value));
+        }
+    }
 
     let rename = |hf: &str| -> String {
         let fixed = [
@@ -427,23 +523,44 @@ fn write_gguf(path: &Path, cfg: &serde_json::Value) {
         }
         let rest = hf.strip_prefix("model.layers.").unwrap();
         let (layer, name) = rest.split_once('.').unwrap();
-        let name = [
-            ("input_layernorm.weight", "attn_norm.weight"),
-            ("post_attention_layernorm.weight", "ffn_norm.weight"),
-            ("self_attn.q_proj.", "attn_q."),
-            ("self_attn.k_proj.", "attn_k."),
-            ("self_attn.v_proj.", "attn_v."),
-            ("self_attn.o_proj.", "attn_output."),
-            ("self_attn.q_norm.", "attn_q_norm."),
-            ("self_attn.k_norm.", "attn_k_norm."),
-            ("self_attn.qkv_proj.", "attn_qkv."),
-            ("mlp.gate_up_proj.", "ffn_up."),
-            ("mlp.gate_proj.", "ffn_gate."),
-            ("mlp.up_proj.", "ffn_up."),
-            ("mlp.down_proj.", "ffn_down."),
-        ]
-        .iter()
-        .fold(name.to_string(), |n, (h, g)| n.replacen(h, g, 1));
+        // Gemma's `post_attention_layernorm` is the attention output's norm; its MLP input
+        // norm (`pre_feedforward_layernorm`) is llama.cpp's `ffn_norm`.
+        let gemma_names: &[(&str, &str)] = if gemma {
+            &[
+                (
+                    "post_attention_layernorm.weight",
+                    "post_attention_norm.weight",
+                ),
+                ("pre_feedforward_layernorm.weight", "ffn_norm.weight"),
+                ("post_feedforward_layernorm.weight", "post_ffw_norm.weight"),
+            ]
+        } else {
+            &[]
+        };
+        let name = gemma_names
+            .iter()
+            .chain(&[
+                ("input_layernorm.weight", "attn_norm.weight"),
+                ("post_attention_layernorm.weight", "ffn_norm.weight"),
+                ("self_attn.q_proj.", "attn_q."),
+                ("self_attn.k_proj.", "attn_k."),
+                ("self_attn.v_proj.", "attn_v."),
+                ("self_attn.o_proj.", "attn_output."),
+                ("self_attn.q_norm.", "attn_q_norm."),
+                ("self_attn.k_norm.", "attn_k_norm."),
+                ("self_attn.qkv_proj.", "attn_qkv."),
+                ("mlp.gate_up_proj.", "ffn_up."),
+                ("mlp.gate_proj.", "ffn_gate."),
+                ("mlp.up_proj.", "ffn_up."),
+                ("mlp.down_proj.", "ffn_down."),
+            ])
+            .fold(name.to_string(), |n, (h, g)| {
+                if n.contains(h) {
+                    n.replacen(h, g, 1)
+                } else {
+                    n
+                }
+            });
         format!("blk.{layer}.{name}")
     };
     let heads = |k: &str| cfg[k].as_u64().unwrap() as usize;
@@ -453,6 +570,8 @@ fn write_gguf(path: &Path, cfg: &serde_json::Value) {
             let t = match (arch, name.rsplit('.').nth(1)) {
                 ("llama", Some("q_proj")) => permute(&t, heads("num_attention_heads")),
                 ("llama", Some("k_proj")) => permute(&t, heads("num_key_value_heads")),
+                // llama.cpp's Gemma converter stores every norm weight as `1 + w`.
+                (_, Some(n)) if gemma && n.ends_with("norm") => (t + 1.0).unwrap(),
                 _ => t,
             };
             (

@@ -17,7 +17,7 @@ use half::bf16;
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
-use tandem_engine::backend::cpu::kernels::attention::{AttnSeq, paged_attention};
+use tandem_engine::backend::cpu::kernels::attention::{AttnParams, AttnSeq, paged_attention};
 use tandem_engine::backend::cpu::kernels::{RopeTable, rms_norm, silu_mul};
 use tandem_engine::config::ModelConfig;
 use tandem_kv::{BLOCK_SIZE, KvCache, KvDtype, KvLayout, KvStorage, staging};
@@ -328,7 +328,15 @@ fn attention_step(
         })
         .collect();
     let mut want = vec![0f32; rows * qw];
-    paged_attention(&cache, layer, &q, &seqs, q_heads, &mut want);
+    paged_attention(
+        &cache,
+        layer,
+        &q,
+        &seqs,
+        q_heads,
+        AttnParams::causal(d),
+        &mut want,
+    );
     assert_close(
         &format!("attention, {q_heads} heads over {kvh}, head_dim {d}"),
         &got,

@@ -1,7 +1,8 @@
 //! Loading a GGUF file: the decoder's tensors read as `--weights` asks (by default each in
 //! its own format, so a Q4_1 file takes about its size in memory), a Llama file's Q/K rows put
 //! back in the HF RoPE order (llama.cpp's converter permutes them for Llama only), the
-//! tokenizer and chat template rebuilt from the metadata.
+//! tokenizer and chat template rebuilt from the metadata. In a Gemma file `ffn_norm` is the
+//! MLP's input norm (HF's `pre_feedforward_layernorm`).
 
 use std::fs::File;
 use std::path::Path;
@@ -114,6 +115,12 @@ pub fn load_gguf(path: &Path, format: WeightFormat, name: &str) -> Result<(Model
         if cfg.qk_norm {
             extras.q_norm = Some(reader.vector(&p("attn_q_norm"))?);
             extras.k_norm = Some(reader.vector(&p("attn_k_norm"))?);
+        }
+        // Gemma's norms after attention and after the MLP (its converter already stored each
+        // norm weight as `1 + w`, the multiplier the engine keeps).
+        if cfg.arch.is_gemma() {
+            extras.post_attn_norm = Some(reader.vector(&p("post_attention_norm"))?);
+            extras.post_ffn_norm = Some(reader.vector(&p("post_ffw_norm"))?);
         }
         layers.push(LayerWeights {
             attn_norm: reader.vector(&p("attn_norm"))?,

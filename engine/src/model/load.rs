@@ -154,10 +154,13 @@ pub fn dummy_model(cfg: ModelConfig, format: WeightFormat, seed: u64, name: &str
             noise.into_iter().map(|v| center + v).collect::<Vec<f32>>()
         };
         let qkv_rows = cfg.q_width() + 2 * cfg.kv_width();
+        let gemma = cfg.arch.is_gemma();
         let extras = LayerExtras {
             qkv_bias: cfg.attention_bias.then(|| vector(1, qkv_rows, 0.0, 0.1)),
             q_norm: cfg.qk_norm.then(|| vector(2, cfg.head_dim, 1.0, 0.2)),
             k_norm: cfg.qk_norm.then(|| vector(3, cfg.head_dim, 1.0, 0.2)),
+            post_attn_norm: gemma.then(|| vector(4, h, 1.0, 0.2)),
+            post_ffn_norm: gemma.then(|| vector(5, h, 1.0, 0.2)),
         };
         layers.push(LayerWeights {
             attn_norm: vec![1.0; h],
@@ -253,6 +256,16 @@ pub fn load_hf_model(dir: &Path, format: WeightFormat) -> Result<Model> {
             .flatten_all()?
             .to_vec1::<f32>()?)
     };
+    // Gemma checkpoints store each RMSNorm weight as an offset from 1 (the model multiplies
+    // by `1 + w`); the engine keeps the multiplier, as llama.cpp's converter does.
+    let gemma = cfg.arch.is_gemma();
+    let norm = |name: &str| -> Result<Vec<f32>> {
+        let mut w = vector(name)?;
+        if gemma {
+            w.iter_mut().for_each(|v| *v += 1.0);
+        }
+        Ok(w)
+    };
     let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
     for l in 0..cfg.num_hidden_layers {
         let p = |s: &str| format!("model.layers.{l}.{s}.weight");
@@ -262,9 +275,18 @@ pub fn load_hf_model(dir: &Path, format: WeightFormat) -> Result<Model> {
             extras.qkv_bias = Some([b("q_proj")?, b("k_proj")?, b("v_proj")?].concat());
         }
         if cfg.qk_norm {
-            extras.q_norm = Some(vector(&p("self_attn.q_norm"))?);
-            extras.k_norm = Some(vector(&p("self_attn.k_norm"))?);
+            extras.q_norm = Some(norm(&p("self_attn.q_norm"))?);
+            extras.k_norm = Some(norm(&p("self_attn.k_norm"))?);
         }
+        // Gemma's `post_attention_layernorm` normalizes the attention output; its MLP's input
+        // norm is `pre_feedforward_layernorm`. In the Llama block the former is the latter.
+        let ffn_norm = if gemma {
+            extras.post_attn_norm = Some(norm(&p("post_attention_layernorm"))?);
+            extras.post_ffn_norm = Some(norm(&p("post_feedforward_layernorm"))?);
+            norm(&p("pre_feedforward_layernorm"))?
+        } else {
+            vector(&p("post_attention_layernorm"))?
+        };
         // Phi-3 stores Q/K/V and gate/up already fused, in the engine's order.
         let fused = cfg.arch == Architecture::Phi3;
         let (qkv, gate_up) = if fused {
@@ -286,10 +308,10 @@ pub fn load_hf_model(dir: &Path, format: WeightFormat) -> Result<Model> {
             )
         };
         layers.push(LayerWeights {
-            attn_norm: vector(&p("input_layernorm"))?,
+            attn_norm: norm(&p("input_layernorm"))?,
             qkv,
             o: into_matrix(matrix(&p("self_attn.o_proj"))?)?,
-            ffn_norm: vector(&p("post_attention_layernorm"))?,
+            ffn_norm,
             gate_up,
             down: into_matrix(matrix(&p("mlp.down_proj"))?)?,
             extras,
@@ -303,7 +325,7 @@ pub fn load_hf_model(dir: &Path, format: WeightFormat) -> Result<Model> {
     let weights = Weights {
         embed: into_matrix(matrix("model.embed_tokens.weight")?)?,
         layers,
-        final_norm: vector("model.norm.weight")?,
+        final_norm: norm("model.norm.weight")?,
         lm_head,
     };
     weights

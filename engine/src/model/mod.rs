@@ -1,8 +1,9 @@
-//! The Llama-family decoder (Llama 2/3, SmolLM, Mistral-style GQA) over the paged KV cache.
+//! The decoder (the Llama block and the families' changes to it: see
+//! [`crate::config::Architecture`]) over the paged KV cache.
 //!
-//! Follows HF transformers' `modeling_llama.py` (pre-norm blocks, rotate-half RoPE, SwiGLU),
-//! with the projections fused (QKV, gate/up) so each layer makes four passes over its
-//! weights. A batch is a flat list of token rows from several sequences (vLLM's varlen
+//! Follows HF transformers' `modeling_llama.py` (pre-norm blocks, rotate-half RoPE, SwiGLU)
+//! and the families' own files where they differ, with the projections fused (QKV, gate/up)
+//! so each layer makes four passes over its weights. A batch is a flat list of token rows from several sequences (vLLM's varlen
 //! layout): prefill chunks and decode steps mix freely, and attention sorts out which keys
 //! each row sees. The forward pass itself belongs to a backend (`backend::cpu` for
 //! [`Model::forward`], `backend::cuda` on a device).
@@ -27,6 +28,8 @@ pub struct Model {
     cfg: ModelConfig,
     weights: Weights,
     rope: RopeTable,
+    /// The windowed layers' table when their RoPE base differs (Gemma 3).
+    rope_local: Option<RopeTable>,
     format: WeightFormat,
     fingerprint: String,
     name: String,
@@ -54,10 +57,12 @@ impl Model {
         name: String,
     ) -> Self {
         let rope = RopeTable::new(&cfg);
+        let rope_local = RopeTable::local(&cfg);
         Self {
             cfg,
             weights,
             rope,
+            rope_local,
             format,
             fingerprint,
             name,
@@ -153,8 +158,21 @@ impl Model {
         }
     }
 
-    /// RoPE frequencies of this model.
+    /// RoPE frequencies of this model (of its global layers, where local ones differ).
     pub(crate) fn rope(&self) -> &RopeTable {
         &self.rope
+    }
+
+    /// RoPE frequencies of the windowed layers, when they have a base of their own.
+    pub(crate) fn rope_local(&self) -> Option<&RopeTable> {
+        self.rope_local.as_ref()
+    }
+
+    /// RoPE frequencies of layer `l`.
+    pub(crate) fn layer_rope(&self, l: usize) -> &RopeTable {
+        match (&self.rope_local, self.cfg.layer_window(l)) {
+            (Some(local), Some(_)) => local,
+            _ => &self.rope,
+        }
     }
 }

@@ -27,15 +27,25 @@ pub struct LayerExtras {
     /// Per-head RMSNorm weights of Q and of K, `head_dim` each (Qwen3).
     pub q_norm: Option<Vec<f32>>,
     pub k_norm: Option<Vec<f32>>,
+    /// RMSNorm weights of the attention output and of the MLP output, applied before each
+    /// residual add (Gemma; `hidden` each).
+    pub post_attn_norm: Option<Vec<f32>>,
+    pub post_ffn_norm: Option<Vec<f32>>,
 }
 
 impl LayerExtras {
     fn floats(&self) -> usize {
-        [&self.qkv_bias, &self.q_norm, &self.k_norm]
-            .into_iter()
-            .flatten()
-            .map(Vec::len)
-            .sum()
+        [
+            &self.qkv_bias,
+            &self.q_norm,
+            &self.k_norm,
+            &self.post_attn_norm,
+            &self.post_ffn_norm,
+        ]
+        .into_iter()
+        .flatten()
+        .map(Vec::len)
+        .sum()
     }
 
     /// Checks that exactly the vectors the config asks for are there, at their widths.
@@ -56,7 +66,15 @@ impl LayerExtras {
         let qkv = cfg.q_width() + 2 * cfg.kv_width();
         check("q/k/v bias", &self.qkv_bias, cfg.attention_bias, qkv)?;
         check("q_norm", &self.q_norm, cfg.qk_norm, cfg.head_dim)?;
-        check("k_norm", &self.k_norm, cfg.qk_norm, cfg.head_dim)
+        check("k_norm", &self.k_norm, cfg.qk_norm, cfg.head_dim)?;
+        let gemma = cfg.arch.is_gemma();
+        check(
+            "post-attention norm",
+            &self.post_attn_norm,
+            gemma,
+            cfg.hidden_size,
+        )?;
+        check("post-MLP norm", &self.post_ffn_norm, gemma, cfg.hidden_size)
     }
 }
 

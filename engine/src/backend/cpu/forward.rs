@@ -3,9 +3,12 @@
 
 use tandem_kv::{BLOCK_SIZE, KvCache, Parallel, TokenKv};
 
-use super::kernels::attention::{AttnSeq, paged_attention};
+use super::kernels::attention::{AttnParams, AttnSeq, paged_attention};
 use super::kernels::team::{parallel_for, parallel_rows};
-use super::kernels::{add_in_place, linear, rms_norm, rms_norm_heads, silu_mul};
+use super::kernels::{
+    add_in_place, gelu_tanh_mul, linear, rms_norm, rms_norm_heads, silu_mul, softcap,
+};
+use crate::config::Activation;
 use crate::error::{EngineError, Result};
 use crate::model::{Model, SeqInput};
 
@@ -67,12 +70,19 @@ impl Model {
             positions.extend(s.start_pos..end);
         }
         let t = positions.len();
-        let (cos, sin) = self.rope().cos_sin(&positions);
+        let global_angles = self.rope().cos_sin(&positions);
+        // Gemma 3's local layers turn at their own base.
+        let local_angles = self.rope_local().map(|r| r.cos_sin(&positions));
 
         let mut x = vec![0f32; t * h];
         let tokens = seqs.iter().flat_map(|s| s.tokens.iter());
+        // Gemma scales the embeddings by √hidden (rounded to f32 first, as its reference does).
+        let embed_scale = cfg.arch.is_gemma().then(|| (h as f32).sqrt());
         for (row, &tok) in x.chunks_exact_mut(h).zip(tokens) {
             self.weights().embed.row_into(tok as usize, row);
+            if let Some(scale) = embed_scale {
+                row.iter_mut().for_each(|v| *v *= scale);
+            }
         }
         let mut normed = vec![0f32; t * h];
         let mut qkv = vec![0f32; t * qkv_w];
@@ -104,6 +114,12 @@ impl Model {
             &|tasks, task| (0..tasks).for_each(task)
         };
         for (l, layer) in self.weights().layers.iter().enumerate() {
+            let window = cfg.layer_window(l);
+            let (cos, sin) = match (&local_angles, window) {
+                (Some(local), Some(_)) => (&local.0, &local.1),
+                _ => (&global_angles.0, &global_angles.1),
+            };
+            let rope = self.layer_rope(l);
             norm(&x, &layer.attn_norm, &mut normed);
             linear(&normed, t, &layer.qkv, &mut qkv);
             // The family's additions, RoPE, all per row: Qwen2's biases, Qwen3's per-head
@@ -124,7 +140,6 @@ impl Model {
                     &cos[r0 * half..(r0 + n) * half],
                     &sin[r0 * half..(r0 + n) * half],
                 );
-                let rope = self.rope();
                 rope.apply(rows, qkv_w, 0, cfg.num_attention_heads, cos, sin);
                 rope.apply(rows, qkv_w, qw, cfg.num_key_value_heads, cos, sin);
             });
@@ -151,17 +166,44 @@ impl Model {
                 })
                 .collect();
             cache.write_tokens(l, &tokens, kv_writers)?;
-            paged_attention(cache, l, &q, &attn_seqs, cfg.num_attention_heads, &mut attn);
+            let params = AttnParams {
+                scale: cfg.attention_scale(),
+                softcap: cfg.attn_logit_softcapping.map(|c| c as f32),
+                window,
+            };
+            let heads = cfg.num_attention_heads;
+            paged_attention(cache, l, &q, &attn_seqs, heads, params, &mut attn);
             linear(&attn, t, &layer.o, &mut proj);
-            residual(&mut x, &proj);
+            // Gemma normalizes each sub-block's output before adding it to the residual.
+            let sub_block_out = |proj: &[f32], post: &Option<Vec<f32>>, normed: &mut [f32]| {
+                if let Some(w) = post {
+                    norm(proj, w, normed);
+                    true
+                } else {
+                    false
+                }
+            };
+            if sub_block_out(&proj, &layer.extras.post_attn_norm, &mut normed) {
+                residual(&mut x, &normed);
+            } else {
+                residual(&mut x, &proj);
+            }
 
             norm(&x, &layer.ffn_norm, &mut normed);
             linear(&normed, t, &layer.gate_up, &mut gate_up);
             parallel_rows(&mut act, f, &|r0, rows| {
-                silu_mul(&gate_up[2 * f * r0..2 * (f * r0 + rows.len())], f, rows);
+                let gate_up = &gate_up[2 * f * r0..2 * (f * r0 + rows.len())];
+                match cfg.activation {
+                    Activation::Silu => silu_mul(gate_up, f, rows),
+                    Activation::GeluTanh => gelu_tanh_mul(gate_up, f, rows),
+                }
             });
             linear(&act, t, &layer.down, &mut proj);
-            residual(&mut x, &proj);
+            if sub_block_out(&proj, &layer.extras.post_ffn_norm, &mut normed) {
+                residual(&mut x, &normed);
+            } else {
+                residual(&mut x, &proj);
+            }
             on_layer(l, cache);
         }
 
@@ -185,6 +227,9 @@ impl Model {
         let vocab = head.rows;
         let mut logits = vec![0f32; wanted.len() * vocab];
         linear(&last, wanted.len(), head, &mut logits);
+        if let Some(cap) = cfg.final_logit_softcapping {
+            softcap(&mut logits, cap as f32);
+        }
         Ok(logits
             .chunks_exact(vocab.max(1))
             .map(<[f32]>::to_vec)

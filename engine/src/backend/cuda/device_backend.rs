@@ -56,12 +56,7 @@ impl<D: LaunchDevice> DeviceBackend<D> {
         let cfg = model.config().clone();
         // The device kernels implement the Llama block; a family that changes it runs on the
         // CPU engine until its operations have device kernels.
-        if cfg.attention_bias || cfg.qk_norm {
-            let what = if cfg.attention_bias {
-                "biases on the Q, K and V projections"
-            } else {
-                "per-head RMSNorm of Q and K"
-            };
+        if let Some(what) = device_lacks(&cfg) {
             return Err(EngineError::Unsupported(format!(
                 "a {} model on the GPU engine, whose kernels lack {what}; run it with --device cpu",
                 cfg.arch
@@ -227,4 +222,19 @@ pub fn written_blocks(chunks: &[ChunkInfo]) -> Vec<u32> {
         out.extend(c.blocks.iter().skip(first).take(last + 1 - first));
     }
     out
+}
+
+/// What `cfg` needs that the device kernels do not have, if anything.
+pub fn device_lacks(cfg: &ModelConfig) -> Option<&'static str> {
+    if cfg.attention_bias {
+        Some("biases on the Q, K and V projections")
+    } else if cfg.qk_norm {
+        Some("per-head RMSNorm of Q and K")
+    } else if cfg.arch.is_gemma() {
+        Some("Gemma's post-norms, GeGLU and soft-capping")
+    } else if cfg.has_window() {
+        Some("sliding-window attention")
+    } else {
+        None
+    }
 }

@@ -23,24 +23,48 @@ pub struct AttnSeq<'a> {
     pub block_table: &'a [u32],
 }
 
+/// What a layer's attention does besides `softmax(q·Kᵀ)·V` over every earlier key.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AttnParams {
+    /// Scores are `q·k · scale` (`1/√head_dim` unless the model says otherwise).
+    pub scale: f32,
+    /// Scores become `cap·tanh(score/cap)` before the softmax (Gemma 2).
+    pub softcap: Option<f32>,
+    /// Each position sees only the last `window` keys, its own included.
+    pub window: Option<usize>,
+}
+
+impl AttnParams {
+    /// Plain causal attention over heads of `head_dim`.
+    pub fn causal(head_dim: usize) -> Self {
+        Self {
+            scale: 1.0 / (head_dim as f32).sqrt(),
+            softcap: None,
+            window: None,
+        }
+    }
+}
+
 /// Query rows handled by one task: their states stay in L1 while K/V blocks stream past.
 const ROWS_PER_TASK: usize = 16;
 
-/// `out[row, head] = softmax(q·Kᵀ/√d) · V` over each sequence's own cached keys (causal).
-/// `q` and `out` are `rows × (heads·head_dim)`.
+/// `out[row, head] = softmax(q·Kᵀ·scale) · V` over each sequence's own cached keys (causal,
+/// and within the window if `params` sets one). `q` and `out` are `rows × (heads·head_dim)`.
 pub fn paged_attention(
     cache: &KvCache,
     layer: usize,
     q: &[f32],
     seqs: &[AttnSeq<'_>],
     n_heads: usize,
+    params: AttnParams,
     out: &mut [f32],
 ) {
-    paged_attention_on(isa(), cache, layer, q, seqs, n_heads, out)
+    paged_attention_on(isa(), cache, layer, q, seqs, n_heads, params, out)
 }
 
 /// [`paged_attention`] on a given instruction set, one this CPU runs; every set gives the
 /// same bits.
+#[allow(clippy::too_many_arguments)]
 pub fn paged_attention_on(
     isa: Isa,
     cache: &KvCache,
@@ -48,12 +72,14 @@ pub fn paged_attention_on(
     q: &[f32],
     seqs: &[AttnSeq<'_>],
     n_heads: usize,
+    params: AttnParams,
     out: &mut [f32],
 ) {
     assert!(
         isa.supported(),
         "attention: this CPU cannot run the {isa} kernels"
     );
+    assert!(params.window != Some(0), "attention window of zero keys");
     let layout = cache.layout();
     assert_eq!(
         layout.block_size, BLOCK_SIZE,
@@ -92,7 +118,9 @@ pub fn paged_attention_on(
         n_rep: n_heads / kv_heads,
         d,
         width,
-        scale: 1.0 / (d as f32).sqrt(),
+        scale: params.scale,
+        softcap: params.softcap,
+        window: params.window,
     };
     let out_ptr = SharedMut(out.as_mut_ptr());
     let run = |&(si, g, r0): &(usize, usize, usize)| {
@@ -114,6 +142,8 @@ struct Geometry {
     d: usize,
     width: usize,
     scale: f32,
+    softcap: Option<f32>,
+    window: Option<usize>,
 }
 // SAFETY: the cache outlives the call; tasks only read through `layer_base`.
 unsafe impl Sync for Geometry {}
@@ -214,7 +244,10 @@ unsafe fn task_body(
     }
     let mut scores = vec![[0f32; BLOCK_SIZE]; lanes];
     let mut probs = vec![[0f32; BLOCK_SIZE]; lanes];
-    let last_pos = s.start_pos + r0 + rows - 1;
+    let first_pos = s.start_pos + r0;
+    let last_pos = first_pos + rows - 1;
+    // The first key a position sees: keys `pos - window < k ≤ pos`.
+    let window_start = |pos: usize| g.window.map_or(0, |w| (pos + 1).saturating_sub(w));
     let blocks = last_pos / BLOCK_SIZE + 1;
     let k_off = group * d * BLOCK_SIZE;
     let v_off = g.kv_heads * d * BLOCK_SIZE + group * BLOCK_SIZE * d;
@@ -224,22 +257,39 @@ unsafe fn task_body(
         KvDtype::F32 => Vec::new(),
         KvDtype::Bf16 | KvDtype::F16 => vec![0f32; 2 * d * BLOCK_SIZE],
     };
-    for b in 0..blocks {
+    // Rows `from..to` of this task as lanes (each row is `n_rep` lanes).
+    let lanes_of = |from: usize, to: usize| (from.min(rows) * n_rep, to.min(rows) * n_rep);
+    // Blocks wholly before the first row's window hold no key any row here sees.
+    for b in window_start(first_pos) / BLOCK_SIZE..blocks {
+        let first_key = b * BLOCK_SIZE;
+        let last_key = first_key + BLOCK_SIZE - 1;
+        // Lanes (row, head) that see at least one key of this block: the causal mask drops
+        // rows from the front of the task, the window rows from its back.
+        let (first_lane, end_lane) = lanes_of(
+            first_key.saturating_sub(first_pos),
+            g.window
+                .map_or(rows, |w| (last_key + w).saturating_sub(first_pos)),
+        );
+        if first_lane >= end_lane {
+            continue;
+        }
         let block = s.block_table[b] as usize * g.block_elems;
         // SAFETY: both parts lie inside the block (checked block id, layout sizes).
         let (kt, vb) = unsafe { block_kv(g, block + k_off, block + v_off, &mut widened) };
-        let first_key = b * BLOCK_SIZE;
-        // Lanes (row, head) that see at least one key of this block: the causal mask only
-        // drops rows from the front of the task, so they are a suffix.
-        let first_lane = first_key.saturating_sub(s.start_pos + r0).min(rows) * n_rep;
         // SAFETY: `kt` holds d rows of 16; `qs` and `scores` hold `lanes` lanes.
-        unsafe { block_scores(isa, kt, &qs, first_lane, lanes, d, &mut scores) };
-        let mut full = true;
-        for lane in first_lane..lanes {
-            let pos = s.start_pos + r0 + lane / n_rep;
+        unsafe { block_scores(isa, kt, &qs, first_lane, end_lane, d, &mut scores) };
+        if let Some(cap) = g.softcap {
+            for sc in &mut scores[first_lane..end_lane] {
+                softcap16(sc, cap);
+            }
+        }
+        for lane in first_lane..end_lane {
+            let pos = first_pos + lane / n_rep;
+            // This lane's keys in the block: slots `skip..valid`.
             let valid = (pos - first_key + 1).min(BLOCK_SIZE);
+            let skip = window_start(pos).saturating_sub(first_key);
             let st = &mut states[lane];
-            let (new_max, p, psum) = block_softmax(&scores[lane], valid, st.max);
+            let (new_max, p, psum) = block_softmax(&scores[lane], skip, valid, st.max);
             let a = &mut acc[lane * d..(lane + 1) * d];
             // Rescale only when the running maximum moved (x·1 is exact, so skipping it
             // changes no bit of the result).
@@ -253,11 +303,11 @@ unsafe fn task_body(
             st.sum += psum;
             st.max = new_max;
             probs[lane] = p;
-            full &= valid == BLOCK_SIZE;
-            if valid < BLOCK_SIZE {
-                // The diagonal block: only `valid` keys exist (the rest of the block may
-                // hold stale data, never to be multiplied, even by zero).
-                for (j, &pj) in p[..valid].iter().enumerate() {
+            if skip > 0 || valid < BLOCK_SIZE {
+                // The diagonal block, or the window's first: only slots `skip..valid` count
+                // (past `valid` the block may hold stale data, never to be multiplied, even
+                // by zero).
+                for (j, &pj) in p.iter().enumerate().take(valid).skip(skip) {
                     let vrow = &vb[j * d..(j + 1) * d];
                     for (x, &vv) in a.iter_mut().zip(vrow) {
                         *x = pj.mul_add(vv, *x);
@@ -265,15 +315,17 @@ unsafe fn task_body(
                 }
             }
         }
-        // Lanes that see the whole block accumulate P·V together (see `accumulate_v`).
-        let first_full = if full {
-            first_lane
-        } else {
-            (first_lane..lanes)
-                .find(|&l| s.start_pos + r0 + l / n_rep >= first_key + BLOCK_SIZE - 1)
-                .unwrap_or(lanes)
-        };
-        unsafe { accumulate_v(isa, vb, &probs, first_full, lanes, d, &mut acc) };
+        // Lanes that see the whole block (a suffix by causality, a prefix by the window)
+        // accumulate P·V together (see `accumulate_v`).
+        let (full_from, full_to) = lanes_of(
+            (last_key).saturating_sub(first_pos),
+            g.window
+                .map_or(rows, |w| (first_key + w).saturating_sub(first_pos)),
+        );
+        let (full_from, full_to) = (full_from.max(first_lane), full_to.min(end_lane));
+        if full_from < full_to {
+            unsafe { accumulate_v(isa, vb, &probs, full_from, full_to, d, &mut acc) };
+        }
     }
     for r in 0..rows {
         let row = s.q_row + r0 + r;
@@ -623,12 +675,13 @@ unsafe fn accumulate_avx2<const N: usize>(
 #[inline(always)]
 fn block_softmax(
     scores: &[f32; BLOCK_SIZE],
+    skip: usize,
     valid: usize,
     running_max: f32,
 ) -> (f32, [f32; BLOCK_SIZE], f32) {
     let mut masked = [f32::NEG_INFINITY; BLOCK_SIZE];
     for (j, (m, &sc)) in masked.iter_mut().zip(scores).enumerate() {
-        if j < valid {
+        if j >= skip && j < valid {
             *m = sc;
         }
     }
@@ -642,7 +695,7 @@ fn block_softmax(
     }
     exp16(&mut p);
     for (j, pj) in p.iter_mut().enumerate() {
-        if j >= valid {
+        if j < skip || j >= valid {
             *pj = 0.0;
         }
     }
@@ -663,6 +716,14 @@ fn tree16(x: &[f32; BLOCK_SIZE], op: impl Fn(f32, f32) -> f32) -> f32 {
         op(h[3], h[7]),
     ];
     op(op(q[0], q[2]), op(q[1], q[3]))
+}
+
+/// `cap·tanh(x/cap)` for 16 lanes (Gemma 2's attention soft-capping).
+#[inline(always)]
+fn softcap16(x: &mut [f32; BLOCK_SIZE], cap: f32) {
+    for v in x.iter_mut() {
+        *v = cap * super::ops::tanh_poly(*v / cap);
+    }
 }
 
 /// `e^x` for 16 lanes: Cephes' polynomial, written so the compiler vectorizes it
@@ -700,8 +761,22 @@ mod tests {
         use tandem_kv::{KvCache, KvDtype, KvLayout};
         let mut rng = StdRng::seed_from_u64(11);
         // GQA (4 query heads over 2 KV heads), head_dim 64 (the AVX-512 P·V path) and 40
-        // (the one-lane path); a decode row beside a prefill chunk that ends mid-block.
-        for d in [64, 40] {
+        // (the one-lane path); a decode row beside a prefill chunk that ends mid-block; plain,
+        // soft-capped, and windowed (wider and narrower than a block).
+        for (d, params) in [64, 40].into_iter().flat_map(|d| {
+            [None, Some(20.0)].into_iter().flat_map(move |softcap| {
+                [None, Some(5), Some(21)].map(move |window| {
+                    (
+                        d,
+                        AttnParams {
+                            scale: 0.3,
+                            softcap,
+                            window,
+                        },
+                    )
+                })
+            })
+        }) {
             let layout = KvLayout {
                 num_layers: 1,
                 num_kv_heads: 2,
@@ -736,16 +811,173 @@ mod tests {
                 .map(|_| rng.random_range(-1.0f32..1.0))
                 .collect();
             let mut scalar = vec![0f32; 22 * width];
-            paged_attention_on(Isa::Scalar, &cache, 0, &q, &seqs, 4, &mut scalar);
+            paged_attention_on(Isa::Scalar, &cache, 0, &q, &seqs, 4, params, &mut scalar);
             for isa in Isa::available() {
                 let mut out = vec![f32::NAN; 22 * width];
-                paged_attention_on(isa, &cache, 0, &q, &seqs, 4, &mut out);
+                paged_attention_on(isa, &cache, 0, &q, &seqs, 4, params, &mut out);
                 let same = out
                     .iter()
                     .zip(&scalar)
                     .all(|(a, b)| a.to_bits() == b.to_bits());
-                assert!(same, "{isa} differs from scalar at head_dim {d}");
+                assert!(
+                    same,
+                    "{isa} differs from scalar at head_dim {d}, {params:?}"
+                );
             }
         }
+    }
+
+    /// Attention written the plain way: gather the sequence's keys, mask, softmax, sum.
+    fn naive(
+        cache: &KvCache,
+        q: &[f32],
+        seq: &AttnSeq<'_>,
+        n_heads: usize,
+        params: AttnParams,
+    ) -> Vec<f32> {
+        let layout = cache.layout();
+        let (d, kv_heads) = (layout.head_dim, layout.num_kv_heads);
+        let width = n_heads * d;
+        let mut out = vec![0f32; seq.q_len * width];
+        for r in 0..seq.q_len {
+            let pos = seq.start_pos + r;
+            let first = params.window.map_or(0, |w| (pos + 1).saturating_sub(w));
+            for h in 0..n_heads {
+                let g = h / (n_heads / kv_heads);
+                let qrow = &q[(seq.q_row + r) * width + h * d..][..d];
+                let key = |k: usize, part: usize, i: usize| {
+                    let block = cache
+                        .block_layer(0, seq.block_table[k / BLOCK_SIZE])
+                        .unwrap();
+                    let slot = k % BLOCK_SIZE;
+                    if part == 0 {
+                        block[g * d * BLOCK_SIZE + i * BLOCK_SIZE + slot]
+                    } else {
+                        block[kv_heads * d * BLOCK_SIZE + g * BLOCK_SIZE * d + slot * d + i]
+                    }
+                };
+                let scores: Vec<f64> = (first..=pos)
+                    .map(|k| {
+                        let dot: f64 = (0..d)
+                            .map(|i| f64::from(qrow[i]) * f64::from(key(k, 0, i)))
+                            .sum();
+                        let s = dot * f64::from(params.scale);
+                        params
+                            .softcap
+                            .map_or(s, |c| f64::from(c) * (s / f64::from(c)).tanh())
+                    })
+                    .collect();
+                let max = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let e: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
+                let total: f64 = e.iter().sum();
+                for i in 0..d {
+                    let v: f64 = (first..=pos)
+                        .zip(&e)
+                        .map(|(k, p)| p * f64::from(key(k, 1, i)))
+                        .sum();
+                    out[r * width + h * d + i] = (v / total) as f32;
+                }
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn windows_and_soft_caps_match_plain_attention() {
+        use rand::{Rng, SeedableRng, rngs::StdRng};
+        use tandem_kv::{KvCache, KvLayout};
+        let mut rng = StdRng::seed_from_u64(5);
+        let d = 32;
+        let layout = KvLayout {
+            num_layers: 1,
+            num_kv_heads: 2,
+            head_dim: d,
+            block_size: BLOCK_SIZE,
+            dtype: KvDtype::F32,
+            model_fingerprint: "test".into(),
+        };
+        let mut cache = KvCache::with_budget(layout.clone(), 6 * layout.block_bytes()).unwrap();
+        for b in 0..6 {
+            for v in cache.block_layer_mut(0, b).unwrap() {
+                *v = rng.random_range(-2.0f32..2.0);
+            }
+        }
+        let table = [4u32, 0, 5, 2, 1, 3];
+        let width = 4 * d;
+        let q: Vec<f32> = (0..70 * width)
+            .map(|_| rng.random_range(-2.0f32..2.0))
+            .collect();
+        // A whole prompt, a later chunk, and decode rows, each alone.
+        for (start_pos, q_len) in [(0, 70), (37, 33), (69, 1), (16, 1), (3, 1)] {
+            let seq = AttnSeq {
+                q_row: 0,
+                q_len,
+                start_pos,
+                block_table: &table,
+            };
+            for softcap in [None, Some(3.0)] {
+                for window in [None, Some(1), Some(7), Some(16), Some(33), Some(100)] {
+                    let params = AttnParams {
+                        scale: 0.25,
+                        softcap,
+                        window,
+                    };
+                    let mut out = vec![f32::NAN; q_len * width];
+                    paged_attention(&cache, 0, &q, &[seq], 4, params, &mut out);
+                    let want = naive(&cache, &q, &seq, 4, params);
+                    let err = out
+                        .iter()
+                        .zip(&want)
+                        .map(|(a, b)| (a - b).abs())
+                        .fold(0f32, f32::max);
+                    assert!(err < 2e-5, "{start_pos}+{q_len} {params:?}: {err}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_window_no_shorter_than_the_context_changes_no_bit() {
+        use rand::{Rng, SeedableRng, rngs::StdRng};
+        use tandem_kv::{KvCache, KvLayout};
+        let mut rng = StdRng::seed_from_u64(9);
+        let layout = KvLayout {
+            num_layers: 1,
+            num_kv_heads: 1,
+            head_dim: 16,
+            block_size: BLOCK_SIZE,
+            dtype: KvDtype::F32,
+            model_fingerprint: "test".into(),
+        };
+        let mut cache = KvCache::with_budget(layout.clone(), 3 * layout.block_bytes()).unwrap();
+        for b in 0..3 {
+            for v in cache.block_layer_mut(0, b).unwrap() {
+                *v = rng.random_range(-1.0f32..1.0);
+            }
+        }
+        let table = [2u32, 0, 1];
+        let q: Vec<f32> = (0..40 * 32)
+            .map(|_| rng.random_range(-1.0f32..1.0))
+            .collect();
+        let seq = AttnSeq {
+            q_row: 0,
+            q_len: 40,
+            start_pos: 0,
+            block_table: &table,
+        };
+        let mut plain = vec![0f32; 40 * 32];
+        paged_attention(&cache, 0, &q, &[seq], 2, AttnParams::causal(16), &mut plain);
+        let mut windowed = vec![0f32; 40 * 32];
+        let params = AttnParams {
+            window: Some(40),
+            ..AttnParams::causal(16)
+        };
+        paged_attention(&cache, 0, &q, &[seq], 2, params, &mut windowed);
+        assert!(
+            plain
+                .iter()
+                .zip(&windowed)
+                .all(|(a, b)| a.to_bits() == b.to_bits())
+        );
     }
 }

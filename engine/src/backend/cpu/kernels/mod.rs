@@ -1,5 +1,6 @@
 //! CPU compute kernels of the forward pass: the batch-invariant matmul, paged attention, and
-//! the small per-row operations (RMSNorm, RoPE, SwiGLU, softmax helpers).
+//! the small per-row operations (RMSNorm, RoPE, SwiGLU and GeGLU, soft-capping, softmax
+//! helpers).
 //!
 //! Why hand-written rather than candle's ops: every kernel here computes each output row with
 //! the same instruction sequence whatever the batch size, the row's position in the batch or
@@ -22,7 +23,9 @@ pub mod team;
 
 pub use isa::{ISA_ENV, Isa, IsaError, isa, isa_from_env, select_isa};
 pub use matmul::{Matrix, PANEL, WeightData, linear, linear_on};
-pub use ops::{RopeTable, add_in_place, rms_norm, rms_norm_heads, silu_mul, sum_exp};
+pub use ops::{
+    RopeTable, add_in_place, gelu_tanh_mul, rms_norm, rms_norm_heads, silu_mul, softcap, sum_exp,
+};
 pub use quant::{QuantError, QuantKind, QuantPanels};
 
 /// A raw output pointer shared by parallel tasks that write disjoint elements.

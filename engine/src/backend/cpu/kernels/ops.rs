@@ -1,6 +1,7 @@
-//! Per-row operations of the Llama block: RMSNorm, rotary embeddings (HF rotate-half
-//! layout, with Llama 3 frequency scaling), SwiGLU and residual adds. Each row is computed on
-//! its own, in a fixed order, so these are batch-invariant by construction.
+//! Per-row operations of the decoder blocks: RMSNorm, rotary embeddings (HF rotate-half
+//! layout, with Llama 3 or linear frequency scaling), SwiGLU and GeGLU, soft-capping and
+//! residual adds. Each row is computed on its own, in a fixed order, so these are
+//! batch-invariant by construction.
 
 use crate::config::{ModelConfig, RopeScaling};
 
@@ -109,6 +110,48 @@ pub(crate) fn silu_mul_on(isa: super::Isa, gate_up: &[f32], f: usize, out: &mut 
     })
 }
 
+/// GeGLU on a fused gate/up projection: `gelu_tanh(gate) * up` per row (Gemma's
+/// `gelu_pytorch_tanh`: `x/2 · (1 + tanh(√(2/π)·(x + 0.044715·x³)))`).
+pub fn gelu_tanh_mul(gate_up: &[f32], f: usize, out: &mut [f32]) {
+    gelu_tanh_mul_on(super::isa(), gate_up, f, out)
+}
+
+/// [`gelu_tanh_mul`] on a given instruction set (one this CPU runs).
+pub(crate) fn gelu_tanh_mul_on(isa: super::Isa, gate_up: &[f32], f: usize, out: &mut [f32]) {
+    on_isa!(isa, fn(gate_up: &[f32], f: usize, out: &mut [f32]) {
+        const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+        for (row, o) in gate_up.chunks_exact(2 * f).zip(out.chunks_exact_mut(f)) {
+            let (gate, up) = row.split_at(f);
+            for ((o, &g), &u) in o.iter_mut().zip(gate).zip(up) {
+                let inner = SQRT_2_OVER_PI * (g + 0.044_715 * g * g * g);
+                *o = 0.5 * g * (1.0 + tanh_poly(inner)) * u;
+            }
+        }
+    })
+}
+
+/// `x ← cap · tanh(x / cap)` over a row (Gemma 2's logit soft-capping).
+pub fn softcap(x: &mut [f32], cap: f32) {
+    softcap_on(super::isa(), x, cap)
+}
+
+/// [`softcap`] on a given instruction set (one this CPU runs).
+pub(crate) fn softcap_on(isa: super::Isa, x: &mut [f32], cap: f32) {
+    on_isa!(isa, fn(x: &mut [f32], cap: f32) {
+        for v in x.iter_mut() {
+            *v = cap * tanh_poly(*v / cap);
+        }
+    })
+}
+
+/// `tanh(v)` from [`exp_poly`]: `(1 − e^{−2|v|}) / (1 + e^{−2|v|})` with the sign put back
+/// (absolute error ~1e-7; no overflow, since the exponent is never positive).
+#[inline(always)]
+pub(crate) fn tanh_poly(v: f32) -> f32 {
+    let t = exp_poly(-2.0 * v.abs());
+    ((1.0 - t) / (1.0 + t)).copysign(v)
+}
+
 /// `Σ exp(x - max)` over a row of logits (the log-softmax denominator), vectorized like
 /// `silu_mul`.
 pub fn sum_exp(x: &[f32], max: f32) -> f32 {
@@ -171,13 +214,41 @@ pub struct RopeTable {
 }
 
 impl RopeTable {
+    /// The table of the model's global layers: `rope_theta` with its scaling.
     pub fn new(cfg: &ModelConfig) -> Self {
-        let d = cfg.head_dim;
+        Self::with_base(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling.as_ref())
+    }
+
+    /// The table of the windowed layers when they have a base of their own (Gemma 3's local
+    /// layers: no scaling there, as in its reference).
+    pub fn local(cfg: &ModelConfig) -> Option<Self> {
+        cfg.rope_local_theta
+            .map(|theta| Self::with_base(cfg.head_dim, theta, None))
+    }
+
+    fn with_base(d: usize, theta: f64, scaling: Option<&RopeScaling>) -> Self {
         let mut inv_freq: Vec<f32> = (0..d / 2)
-            .map(|i| 1.0 / (cfg.rope_theta as f32).powf((2 * i) as f32 / d as f32))
+            .map(|i| 1.0 / (theta as f32).powf((2 * i) as f32 / d as f32))
             .collect();
-        if let Some(s) = &cfg.rope_scaling {
-            llama3_scale(&mut inv_freq, s);
+        match scaling {
+            Some(RopeScaling::Llama3 {
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_max_position_embeddings,
+            }) => llama3_scale(
+                &mut inv_freq,
+                *factor as f32,
+                *low_freq_factor as f32,
+                *high_freq_factor as f32,
+                *original_max_position_embeddings as f32,
+            ),
+            Some(RopeScaling::Linear { factor }) => {
+                for f in inv_freq.iter_mut() {
+                    *f /= *factor as f32;
+                }
+            }
+            None => {}
         }
         Self {
             inv_freq,
@@ -244,20 +315,18 @@ impl RopeTable {
 }
 
 /// Llama 3.1's frequency-dependent scaling of the inverse frequencies.
-fn llama3_scale(inv_freq: &mut [f32], s: &RopeScaling) {
-    let old_ctx = s.original_max_position_embeddings as f32;
-    let low_wavelen = old_ctx / s.low_freq_factor as f32;
-    let high_wavelen = old_ctx / s.high_freq_factor as f32;
+fn llama3_scale(inv_freq: &mut [f32], factor: f32, low: f32, high: f32, old_ctx: f32) {
+    let low_wavelen = old_ctx / low;
+    let high_wavelen = old_ctx / high;
     for f in inv_freq.iter_mut() {
         let wavelen = 2.0 * std::f32::consts::PI / *f;
         *f = if wavelen < high_wavelen {
             *f
         } else if wavelen > low_wavelen {
-            *f / s.factor as f32
+            *f / factor
         } else {
-            let smooth = (old_ctx / wavelen - s.low_freq_factor as f32)
-                / (s.high_freq_factor as f32 - s.low_freq_factor as f32);
-            (1.0 - smooth) * *f / s.factor as f32 + smooth * *f
+            let smooth = (old_ctx / wavelen - low) / (high - low);
+            (1.0 - smooth) * *f / factor + smooth * *f
         };
     }
 }
@@ -319,6 +388,33 @@ mod tests {
     }
 
     #[test]
+    fn gelu_tanh_and_softcap_match_their_formulas() {
+        let xs: Vec<f32> = (0..400).map(|i| (i as f32 - 200.0) * 0.07).collect();
+        for &x in &xs {
+            let want = x.tanh();
+            assert!((tanh_poly(x) - want).abs() < 3e-7, "tanh({x})");
+        }
+        let gu: Vec<f32> = xs.iter().chain(&xs).copied().collect();
+        let mut out = vec![0f32; 400];
+        gelu_tanh_mul(&gu, 400, &mut out);
+        for (&x, &o) in xs.iter().zip(&out) {
+            let x64 = f64::from(x);
+            let inner = (2.0 / std::f64::consts::PI).sqrt() * (x64 + 0.044715 * x64.powi(3));
+            let want = 0.5 * x64 * (1.0 + inner.tanh()) * x64;
+            assert!(
+                (f64::from(o) - want).abs() < 1e-5 * want.abs().max(1.0),
+                "gelu({x})"
+            );
+        }
+        let mut capped = xs.clone();
+        softcap(&mut capped, 3.0);
+        for (&x, &c) in xs.iter().zip(&capped) {
+            let want = 3.0 * (f64::from(x) / 3.0).tanh();
+            assert!((f64::from(c) - want).abs() < 1e-6, "softcap({x})");
+        }
+    }
+
+    #[test]
     fn every_instruction_set_gives_the_same_bits() {
         let gu: Vec<f32> = (0..2 * 3 * 100)
             .map(|i| (i as f32 * 0.731).sin() * 9.0)
@@ -326,6 +422,10 @@ mod tests {
         let mut scalar = vec![0f32; 300];
         silu_mul_on(super::super::Isa::Scalar, &gu, 100, &mut scalar);
         let want = sum_exp_on(super::super::Isa::Scalar, &gu, 9.0);
+        let mut gelu_scalar = vec![0f32; 300];
+        gelu_tanh_mul_on(super::super::Isa::Scalar, &gu, 100, &mut gelu_scalar);
+        let mut cap_scalar = gu.clone();
+        softcap_on(super::super::Isa::Scalar, &mut cap_scalar, 7.0);
         for isa in super::super::Isa::available() {
             let mut out = vec![0f32; 300];
             silu_mul_on(isa, &gu, 100, &mut out);
@@ -336,6 +436,13 @@ mod tests {
                 "{isa}"
             );
             assert_eq!(sum_exp_on(isa, &gu, 9.0).to_bits(), want.to_bits(), "{isa}");
+            let same =
+                |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+            gelu_tanh_mul_on(isa, &gu, 100, &mut out);
+            assert!(same(&out, &gelu_scalar), "gelu on {isa}");
+            let mut capped = gu.clone();
+            softcap_on(isa, &mut capped, 7.0);
+            assert!(same(&capped, &cap_scalar), "softcap on {isa}");
         }
     }
 }
