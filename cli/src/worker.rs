@@ -19,7 +19,7 @@ pub const KV_DTYPES: [&str; 3] = ["f32", "bf16", "f16"];
 
 /// The shapes `--model dummy:<preset>` takes (the engine's `ModelConfig::PRESETS`), for the
 /// launcher's manifest check.
-pub const MODEL_PRESETS: [&str; 8] = [
+pub const MODEL_PRESETS: [&str; 10] = [
     "tiny",
     "smollm2-135m",
     "llama-3.2-1b",
@@ -28,6 +28,8 @@ pub const MODEL_PRESETS: [&str; 8] = [
     "qwen3-0.6b",
     "mistral-7b",
     "phi3-mini",
+    "gemma2-2b",
+    "gemma3-1b",
 ];
 
 /// Which model to serve.

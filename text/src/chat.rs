@@ -45,6 +45,10 @@ impl ChatTemplate {
         eos_token: Option<&str>,
     ) -> Result<Self, TextError> {
         let mut env = Environment::new();
+        // transformers compiles chat templates with these two on: a block tag's own line
+        // leaves no newline or indentation behind. Templates are written for that.
+        env.set_trim_blocks(true);
+        env.set_lstrip_blocks(true);
         minijinja_contrib::add_to_environment(&mut env);
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.add_function("raise_exception", |msg: String| -> Result<String, Error> {
@@ -102,6 +106,23 @@ mod tests {
             out,
             "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
         );
+    }
+
+    #[test]
+    fn block_tags_leave_no_whitespace_as_in_transformers() {
+        // Rendered by jinja2 with trim_blocks and lstrip_blocks: "  Hi\n  Yo\n".
+        let src = "{% for m in messages %}\n    {% if true %}\n  {{ m.content }}\n    {% endif %}\n{% endfor %}\n";
+        let t = ChatTemplate::new(src, None, None).unwrap();
+        let out = t
+            .render(
+                &[
+                    ChatMessage::new("user", "Hi"),
+                    ChatMessage::new("user", "Yo"),
+                ],
+                false,
+            )
+            .unwrap();
+        assert_eq!(out, "  Hi\n  Yo\n");
     }
 
     #[test]

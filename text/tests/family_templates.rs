@@ -1,0 +1,155 @@
+//! The chat templates the supported families ship (transcribed from their HF
+//! `tokenizer_config.json` files into `tests/templates/`), rendered through [`ChatTemplate`]
+//! and compared with the prompts their model cards show, written out by hand. What this
+//! guards: that minijinja with Python's string methods, under HF's environment settings
+//! (`trim_blocks`, `lstrip_blocks`), renders these templates as `transformers` does.
+
+use tandem_text::{ChatMessage, ChatTemplate};
+
+fn template(name: &str, bos: &str, eos: &str) -> ChatTemplate {
+    let path = format!(
+        "{}/tests/templates/{name}.jinja",
+        env!("CARGO_MANIFEST_DIR")
+    );
+    let source = std::fs::read_to_string(&path).unwrap();
+    // The JSON string a tokenizer_config holds has no trailing newline; the file here does.
+    ChatTemplate::new(source.trim_end_matches('\n'), Some(bos), Some(eos)).unwrap()
+}
+
+fn chat(turns: &[(&str, &str)]) -> Vec<ChatMessage> {
+    turns
+        .iter()
+        .map(|(r, c)| ChatMessage::new(*r, *c))
+        .collect()
+}
+
+#[test]
+fn qwen2_5_adds_its_default_system_prompt() {
+    let t = template("qwen2.5", "", "<|im_end|>");
+    let one = t
+        .render(
+            &chat(&[(
+                "user",
+                "Give me a short introduction to large language model.",
+            )]),
+            true,
+        )
+        .unwrap();
+    assert_eq!(
+        one,
+        "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful \
+         assistant.<|im_end|>\n<|im_start|>user\nGive me a short introduction to large \
+         language model.<|im_end|>\n<|im_start|>assistant\n"
+    );
+    let turns = chat(&[
+        ("system", "You are a helpful assistant."),
+        ("user", "Hi"),
+        ("assistant", "Hello!"),
+        ("user", "How are you?"),
+    ]);
+    assert_eq!(
+        t.render(&turns, true).unwrap(),
+        "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\nHi\
+         <|im_end|>\n<|im_start|>assistant\nHello!<|im_end|>\n<|im_start|>user\nHow are you?\
+         <|im_end|>\n<|im_start|>assistant\n"
+    );
+}
+
+#[test]
+fn qwen3_drops_earlier_reasoning_and_keeps_the_last() {
+    let t = template("qwen3", "", "<|im_end|>");
+    // Reasoning before the last user query leaves the history.
+    let turns = chat(&[
+        ("user", "Hi"),
+        ("assistant", "<think>\nThe user greets.\n</think>\n\nHello!"),
+        ("user", "2+2?"),
+    ]);
+    assert_eq!(
+        t.render(&turns, true).unwrap(),
+        "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nHello!<|im_end|>\n\
+         <|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n"
+    );
+    // After it, the reasoning stays, re-spaced.
+    let turns = chat(&[
+        ("system", "Be brief."),
+        ("user", "2+2?"),
+        ("assistant", "<think>\n\nadd\n</think>\n4"),
+    ]);
+    assert_eq!(
+        t.render(&turns, false).unwrap(),
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n2+2?<|im_end|>\n\
+         <|im_start|>assistant\n<think>\nadd\n</think>\n\n4<|im_end|>\n"
+    );
+}
+
+#[test]
+fn mistral_wraps_user_turns_in_inst() {
+    let t = template("mistral-v0.1", "<s>", "</s>");
+    let turns = chat(&[("user", "Hi"), ("assistant", "Hello"), ("user", "Again")]);
+    assert_eq!(
+        t.render(&turns, true).unwrap(),
+        "<s>[INST] Hi [/INST]Hello</s>[INST] Again [/INST]"
+    );
+    let err = t
+        .render(&chat(&[("system", "x"), ("user", "Hi")]), true)
+        .unwrap_err();
+    assert!(err.to_string().contains("alternate"), "{err}");
+}
+
+#[test]
+fn phi3_tags_each_role() {
+    let t = template("phi3-mini", "<s>", "<|endoftext|>");
+    let turns = chat(&[("system", "Be brief."), ("user", "Hi")]);
+    assert_eq!(
+        t.render(&turns, true).unwrap(),
+        "<|system|>\nBe brief.<|end|>\n<|user|>\nHi<|end|>\n<|assistant|>\n"
+    );
+    assert_eq!(
+        t.render(&chat(&[("user", "Hi")]), false).unwrap(),
+        "<|user|>\nHi<|end|>\n<|endoftext|>"
+    );
+}
+
+#[test]
+fn gemma2_calls_the_assistant_model_and_refuses_system_turns() {
+    let t = template("gemma2", "<bos>", "<eos>");
+    let turns = chat(&[
+        ("user", " Hi \n"),
+        ("assistant", "Hello"),
+        ("user", "Again"),
+    ]);
+    assert_eq!(
+        t.render(&turns, true).unwrap(),
+        "<bos><start_of_turn>user\nHi<end_of_turn>\n<start_of_turn>model\nHello<end_of_turn>\n\
+         <start_of_turn>user\nAgain<end_of_turn>\n<start_of_turn>model\n"
+    );
+    let err = t
+        .render(&chat(&[("system", "Be brief."), ("user", "Hi")]), true)
+        .unwrap_err();
+    assert!(
+        err.to_string().contains("System role not supported"),
+        "{err}"
+    );
+}
+
+#[test]
+fn gemma3_folds_the_system_prompt_into_the_first_user_turn() {
+    let t = template("gemma3", "<bos>", "<eos>");
+    let turns = chat(&[("system", "Be brief."), ("user", "Hi")]);
+    assert_eq!(
+        t.render(&turns, true).unwrap(),
+        "<bos><start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\n"
+    );
+}
+
+#[test]
+fn llama3_puts_headers_around_each_turn() {
+    let t = template("llama3", "<|begin_of_text|>", "<|eot_id|>");
+    let turns = chat(&[("system", "Be brief."), ("user", " Hi ")]);
+    assert_eq!(
+        t.render(&turns, true).unwrap(),
+        "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nBe brief.<|eot_id|>\
+         <|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|>\
+         <|start_header_id|>assistant<|end_header_id|>\n\n"
+    );
+}
