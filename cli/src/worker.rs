@@ -19,8 +19,9 @@ pub const KV_DTYPES: [&str; 3] = ["f32", "bf16", "f16"];
 
 /// The shapes `--model dummy:<preset>` takes (the engine's `ModelConfig::PRESETS`), for the
 /// launcher's manifest check.
-pub const MODEL_PRESETS: [&str; 10] = [
+pub const MODEL_PRESETS: [&str; 11] = [
     "tiny",
+    "tiny-window",
     "smollm2-135m",
     "llama-3.2-1b",
     "llama-3.1-8b",

@@ -58,12 +58,13 @@ pub(crate) async fn start(
     let span = tracing::info_span!("generate", request_id = %req.request_id);
     match Mode::try_from(req.mode).unwrap_or(Mode::Unspecified) {
         Mode::Disaggregated => {
-            let claim = inner
-                .leases
-                .claim(&caller, tandem_kv::blocks_for(req.prompt.len()))
-                .map_err(Status::from)?;
+            // A sliding-window model's decode steps never read the blocks before the first
+            // step's window: the lease holds only the rest.
+            let first = inner.model.config().first_needed_block(req.prompt.len());
+            let needed = tandem_kv::blocks_for(req.prompt.len()) - first;
+            let claim = inner.leases.claim(&caller, needed).map_err(Status::from)?;
             let blocks = pool
-                .reserve(req.prompt.len())
+                .reserve_blocks(needed)
                 .map_err(|e| engine_status(&e.into()))?;
             let (lease, commit) = match inner.leases.create_claimed(
                 claim,

@@ -150,7 +150,7 @@ async fn ship(
         block_ids: lease.block_ids,
         kv_layout_hash: d.info.kv_layout_hash.clone(),
     };
-    let mut sender = connect(peers, &dest, &d.model.kv_layout(), "test", tokens)
+    let mut sender = connect(peers, &dest, &d.model.kv_layout(), "test", tokens, 0)
         .await
         .unwrap_or_else(|e| panic!("{transport:?}: {e}"));
     let layers = kv.clone();

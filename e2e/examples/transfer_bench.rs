@@ -195,7 +195,7 @@ async fn transfer_once(
         kv_layout_hash: layout.hash(),
         ..KvDestination::default()
     };
-    let sender = connect(peers, &dest, &layout, "bench", TOKENS).await?;
+    let sender = connect(peers, &dest, &layout, "bench", TOKENS, 0).await?;
     let source = source.clone();
     let started = Instant::now();
     let sender: Box<dyn KvSender> =

@@ -40,9 +40,17 @@ async fn run_all(
 }
 
 async fn correctness_gate(model: &str, n: usize, max_len: u32, vocab: u32, max_tokens: u32) {
+    let tiny = model.contains("tiny");
+    // A sliding-window model ships only the blocks its first decode step reads.
+    let window_kv_bytes = (model == "dummy:tiny-window").then(|| {
+        let cfg = tandem_engine::config::ModelConfig::preset("tiny-window").unwrap();
+        let block = 2 * cfg.kv_width() * tandem_kv::BLOCK_SIZE * 4 * cfg.num_hidden_layers;
+        // A 48-key window spans at most four blocks.
+        (4 * block) as u64
+    });
     let spec = DeploymentSpec {
         model: model.into(),
-        kv_budget_mb: if model == "tiny" { 32 } else { 512 },
+        kv_budget_mb: if tiny { 32 } else { 512 },
         ..DeploymentSpec::default()
     };
     let dep = Deployment::start(&spec).await.unwrap();
@@ -65,7 +73,11 @@ async fn correctness_gate(model: &str, n: usize, max_len: u32, vocab: u32, max_t
             for (i, (got, want)) in got.iter().zip(&reference).enumerate() {
                 assert_eq!(got.mode, "disaggregated", "{transport} prompt {i}");
                 assert_eq!(got.usage["tandem"]["transport"], transport);
-                assert!(got.usage["tandem"]["kv_bytes"].as_u64().unwrap_or(0) > 0);
+                let kv_bytes = got.usage["tandem"]["kv_bytes"].as_u64().unwrap_or(0);
+                assert!(kv_bytes > 0);
+                if let Some(most) = window_kv_bytes {
+                    assert!(kv_bytes <= most, "prompt {i}: {kv_bytes} bytes moved");
+                }
                 assert_eq!(
                     got.usage["completion_tokens"],
                     want.usage["completion_tokens"]
@@ -115,6 +127,13 @@ async fn correctness_gate(model: &str, n: usize, max_len: u32, vocab: u32, max_t
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn correctness_gate_tiny() {
     correctness_gate("tiny", 50, 300, 259, 16).await;
+}
+
+/// Prompts up to 300 tokens through a 48-key window: the decode side reserves and receives
+/// only the window's blocks, and still gives the aggregated engine's tokens.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn correctness_gate_sliding_window() {
+    correctness_gate("dummy:tiny-window", 20, 300, 259, 24).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

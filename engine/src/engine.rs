@@ -18,7 +18,8 @@ use tandem_text::TextTokenizer;
 
 use std::sync::MutexGuard;
 use tandem_kv::{
-    BLOCK_SIZE, BlockPool, DeviceKv, ExportedKv, KvCache, KvLocation, SharedPool, blocks_for,
+    BLOCK_SIZE, BlockPool, DeviceKv, ExportedKv, FREED_BLOCK, KvCache, KvLocation, SharedPool,
+    blocks_for,
 };
 
 use crate::backend::{self, Batch, ComputeBackend};
@@ -405,7 +406,13 @@ impl Engine {
                 vocab: self.model.config().vocab_size,
             });
         }
-        if blocks.len() < blocks_for(prompt.len()) || {
+        // A sliding-window model's KV arrives for the blocks its first decode step reads
+        // (`first_needed_block` on): the table is padded in front. A full table is accepted
+        // too, and its leading blocks go back to the pool.
+        let total = blocks_for(prompt.len());
+        let first = self.model.config().first_needed_block(prompt.len());
+        let covered = blocks.len() == total - first || blocks.len() >= total;
+        if !covered || {
             let pool = self.pool();
             blocks.iter().any(|&b| !pool.is_allocated(b))
         } {
@@ -413,7 +420,21 @@ impl Engine {
                 "blocks do not cover the prompt or are not reserved".into(),
             ));
         }
-        self.place_received_kv(&blocks, location)?;
+        let blocks = if blocks.len() >= total {
+            let mut blocks = blocks;
+            let leading: Vec<u32> = blocks[..first]
+                .iter_mut()
+                .map(|b| std::mem::replace(b, FREED_BLOCK))
+                .collect();
+            self.free_blocks_of(leading);
+            blocks
+        } else {
+            let mut padded = vec![FREED_BLOCK; first];
+            padded.extend(blocks);
+            padded
+        };
+        let kept = &blocks[first..];
+        self.place_received_kv(kept, location)?;
         let id = self.allocate_id();
         let sampler = Sampler::resumed(&sampling, 1);
         let mut seq = Sequence::new(id, prompt, sampling, stop, &self.eos, sampler);
@@ -500,6 +521,23 @@ impl Engine {
                 self.stats.prefill_tokens += len as u64;
             }
             seq.computed += len;
+            // Blocks every layer's window has left behind go back to the pool (the prefill
+            // worker has shipped what the decode side needs during this pass).
+            let first_needed = self
+                .model
+                .config()
+                .first_needed_block(seq.computed)
+                .min(seq.blocks.len());
+            let leaving: Vec<u32> = seq.blocks[..first_needed]
+                .iter_mut()
+                .filter(|b| **b != FREED_BLOCK)
+                .map(|b| std::mem::replace(b, FREED_BLOCK))
+                .collect();
+            if !leaving.is_empty()
+                && let Err(e) = self.pool.lock().release(&leaving)
+            {
+                tracing::error!(error = %e, "releasing blocks outside the window failed");
+            }
             if !wants {
                 continue;
             }
@@ -631,7 +669,8 @@ impl Engine {
         }
     }
 
-    fn free_blocks_of(&mut self, blocks: Vec<u32>) {
+    fn free_blocks_of(&mut self, mut blocks: Vec<u32>) {
+        blocks.retain(|&b| b != FREED_BLOCK);
         if let Err(e) = self.pool().release(&blocks) {
             // A bookkeeping bug, not a request error: log loudly, keep serving.
             tracing::error!(error = %e, "releasing blocks failed");

@@ -631,3 +631,57 @@ fn a_gguf_of_each_family_computes_what_its_hf_folder_does() {
         );
     }
 }
+
+#[test]
+fn a_sliding_window_sequence_holds_only_its_windows_blocks() {
+    // Every layer windowed (Phi-3's and Mistral v0.1's case): blocks the window has passed are
+    // freed as the prompt's chunks and the decode steps advance, and the tokens are those of
+    // the disaggregated path, which ships only the last window's blocks.
+    let model = preset_model("phi3-mini", 32);
+    assert_eq!(model.config().kv_window(), Some(32));
+    let prompt: Vec<u32> = (0..150u32).map(|i| (i * 29 + 3) % 512).collect();
+    let config = EngineConfig {
+        kv_budget_bytes: 64 * model.kv_layout().block_bytes(),
+        max_batch_tokens: 48,
+        max_running: 8,
+        ..Default::default()
+    };
+    let mut engine = Engine::new(model.clone(), TextTokenizer::byte_level(), config).unwrap();
+    let stop = StopParams {
+        max_tokens: 40,
+        ignore_eos: true,
+        ..Default::default()
+    };
+    let id = engine
+        .add_request(prompt.clone(), SamplingParams::greedy(), stop)
+        .unwrap();
+    let mut tokens = Vec::new();
+    let mut most = 0;
+    while engine.has_work() {
+        tokens.extend(engine.step().unwrap().into_iter().map(|o| o.token));
+        most = most.max(engine.used_blocks());
+    }
+    // Between steps, at most the window's blocks (three when it is unaligned); without the
+    // freeing, the 190 positions would hold 12.
+    assert!(most <= 3, "{most} blocks held at once");
+    assert_eq!(engine.used_blocks(), 0);
+    assert!(!engine.has_work() && tokens.len() == 40, "{id}");
+    let disaggregated = common::handoff(
+        || {
+            Engine::new(
+                model.clone(),
+                TextTokenizer::byte_level(),
+                EngineConfig {
+                    kv_budget_bytes: 64 * model.kv_layout().block_bytes(),
+                    ..Default::default()
+                },
+            )
+            .unwrap()
+        },
+        &prompt,
+        40,
+    );
+    assert_eq!(tokens, disaggregated);
+    // Gemma's global layers read every block: nothing is freed there.
+    assert_eq!(preset_model("gemma2-2b", 32).config().kv_window(), None);
+}

@@ -30,6 +30,11 @@ pub use pool::{BlockPool, SharedPool};
 /// Token slots per block.
 pub const BLOCK_SIZE: usize = 16;
 
+/// A block-table entry whose block was released because every layer's attention window has
+/// moved past it (sliding-window models). Tables keep one entry per logical block, so
+/// `table[pos / BLOCK_SIZE]` still names the block of `pos`; nothing reads a freed entry.
+pub const FREED_BLOCK: u32 = u32::MAX;
+
 /// Blocks needed to hold `tokens` tokens.
 pub fn blocks_for(tokens: usize) -> usize {
     tokens.div_ceil(BLOCK_SIZE)

@@ -106,7 +106,14 @@ impl SharedPool {
         if tokens == 0 {
             return Err(KvError::EmptyReservation);
         }
-        let needed = blocks_for(tokens);
+        self.reserve_blocks(blocks_for(tokens))
+    }
+
+    /// Reserves `needed` blocks (a sliding-window sequence needs only its window's).
+    pub fn reserve_blocks(&self, needed: usize) -> Result<Vec<u32>> {
+        if needed == 0 {
+            return Err(KvError::EmptyReservation);
+        }
         let mut pool = self.lock();
         if needed > pool.total() {
             return Err(KvError::TooManyBlocks {

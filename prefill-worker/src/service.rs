@@ -237,12 +237,14 @@ async fn prefill(inner: &Inner, req: PrefillRequest) -> Result<PrefillResponse, 
         .ok_or_else(|| Status::invalid_argument("a prefill needs a KV destination"))?;
     let layout = inner.model.kv_layout();
     let started = Instant::now();
+    let first_block = inner.model.config().first_needed_block(req.prompt.len());
     let sender = match connect(
         &inner.peers,
         &dest,
         &layout,
         &req.request_id,
         req.prompt.len(),
+        first_block,
     )
     .await
     {

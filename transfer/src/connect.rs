@@ -13,15 +13,18 @@ use crate::sender::KvSender;
 use crate::shm::ShmSender;
 use crate::tcp::TcpSender;
 
-/// Opens a transfer to `dest` for a prompt of `num_tokens` tokens. Refuses a destination
-/// whose layout differs from ours, or whose decode worker cannot prove it belongs to the
-/// deployment, before any byte moves.
+/// Opens a transfer to `dest` for a prompt of `num_tokens` tokens whose blocks from
+/// `first_block` on are shipped (0 unless a sliding window leaves earlier ones unread; the
+/// lease's blocks are numbered from there). Refuses a destination whose layout differs from
+/// ours, or whose decode worker cannot prove it belongs to the deployment, before any byte
+/// moves.
 pub async fn connect(
     peers: &Peers,
     dest: &KvDestination,
     layout: &KvLayout,
     request_id: &str,
     num_tokens: usize,
+    first_block: usize,
 ) -> Result<Box<dyn KvSender>, TransferError> {
     let ours = layout.hash();
     if dest.kv_layout_hash != ours {
@@ -30,8 +33,8 @@ pub async fn connect(
             dest.kv_layout_hash
         )));
     }
-    let needed = tandem_kv::blocks_for(num_tokens);
-    if dest.block_ids.len() != needed {
+    let needed = tandem_kv::blocks_for(num_tokens).saturating_sub(first_block);
+    if needed == 0 || dest.block_ids.len() != needed {
         return Err(TransferError::Protocol(format!(
             "lease has {} blocks, the prompt needs {needed}",
             dest.block_ids.len()

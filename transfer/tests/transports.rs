@@ -207,7 +207,7 @@ async fn every_transport_delivers_verified_blocks() {
         let blocks = vec![9, 2, 17];
         let (lease, rx) = d.table.create(blocks.clone(), tokens, "req").unwrap();
         let dest = destination(&d, transport, &lease);
-        let sender = connect(&peers, &dest, &l, "req", tokens).await.unwrap();
+        let sender = connect(&peers, &dest, &l, "req", tokens, 0).await.unwrap();
         let sender = send_all(sender, &l, 3, None).await.unwrap();
         let stats = sender.commit(42, -0.25).await.unwrap();
         assert_eq!(stats.transport, transport);
@@ -239,12 +239,12 @@ async fn mismatches_and_incomplete_transfers_fail_loudly() {
     // A prefill worker with another model's layout is refused before any byte moves.
     let other = layout("another-model");
     assert!(matches!(
-        connect(&peers, &dest, &other, "req", 20).await,
+        connect(&peers, &dest, &other, "req", 20, 0).await,
         Err(TransferError::LayoutMismatch(_))
     ));
     // Wrong number of blocks for the prompt.
     assert!(
-        connect(&peers, &dest, &layout("m"), "req", 40)
+        connect(&peers, &dest, &layout("m"), "req", 40, 0)
             .await
             .is_err()
     );
@@ -253,7 +253,7 @@ async fn mismatches_and_incomplete_transfers_fail_loudly() {
     for transport in [Transport::Tcp, Transport::Grpc, Transport::Shm] {
         let (lease, rx) = d.table.create(vec![3, 4], 20, "req").unwrap();
         let dest = destination(&d, transport, &lease);
-        let sender = connect(&peers, &dest, &layout("m"), "req", 20)
+        let sender = connect(&peers, &dest, &layout("m"), "req", 20, 0)
             .await
             .unwrap();
         let sender = send_all(sender, &layout("m"), 2, Some(1)).await.unwrap();
@@ -278,7 +278,7 @@ async fn a_cancelled_lease_fences_every_transport() {
         let blocks = vec![5, 6];
         let (lease, _rx) = d.table.create(blocks.clone(), 32, "req").unwrap();
         let dest = destination(&d, transport, &lease);
-        let sender = connect(&peers, &dest, &l, "req", 32).await.unwrap();
+        let sender = connect(&peers, &dest, &l, "req", 32, 0).await.unwrap();
         let before: Vec<u8> = d.cache.block_layer_bytes(0, 5).unwrap().to_vec();
         assert_eq!(d.table.cancel(lease.token()), Some(blocks.clone()));
         let result = send_all(sender, &l, 2, None).await;
@@ -308,7 +308,7 @@ async fn cuda_ipc_without_a_device_pool_is_refused_up_front() {
     let (lease, _rx) = d.table.create(vec![1], 10, "req").unwrap();
     for transport in [Transport::CudaIpc, Transport::Nccl] {
         let dest = destination(&d, transport, &lease);
-        let err = match connect(&peers, &dest, &l, "req", 10).await {
+        let err = match connect(&peers, &dest, &l, "req", 10, 0).await {
             Ok(_) => panic!("{transport:?} to a pool-less decode worker was accepted"),
             Err(e) => e,
         };
@@ -321,7 +321,7 @@ async fn cuda_ipc_without_a_device_pool_is_refused_up_front() {
     }
 
     let dest = destination(&d, Transport::Shm, &lease);
-    let sender = connect(&peers, &dest, &l, "req", 10).await.unwrap();
+    let sender = connect(&peers, &dest, &l, "req", 10, 0).await.unwrap();
     // A host transport never reads device memory (and without CUDA no device pool can even
     // be named: `DeviceKv` has no value then).
     assert!(!sender.reads_device());
@@ -364,9 +364,16 @@ async fn internal_tls_carries_grpc_and_tcp_transfers() {
     let peers = d.peers(auth);
     for transport in [Transport::Tcp, Transport::Grpc, Transport::Shm] {
         let (lease, rx) = d.table.create(vec![4, 5], 20, "req").unwrap();
-        let sender = connect(&peers, &destination(&d, transport, &lease), &l, "req", 20)
-            .await
-            .unwrap();
+        let sender = connect(
+            &peers,
+            &destination(&d, transport, &lease),
+            &l,
+            "req",
+            20,
+            0,
+        )
+        .await
+        .unwrap();
         let sender = send_all(sender, &l, 2, None).await.unwrap();
         sender.commit(3, 0.0).await.unwrap();
         assert!(rx.await.unwrap().is_ok(), "{transport:?}");
@@ -383,6 +390,7 @@ async fn internal_tls_carries_grpc_and_tcp_transfers() {
         &l,
         "req",
         10,
+        0,
     )
     .await
     .err()
@@ -415,7 +423,7 @@ async fn kv_goes_only_to_a_decode_worker_that_proves_the_secret() {
     for transport in [Transport::Shm, Transport::Tcp, Transport::Grpc] {
         let dest = destination(&impostor, transport, &lease);
         let peers = impostor.peers(deployment());
-        let err = connect(&peers, &dest, &layout("m"), "req", 10)
+        let err = connect(&peers, &dest, &layout("m"), "req", 10, 0)
             .await
             .err()
             .expect("an impostor gets no KV");
@@ -429,7 +437,7 @@ async fn kv_goes_only_to_a_decode_worker_that_proves_the_secret() {
     let (lease, _rx) = d.table.create(vec![1], 10, "req").unwrap();
     for auth in [stranger(), InternalAuth::none()] {
         let dest = destination(&d, Transport::Grpc, &lease);
-        let err = connect(&d.peers(auth), &dest, &layout("m"), "req", 10)
+        let err = connect(&d.peers(auth), &dest, &layout("m"), "req", 10, 0)
             .await
             .err()
             .expect("refused");
@@ -513,7 +521,7 @@ async fn shared_memory_is_never_written_through_a_link_or_outside_its_folder() {
         }
         let (lease, _rx) = d.table.create(vec![1], 10, "req").unwrap();
         let dest = destination(&d, Transport::Shm, &lease);
-        let err = connect(&d.peers(deployment()), &dest, &layout("m"), "req", 10)
+        let err = connect(&d.peers(deployment()), &dest, &layout("m"), "req", 10, 0)
             .await
             .err()
             .expect("refused");
@@ -641,6 +649,7 @@ mod raw_tcp {
             &layout("m"),
             "req",
             10,
+            0,
         )
         .await
         .unwrap();

@@ -174,6 +174,9 @@ impl EngineHandle {
 struct Entry {
     events: tmpsc::UnboundedSender<SeqEvent>,
     kv: Option<Box<dyn KvSender>>,
+    /// The first logical block the decode side reads (a sliding-window model's earlier blocks
+    /// are not shipped); the lease numbers its blocks from there.
+    kv_first: usize,
     kv_error: Option<String>,
     added: Instant,
     first_run: Option<Instant>,
@@ -245,13 +248,16 @@ fn run(mut engine: Engine, rx: mpsc::Receiver<Command>, load: &LoadSnapshot) {
                     let Some(kv) = entry.kv.as_mut() else {
                         continue;
                     };
+                    // Logical blocks the decode side reads, numbered as its lease numbers them.
+                    let first = entry.kv_first;
+                    let shipped = chunk
+                        .logical_blocks()
+                        .filter(|&lb| lb >= first)
+                        .map(|lb| ((lb - first) as u32, chunk.blocks[lb]));
                     if kv.reads_device() {
                         let sent = match &device_kv {
                             Some(src) => {
-                                let pairs: Vec<(u32, u32)> = chunk
-                                    .logical_blocks()
-                                    .map(|lb| (lb as u32, chunk.blocks[lb]))
-                                    .collect();
+                                let pairs: Vec<(u32, u32)> = shipped.collect();
                                 kv.send_device_layer(layer, src, &pairs)
                             }
                             None => Err(tandem_transfer::TransferError::Protocol(
@@ -265,9 +271,9 @@ fn run(mut engine: Engine, rx: mpsc::Receiver<Command>, load: &LoadSnapshot) {
                         continue;
                     }
                     let mut pieces = Vec::with_capacity(chunk.logical_blocks().len());
-                    for lb in chunk.logical_blocks() {
-                        match cache.block_layer_bytes(layer, chunk.blocks[lb]) {
-                            Ok(bytes) => pieces.push((lb as u32, bytes)),
+                    for (lb, block) in shipped {
+                        match cache.block_layer_bytes(layer, block) {
+                            Ok(bytes) => pieces.push((lb, bytes)),
                             Err(e) => {
                                 entry.kv_error = Some(e.to_string());
                                 break;
@@ -327,6 +333,7 @@ fn handle_command(engine: &mut Engine, entries: &mut HashMap<SeqId, Entry>, cmd:
             events,
             reply,
         } => {
+            let kv_first = engine.model().config().first_needed_block(prompt.len());
             let result = engine.add_request(prompt, sampling, stop);
             if let Ok(id) = result {
                 entries.insert(
@@ -334,6 +341,7 @@ fn handle_command(engine: &mut Engine, entries: &mut HashMap<SeqId, Entry>, cmd:
                     Entry {
                         events,
                         kv,
+                        kv_first,
                         kv_error: None,
                         added: Instant::now(),
                         first_run: None,
@@ -373,6 +381,7 @@ fn handle_command(engine: &mut Engine, entries: &mut HashMap<SeqId, Entry>, cmd:
                         Entry {
                             events,
                             kv: None,
+                            kv_first: 0,
                             kv_error: None,
                             added: Instant::now(),
                             first_run: None,

@@ -222,6 +222,25 @@ impl ModelConfig {
         })
     }
 
+    /// The window when every layer attends through one shorter than the context (Mistral,
+    /// Phi-3): then a sequence's blocks before its window are never read again and are freed,
+    /// and a prefill ships only the blocks the decode side will read. `None` when some layer
+    /// attends globally (Gemma), since a block holds every layer.
+    pub fn kv_window(&self) -> Option<usize> {
+        let window = self.sliding_window?;
+        let every_layer = (0..self.num_hidden_layers).all(|l| self.layer_window(l).is_some());
+        (every_layer && window < self.max_position_embeddings).then_some(window)
+    }
+
+    /// The first logical block a sequence still needs once `next_pos` is the next position to
+    /// compute (its first query sees keys from `next_pos + 1 - window`); 0 without a
+    /// [`Self::kv_window`].
+    pub fn first_needed_block(&self, next_pos: usize) -> usize {
+        self.kv_window().map_or(0, |w| {
+            (next_pos + 1).saturating_sub(w) / tandem_kv::BLOCK_SIZE
+        })
+    }
+
     /// The factor attention scores are multiplied by.
     pub fn attention_scale(&self) -> f32 {
         let scalar = self.query_pre_attn_scalar.unwrap_or(self.head_dim as f64);

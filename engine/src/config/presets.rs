@@ -5,8 +5,9 @@ use crate::error::{EngineError, Result};
 
 impl ModelConfig {
     /// The preset shapes (`dummy:<preset>` models, benchmarks).
-    pub const PRESETS: [&str; 10] = [
+    pub const PRESETS: [&str; 11] = [
         "tiny",
+        "tiny-window",
         "smollm2-135m",
         "llama-3.2-1b",
         "llama-3.1-8b",
@@ -48,6 +49,12 @@ impl ModelConfig {
                 attention_bias: false,
                 qk_norm: false,
                 ..Default::default()
+            },
+            // The test model with every layer attending through a 48-key window (a
+            // Mistral-style sliding window), for the tests of window-sized KV.
+            "tiny-window" => ModelConfig {
+                sliding_window: Some(48),
+                ..Self::preset("tiny")?
             },
             "smollm2-135m" | "smollm2" => ModelConfig {
                 arch: Architecture::Llama,

@@ -9,6 +9,8 @@ use tandem_engine::{Engine, SamplingParams, StopParams};
 
 /// The greedy tokens of `prompt` prefilled on one engine and decoded on another (both made
 /// by `engine`), the first token from the prefill side. Both engines must free every block.
+/// As the workers do, only the blocks the decode side reads cross (a sliding-window model's
+/// earlier ones stay behind), into a reservation of just those.
 pub fn handoff(engine: impl Fn() -> Engine, prompt: &[u32], max_tokens: usize) -> Vec<u32> {
     let stop = |n| StopParams {
         max_tokens: n,
@@ -16,6 +18,7 @@ pub fn handoff(engine: impl Fn() -> Engine, prompt: &[u32], max_tokens: usize) -
         ..Default::default()
     };
     let mut prefill = engine();
+    let first_block = prefill.model().config().first_needed_block(prompt.len());
     prefill
         .add_request(prompt.to_vec(), SamplingParams::greedy(), stop(1))
         .unwrap();
@@ -25,9 +28,9 @@ pub fn handoff(engine: impl Fn() -> Engine, prompt: &[u32], max_tokens: usize) -
         let outs = prefill
             .step_with(&mut |layer, cache, chunks| {
                 for c in chunks {
-                    for lb in c.logical_blocks() {
+                    for lb in c.logical_blocks().filter(|&lb| lb >= first_block) {
                         let bytes = cache.block_layer_bytes(layer, c.blocks[lb]).unwrap();
-                        shipped.insert((lb, layer), bytes.to_vec());
+                        shipped.insert((lb - first_block, layer), bytes.to_vec());
                     }
                 }
             })
@@ -38,7 +41,14 @@ pub fn handoff(engine: impl Fn() -> Engine, prompt: &[u32], max_tokens: usize) -
     assert_eq!(prefill.used_blocks(), 0, "prefill side frees its blocks");
 
     let mut decode = engine();
-    let blocks = decode.reserve(prompt.len()).unwrap();
+    let needed = tandem_kv::blocks_for(prompt.len()) - first_block;
+    let blocks = decode.shared_pool().reserve_blocks(needed).unwrap();
+    let layers = decode.model().config().num_hidden_layers;
+    assert_eq!(
+        shipped.len(),
+        needed * layers,
+        "every needed block, once per layer"
+    );
     for ((lb, layer), bytes) in &shipped {
         decode
             .import_block_layer(*layer, blocks[*lb], bytes)

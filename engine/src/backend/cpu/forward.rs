@@ -46,9 +46,12 @@ impl Model {
                     context: cfg.max_position_embeddings,
                 });
             }
+            // Entries before the first block this pass reads may be freed (sliding windows).
+            let first_read = cfg.first_needed_block(s.start_pos);
             if s.block_table.len() * BLOCK_SIZE < end
                 || s.block_table
                     .iter()
+                    .skip(first_read)
                     .any(|&b| b as usize >= cache.num_blocks())
             {
                 return Err(EngineError::InvalidKv(
