@@ -446,6 +446,15 @@ fn the_kv_layout_tells_families_of_one_shape_apart() {
 /// byte-level tokenizer), as its converter writes them: Q and K rows in HF order (only Llama
 /// files get them permuted).
 fn write_gguf(path: &Path, cfg: &serde_json::Value) {
+    write_gguf_with(path, cfg, Vec::new());
+}
+
+/// [`write_gguf`] with `extra` tensors besides the model's.
+fn write_gguf_with(
+    path: &Path,
+    cfg: &serde_json::Value,
+    extra: Vec<(String, candle_core::quantized::QTensor)>,
+) {
     use candle_core::quantized::{GgmlDType, QTensor, gguf_file::Value};
     let family = cfg["model_type"].as_str().unwrap();
     // llama.cpp writes Mistral as `llama`, with Q and K rows permuted for its RoPE.
@@ -564,7 +573,7 @@ fn write_gguf(path: &Path, cfg: &serde_json::Value) {
         format!("blk.{layer}.{name}")
     };
     let heads = |k: &str| cfg[k].as_u64().unwrap() as usize;
-    let tensors: Vec<(String, QTensor)> = hf_tensors(cfg)
+    let mut tensors: Vec<(String, QTensor)> = hf_tensors(cfg)
         .into_iter()
         .map(|(name, t)| {
             let t = match (arch, name.rsplit('.').nth(1)) {
@@ -580,6 +589,7 @@ fn write_gguf(path: &Path, cfg: &serde_json::Value) {
             )
         })
         .collect();
+    tensors.extend(extra);
     let meta_refs: Vec<(&str, &Value)> = meta.iter().map(|(k, v)| (k.as_str(), v)).collect();
     let tensor_refs: Vec<(&str, &QTensor)> = tensors.iter().map(|(k, v)| (k.as_str(), v)).collect();
     let mut file = std::fs::File::create(path).unwrap();
@@ -684,4 +694,83 @@ fn a_sliding_window_sequence_holds_only_its_windows_blocks() {
     assert_eq!(tokens, disaggregated);
     // Gemma's global layers read every block: nothing is freed there.
     assert_eq!(preset_model("gemma2-2b", 32).config().kv_window(), None);
+}
+
+#[test]
+fn a_llama3_gguf_runs_with_its_rope_frequency_factors() {
+    // Llama 3.1's scaling, with an original context short enough that this small head's
+    // frequencies fall in all three of its bands (kept, divided, blended).
+    let cfg = {
+        let mut c = families()
+            .into_iter()
+            .find(|(f, _)| *f == "mistral")
+            .unwrap()
+            .1;
+        c["model_type"] = "llama".into();
+        c["rope_scaling"] = serde_json::json!({"rope_type": "llama3", "factor": 8.0,
+            "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64});
+        c
+    };
+    let dir = tempfile::tempdir().unwrap();
+    write_hf_folder(dir.path(), &cfg);
+    let from_hf = load_hf_model(dir.path(), WeightFormat::F32).unwrap();
+    // llama.cpp's converter: one divisor per frequency, `rope_freqs.weight`.
+    let d = 16usize;
+    let (old_ctx, factor, low, high) = (64f64, 8f64, 1f64, 4f64);
+    let divisors: Vec<f32> = (0..d / 2)
+        .map(|i| {
+            let freq = 1.0 / 1e6f64.powf((2 * i) as f64 / d as f64);
+            let wavelen = 2.0 * std::f64::consts::PI / freq;
+            if wavelen < old_ctx / high {
+                1.0
+            } else if wavelen > old_ctx / low {
+                factor as f32
+            } else {
+                let smooth = (old_ctx / wavelen - low) / (high - low);
+                (1.0 / ((1.0 - smooth) / factor + smooth)) as f32
+            }
+        })
+        .collect();
+    assert!(divisors.contains(&1.0) && divisors.contains(&8.0));
+    assert!(divisors.iter().any(|&v| v > 1.0 && v < 8.0));
+    let freqs = |divisors: &[f32]| {
+        let t = Tensor::new(divisors, &Device::Cpu).unwrap();
+        candle_core::quantized::QTensor::quantize(&t, candle_core::quantized::GgmlDType::F32)
+            .unwrap()
+    };
+    let prompt = tokens(5, 60);
+    let logits = |model: &Model| {
+        let layout = model.kv_layout();
+        let mut cache = KvCache::with_budget(layout.clone(), 8 * layout.block_bytes()).unwrap();
+        let table: Vec<u32> = (0..blocks_for(60) as u32).collect();
+        model
+            .forward(&mut cache, &[seq(&prompt, 0, &table)], &mut |_, _| {})
+            .unwrap()
+            .remove(0)
+    };
+    let want = logits(&from_hf);
+    let scaled = dir.path().join("scaled.gguf");
+    write_gguf_with(
+        &scaled,
+        &cfg,
+        vec![("rope_freqs.weight".into(), freqs(&divisors))],
+    );
+    let (model, _) = tandem_engine::model::load_gguf(&scaled, WeightFormat::Native, "s").unwrap();
+    let err = rel_err(&logits(&model), &want);
+    assert!(err < 1e-5, "with rope_freqs: {err}");
+    // Without the tensor the file is a plain Llama 2-style RoPE: visibly other logits.
+    let plain = dir.path().join("plain.gguf");
+    write_gguf(&plain, &cfg);
+    let (model, _) = tandem_engine::model::load_gguf(&plain, WeightFormat::Native, "p").unwrap();
+    assert!(rel_err(&logits(&model), &want) > 1e-3);
+    // A tensor of the wrong length is refused by name.
+    let bad = dir.path().join("bad.gguf");
+    write_gguf_with(
+        &bad,
+        &cfg,
+        vec![("rope_freqs.weight".into(), freqs(&divisors[..3]))],
+    );
+    let err = tandem_engine::model::load_gguf(&bad, WeightFormat::Native, "b").unwrap_err();
+    assert!(err.to_string().contains("rope_freqs"), "{err}");
 }

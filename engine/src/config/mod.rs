@@ -66,7 +66,7 @@ impl std::str::FromStr for WeightFormat {
 }
 
 /// How RoPE frequencies are rescaled for long contexts.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "rope_type", rename_all = "lowercase")]
 pub enum RopeScaling {
     /// Llama 3.1's frequency-dependent scaling (`rope_type: llama3`).
@@ -78,6 +78,9 @@ pub enum RopeScaling {
     },
     /// Positions divided by `factor` (`rope_type: linear`; Gemma 3's global layers).
     Linear { factor: f64 },
+    /// Each inverse frequency divided by its own factor: how llama.cpp's converter stores
+    /// Llama 3's scaling in a GGUF (the `rope_freqs.weight` tensor, `head_dim / 2` values).
+    Frequencies { divisors: Vec<f32> },
 }
 
 /// The decoder families the engine runs: the Llama block, and what each other family changes

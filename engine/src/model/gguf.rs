@@ -1,7 +1,8 @@
 //! Loading a GGUF file: the decoder's tensors read as `--weights` asks (by default each in
 //! its own format, so a Q4_1 file takes about its size in memory), a Llama file's Q/K rows put
 //! back in the HF RoPE order (llama.cpp's converter permutes them for Llama only), the
-//! tokenizer and chat template rebuilt from the metadata. In a Gemma file `ffn_norm` is the
+//! tokenizer and chat template rebuilt from the metadata, Llama 3's RoPE scaling from its
+//! `rope_freqs` tensor. In a Gemma file `ffn_norm` is the
 //! MLP's input norm (HF's `pre_feedforward_layernorm`).
 
 use std::fs::File;
@@ -15,7 +16,7 @@ use super::Model;
 use super::load::{file_identity, fingerprint};
 use super::tensors::{Loaded, fuse, into_matrix, unpermute};
 use super::weights::{LayerExtras, LayerWeights, Weights};
-use crate::config::{Architecture, ModelConfig, WeightFormat};
+use crate::config::{Architecture, ModelConfig, RopeScaling, WeightFormat};
 use crate::error::{EngineError, Result};
 
 /// An open GGUF file and its tensor directory.
@@ -65,14 +66,39 @@ pub fn load_gguf(path: &Path, format: WeightFormat, name: &str) -> Result<(Model
     let mut file = File::open(path).map_err(|e| EngineError::io(path, e))?;
     let content = gguf_file::Content::read(&mut file).map_err(|e| EngineError::load(path, e))?;
     let has_tensor = |name: &str| content.tensor_infos.contains_key(name);
-    let cfg = ModelConfig::from_gguf(&meta, &has_tensor)?;
+    let mut cfg = ModelConfig::from_gguf(&meta, &has_tensor)?;
     let has_output = has_tensor("output.weight");
+    let has_rope_freqs = has_tensor("rope_freqs.weight");
     let mut reader = GgufReader {
         path,
         file,
         content,
         format,
     };
+    // Llama 3.1+ files carry their RoPE scaling as per-frequency divisors rather than as
+    // metadata; without them the model would run with the wrong positions.
+    if has_rope_freqs {
+        let divisors = reader.vector("rope_freqs.weight")?;
+        if divisors.len() != cfg.head_dim / 2
+            || divisors.iter().any(|d| !(d.is_finite() && *d > 0.0))
+        {
+            return Err(EngineError::load(
+                path,
+                format!(
+                    "rope_freqs.weight: {} values, expected {} positive ones",
+                    divisors.len(),
+                    cfg.head_dim / 2
+                ),
+            ));
+        }
+        if cfg.rope_scaling.is_some() {
+            return Err(EngineError::Unsupported(format!(
+                "GGUF {} with both RoPE scaling metadata and rope_freqs",
+                cfg.arch
+            )));
+        }
+        cfg.rope_scaling = Some(RopeScaling::Frequencies { divisors });
+    }
     let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
     for l in 0..cfg.num_hidden_layers {
         let p = |s: &str| format!("blk.{l}.{s}.weight");

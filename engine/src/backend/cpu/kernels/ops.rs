@@ -248,6 +248,11 @@ impl RopeTable {
                     *f /= *factor as f32;
                 }
             }
+            Some(RopeScaling::Frequencies { divisors }) => {
+                for (f, d) in inv_freq.iter_mut().zip(divisors) {
+                    *f /= *d;
+                }
+            }
             None => {}
         }
         Self {
