@@ -11,6 +11,7 @@ mod chat;
 mod detok;
 mod error;
 pub mod gguf;
+mod spm;
 mod stop;
 mod tokenizer;
 

@@ -1,10 +1,9 @@
 //! `TextTokenizer`: a `tokenizers::Tokenizer` plus what the serving path needs to know about
 //! it (BOS/EOS ids, chat template), built from any of the sources tandem supports.
 //!
-//! GGUF files carry a GPT-2 style byte-level BPE vocabulary in their metadata; we rebuild the
-//! equivalent HF tokenizer from it (see `docs`/model-notes: SmolLM2 needs the `smollm`
-//! pre-tokenizer, digits split one per token). SentencePiece (`llama`) GGUF vocabularies are
-//! refused with a clear error rather than tokenized subtly wrong.
+//! GGUF files carry their vocabulary in their metadata, as a GPT-2 style byte-level BPE (with
+//! merges; SmolLM2 needs the `smollm` pre-tokenizer, digits split one per token) or as
+//! SentencePiece pieces with scores (`spm`); we rebuild the equivalent HF tokenizer from it.
 
 use std::path::Path;
 
@@ -117,42 +116,27 @@ impl TextTokenizer {
         Ok(Self { inner, info })
     }
 
-    /// Rebuilds a byte-level BPE tokenizer from GGUF metadata.
+    /// Rebuilds the tokenizer of GGUF metadata: a byte-level BPE (`gpt2`) or a SentencePiece
+    /// vocabulary (`llama`, see `spm`).
     pub fn from_gguf_metadata(meta: &GgufMetadata) -> Result<Self, TextError> {
         let model = meta.get_str("tokenizer.ggml.model").unwrap_or("none");
-        if model != "gpt2" {
+        if !matches!(model, "gpt2" | "llama") {
             return Err(TextError::Unsupported(format!(
-                "GGUF tokenizer model `{model}`: only byte-level BPE (`gpt2`) is supported; \
-                 pass a tokenizer.json instead"
+                "GGUF tokenizer model `{model}`: byte-level BPE (`gpt2`) and SentencePiece \
+                 (`llama`) are supported; pass a tokenizer.json instead"
             )));
         }
         let tokens = meta.get_strings("tokenizer.ggml.tokens")?;
-        let merges = meta.get_strings("tokenizer.ggml.merges")?;
         let types: Vec<u64> = meta
             .get("tokenizer.ggml.token_type")
             .and_then(|v| v.as_array())
             .map(|a| a.iter().map(|v| v.as_u64().unwrap_or(1)).collect())
             .unwrap_or_default();
-        let mut vocab = Vocab::default();
-        for (i, t) in tokens.iter().enumerate() {
-            vocab.insert(t.to_string(), i as u32);
-        }
-        let merges = merges
-            .iter()
-            .map(|m| {
-                m.split_once(' ')
-                    .map(|(a, b)| (a.to_string(), b.to_string()))
-                    .ok_or_else(|| TextError::Gguf(format!("malformed merge `{m}`")))
-            })
-            .collect::<Result<Vec<_>, _>>()?;
-        let bpe = BPE::builder()
-            .vocab_and_merges(vocab, merges)
-            .build()
-            .map_err(TextError::tokenizer)?;
-        let mut inner = Tokenizer::new(bpe);
-        let pre = meta.get_str("tokenizer.ggml.pre").unwrap_or("default");
-        inner.with_pre_tokenizer(Some(pre_tokenizer_for(pre)?));
-        inner.with_decoder(Some(ByteLevelDecoder::default()));
+        let mut inner = if model == "llama" {
+            crate::spm::tokenizer(meta, &tokens, &types)?
+        } else {
+            Self::byte_level_bpe(meta, &tokens)?
+        };
 
         // Control tokens (type 3) are special: matched whole in text and skipped on decode.
         // Without a type table, fall back on the `<|...|>` spelling.
@@ -220,6 +204,32 @@ impl TextTokenizer {
             chat_template: meta.get_str("tokenizer.chat_template").map(str::to_string),
         };
         Ok(Self { inner, info })
+    }
+
+    /// A GPT-2 style byte-level BPE from a GGUF vocabulary and its merge list.
+    fn byte_level_bpe(meta: &GgufMetadata, tokens: &[&str]) -> Result<Tokenizer, TextError> {
+        let merges = meta.get_strings("tokenizer.ggml.merges")?;
+        let mut vocab = Vocab::default();
+        for (i, t) in tokens.iter().enumerate() {
+            vocab.insert(t.to_string(), i as u32);
+        }
+        let merges = merges
+            .iter()
+            .map(|m| {
+                m.split_once(' ')
+                    .map(|(a, b)| (a.to_string(), b.to_string()))
+                    .ok_or_else(|| TextError::Gguf(format!("malformed merge `{m}`")))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let bpe = BPE::builder()
+            .vocab_and_merges(vocab, merges)
+            .build()
+            .map_err(TextError::tokenizer)?;
+        let mut inner = Tokenizer::new(bpe);
+        let pre = meta.get_str("tokenizer.ggml.pre").unwrap_or("default");
+        inner.with_pre_tokenizer(Some(pre_tokenizer_for(pre)?));
+        inner.with_decoder(Some(ByteLevelDecoder::default()));
+        Ok(inner)
     }
 
     /// The built-in byte-level tokenizer of the tiny test model: `<|endoftext|>` = 0,
@@ -554,11 +564,11 @@ mod tests {
         let mut buf = Vec::new();
         write_metadata(
             &mut buf,
-            &[("tokenizer.ggml.model", GgufValue::String("llama".into()))],
+            &[("tokenizer.ggml.model", GgufValue::String("rwkv".into()))],
             0,
         )
         .unwrap();
-        let path = dir.path().join("spm.gguf");
+        let path = dir.path().join("rwkv.gguf");
         std::fs::write(&path, buf).unwrap();
         assert!(matches!(
             TextTokenizer::from_path(&path),
