@@ -446,14 +446,15 @@ fn the_kv_layout_tells_families_of_one_shape_apart() {
 /// byte-level tokenizer), as its converter writes them: Q and K rows in HF order (only Llama
 /// files get them permuted).
 fn write_gguf(path: &Path, cfg: &serde_json::Value) {
-    write_gguf_with(path, cfg, Vec::new());
+    write_gguf_with(path, cfg, Vec::new(), Vec::new());
 }
 
-/// [`write_gguf`] with `extra` tensors besides the model's.
+/// [`write_gguf`] with `extra` tensors besides the model's and metadata `overrides`.
 fn write_gguf_with(
     path: &Path,
     cfg: &serde_json::Value,
     extra: Vec<(String, candle_core::quantized::QTensor)>,
+    overrides: Vec<(String, candle_core::quantized::gguf_file::Value)>,
 ) {
     use candle_core::quantized::{GgmlDType, QTensor, gguf_file::Value};
     let family = cfg["model_type"].as_str().unwrap();
@@ -590,6 +591,10 @@ fn write_gguf_with(
         })
         .collect();
     tensors.extend(extra);
+    for (key, value) in overrides {
+        meta.retain(|(k, _)| *k != key);
+        meta.push((key, value));
+    }
     let meta_refs: Vec<(&str, &Value)> = meta.iter().map(|(k, v)| (k.as_str(), v)).collect();
     let tensor_refs: Vec<(&str, &QTensor)> = tensors.iter().map(|(k, v)| (k.as_str(), v)).collect();
     let mut file = std::fs::File::create(path).unwrap();
@@ -755,6 +760,7 @@ fn a_llama3_gguf_runs_with_its_rope_frequency_factors() {
         &scaled,
         &cfg,
         vec![("rope_freqs.weight".into(), freqs(&divisors))],
+        Vec::new(),
     );
     let (model, _) = tandem_engine::model::load_gguf(&scaled, WeightFormat::Native, "s").unwrap();
     let err = rel_err(&logits(&model), &want);
@@ -770,7 +776,37 @@ fn a_llama3_gguf_runs_with_its_rope_frequency_factors() {
         &bad,
         &cfg,
         vec![("rope_freqs.weight".into(), freqs(&divisors[..3]))],
+        Vec::new(),
     );
     let err = tandem_engine::model::load_gguf(&bad, WeightFormat::Native, "b").unwrap_err();
     assert!(err.to_string().contains("rope_freqs"), "{err}");
+}
+
+#[test]
+fn a_gguf_whose_vocabulary_cannot_be_rebuilt_loads_with_a_given_tokenizer() {
+    use candle_core::quantized::gguf_file::Value;
+    use tandem_engine::model::{LoadOptions, ModelSource, load_model};
+    let cfg = families().remove(0).1;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("rwkv-vocab.gguf");
+    let model = (
+        "tokenizer.ggml.model".to_string(),
+        Value::String("rwkv".into()),
+    );
+    write_gguf_with(&path, &cfg, Vec::new(), vec![model]);
+    let source = ModelSource::Path(path.clone());
+    let err = load_model(&source, &LoadOptions::default()).unwrap_err();
+    assert!(err.to_string().contains("rwkv"), "{err}");
+    let json = dir.path().join("tokenizer.json");
+    std::fs::write(&json, TextTokenizer::byte_level().to_json().unwrap()).unwrap();
+    let opts = LoadOptions {
+        tokenizer: Some(json),
+        ..LoadOptions::default()
+    };
+    let (model, tokenizer) = load_model(&source, &opts).unwrap();
+    assert_eq!(model.config().arch.name(), "qwen2");
+    assert_eq!(
+        tokenizer.vocab_size(),
+        TextTokenizer::byte_level().vocab_size()
+    );
 }

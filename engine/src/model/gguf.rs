@@ -59,10 +59,17 @@ impl GgufReader<'_> {
     }
 }
 
-/// Loads a GGUF file (a supported architecture: see [`Architecture`]) as a model named `name`.
+/// Loads a GGUF file (a supported architecture: see [`Architecture`]) as a model named `name`,
+/// with the tokenizer its metadata describes.
 pub fn load_gguf(path: &Path, format: WeightFormat, name: &str) -> Result<(Model, TextTokenizer)> {
     let meta = tandem_text::gguf::read_metadata(path)?;
     let tokenizer = TextTokenizer::from_gguf_metadata(&meta)?;
+    Ok((load_gguf_model(path, format, name)?, tokenizer))
+}
+
+/// The model of a GGUF file without its tokenizer (when another one is given).
+pub fn load_gguf_model(path: &Path, format: WeightFormat, name: &str) -> Result<Model> {
+    let meta = tandem_text::gguf::read_metadata(path)?;
     let mut file = File::open(path).map_err(|e| EngineError::io(path, e))?;
     let content = gguf_file::Content::read(&mut file).map_err(|e| EngineError::load(path, e))?;
     let has_tensor = |name: &str| content.tensor_infos.contains_key(name);
@@ -173,8 +180,11 @@ pub fn load_gguf(path: &Path, format: WeightFormat, name: &str) -> Result<(Model
         .validate(&cfg)
         .map_err(|e| EngineError::load(path, e))?;
     let fingerprint = fingerprint(&cfg, format, &file_identity(path)?);
-    Ok((
-        Model::new(cfg, weights, format, fingerprint, name.to_string()),
-        tokenizer,
+    Ok(Model::new(
+        cfg,
+        weights,
+        format,
+        fingerprint,
+        name.to_string(),
     ))
 }

@@ -11,7 +11,7 @@ use sha2::{Digest, Sha256};
 use tandem_text::TextTokenizer;
 
 use super::Model;
-use super::gguf::load_gguf;
+use super::gguf::{load_gguf, load_gguf_model};
 use super::tensors::{FileDtype, Loaded, fuse, into_matrix};
 use super::weights::{LayerExtras, LayerWeights, Weights};
 use crate::config::{Architecture, ModelConfig, WeightFormat};
@@ -86,30 +86,43 @@ pub struct LoadOptions {
 
 /// Loads a model and its tokenizer.
 pub fn load_model(source: &ModelSource, opts: &LoadOptions) -> Result<(Model, TextTokenizer)> {
-    let (model, tokenizer) = match source {
+    // The source's own tokenizer, unless one is given (then a GGUF's vocabulary is not even
+    // rebuilt, so a file whose tokenizer model this build lacks still loads).
+    let (model, own_tokenizer) = match source {
         ModelSource::DefaultSmolLm2 => {
             let path = fetch::ensure_smollm2(&opts.cache_dir)?;
-            load_gguf(&path, opts.format, "SmolLM2-135M-Instruct")?
+            let (model, tokenizer) = load_gguf(&path, opts.format, "SmolLM2-135M-Instruct")?;
+            (model, Some(tokenizer))
         }
         ModelSource::Dummy { preset, seed } => {
             let cfg = ModelConfig::preset(preset)?;
             let model = dummy_model(cfg, opts.format, *seed, preset)?;
-            (model, TextTokenizer::byte_level())
+            (model, Some(TextTokenizer::byte_level()))
         }
-        ModelSource::Path(path) if path.is_dir() => load_hf_dir(path, opts.format)?,
+        ModelSource::Path(path) if path.is_dir() => {
+            let (model, tokenizer) = load_hf_dir(path, opts.format)?;
+            (model, Some(tokenizer))
+        }
         ModelSource::Path(path) => {
             let name = path
                 .file_stem()
                 .and_then(|s| s.to_str())
                 .unwrap_or("model")
                 .to_string();
-            load_gguf(path, opts.format, &name)?
+            match &opts.tokenizer {
+                Some(_) => (load_gguf_model(path, opts.format, &name)?, None),
+                None => {
+                    let (model, tokenizer) = load_gguf(path, opts.format, &name)?;
+                    (model, Some(tokenizer))
+                }
+            }
         }
     };
     let model = model.with_kv_dtype(opts.kv_dtype);
-    let tokenizer = match &opts.tokenizer {
-        Some(p) => TextTokenizer::from_path(p)?,
-        None => tokenizer,
+    let tokenizer = match (&opts.tokenizer, own_tokenizer) {
+        (Some(p), _) => TextTokenizer::from_path(p)?,
+        (None, Some(own)) => own,
+        (None, None) => return Err(EngineError::Config("the model has no tokenizer".into())),
     };
     if tokenizer.vocab_size() > model.config().vocab_size {
         return Err(EngineError::Config(format!(

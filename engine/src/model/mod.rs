@@ -13,7 +13,7 @@ mod load;
 mod tensors;
 mod weights;
 
-pub use gguf::load_gguf;
+pub use gguf::{load_gguf, load_gguf_model};
 pub use load::{LoadOptions, ModelSource, dummy_model, load_hf_dir, load_hf_model, load_model};
 pub use weights::{LayerExtras, LayerWeights, Weights};
 
