@@ -339,40 +339,58 @@ async fn half_precision_kv_crosses_every_transport_at_half_the_bytes() {
     wait_blocks_free(&mut half.d, Duration::from_secs(2)).await;
 }
 
+/// A prefill worker whose KV layout differs (another KV dtype; another model: here the tiny
+/// model with a sliding window, which the layout hash covers as it covers families) is
+/// refused by the decode worker's lease before any byte moves.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn workers_with_different_kv_dtypes_refuse_each_other() {
+async fn workers_with_different_kv_layouts_refuse_each_other() {
     let mut pair = start_pair().await;
-    let args: Vec<&str> = COMMON
+    let f16: Vec<&str> = COMMON
         .iter()
         .chain(&["--kv-dtype", "f16"])
         .copied()
         .collect();
-    let other = Proc::start("tandem-prefill", &args).unwrap();
-    let (mut p16, info16) = prefill_client(&other.endpoint(), Duration::from_secs(60))
-        .await
-        .unwrap();
-    assert_ne!(info16.kv_layout_hash, pair.info.kv_layout_hash);
-    let p = prompt(4, 20);
-    let mut stream = pair
-        .d
-        .generate(request(p.clone(), Mode::Disaggregated, 4))
-        .await
-        .unwrap()
-        .into_inner();
-    let Some(generate_event::Event::Lease(lease)) = stream.message().await.unwrap().unwrap().event
-    else {
-        panic!("first event must be the lease");
-    };
-    let err = p16
-        .prefill(PrefillRequest {
-            request_id: "mixed".into(),
-            prompt: p,
-            sampling: Some(SamplingParams::default()),
-            destination: Some(destination(&pair, lease, Transport::Tcp)),
-        })
-        .await
-        .unwrap_err();
-    assert!(err.message().contains("layout"), "{err:?}");
-    drop(stream);
-    wait_blocks_free(&mut pair.d, Duration::from_secs(5)).await;
+    let windowed = [
+        "--model",
+        "dummy:tiny-window",
+        "--kv-budget-mb",
+        "16",
+        "--threads",
+        "1",
+    ];
+    for args in [&f16[..], &windowed[..]] {
+        let other = Proc::start("tandem-prefill", args).unwrap();
+        let (mut other_client, other_info) =
+            prefill_client(&other.endpoint(), Duration::from_secs(60))
+                .await
+                .unwrap();
+        assert_ne!(
+            other_info.kv_layout_hash, pair.info.kv_layout_hash,
+            "{args:?}"
+        );
+        let p = prompt(4, 20);
+        let mut stream = pair
+            .d
+            .generate(request(p.clone(), Mode::Disaggregated, 4))
+            .await
+            .unwrap()
+            .into_inner();
+        let Some(generate_event::Event::Lease(lease)) =
+            stream.message().await.unwrap().unwrap().event
+        else {
+            panic!("first event must be the lease");
+        };
+        let err = other_client
+            .prefill(PrefillRequest {
+                request_id: "mixed".into(),
+                prompt: p,
+                sampling: Some(SamplingParams::default()),
+                destination: Some(destination(&pair, lease, Transport::Tcp)),
+            })
+            .await
+            .unwrap_err();
+        assert!(err.message().contains("layout"), "{args:?}: {err:?}");
+        drop(stream);
+        wait_blocks_free(&mut pair.d, Duration::from_secs(5)).await;
+    }
 }
