@@ -3,10 +3,15 @@
 //!
 //! Accepted beyond OpenAI's fields, as vLLM does: `ignore_eos`, `top_k` (-1/0 = off),
 //! `repetition_penalty`, `stop_token_ids`, and `min_tokens` = 0. Refused with a 400 naming
-//! the field (rather than silently ignored): `n`/`best_of` ≠ 1, `min_tokens` > 0, `logprobs`,
-//! `echo`, `suffix`, non-zero presence/frequency penalties, `logit_bias`, tools, non-text
-//! content parts. Unknown fields are ignored, as OpenAI clients send many. A `model` that is
-//! not the served one gets 404 `model_not_found`; an absent `model` means the served one.
+//! the field (rather than silently ignored): `n`/`best_of` ≠ 1, `min_tokens` > 0, `logprobs`
+//! (any value on completions, `true` on chat), `top_logprobs` and vLLM's `prompt_logprobs`,
+//! `echo`, `suffix`, non-zero presence/frequency penalties, `logit_bias`, tools and a
+//! `tool_choice` or legacy `functions`/`function_call` that asks for them, a
+//! `response_format` other than text and vLLM's `guided_*`/`structured_outputs` (no
+//! structured output yet), `stream_options` without `stream`, non-text content parts.
+//! Other unknown fields are ignored, as OpenAI clients send many (`user`, `metadata`…). A
+//! `model` that is not the served one gets 404 `model_not_found`; an absent `model` means the
+//! served one.
 //!
 //! Where the `tandem` extension goes: non-streaming, in `usage.tandem`; streaming with
 //! `stream_options.include_usage`, in the usage chunk's `usage.tandem`; streaming without
@@ -65,6 +70,101 @@ pub struct SamplingFields {
     pub logit_bias: Option<serde_json::Map<String, Value>>,
 }
 
+/// Fields of OpenAI's and vLLM's APIs whose features tandem lacks. Typed as raw JSON, so any
+/// value parses and [`refuse_unimplemented`] names the field; one that asks for the default
+/// behaviour passes.
+#[derive(Debug, Default, Deserialize)]
+pub struct UnimplementedFields {
+    pub response_format: Option<Value>,
+    pub top_logprobs: Option<Value>,
+    pub prompt_logprobs: Option<Value>,
+    pub guided_json: Option<Value>,
+    pub guided_regex: Option<Value>,
+    pub guided_choice: Option<Value>,
+    pub guided_grammar: Option<Value>,
+    pub structured_outputs: Option<Value>,
+    pub tool_choice: Option<Value>,
+    pub functions: Option<Value>,
+    pub function_call: Option<Value>,
+}
+
+/// Moves the unimplemented fields out of a request struct that has them all.
+macro_rules! unimplemented_fields {
+    ($body:expr) => {
+        UnimplementedFields {
+            response_format: $body.response_format,
+            top_logprobs: $body.top_logprobs,
+            prompt_logprobs: $body.prompt_logprobs,
+            guided_json: $body.guided_json,
+            guided_regex: $body.guided_regex,
+            guided_choice: $body.guided_choice,
+            guided_grammar: $body.guided_grammar,
+            structured_outputs: $body.structured_outputs,
+            tool_choice: $body.tool_choice,
+            functions: $body.functions,
+            function_call: $body.function_call,
+        }
+    };
+}
+
+/// A 400 naming the first unimplemented field that asks for something.
+fn refuse_unimplemented(f: &UnimplementedFields) -> Result<(), ApiError> {
+    let given = |v: &Option<Value>| v.as_ref().is_some_and(|v| !v.is_null());
+    let is = |v: &Option<Value>, allowed: &[Value]| {
+        v.as_ref()
+            .is_none_or(|v| v.is_null() || allowed.contains(v))
+    };
+    let text_format = [serde_json::json!({"type": "text"})];
+    if !is(&f.response_format, &text_format) {
+        return Err(validate::unsupported(
+            "response_format",
+            "no structured output: only {\"type\": \"text\"}",
+        ));
+    }
+    if !is(&f.top_logprobs, &[Value::from(0)]) {
+        return Err(validate::unsupported(
+            "top_logprobs",
+            "no log probabilities",
+        ));
+    }
+    if given(&f.prompt_logprobs) {
+        return Err(validate::unsupported(
+            "prompt_logprobs",
+            "no log probabilities",
+        ));
+    }
+    for (name, value) in [
+        ("guided_json", &f.guided_json),
+        ("guided_regex", &f.guided_regex),
+        ("guided_choice", &f.guided_choice),
+        ("guided_grammar", &f.guided_grammar),
+        ("structured_outputs", &f.structured_outputs),
+    ] {
+        if given(value) {
+            return Err(validate::unsupported(name, "no structured output"));
+        }
+    }
+    let no_tools = [Value::from("none"), Value::from("auto")];
+    if !is(&f.tool_choice, &no_tools) {
+        return Err(validate::unsupported("tool_choice", "no tool calling"));
+    }
+    let asks_for_functions = given(&f.functions)
+        && f.functions
+            .as_ref()
+            .and_then(Value::as_array)
+            .is_none_or(|a| !a.is_empty());
+    if asks_for_functions {
+        return Err(validate::unsupported("functions", "no function calling"));
+    }
+    if !is(&f.function_call, &no_tools) {
+        return Err(validate::unsupported(
+            "function_call",
+            "no function calling",
+        ));
+    }
+    Ok(())
+}
+
 /// Moves the shared fields out of a request struct that has them all.
 macro_rules! sampling_fields {
     ($body:expr) => {
@@ -114,6 +214,17 @@ pub struct CompletionRequest {
     pub presence_penalty: Option<f64>,
     pub frequency_penalty: Option<f64>,
     pub logit_bias: Option<serde_json::Map<String, Value>>,
+    pub response_format: Option<Value>,
+    pub top_logprobs: Option<Value>,
+    pub prompt_logprobs: Option<Value>,
+    pub guided_json: Option<Value>,
+    pub guided_regex: Option<Value>,
+    pub guided_choice: Option<Value>,
+    pub guided_grammar: Option<Value>,
+    pub structured_outputs: Option<Value>,
+    pub tool_choice: Option<Value>,
+    pub functions: Option<Value>,
+    pub function_call: Option<Value>,
 }
 
 /// One chat message as clients send it.
@@ -148,6 +259,17 @@ pub struct ChatRequest {
     pub presence_penalty: Option<f64>,
     pub frequency_penalty: Option<f64>,
     pub logit_bias: Option<serde_json::Map<String, Value>>,
+    pub response_format: Option<Value>,
+    pub top_logprobs: Option<Value>,
+    pub prompt_logprobs: Option<Value>,
+    pub guided_json: Option<Value>,
+    pub guided_regex: Option<Value>,
+    pub guided_choice: Option<Value>,
+    pub guided_grammar: Option<Value>,
+    pub structured_outputs: Option<Value>,
+    pub tool_choice: Option<Value>,
+    pub functions: Option<Value>,
+    pub function_call: Option<Value>,
 }
 
 /// What the shared fields validate into.
@@ -178,6 +300,12 @@ fn params(f: SamplingFields, model: &ServedModel) -> Result<Params, ApiError> {
         return Err(validate::unsupported("logit_bias", "no logit biasing"));
     }
     let stream = f.stream.unwrap_or(false);
+    if f.stream_options.is_some() && !stream {
+        return Err(ApiError::invalid(
+            "stream_options",
+            "`stream_options` is only allowed with `stream: true`",
+        ));
+    }
     let include_usage = f
         .stream_options
         .as_ref()
@@ -317,9 +445,11 @@ pub async fn completions(
         let model = state.model()?;
         let ApiJson(body) = body?;
         state.check_model_name(&model, body.model.as_deref())?;
-        if body.logprobs.is_some_and(|n| n > 0) {
+        // `logprobs: 0` asks for the sampled tokens' log probabilities, so it too is refused.
+        if body.logprobs.is_some() {
             return Err(validate::unsupported("logprobs", "no log probabilities"));
         }
+        refuse_unimplemented(&unimplemented_fields!(body))?;
         if body.echo == Some(true) {
             return Err(validate::unsupported("echo", "the prompt is not echoed"));
         }
@@ -383,6 +513,7 @@ pub async fn chat_completions(
         if body.logprobs == Some(true) {
             return Err(validate::unsupported("logprobs", "no log probabilities"));
         }
+        refuse_unimplemented(&unimplemented_fields!(body))?;
         if body.tools.as_ref().is_some_and(|t| !t.is_empty()) {
             return Err(validate::unsupported("tools", "no tool calling"));
         }

@@ -203,3 +203,50 @@ fn message_content_shapes() {
     assert!(message_text(Some(json!([{"type": "image_url", "image_url": {}}])), 1).is_err());
     assert!(message_text(Some(json!(3)), 0).is_err());
 }
+
+#[test]
+fn unimplemented_fields_pass_only_when_they_ask_for_the_default() {
+    let fields =
+        |json: serde_json::Value| -> UnimplementedFields { serde_json::from_value(json).unwrap() };
+    let param_of = |json: serde_json::Value| match refuse_unimplemented(&fields(json)) {
+        Ok(()) => None,
+        Err(ApiError::Invalid { param, .. }) => param,
+        Err(other) => panic!("{other}"),
+    };
+    // What clients send when they want nothing special.
+    for json in [
+        serde_json::json!({}),
+        serde_json::json!({"response_format": {"type": "text"}, "top_logprobs": 0,
+            "tool_choice": "none", "functions": [], "function_call": "auto",
+            "guided_json": null, "prompt_logprobs": null}),
+    ] {
+        assert_eq!(param_of(json.clone()), None, "{json}");
+    }
+    for (json, param) in [
+        (
+            serde_json::json!({"response_format": {"type": "json_object"}}),
+            "response_format",
+        ),
+        (serde_json::json!({"top_logprobs": 2}), "top_logprobs"),
+        (serde_json::json!({"prompt_logprobs": 0}), "prompt_logprobs"),
+        (serde_json::json!({"guided_regex": "a+"}), "guided_regex"),
+        (
+            serde_json::json!({"guided_grammar": "root ::= \"a\""}),
+            "guided_grammar",
+        ),
+        (
+            serde_json::json!({"structured_outputs": {"choice": ["a"]}}),
+            "structured_outputs",
+        ),
+        (
+            serde_json::json!({"tool_choice": {"type": "function"}}),
+            "tool_choice",
+        ),
+        (
+            serde_json::json!({"function_call": {"name": "f"}}),
+            "function_call",
+        ),
+    ] {
+        assert_eq!(param_of(json.clone()).as_deref(), Some(param), "{json}");
+    }
+}

@@ -59,6 +59,9 @@ pub struct TgiParameters {
     pub top_n_tokens: Option<u32>,
     pub decoder_input_details: Option<bool>,
     pub frequency_penalty: Option<f64>,
+    /// TGI's structured output (`{"type": "json"|"regex", "value": …}`): refused, not ignored.
+    pub grammar: Option<serde_json::Value>,
+    pub adapter_id: Option<String>,
 }
 
 /// A validated, admitted TGI request, ready to start.
@@ -109,6 +112,12 @@ fn refuse_unsupported(p: &TgiParameters) -> Result<(), ApiError> {
             "frequency_penalty",
             "use `repetition_penalty`",
         ),
+        (
+            p.grammar.as_ref().is_some_and(|g| !g.is_null()),
+            "grammar",
+            "no structured output",
+        ),
+        (p.adapter_id.is_some(), "adapter_id", "no LoRA adapters"),
     ];
     match checks.into_iter().find(|(bad, _, _)| *bad) {
         Some((_, param, why)) => Err(validate::unsupported(param, why)),

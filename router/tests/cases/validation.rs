@@ -75,6 +75,21 @@ fn matrix() -> Vec<Case> {
         case("top_k -2", c, json!({"prompt": "Hi", "top_k": -2}), 400).param("top_k"),
         case("min_tokens", c, json!({"prompt": "Hi", "min_tokens": 5}), 400).param("min_tokens").says(&["not supported"]),
         case("logprobs", c, json!({"prompt": "Hi", "logprobs": 2}), 400).param("logprobs"),
+        case("logprobs 0", c, json!({"prompt": "Hi", "logprobs": 0}), 400).param("logprobs"),
+        case("prompt_logprobs", c, json!({"prompt": "Hi", "prompt_logprobs": 1}), 400).param("prompt_logprobs"),
+        case("json_object output", chat, json!({"messages": user, "response_format": {"type": "json_object"}}), 400)
+            .param("response_format").says(&["structured output"]),
+        case("json_schema output", c, json!({"prompt": "Hi", "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}), 400)
+            .param("response_format"),
+        case("guided_choice", c, json!({"prompt": "Hi", "guided_choice": ["a", "b"]}), 400).param("guided_choice"),
+        case("guided_json", chat, json!({"messages": user, "guided_json": {"type": "object"}}), 400).param("guided_json"),
+        case("top_logprobs", chat, json!({"messages": user, "top_logprobs": 3}), 400).param("top_logprobs"),
+        case("tool_choice required", chat, json!({"messages": user, "tool_choice": "required"}), 400).param("tool_choice"),
+        case("functions", chat, json!({"messages": user, "functions": [{"name": "f"}]}), 400).param("functions"),
+        case("stream_options without stream", c, json!({"prompt": "Hi", "stream_options": {"include_usage": true}}), 400)
+            .param("stream_options").says(&["stream"]),
+        case("tgi grammar", "/generate", json!({"inputs": "Hi", "parameters": {"grammar": {"type": "json", "value": {}}}}), 422)
+            .says(&["grammar"]),
         case("unknown model", c, json!({"model": "nope", "prompt": "Hi"}), 404).param("model").says(&["nope"]),
         case("prompt wrong type", c, json!({"prompt": 5}), 400).param("prompt"),
         case("stream wrong type", c, json!({"prompt": "Hi", "stream": "yes"}), 400).param("stream"),
