@@ -109,29 +109,94 @@ impl ServedModel {
 
     /// Token ids of a completion prompt: the tokenizer's special tokens (BOS) included.
     pub fn encode_prompt(&self, text: &str) -> Result<Vec<u32>, ApiError> {
-        self.tokenizer.encode(text, true).map_err(|e| {
-            tracing::warn!(error = %e, "tokenizer failed on a prompt");
-            ApiError::invalid("prompt", "the prompt could not be tokenized")
-        })
+        self.encode_text(text, true)
+    }
+
+    /// Token ids of `text`, with the tokenizer's special tokens (BOS) or without.
+    pub fn encode_text(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, ApiError> {
+        self.tokenizer
+            .encode(text, add_special_tokens)
+            .map_err(|e| {
+                tracing::warn!(error = %e, "tokenizer failed on a prompt");
+                ApiError::invalid("prompt", "the prompt could not be tokenized")
+            })
+    }
+
+    /// The vocabulary's piece of each id (`?` for an id outside it).
+    pub fn pieces(&self, ids: &[u32]) -> Vec<String> {
+        ids.iter()
+            .map(|&id| self.tokenizer.id_to_token(id).unwrap_or_else(|| "?".into()))
+            .collect()
     }
 
     /// Token ids of a conversation: the chat template with the assistant turn opened, encoded
     /// without adding special tokens, since the template writes its own.
     pub fn encode_chat(&self, messages: &[ChatMessage]) -> Result<Vec<u32>, ApiError> {
+        self.encode_conversation(messages, true)
+    }
+
+    /// [`Self::encode_chat`], with the assistant turn opened or not.
+    pub fn encode_conversation(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+    ) -> Result<Vec<u32>, ApiError> {
         let template = self.chat_template.as_ref().ok_or_else(|| {
             ApiError::invalid_body("this model has no chat template: use /v1/completions instead")
         })?;
-        let text = template.render(messages, true).map_err(|e| {
-            // Template errors are about the conversation (e.g. roles that must alternate),
-            // raised by the template itself, so the client gets them.
-            ApiError::invalid(
-                "messages",
-                format!("the chat template rejected the messages: {e}"),
-            )
-        })?;
+        let text = template
+            .render(messages, add_generation_prompt)
+            .map_err(|e| {
+                // Template errors are about the conversation (e.g. roles that must alternate),
+                // raised by the template itself, so the client gets them.
+                ApiError::invalid(
+                    "messages",
+                    format!("the chat template rejected the messages: {e}"),
+                )
+            })?;
         self.tokenizer.encode(&text, false).map_err(|e| {
             tracing::warn!(error = %e, "tokenizer failed on a rendered conversation");
             ApiError::invalid("messages", "the messages could not be tokenized")
+        })
+    }
+
+    /// Each token of `text` (special tokens added) with its piece and the byte range of
+    /// `text` it came from (TGI's `/tokenize`).
+    pub fn tokenize_with_offsets(
+        &self,
+        text: &str,
+    ) -> Result<Vec<(u32, String, usize, usize)>, ApiError> {
+        let encoding = self.tokenizer.inner().encode(text, true).map_err(|e| {
+            tracing::warn!(error = %e, "tokenizer failed on a prompt");
+            ApiError::invalid("inputs", "the input could not be tokenized")
+        })?;
+        Ok(encoding
+            .get_ids()
+            .iter()
+            .zip(encoding.get_offsets())
+            .map(|(&id, &(start, stop))| {
+                let piece = text.get(start..stop).unwrap_or_default().to_string();
+                (id, piece, start, stop)
+            })
+            .collect())
+    }
+
+    /// The text of token ids (special tokens kept: `/detokenize` returns what was given).
+    pub fn decode(&self, ids: &[u32], param: &str) -> Result<String, ApiError> {
+        if self.vocab_size > 0
+            && let Some(bad) = ids.iter().find(|&&id| id >= self.vocab_size)
+        {
+            return Err(ApiError::invalid(
+                param,
+                format!(
+                    "token id {bad} is out of range: the vocabulary has {} tokens",
+                    self.vocab_size
+                ),
+            ));
+        }
+        self.tokenizer.decode(ids, false).map_err(|e| {
+            tracing::warn!(error = %e, "tokenizer failed to decode");
+            ApiError::invalid(param, "the tokens could not be decoded")
         })
     }
 
@@ -143,9 +208,10 @@ impl ServedModel {
 
 /// Encodes on the blocking pool: long prompts take milliseconds of CPU that must not stall
 /// the async workers serving other streams.
-pub async fn encode_blocking<F>(model: Arc<ServedModel>, f: F) -> Result<Vec<u32>, ApiError>
+pub async fn encode_blocking<F, T>(model: Arc<ServedModel>, f: F) -> Result<T, ApiError>
 where
-    F: FnOnce(&ServedModel) -> Result<Vec<u32>, ApiError> + Send + 'static,
+    F: FnOnce(&ServedModel) -> Result<T, ApiError> + Send + 'static,
+    T: Send + 'static,
 {
     tokio::task::spawn_blocking(move || f(&model))
         .await

@@ -787,3 +787,116 @@ mod failures;
 
 #[path = "cases/discovery.rs"]
 mod discovery;
+
+#[tokio::test]
+async fn model_tokenizer_and_tgi_compat_routes() {
+    let (_decode, _prefill, _ds, _ps, router) = setup().await;
+    let get = |path: &str| client().get(format!("{}{path}", router.url)).send();
+    let one: Value = get(&format!("/v1/models/{MODEL}"))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(
+        (one["id"].clone(), one["object"].clone()),
+        (json!(MODEL), json!("model"))
+    );
+    let r = get("/v1/models/gpt-5").await.unwrap();
+    assert_eq!(r.status(), 404);
+    let err: Value = r.json().await.unwrap();
+    assert_eq!(err["error"]["code"], "model_not_found");
+
+    // vLLM's /tokenize and /detokenize (the byte-level test tokenizer: id = 3 + byte).
+    let r: Value = post(
+        &router.url,
+        "/tokenize",
+        json!({"prompt": "Hi", "return_token_strs": true}),
+    )
+    .await
+    .json()
+    .await
+    .unwrap();
+    assert_eq!(
+        r,
+        json!({"count": 2, "max_model_len": CONTEXT, "tokens": [75, 108], "token_strs": ["H", "i"]})
+    );
+    let chat: Value = post(
+        &router.url,
+        "/tokenize",
+        json!({"messages": [{"role": "user", "content": "Hi"}]}),
+    )
+    .await
+    .json()
+    .await
+    .unwrap();
+    assert_eq!(
+        chat["tokens"][0], 1,
+        "the ChatML template opens with <|im_start|>: {chat}"
+    );
+    assert!(chat["count"].as_u64().unwrap() > 2);
+    let r = post(
+        &router.url,
+        "/tokenize",
+        json!({"model": "other", "prompt": "Hi"}),
+    )
+    .await;
+    assert_eq!(r.status(), 404);
+    let r = post(&router.url, "/tokenize", json!({"max_tokens": 3})).await;
+    assert_eq!(r.status(), 400);
+    let r: Value = post(&router.url, "/detokenize", json!({"tokens": [75, 108]}))
+        .await
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(r, json!({"prompt": "Hi"}));
+    let r = post(&router.url, "/detokenize", json!({"tokens": [75, 99999]})).await;
+    assert_eq!(r.status(), 400);
+    let err: Value = r.json().await.unwrap();
+    assert_eq!(err["error"]["param"], "tokens");
+
+    // TGI's /tokenize, /info and the compatibility route its Client(base_url) posts to.
+    let r: Value = post(&router.url, "/tokenize", json!({"inputs": "Hi"}))
+        .await
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(
+        r,
+        json!([{"id": 75, "text": "H", "start": 0, "stop": 1}, {"id": 108, "text": "i", "start": 1, "stop": 2}])
+    );
+    let info: Value = get("/info").await.unwrap().json().await.unwrap();
+    assert_eq!(info["model_id"], MODEL);
+    assert_eq!(info["max_total_tokens"], CONTEXT);
+    assert_eq!(info["max_best_of"], 1);
+    let r = post(
+        &router.url,
+        "/",
+        json!({"inputs": "Hello", "parameters": {"max_new_tokens": 100, "details": true}, "stream": false}),
+    )
+    .await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(header(&r, "x-tandem-mode"), "disaggregated");
+    let body: Value = r.json().await.unwrap();
+    assert_eq!(body[0]["generated_text"], "Hello from tandem!");
+    assert_eq!(body[0]["details"]["finish_reason"], "eos_token");
+    let r = post(
+        &router.url,
+        "/",
+        json!({"inputs": "Hello", "parameters": {"max_new_tokens": 3}, "stream": true}),
+    )
+    .await;
+    assert_eq!(r.status(), 200);
+    let events = sse_payloads(&r.text().await.unwrap());
+    let last: Value = serde_json::from_str(events.last().unwrap()).unwrap();
+    assert_eq!(last["generated_text"], "Hel");
+    // TGI's errors keep TGI's shape on this route too.
+    let r = post(&router.url, "/", json!({"inputs": ""})).await;
+    assert_eq!(r.status(), 422);
+    let err: Value = r.json().await.unwrap();
+    assert!(
+        err["error"].is_string() && err["error_type"].is_string(),
+        "{err}"
+    );
+    router.stop().await;
+}

@@ -2,13 +2,15 @@
 //! through (request id + tracing span, API key, body limit), the small routes (`/health`,
 //! `/metrics`, `/v1/models`), and the launch step the four generation routes share.
 //!
-//! Route families: `/v1/*` speak OpenAI and render errors OpenAI style; `/generate` and
-//! `/generate_stream` speak TGI and render errors TGI style (validation → 422). The API key,
+//! Route families: `/v1/*`, `/tokenize` and `/detokenize` speak OpenAI/vLLM and render errors
+//! OpenAI style; `/`, `/generate`, `/generate_stream` and `/info` speak TGI and render errors
+//! TGI style (validation → 422). The API key,
 //! when configured, guards both families; `/health` and `/metrics` stay open so that probes
 //! and scrapers need no secret.
 
 pub mod error;
 pub mod extract;
+pub mod info;
 pub mod openai;
 pub mod sse;
 pub mod tgi;
@@ -80,9 +82,10 @@ impl AppState {
 
     /// Tokenizes (or renders and tokenizes) with `f` on the blocking pool, at most one job
     /// per core at a time.
-    pub async fn encode<F>(&self, model: &Arc<ServedModel>, f: F) -> Result<Vec<u32>, ApiError>
+    pub async fn encode<F, T>(&self, model: &Arc<ServedModel>, f: F) -> Result<T, ApiError>
     where
-        F: FnOnce(&ServedModel) -> Result<Vec<u32>, ApiError> + Send + 'static,
+        F: FnOnce(&ServedModel) -> Result<T, ApiError> + Send + 'static,
+        T: Send + 'static,
     {
         let _slot = Arc::clone(&self.0.tokenizing)
             .acquire_owned()
@@ -128,6 +131,11 @@ pub fn app(state: AppState) -> Router {
         .route("/v1/completions", post(openai::completions))
         .route("/v1/chat/completions", post(openai::chat_completions))
         .route("/v1/models", get(openai::models))
+        .route("/v1/models/{id}", get(info::model))
+        .route("/tokenize", post(info::tokenize))
+        .route("/detokenize", post(info::detokenize))
+        .route("/info", get(info::tgi_info))
+        .route("/", post(tgi::compat))
         .route("/generate", post(tgi::generate))
         .route("/generate_stream", post(tgi::generate_stream))
         .route_layer(middleware::from_fn_with_state(
@@ -146,7 +154,7 @@ pub fn app(state: AppState) -> Router {
 }
 
 fn flavor_of_path(path: &str) -> ApiFlavor {
-    if path.starts_with("/generate") {
+    if path.starts_with("/generate") || path == "/" || path == "/info" {
         ApiFlavor::Tgi
     } else {
         ApiFlavor::OpenAi

@@ -31,7 +31,7 @@ use tandem_text::ChatMessage;
 use super::error::{ApiError, ApiFlavor};
 use super::extract::ApiJson;
 use super::sse::{StreamFormatter, data_event, stream_response, tandem_headers};
-use super::validate::{self, StopField};
+use super::validate::{self, StopField, UnimplementedFields, refuse_unimplemented};
 use super::{
     AppState, RequestId, admit, collect, deadline_from, record_rejection, start, unix_now,
 };
@@ -70,24 +70,6 @@ pub struct SamplingFields {
     pub logit_bias: Option<serde_json::Map<String, Value>>,
 }
 
-/// Fields of OpenAI's and vLLM's APIs whose features tandem lacks. Typed as raw JSON, so any
-/// value parses and [`refuse_unimplemented`] names the field; one that asks for the default
-/// behaviour passes.
-#[derive(Debug, Default, Deserialize)]
-pub struct UnimplementedFields {
-    pub response_format: Option<Value>,
-    pub top_logprobs: Option<Value>,
-    pub prompt_logprobs: Option<Value>,
-    pub guided_json: Option<Value>,
-    pub guided_regex: Option<Value>,
-    pub guided_choice: Option<Value>,
-    pub guided_grammar: Option<Value>,
-    pub structured_outputs: Option<Value>,
-    pub tool_choice: Option<Value>,
-    pub functions: Option<Value>,
-    pub function_call: Option<Value>,
-}
-
 /// Moves the unimplemented fields out of a request struct that has them all.
 macro_rules! unimplemented_fields {
     ($body:expr) => {
@@ -105,64 +87,6 @@ macro_rules! unimplemented_fields {
             function_call: $body.function_call,
         }
     };
-}
-
-/// A 400 naming the first unimplemented field that asks for something.
-fn refuse_unimplemented(f: &UnimplementedFields) -> Result<(), ApiError> {
-    let given = |v: &Option<Value>| v.as_ref().is_some_and(|v| !v.is_null());
-    let is = |v: &Option<Value>, allowed: &[Value]| {
-        v.as_ref()
-            .is_none_or(|v| v.is_null() || allowed.contains(v))
-    };
-    let text_format = [serde_json::json!({"type": "text"})];
-    if !is(&f.response_format, &text_format) {
-        return Err(validate::unsupported(
-            "response_format",
-            "no structured output: only {\"type\": \"text\"}",
-        ));
-    }
-    if !is(&f.top_logprobs, &[Value::from(0)]) {
-        return Err(validate::unsupported(
-            "top_logprobs",
-            "no log probabilities",
-        ));
-    }
-    if given(&f.prompt_logprobs) {
-        return Err(validate::unsupported(
-            "prompt_logprobs",
-            "no log probabilities",
-        ));
-    }
-    for (name, value) in [
-        ("guided_json", &f.guided_json),
-        ("guided_regex", &f.guided_regex),
-        ("guided_choice", &f.guided_choice),
-        ("guided_grammar", &f.guided_grammar),
-        ("structured_outputs", &f.structured_outputs),
-    ] {
-        if given(value) {
-            return Err(validate::unsupported(name, "no structured output"));
-        }
-    }
-    let no_tools = [Value::from("none"), Value::from("auto")];
-    if !is(&f.tool_choice, &no_tools) {
-        return Err(validate::unsupported("tool_choice", "no tool calling"));
-    }
-    let asks_for_functions = given(&f.functions)
-        && f.functions
-            .as_ref()
-            .and_then(Value::as_array)
-            .is_none_or(|a| !a.is_empty());
-    if asks_for_functions {
-        return Err(validate::unsupported("functions", "no function calling"));
-    }
-    if !is(&f.function_call, &no_tools) {
-        return Err(validate::unsupported(
-            "function_call",
-            "no function calling",
-        ));
-    }
-    Ok(())
 }
 
 /// Moves the shared fields out of a request struct that has them all.
@@ -374,7 +298,7 @@ fn parse_prompt(value: Option<Value>) -> Result<PromptInput, ApiError> {
 }
 
 /// Flattens message content: a string, a list of text parts (joined by newlines), or null.
-fn message_text(content: Option<Value>, i: usize) -> Result<String, ApiError> {
+pub(crate) fn message_text(content: Option<Value>, i: usize) -> Result<String, ApiError> {
     let param = format!("messages[{i}].content");
     match content {
         None | Some(Value::Null) => Ok(String::new()),

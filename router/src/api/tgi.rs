@@ -264,6 +264,58 @@ pub async fn generate(
     response
 }
 
+/// `POST /` body: TGI's compatibility route, `/generate` or `/generate_stream` by `stream`.
+#[derive(Debug, Deserialize)]
+pub struct TgiCompatRequest {
+    pub inputs: String,
+    pub parameters: Option<TgiParameters>,
+    #[serde(default)]
+    pub stream: bool,
+}
+
+/// `POST /`: what TGI's `Client(base_url)` calls; a non-streaming answer comes as a
+/// one-element list, as TGI sends it.
+pub async fn compat(
+    state: State<AppState>,
+    request_id: Extension<RequestId>,
+    body: Result<ApiJson<TgiCompatRequest>, ApiError>,
+) -> Response {
+    let (stream, body) = match body {
+        Ok(ApiJson(b)) => (
+            b.stream,
+            Ok(ApiJson(TgiRequest {
+                inputs: b.inputs,
+                parameters: b.parameters,
+            })),
+        ),
+        Err(e) => (false, Err(e)),
+    };
+    if stream {
+        return generate_stream(state, request_id, body).await;
+    }
+    // TGI wraps this route's answer in a list (the Inference API's shape), which its client
+    // reads back as `payload[0]`; errors stay as they are.
+    let response = generate(state, request_id, body).await;
+    if !response.status().is_success() {
+        return response;
+    }
+    let (parts, body) = response.into_parts();
+    let wrapped = match axum::body::to_bytes(body, usize::MAX).await {
+        Ok(bytes) => match serde_json::from_slice::<serde_json::Value>(&bytes) {
+            Ok(one) => serde_json::Value::Array(vec![one]),
+            Err(_) => return TgiError(ApiError::Internal).into_response(),
+        },
+        Err(_) => return TgiError(ApiError::Internal).into_response(),
+    };
+    let mut response = axum::Json(wrapped).into_response();
+    for (name, value) in parts.headers.iter() {
+        if name.as_str().starts_with("x-") {
+            response.headers_mut().insert(name.clone(), value.clone());
+        }
+    }
+    response
+}
+
 /// `POST /generate_stream`.
 pub async fn generate_stream(
     State(state): State<AppState>,

@@ -6,6 +6,7 @@
 //! worker rejected this request").
 
 use serde::Deserialize;
+use serde_json::Value;
 use tandem_proto::limits::{
     MAX_REPETITION_PENALTY, MAX_STOP_STRING_BYTES, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS,
     MAX_TEMPERATURE,
@@ -382,4 +383,71 @@ mod tests {
         assert!(prompt_ids(&[3, 4], &m, "prompt").is_ok());
         assert!(prompt_ids(&[3, 1_000_000], &m, "prompt").is_err());
     }
+}
+
+/// Fields of OpenAI's and vLLM's APIs whose features tandem lacks. Typed as raw JSON, so any
+/// value parses and [`refuse_unimplemented`] names the field; one that asks for the default
+/// behaviour passes.
+#[derive(Debug, Default, Deserialize)]
+pub struct UnimplementedFields {
+    pub response_format: Option<Value>,
+    pub top_logprobs: Option<Value>,
+    pub prompt_logprobs: Option<Value>,
+    pub guided_json: Option<Value>,
+    pub guided_regex: Option<Value>,
+    pub guided_choice: Option<Value>,
+    pub guided_grammar: Option<Value>,
+    pub structured_outputs: Option<Value>,
+    pub tool_choice: Option<Value>,
+    pub functions: Option<Value>,
+    pub function_call: Option<Value>,
+}
+
+/// A 400 naming the first unimplemented field that asks for something.
+pub fn refuse_unimplemented(f: &UnimplementedFields) -> Result<(), ApiError> {
+    let given = |v: &Option<Value>| v.as_ref().is_some_and(|v| !v.is_null());
+    let is = |v: &Option<Value>, allowed: &[Value]| {
+        v.as_ref()
+            .is_none_or(|v| v.is_null() || allowed.contains(v))
+    };
+    let text_format = [serde_json::json!({"type": "text"})];
+    if !is(&f.response_format, &text_format) {
+        return Err(unsupported(
+            "response_format",
+            "no structured output: only {\"type\": \"text\"}",
+        ));
+    }
+    if !is(&f.top_logprobs, &[Value::from(0)]) {
+        return Err(unsupported("top_logprobs", "no log probabilities"));
+    }
+    if given(&f.prompt_logprobs) {
+        return Err(unsupported("prompt_logprobs", "no log probabilities"));
+    }
+    for (name, value) in [
+        ("guided_json", &f.guided_json),
+        ("guided_regex", &f.guided_regex),
+        ("guided_choice", &f.guided_choice),
+        ("guided_grammar", &f.guided_grammar),
+        ("structured_outputs", &f.structured_outputs),
+    ] {
+        if given(value) {
+            return Err(unsupported(name, "no structured output"));
+        }
+    }
+    let no_tools = [Value::from("none"), Value::from("auto")];
+    if !is(&f.tool_choice, &no_tools) {
+        return Err(unsupported("tool_choice", "no tool calling"));
+    }
+    let asks_for_functions = given(&f.functions)
+        && f.functions
+            .as_ref()
+            .and_then(Value::as_array)
+            .is_none_or(|a| !a.is_empty());
+    if asks_for_functions {
+        return Err(unsupported("functions", "no function calling"));
+    }
+    if !is(&f.function_call, &no_tools) {
+        return Err(unsupported("function_call", "no function calling"));
+    }
+    Ok(())
 }
