@@ -1,5 +1,6 @@
 //! Real clients against a real deployment: the `openai` Python package (streaming chat and
-//! completions, usage, model list) and curl on TGI's `/generate_stream` and `/generate`.
+//! completions, usage, model list), TGI's own `text-generation` package (`Client(base_url)`:
+//! `generate` and `generate_stream`), and curl on TGI's `/generate_stream` and `/generate`.
 
 use std::path::PathBuf;
 use std::process::Command;
@@ -7,20 +8,21 @@ use std::process::Command;
 use serde_json::Value;
 use tandem_e2e::{Deployment, DeploymentSpec};
 
-/// A python with the `openai` package: `TANDEM_TOOLS_PYTHON`, else the tools venv, made on
+/// A python with the `openai` and `text-generation` packages: `TANDEM_TOOLS_PYTHON`, else the
+/// tools venv, made on
 /// first use by `scripts/tools-venv` (pip, once), as the harness builds the binaries on first
 /// use. If neither works the test fails saying why: it never passes without running.
 fn tools_python() -> PathBuf {
     let works = |python: &PathBuf| {
         Command::new(python)
-            .args(["-c", "import openai"])
+            .args(["-c", "import openai, text_generation"])
             .status()
             .is_ok_and(|s| s.success())
     };
     if let Some(given) = std::env::var_os("TANDEM_TOOLS_PYTHON").map(PathBuf::from) {
         assert!(
             works(&given),
-            "TANDEM_TOOLS_PYTHON={} cannot import openai",
+            "TANDEM_TOOLS_PYTHON={} cannot import openai and text_generation",
             given.display()
         );
         return given;
@@ -35,7 +37,11 @@ fn tools_python() -> PathBuf {
         String::from_utf8_lossy(&out.stderr)
     );
     let python = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
-    assert!(works(&python), "{} cannot import openai", python.display());
+    assert!(
+        works(&python),
+        "{} cannot import openai and text_generation",
+        python.display()
+    );
     python
 }
 
@@ -87,6 +93,68 @@ async fn openai_python_client_streams_chat_and_completions() {
         v["completion"], v["whole"],
         "streamed and whole completions agree (greedy)"
     );
+}
+
+const TGI_SCRIPT: &str = r#"
+import json, sys
+from text_generation import Client
+client = Client(sys.argv[1])
+whole = client.generate("Once upon a time", max_new_tokens=8)
+streamed, last = "", None
+for event in client.generate_stream("Once upon a time", max_new_tokens=8):
+    if not event.token.special:
+        streamed += event.token.text
+    last = event
+print(json.dumps({"text": whole.generated_text, "finish": str(whole.details.finish_reason),
+                  "generated": whole.details.generated_tokens, "tokens": len(whole.details.tokens),
+                  "token_text": "".join(t.text for t in whole.details.tokens if not t.special),
+                  "logprobs": [t.logprob for t in whole.details.tokens],
+                  "streamed": streamed, "stream_text": last.generated_text}))
+"#;
+
+/// TGI's own Python client, pointed at the router's root as at a TGI server.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tgi_python_client_generates_and_streams() {
+    let python = tools_python();
+    let dep = Deployment::start(&DeploymentSpec::default()).await.unwrap();
+    let base = dep.url("");
+    let out = tokio::task::spawn_blocking(move || {
+        Command::new(python)
+            .args(["-c", TGI_SCRIPT, &base])
+            .output()
+    })
+    .await
+    .unwrap()
+    .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert!(
+        v["finish"]
+            .as_str()
+            .unwrap()
+            .to_lowercase()
+            .contains("length"),
+        "{v}"
+    );
+    assert_eq!(
+        (&v["generated"], &v["tokens"]),
+        (&8.into(), &8.into()),
+        "{v}"
+    );
+    assert_eq!(v["token_text"], v["text"], "the tokens spell the text");
+    assert!(
+        v["logprobs"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|l| l.as_f64().is_some_and(|l| l <= 0.0))
+    );
+    assert_eq!(v["streamed"], v["text"], "greedy: streamed and whole agree");
+    assert_eq!(v["stream_text"], v["text"]);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

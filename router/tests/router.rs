@@ -238,10 +238,31 @@ async fn tgi_generate_and_stream() {
     assert_eq!(r.status(), 200);
     let body: Value = r.json().await.unwrap();
     assert_eq!(body["generated_text"], "Hello from tandem!");
+    let details = &body["details"];
     assert_eq!(
-        body["details"],
-        json!({"finish_reason": "eos_token", "generated_tokens": 19, "seed": 42})
+        (
+            &details["finish_reason"],
+            &details["generated_tokens"],
+            &details["seed"],
+            &details["prefill"]
+        ),
+        (&json!("eos_token"), &json!(19), &json!(42), &json!([]))
     );
+    // Every generated token, as TGI's client parses them: the text's bytes, then EOS.
+    let tokens = details["tokens"].as_array().unwrap();
+    assert_eq!(tokens.len(), 19);
+    let text: String = tokens
+        .iter()
+        .filter(|t| t["special"] == false)
+        .map(|t| t["text"].as_str().unwrap())
+        .collect();
+    assert_eq!(text, "Hello from tandem!");
+    assert!(
+        tokens
+            .iter()
+            .all(|t| t["id"].is_u64() && t["logprob"].is_number())
+    );
+    assert_eq!(tokens[18]["id"], EOS);
 
     let r = post(
         &router.url,

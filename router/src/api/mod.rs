@@ -292,37 +292,36 @@ pub struct Collected {
     pub finish: FinishOut,
     /// The id of the last token, if any (TGI tells EOS from stop sequences by it).
     pub last_token: Option<u32>,
+    /// Every token as it was generated (TGI's `details.tokens`).
+    pub tokens: Vec<crate::flow::TokenOut>,
 }
 
 /// Reads a started generation to its end. Nothing has been sent yet, so a failure here
 /// still becomes a real HTTP status.
 pub async fn collect(mut stream: FlowStream) -> Result<Collected, ApiError> {
     let mut text = String::new();
-    let mut last_token = None;
+    let mut tokens: Vec<crate::flow::TokenOut> = Vec::new();
     while let Some(event) = stream.events.recv().await {
-        match event {
+        let finish = match event {
             FlowEvent::Token(token, finish) => {
                 if !token.special {
                     text.push_str(&token.text);
                 }
-                last_token = Some(token.id);
-                if let Some(finish) = finish {
-                    return Ok(Collected {
-                        text,
-                        finish,
-                        last_token,
-                    });
+                tokens.push(token);
+                match finish {
+                    Some(finish) => finish,
+                    None => continue,
                 }
             }
-            FlowEvent::Finished(finish) => {
-                return Ok(Collected {
-                    text,
-                    finish,
-                    last_token,
-                });
-            }
+            FlowEvent::Finished(finish) => finish,
             FlowEvent::Failed(e) => return Err(e),
-        }
+        };
+        return Ok(Collected {
+            text,
+            finish,
+            last_token: tokens.last().map(|t| t.id),
+            tokens,
+        });
     }
     tracing::error!("event stream ended without a finish");
     Err(ApiError::WorkerFailed)

@@ -254,6 +254,18 @@ pub async fn generate(
         ),
         generated_tokens: done.finish.completion_tokens,
         seed: prepared.seed,
+        // The prompt's tokens come only with `decoder_input_details`, which is refused.
+        prefill: Vec::new(),
+        tokens: done
+            .tokens
+            .iter()
+            .map(|t| TgiToken {
+                id: t.id,
+                text: &t.text,
+                logprob: t.logprob,
+                special: t.special,
+            })
+            .collect(),
     };
     let body = TgiGenerateResponse {
         generated_text: &done.text,
@@ -356,18 +368,21 @@ fn tgi_finish_reason(
     }
 }
 
-#[derive(Debug, Serialize)]
-struct TgiDetails {
+/// `/generate`'s `details`, as TGI's client parses them (`prefill` and `tokens` required).
+#[derive(Serialize)]
+struct TgiDetails<'a> {
     finish_reason: &'static str,
     generated_tokens: u32,
     seed: Option<u64>,
+    prefill: Vec<TgiToken<'a>>,
+    tokens: Vec<TgiToken<'a>>,
 }
 
 #[derive(Serialize)]
 struct TgiGenerateResponse<'a> {
     generated_text: &'a str,
     #[serde(skip_serializing_if = "Option::is_none")]
-    details: Option<TgiDetails>,
+    details: Option<TgiDetails<'a>>,
 }
 
 #[derive(Serialize)]
@@ -384,7 +399,15 @@ struct TgiStreamEvent<'a> {
     index: u32,
     token: TgiToken<'a>,
     generated_text: Option<&'a str>,
-    details: Option<TgiDetails>,
+    details: Option<TgiStreamDetails>,
+}
+
+/// The last stream event's `details` (TGI's `StreamDetails`: no token lists).
+#[derive(Debug, Serialize)]
+struct TgiStreamDetails {
+    finish_reason: &'static str,
+    generated_tokens: u32,
+    seed: Option<u64>,
 }
 
 struct TgiFormatter {
@@ -404,7 +427,7 @@ impl TgiFormatter {
             self.generated.push_str(&token.text);
         }
         self.last_token = Some(token.id);
-        let details = finish.filter(|_| self.details).map(|f| TgiDetails {
+        let details = finish.filter(|_| self.details).map(|f| TgiStreamDetails {
             finish_reason: tgi_finish_reason(
                 f,
                 self.last_token,
