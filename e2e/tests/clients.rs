@@ -45,6 +45,26 @@ fn tools_python() -> PathBuf {
     python
 }
 
+/// Runs a client `script` with the tools python against a fresh deployment (its base URL as
+/// the argument) and parses the JSON line it prints.
+async fn run_client(script: &'static str) -> Value {
+    let python = tools_python();
+    let dep = Deployment::start(&DeploymentSpec::default()).await.unwrap();
+    let base = dep.url("");
+    let out = tokio::task::spawn_blocking(move || {
+        Command::new(python).args(["-c", script, &base]).output()
+    })
+    .await
+    .unwrap()
+    .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
 const OPENAI_SCRIPT: &str = r#"
 import json, sys, openai
 client = openai.OpenAI(base_url=sys.argv[1] + "/v1", api_key="unused")
@@ -68,23 +88,7 @@ print(json.dumps({"models": models, "chat": chat, "finish": finish, "usage": usa
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn openai_python_client_streams_chat_and_completions() {
-    let python = tools_python();
-    let dep = Deployment::start(&DeploymentSpec::default()).await.unwrap();
-    let base = dep.url("");
-    let out = tokio::task::spawn_blocking(move || {
-        Command::new(python)
-            .args(["-c", OPENAI_SCRIPT, &base])
-            .output()
-    })
-    .await
-    .unwrap()
-    .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let v = run_client(OPENAI_SCRIPT).await;
     assert_eq!(v["models"], serde_json::json!(["tandem"]));
     assert_eq!(v["usage"], 12, "{v}");
     assert_eq!(v["finish"], "length");
@@ -115,23 +119,7 @@ print(json.dumps({"text": whole.generated_text, "finish": str(whole.details.fini
 /// TGI's own Python client, pointed at the router's root as at a TGI server.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tgi_python_client_generates_and_streams() {
-    let python = tools_python();
-    let dep = Deployment::start(&DeploymentSpec::default()).await.unwrap();
-    let base = dep.url("");
-    let out = tokio::task::spawn_blocking(move || {
-        Command::new(python)
-            .args(["-c", TGI_SCRIPT, &base])
-            .output()
-    })
-    .await
-    .unwrap()
-    .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let v = run_client(TGI_SCRIPT).await;
     assert!(
         v["finish"]
             .as_str()

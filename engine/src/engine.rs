@@ -353,10 +353,14 @@ impl Engine {
         true
     }
 
-    /// Reserves blocks for `prompt_len` tokens whose KV another engine will write
-    /// (the decode side of a disaggregated request).
+    /// Reserves blocks for `prompt_len` tokens whose KV another engine will write (the decode
+    /// side of a disaggregated request): the blocks its first decode step reads, which are all
+    /// of them unless a sliding window has passed the first ones.
     pub fn reserve(&mut self, prompt_len: usize) -> Result<Vec<u32>> {
-        Ok(self.pool.reserve(prompt_len)?)
+        let first = self.model.config().first_needed_block(prompt_len);
+        Ok(self
+            .pool
+            .reserve_blocks(blocks_for(prompt_len).saturating_sub(first))?)
     }
 
     /// Returns reserved blocks that will not be used (lease expired, request failed).
@@ -407,12 +411,9 @@ impl Engine {
             });
         }
         // A sliding-window model's KV arrives for the blocks its first decode step reads
-        // (`first_needed_block` on): the table is padded in front. A full table is accepted
-        // too, and its leading blocks go back to the pool.
-        let total = blocks_for(prompt.len());
+        // (`first_needed_block` on, as `reserve` counts them): the table is padded in front.
         let first = self.model.config().first_needed_block(prompt.len());
-        let covered = blocks.len() == total - first || blocks.len() >= total;
-        if !covered || {
+        if blocks.len() < blocks_for(prompt.len()) - first || {
             let pool = self.pool();
             blocks.iter().any(|&b| !pool.is_allocated(b))
         } {
@@ -420,19 +421,9 @@ impl Engine {
                 "blocks do not cover the prompt or are not reserved".into(),
             ));
         }
-        let blocks = if blocks.len() >= total {
-            let mut blocks = blocks;
-            let leading: Vec<u32> = blocks[..first]
-                .iter_mut()
-                .map(|b| std::mem::replace(b, FREED_BLOCK))
-                .collect();
-            self.free_blocks_of(leading);
-            blocks
-        } else {
-            let mut padded = vec![FREED_BLOCK; first];
-            padded.extend(blocks);
-            padded
-        };
+        let mut padded = vec![FREED_BLOCK; first];
+        padded.extend(blocks);
+        let blocks = padded;
         let kept = &blocks[first..];
         self.place_received_kv(kept, location)?;
         let id = self.allocate_id();

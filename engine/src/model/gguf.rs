@@ -64,16 +64,25 @@ impl GgufReader<'_> {
 pub fn load_gguf(path: &Path, format: WeightFormat, name: &str) -> Result<(Model, TextTokenizer)> {
     let meta = tandem_text::gguf::read_metadata(path)?;
     let tokenizer = TextTokenizer::from_gguf_metadata(&meta)?;
-    Ok((load_gguf_model(path, format, name)?, tokenizer))
+    Ok((model_of(path, &meta, format, name)?, tokenizer))
 }
 
 /// The model of a GGUF file without its tokenizer (when another one is given).
 pub fn load_gguf_model(path: &Path, format: WeightFormat, name: &str) -> Result<Model> {
-    let meta = tandem_text::gguf::read_metadata(path)?;
+    model_of(path, &tandem_text::gguf::read_metadata(path)?, format, name)
+}
+
+/// The model of a GGUF file whose metadata was read already.
+fn model_of(
+    path: &Path,
+    meta: &tandem_text::gguf::GgufMetadata,
+    format: WeightFormat,
+    name: &str,
+) -> Result<Model> {
     let mut file = File::open(path).map_err(|e| EngineError::io(path, e))?;
     let content = gguf_file::Content::read(&mut file).map_err(|e| EngineError::load(path, e))?;
     let has_tensor = |name: &str| content.tensor_infos.contains_key(name);
-    let mut cfg = ModelConfig::from_gguf(&meta, &has_tensor)?;
+    let mut cfg = ModelConfig::from_gguf(meta, &has_tensor)?;
     let has_output = has_tensor("output.weight");
     let has_rope_freqs = has_tensor("rope_freqs.weight");
     let mut reader = GgufReader {

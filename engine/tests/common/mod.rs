@@ -41,12 +41,15 @@ pub fn handoff(engine: impl Fn() -> Engine, prompt: &[u32], max_tokens: usize) -
     assert_eq!(prefill.used_blocks(), 0, "prefill side frees its blocks");
 
     let mut decode = engine();
-    let needed = tandem_kv::blocks_for(prompt.len()) - first_block;
-    let blocks = decode.shared_pool().reserve_blocks(needed).unwrap();
+    let blocks = decode.reserve(prompt.len()).unwrap();
     let layers = decode.model().config().num_hidden_layers;
     assert_eq!(
+        blocks.len(),
+        tandem_kv::blocks_for(prompt.len()) - first_block
+    );
+    assert_eq!(
         shipped.len(),
-        needed * layers,
+        blocks.len() * layers,
         "every needed block, once per layer"
     );
     for ((lb, layer), bytes) in &shipped {

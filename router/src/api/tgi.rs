@@ -226,6 +226,16 @@ pub async fn generate(
     Extension(RequestId(request_id)): Extension<RequestId>,
     body: Result<ApiJson<TgiRequest>, ApiError>,
 ) -> Response {
+    generate_whole(state, request_id, body, false).await
+}
+
+/// A whole generation; `as_list` answers with a one-element list (TGI's `POST /`).
+async fn generate_whole(
+    state: AppState,
+    request_id: String,
+    body: Result<ApiJson<TgiRequest>, ApiError>,
+    as_list: bool,
+) -> Response {
     let prepared = match prepare(&state, &request_id, Instant::now(), body).await {
         Ok(p) => p,
         Err(e) => {
@@ -271,7 +281,11 @@ pub async fn generate(
         generated_text: &done.text,
         details: prepared.details.then_some(details),
     };
-    let mut response = axum::Json(body).into_response();
+    let mut response = if as_list {
+        axum::Json([body]).into_response()
+    } else {
+        axum::Json(body).into_response()
+    };
     tandem_headers(&head, response.headers_mut());
     response
 }
@@ -286,7 +300,7 @@ pub struct TgiCompatRequest {
 }
 
 /// `POST /`: what TGI's `Client(base_url)` calls; a non-streaming answer comes as a
-/// one-element list, as TGI sends it.
+/// one-element list, as TGI sends it (its client reads `payload[0]`).
 pub async fn compat(
     state: State<AppState>,
     request_id: Extension<RequestId>,
@@ -303,29 +317,11 @@ pub async fn compat(
         Err(e) => (false, Err(e)),
     };
     if stream {
-        return generate_stream(state, request_id, body).await;
+        generate_stream(state, request_id, body).await
+    } else {
+        let (State(state), Extension(RequestId(id))) = (state, request_id);
+        generate_whole(state, id, body, true).await
     }
-    // TGI wraps this route's answer in a list (the Inference API's shape), which its client
-    // reads back as `payload[0]`; errors stay as they are.
-    let response = generate(state, request_id, body).await;
-    if !response.status().is_success() {
-        return response;
-    }
-    let (parts, body) = response.into_parts();
-    let wrapped = match axum::body::to_bytes(body, usize::MAX).await {
-        Ok(bytes) => match serde_json::from_slice::<serde_json::Value>(&bytes) {
-            Ok(one) => serde_json::Value::Array(vec![one]),
-            Err(_) => return TgiError(ApiError::Internal).into_response(),
-        },
-        Err(_) => return TgiError(ApiError::Internal).into_response(),
-    };
-    let mut response = axum::Json(wrapped).into_response();
-    for (name, value) in parts.headers.iter() {
-        if name.as_str().starts_with("x-") {
-            response.headers_mut().insert(name.clone(), value.clone());
-        }
-    }
-    response
 }
 
 /// `POST /generate_stream`.
