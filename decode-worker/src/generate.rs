@@ -12,9 +12,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tandem_engine::engine::{first_token_output, validate_request};
-use tandem_engine::{SamplingParams, StepOutput, StopParams};
+use tandem_engine::{SampledToken, SamplingParams, StepOutput, StopParams};
 use tandem_proto::v1::*;
-use tandem_transfer::{Commit, Lease};
+use tandem_transfer::{Commit, Lease, top_logprobs_to_proto};
 use tandem_worker::SeqEvent;
 use tandem_worker::convert::{
     engine_status, finish_to_proto, sampling_from_proto, stop_from_proto,
@@ -183,12 +183,16 @@ async fn disaggregated(
     };
     // Stream the first token now rather than after the engine's current step.
     let context = inner.model.config().max_position_embeddings;
+    let sampled = SampledToken {
+        token: commit.first_token,
+        logprob: commit.first_logprob,
+        top_logprobs: commit.first_top_logprobs,
+    };
     let first = first_token_output(
         &inner.tokenizer,
         context,
         &prompt,
-        commit.first_token,
-        commit.first_logprob,
+        sampled.clone(),
         &sampling,
         &stop,
     );
@@ -206,8 +210,7 @@ async fn disaggregated(
         .engine
         .add_prefilled(
             prompt,
-            commit.first_token,
-            commit.first_logprob,
+            sampled,
             lease.blocks.clone(),
             tandem_transfer::kv_location(commit.transport),
             sampling,
@@ -269,6 +272,7 @@ fn token_event(inner: &Inner, o: &StepOutput) -> GenerateEvent {
             logprob: o.logprob,
             index: o.completion_tokens.saturating_sub(1) as u32,
             special: inner.tokenizer.is_special(o.token),
+            top_logprobs: top_logprobs_to_proto(&o.top_logprobs),
         })),
     }
 }

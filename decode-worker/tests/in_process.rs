@@ -13,7 +13,7 @@ use tandem_e2e::{DecodeClient, PromptKv, decode_client, local_prefill, test_auth
 use tandem_engine::{EngineConfig, Model};
 use tandem_proto::v1::*;
 use tandem_text::TextTokenizer;
-use tandem_transfer::{Peers, connect};
+use tandem_transfer::{FirstToken, Peers, connect};
 use tokio::net::TcpListener;
 
 struct Decode {
@@ -164,7 +164,7 @@ async fn ship(
     })
     .await
     .expect("sender thread");
-    sender.commit(first, 0.0).await.expect("commit")
+    sender.commit(FirstToken::new(first, 0.0)).await.expect("commit")
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

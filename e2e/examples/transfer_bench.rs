@@ -22,7 +22,9 @@ use tandem_kv::shm::{OwnerTags, POOL_PREFIX, file_identity, tags_path};
 use tandem_kv::{KvCache, KvDtype, KvLayout, KvStorage};
 use tandem_proto::v1::decode_service_server::DecodeServiceServer;
 use tandem_proto::v1::*;
-use tandem_transfer::{KvOnlyDecode, KvSender, LeaseTable, Peers, TcpLimits, connect, serve_tcp};
+use tandem_transfer::{
+    FirstToken, KvOnlyDecode, KvSender, LeaseTable, Peers, TcpLimits, connect, serve_tcp,
+};
 use tokio::net::TcpListener;
 
 const TOKENS: usize = 2048;
@@ -210,7 +212,7 @@ async fn transfer_once(
             Ok(sender)
         })
         .await??;
-    let stats = sender.commit(1, 0.0).await?;
+    let stats = sender.commit(FirstToken::new(1, 0.0)).await?;
     let secs = started.elapsed().as_secs_f64();
     done.await?.map_err(|e| anyhow::anyhow!(e))?;
     Ok((stats.bytes, secs))

@@ -131,6 +131,7 @@ async fn strangers_get_nothing_from_the_workers() {
         let mut sp = prefill_as(&prefill.endpoint(), &stranger).await;
         let r = sp
             .prefill(PrefillRequest {
+                stop: None,
                 request_id: "attack".into(),
                 prompt: vec![5; 10],
                 ..Default::default()
@@ -353,6 +354,7 @@ async fn the_prefill_worker_sends_kv_only_to_verified_decode_workers() {
     ] {
         let refused = p
             .prefill(PrefillRequest {
+                stop: None,
                 request_id: "ssrf".into(),
                 prompt: vec![7; 40],
                 sampling: Some(SamplingParams::default()),
@@ -459,6 +461,7 @@ async fn shared_memory_behind_a_link_or_outside_its_folder_is_never_written() {
         );
         let refused = p
             .prefill(PrefillRequest {
+                stop: None,
                 request_id: "symlink".into(),
                 prompt: vec![7; 40],
                 sampling: Some(SamplingParams::default()),

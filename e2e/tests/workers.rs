@@ -109,6 +109,7 @@ async fn disaggregated(
     let prefill = pair
         .p
         .prefill(PrefillRequest {
+            stop: None,
             request_id: "p".into(),
             prompt,
             sampling: Some(SamplingParams::default()),
@@ -242,6 +243,7 @@ async fn bad_requests_get_precise_codes() {
     let err = pair
         .p
         .prefill(PrefillRequest {
+            stop: None,
             request_id: "x".into(),
             prompt: vec![3, 4],
             sampling: None,
@@ -300,6 +302,7 @@ async fn device_transports_are_refused_by_cpu_workers() {
         let err = pair
             .p
             .prefill(PrefillRequest {
+                stop: None,
                 request_id: "p".into(),
                 prompt: p,
                 sampling: Some(SamplingParams::default()),
@@ -382,6 +385,7 @@ async fn workers_with_different_kv_layouts_refuse_each_other() {
         };
         let err = other_client
             .prefill(PrefillRequest {
+                stop: None,
                 request_id: "mixed".into(),
                 prompt: p,
                 sampling: Some(SamplingParams::default()),

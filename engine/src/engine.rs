@@ -26,7 +26,7 @@ use crate::backend::{self, Batch, ComputeBackend};
 use crate::device::Device;
 use crate::error::{EngineError, Result};
 use crate::model::{Model, SeqInput};
-use crate::sampling::{Sampler, SamplingParams, StopParams};
+use crate::sampling::{SampledToken, Sampler, SamplingParams, StopParams};
 use crate::sequence::Sequence;
 
 /// A prefilled sequence's KV: the reserved blocks it was written into, and where.
@@ -73,7 +73,10 @@ impl FinishReason {
 pub struct StepOutput {
     pub id: SeqId,
     pub token: u32,
+    /// As the sampling module defines it.
     pub logprob: f32,
+    /// The request's `top_logprobs` most likely tokens, most likely first.
+    pub top_logprobs: Vec<(u32, f32)>,
     /// Text this token completes (may be empty, never half a character).
     pub text: String,
     /// Set on the sequence's last token; its blocks are already free.
@@ -396,24 +399,31 @@ impl Engine {
     pub fn add_prefilled(
         &mut self,
         prompt: Vec<u32>,
-        first_token: u32,
-        first_logprob: f32,
+        first: SampledToken,
         kv: ReceivedKv,
         sampling: SamplingParams,
         stop: StopParams,
     ) -> Result<(SeqId, StepOutput)> {
         let ReceivedKv { blocks, location } = kv;
         self.validate_request(&prompt, &sampling, &stop)?;
-        if first_token as usize >= self.model.config().vocab_size {
-            return Err(EngineError::UnknownToken {
-                id: first_token,
-                vocab: self.model.config().vocab_size,
-            });
+        let vocab = self.model.config().vocab_size;
+        if let Some(&id) = std::iter::once(&first.token)
+            .chain(first.top_logprobs.iter().map(|(id, _)| id))
+            .find(|&&id| id as usize >= vocab)
+        {
+            return Err(EngineError::UnknownToken { id, vocab });
+        }
+        if first.top_logprobs.len() > sampling.top_logprobs {
+            return Err(EngineError::InvalidKv(format!(
+                "the first token came with {} alternatives; {} were asked for",
+                first.top_logprobs.len(),
+                sampling.top_logprobs
+            )));
         }
         // A sliding-window model's KV arrives for the blocks its first decode step reads
         // (`first_needed_block` on, as `reserve` counts them): the table is padded in front.
-        let first = self.model.config().first_needed_block(prompt.len());
-        if blocks.len() < blocks_for(prompt.len()) - first || {
+        let first_block = self.model.config().first_needed_block(prompt.len());
+        if blocks.len() < blocks_for(prompt.len()) - first_block || {
             let pool = self.pool();
             blocks.iter().any(|&b| !pool.is_allocated(b))
         } {
@@ -421,22 +431,17 @@ impl Engine {
                 "blocks do not cover the prompt or are not reserved".into(),
             ));
         }
-        let mut padded = vec![FREED_BLOCK; first];
+        let mut padded = vec![FREED_BLOCK; first_block];
         padded.extend(blocks);
         let blocks = padded;
-        let kept = &blocks[first..];
+        let kept = &blocks[first_block..];
         self.place_received_kv(kept, location)?;
         let id = self.allocate_id();
         let sampler = Sampler::resumed(&sampling, 1);
         let mut seq = Sequence::new(id, prompt, sampling, stop, &self.eos, sampler);
         seq.computed = seq.prompt_len;
         seq.blocks = blocks;
-        let out = seq.push_token(
-            first_token,
-            first_logprob,
-            &self.tokenizer,
-            self.context_len(),
-        );
+        let out = seq.push_token(first, &self.tokenizer, self.context_len());
         if out.finish.is_some() {
             self.free_blocks_of(seq.blocks);
         } else {
@@ -533,8 +538,8 @@ impl Engine {
                 continue;
             }
             let Some(mut row) = logits.next() else { break };
-            let (token, logprob) = seq.sampler.sample(&mut row, &seq.sampling, &seq.tokens);
-            let out = seq.push_token(token, logprob, &self.tokenizer, context);
+            let sampled = seq.sample(&mut row);
+            let out = seq.push_token(sampled, &self.tokenizer, context);
             if out.finish.is_some() {
                 self.finish(id);
             }
@@ -707,7 +712,7 @@ pub fn validate_request(
             vocab: cfg.vocab_size,
         });
     }
-    sampling.validate()?;
+    sampling.validate(cfg.vocab_size)?;
     stop.validate(cfg.vocab_size)?;
     let context = cfg.max_position_embeddings;
     if prompt.len() + stop.max_tokens > context {
@@ -734,8 +739,7 @@ pub fn first_token_output(
     tokenizer: &TextTokenizer,
     context: usize,
     prompt: &[u32],
-    token: u32,
-    logprob: f32,
+    first: SampledToken,
     sampling: &SamplingParams,
     stop: &StopParams,
 ) -> StepOutput {
@@ -749,7 +753,7 @@ pub fn first_token_output(
         Sampler::resumed(sampling, 0),
     );
     seq.computed = seq.prompt_len;
-    seq.push_token(token, logprob, tokenizer, context)
+    seq.push_token(first, tokenizer, context)
 }
 
 #[cfg(test)]

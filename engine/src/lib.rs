@@ -23,4 +23,4 @@ pub const CUDA_SUPPORT: bool = cfg!(feature = "cuda");
 pub use engine::{Engine, EngineConfig, FinishReason, ReceivedKv, SeqId, StepOutput};
 pub use error::{EngineError, Result};
 pub use model::{LoadOptions, Model, ModelSource, SeqInput, load_model};
-pub use sampling::{SamplingParams, StopParams};
+pub use sampling::{SampledToken, SamplingParams, StopParams};

@@ -1,9 +1,17 @@
-//! Sampling parameters, their validation, and the sampler: repetition penalty, greedy,
-//! temperature, top-k, top-p, seeded randomness.
+//! Sampling parameters, their validation, and the sampler: logit bias, repetition,
+//! presence and frequency penalties, tokens held back by `min_tokens`, greedy, temperature,
+//! top-k, top-p, seeded randomness, and the log-probabilities reported with each token.
 //!
 //! The sampler draws exactly one random number per sampled token (none when greedy), so a
 //! seeded request gives the same tokens whether its first token was sampled by a prefill
 //! worker and the rest by a decode worker, or all by one engine.
+//!
+//! Reported log-probabilities are the log-softmax of the logits after the request's own
+//! adjustments (logit bias, penalties, `min_tokens`) and before temperature, top-k and top-p:
+//! the distribution the request asks the model for, whatever randomness then picks from it.
+//! So greedy always picks the top-1 reported token, and a token's logprob does not change
+//! with the temperature. (vLLM's default reports the raw model output instead; OpenAI does
+//! not say.)
 
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -24,6 +32,14 @@ pub struct SamplingParams {
     pub seed: Option<u64>,
     /// HF-style penalty on tokens already in the prompt or output; 1 disables.
     pub repetition_penalty: f32,
+    /// OpenAI's: subtracted once from the logit of every token already generated.
+    pub presence_penalty: f32,
+    /// OpenAI's: subtracted from a token's logit once per time it was generated.
+    pub frequency_penalty: f32,
+    /// Added to the logits of these token ids.
+    pub logit_bias: Vec<(u32, f32)>,
+    /// How many most likely tokens to report with each token (0: none).
+    pub top_logprobs: usize,
 }
 
 impl Default for SamplingParams {
@@ -34,6 +50,10 @@ impl Default for SamplingParams {
             top_p: 1.0,
             seed: None,
             repetition_penalty: 1.0,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            logit_bias: Vec::new(),
+            top_logprobs: 0,
         }
     }
 }
@@ -43,8 +63,43 @@ impl SamplingParams {
         Self::default()
     }
 
-    pub fn validate(&self) -> Result<()> {
+    /// Checks every bound; `vocab` bounds the ids of `logit_bias`.
+    pub fn validate(&self, vocab: usize) -> Result<()> {
         let bad = |param, reason: String| Err(EngineError::InvalidSampling { param, reason });
+        for (param, value) in [
+            ("presence_penalty", self.presence_penalty),
+            ("frequency_penalty", self.frequency_penalty),
+        ] {
+            if !value.is_finite() || value.abs() > MAX_OPENAI_PENALTY {
+                return bad(
+                    param,
+                    format!("{value} is not in [-{MAX_OPENAI_PENALTY}, {MAX_OPENAI_PENALTY}]"),
+                );
+            }
+        }
+        if self.logit_bias.len() > MAX_LOGIT_BIAS {
+            return bad("logit_bias", format!("at most {MAX_LOGIT_BIAS} entries"));
+        }
+        for &(id, bias) in &self.logit_bias {
+            if id as usize >= vocab {
+                return bad(
+                    "logit_bias",
+                    format!("{id} is outside the vocabulary of {vocab}"),
+                );
+            }
+            if !bias.is_finite() || bias.abs() > MAX_LOGIT_BIAS_VALUE {
+                return bad(
+                    "logit_bias",
+                    format!("{bias} is not in [-{MAX_LOGIT_BIAS_VALUE}, {MAX_LOGIT_BIAS_VALUE}]"),
+                );
+            }
+        }
+        if self.top_logprobs > MAX_TOP_LOGPROBS {
+            return bad(
+                "top_logprobs",
+                format!("{} is more than {MAX_TOP_LOGPROBS}", self.top_logprobs),
+            );
+        }
         if !self.temperature.is_finite() || !(0.0..=MAX_TEMPERATURE).contains(&self.temperature) {
             return bad(
                 "temperature",
@@ -85,6 +140,8 @@ pub struct StopParams {
     pub stop_strings: Vec<String>,
     /// Keep generating through EOS (benchmarks use it for fixed output lengths).
     pub ignore_eos: bool,
+    /// No EOS, stop token or stop string ends generation before this many tokens.
+    pub min_tokens: usize,
 }
 
 impl Default for StopParams {
@@ -94,6 +151,7 @@ impl Default for StopParams {
             stop_token_ids: Vec::new(),
             stop_strings: Vec::new(),
             ignore_eos: false,
+            min_tokens: 0,
         }
     }
 }
@@ -107,12 +165,25 @@ pub const MAX_STOP_STRING_LEN: usize = 256;
 pub const MAX_STOP_TOKEN_IDS: usize = 64;
 pub const MAX_TEMPERATURE: f32 = 100.0;
 pub const MAX_REPETITION_PENALTY: f32 = 10.0;
+pub const MAX_OPENAI_PENALTY: f32 = 2.0;
+pub const MAX_LOGIT_BIAS: usize = 1024;
+pub const MAX_LOGIT_BIAS_VALUE: f32 = 100.0;
+pub const MAX_TOP_LOGPROBS: usize = 20;
 
 impl StopParams {
     pub fn validate(&self, vocab: usize) -> Result<()> {
         let bad = |param, reason: String| Err(EngineError::InvalidSampling { param, reason });
         if self.max_tokens == 0 {
             return bad("max_tokens", "must be at least 1".into());
+        }
+        if self.min_tokens > self.max_tokens {
+            return bad(
+                "min_tokens",
+                format!(
+                    "{} is more than max_tokens ({})",
+                    self.min_tokens, self.max_tokens
+                ),
+            );
         }
         if self.stop_token_ids.len() > MAX_STOP_TOKEN_IDS {
             return bad(
@@ -169,25 +240,39 @@ impl Sampler {
         s
     }
 
-    /// Picks the next token from `logits` (modified in place). Returns the token and its
-    /// log-probability under the distribution it was drawn from.
+    /// Picks the next token from `logits` (modified in place). `history` is the prompt
+    /// followed by the tokens generated so far (`history[prompt_len..]`); `suppressed` ids
+    /// cannot be picked (a stop token before `min_tokens`).
     pub fn sample(
         &mut self,
         logits: &mut [f32],
         params: &SamplingParams,
         history: &[u32],
-    ) -> (u32, f32) {
-        if params.repetition_penalty != 1.0 {
-            apply_repetition_penalty(logits, history, params.repetition_penalty);
+        prompt_len: usize,
+        suppressed: &[u32],
+    ) -> SampledToken {
+        adjust_logits(logits, params, history, prompt_len, suppressed);
+        let normalizer = log_normalizer(logits);
+        let top_logprobs = top_n(logits, params.top_logprobs)
+            .into_iter()
+            .map(|id| (id, logits[id as usize] - normalizer))
+            .collect();
+        let token = self.pick(logits, params);
+        SampledToken {
+            token,
+            logprob: logits[token as usize] - normalizer,
+            top_logprobs,
         }
+    }
+
+    /// Draws from the adjusted logits (greedy, or temperature, top-k and top-p).
+    /// The temperature divides logit differences inside each `exp` (the order, and so top-k,
+    /// does not depend on it), leaving `logits` as they were for the reported logprobs.
+    fn pick(&mut self, logits: &[f32], params: &SamplingParams) -> u32 {
         if params.is_greedy() {
-            let token = argmax(logits);
-            return (token, log_softmax_at(logits, token as usize));
+            return argmax(logits);
         }
         let inv_t = 1.0 / params.temperature;
-        for l in logits.iter_mut() {
-            *l *= inv_t;
-        }
         let mut candidates: Vec<u32> = (0..logits.len() as u32).collect();
         let by_logit_desc = |a: &u32, b: &u32| {
             logits[*b as usize]
@@ -208,12 +293,12 @@ impl Sampler {
             let max = logits[candidates[0] as usize];
             let total: f32 = candidates
                 .iter()
-                .map(|&c| (logits[c as usize] - max).exp())
+                .map(|&c| ((logits[c as usize] - max) * inv_t).exp())
                 .sum();
             let mut cum = 0.0;
             let mut keep = head;
             for (i, &c) in candidates[..head].iter().enumerate() {
-                cum += (logits[c as usize] - max).exp() / total;
+                cum += ((logits[c as usize] - max) * inv_t).exp() / total;
                 if cum >= params.top_p {
                     keep = i + 1;
                     break;
@@ -224,7 +309,7 @@ impl Sampler {
                 cum = 0.0;
                 keep = candidates.len();
                 for (i, &c) in candidates.iter().enumerate() {
-                    cum += (logits[c as usize] - max).exp() / total;
+                    cum += ((logits[c as usize] - max) * inv_t).exp() / total;
                     if cum >= params.top_p {
                         keep = i + 1;
                         break;
@@ -241,7 +326,7 @@ impl Sampler {
             .fold(f32::NEG_INFINITY, f32::max);
         let weights: Vec<f32> = candidates
             .iter()
-            .map(|&c| (logits[c as usize] - max).exp())
+            .map(|&c| ((logits[c as usize] - max) * inv_t).exp())
             .collect();
         let total: f32 = weights.iter().sum();
         let u: f32 = self.rng.random::<f32>() * total;
@@ -254,10 +339,92 @@ impl Sampler {
                 break;
             }
         }
-        let logprob =
-            (weights[candidates.iter().position(|&c| c == chosen).unwrap_or(0)] / total).ln();
-        (chosen, logprob)
+        chosen
     }
+}
+
+
+/// One sampled token, with its log-probability and the most likely tokens at its position
+/// (most likely first, the lower id first on a tie), as the module doc defines them.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct SampledToken {
+    pub token: u32,
+    pub logprob: f32,
+    pub top_logprobs: Vec<(u32, f32)>,
+}
+
+impl SampledToken {
+    /// A token without alternatives.
+    pub fn new(token: u32, logprob: f32) -> Self {
+        Self {
+            token,
+            logprob,
+            top_logprobs: Vec::new(),
+        }
+    }
+}
+
+/// The request's own changes to the model's logits, in a fixed order: logit bias, the
+/// repetition penalty (prompt and output), presence and frequency penalties (output only),
+/// and the suppressed ids last so that no bias brings them back.
+fn adjust_logits(
+    logits: &mut [f32],
+    params: &SamplingParams,
+    history: &[u32],
+    prompt_len: usize,
+    suppressed: &[u32],
+) {
+    for &(id, bias) in &params.logit_bias {
+        if let Some(l) = logits.get_mut(id as usize) {
+            *l += bias;
+        }
+    }
+    if params.repetition_penalty != 1.0 {
+        apply_repetition_penalty(logits, history, params.repetition_penalty);
+    }
+    if params.presence_penalty != 0.0 || params.frequency_penalty != 0.0 {
+        let mut counts = std::collections::HashMap::<u32, u32>::new();
+        for &t in history.get(prompt_len..).unwrap_or(&[]) {
+            *counts.entry(t).or_default() += 1;
+        }
+        for (t, n) in counts {
+            if let Some(l) = logits.get_mut(t as usize) {
+                *l -= params.presence_penalty + params.frequency_penalty * n as f32;
+            }
+        }
+    }
+    for &id in suppressed {
+        if let Some(l) = logits.get_mut(id as usize) {
+            *l = f32::NEG_INFINITY;
+        }
+    }
+}
+
+/// log Σ exp(logits): a token's logprob is its logit minus this.
+fn log_normalizer(logits: &[f32]) -> f32 {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    if max == f32::NEG_INFINITY {
+        return 0.0;
+    }
+    max + crate::backend::cpu::kernels::sum_exp(logits, max).ln()
+}
+
+/// The ids of the `n` largest logits, largest first (the lower id first on a tie).
+fn top_n(logits: &[f32], n: usize) -> Vec<u32> {
+    let mut top: Vec<u32> = Vec::with_capacity(n + 1);
+    if n == 0 {
+        return top;
+    }
+    for (i, &v) in logits.iter().enumerate() {
+        if top.len() == n && v <= logits[top[n - 1] as usize] {
+            continue;
+        }
+        // Strictly greater goes first, so an equal logit stays behind the lower id.
+        let at = top.partition_point(|&t| logits[t as usize] >= v);
+        top.insert(at, i as u32);
+        top.truncate(n);
+    }
+    top
 }
 
 fn apply_repetition_penalty(logits: &mut [f32], history: &[u32], penalty: f32) {
@@ -284,12 +451,6 @@ pub fn argmax(logits: &[f32]) -> u32 {
     best as u32
 }
 
-fn log_softmax_at(logits: &[f32], i: usize) -> f32 {
-    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let sum = crate::backend::cpu::kernels::sum_exp(logits, max);
-    logits[i] - max - sum.ln()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -301,15 +462,23 @@ mod tests {
             top_p,
             seed: Some(seed),
             repetition_penalty: 1.0,
+            ..SamplingParams::default()
         }
     }
 
     #[test]
     fn greedy_picks_the_max_and_first_of_ties() {
         let mut s = Sampler::new(&SamplingParams::greedy());
-        let (t, lp) = s.sample(&mut [0.1, 3.0, 3.0, -1.0], &SamplingParams::greedy(), &[]);
-        assert_eq!(t, 1);
-        assert!(lp < 0.0 && lp > -1.0);
+        let out = s.sample(
+            &mut [0.1, 3.0, 3.0, -1.0],
+            &SamplingParams::greedy(),
+            &[],
+            0,
+            &[],
+        );
+        assert_eq!(out.token, 1);
+        assert!(out.logprob < 0.0 && out.logprob > -1.0);
+        assert!(out.top_logprobs.is_empty());
     }
 
     #[test]
@@ -317,10 +486,10 @@ mod tests {
         let logits = [5.0, 4.0, 1.0, 0.5, 0.1, -3.0];
         for seed in 0..200 {
             let p = params(1.0, 2, 1.0, seed);
-            let (t, _) = Sampler::new(&p).sample(&mut logits.clone(), &p, &[]);
+            let t = Sampler::new(&p).sample(&mut logits.clone(), &p, &[], 0, &[]).token;
             assert!(t < 2, "top_k=2 gave {t}");
             let p = params(1.0, 0, 0.5, seed);
-            let (t, _) = Sampler::new(&p).sample(&mut logits.clone(), &p, &[]);
+            let t = Sampler::new(&p).sample(&mut logits.clone(), &p, &[], 0, &[]).token;
             assert_eq!(t, 0, "top_p=0.5 keeps only the first (p≈0.71)");
         }
     }
@@ -331,7 +500,7 @@ mod tests {
         let p = params(1.0, 0, 1.0, 42);
         let run = |mut s: Sampler, n: usize| -> Vec<u32> {
             (0..n)
-                .map(|_| s.sample(&mut logits.clone(), &p, &[]).0)
+                .map(|_| s.sample(&mut logits.clone(), &p, &[], 0, &[]).token)
                 .collect()
         };
         let a = run(Sampler::new(&p), 10);
@@ -347,7 +516,7 @@ mod tests {
         let mut s = Sampler::new(&p);
         let mut counts = [0; 4];
         for _ in 0..400 {
-            counts[s.sample(&mut logits.clone(), &p, &[]).0 as usize] += 1;
+            counts[s.sample(&mut logits.clone(), &p, &[], 0, &[]).token as usize] += 1;
         }
         assert!(counts.iter().all(|&c| c > 60), "{counts:?}");
     }
@@ -358,7 +527,9 @@ mod tests {
             repetition_penalty: 4.0,
             ..SamplingParams::greedy()
         };
-        let (t, _) = Sampler::new(&p).sample(&mut [2.0, 1.0, -1.0], &p, &[0, 0]);
+        let t = Sampler::new(&p)
+            .sample(&mut [2.0, 1.0, -1.0], &p, &[0, 0], 2, &[])
+            .token;
         assert_eq!(t, 1, "2.0/4 < 1.0");
     }
 
@@ -385,15 +556,45 @@ mod tests {
                 repetition_penalty: 0.0,
                 ..Default::default()
             },
+            SamplingParams {
+                presence_penalty: 2.5,
+                ..Default::default()
+            },
+            SamplingParams {
+                frequency_penalty: f32::NAN,
+                ..Default::default()
+            },
+            SamplingParams {
+                logit_bias: vec![(10, 1.0)],
+                ..Default::default()
+            },
+            SamplingParams {
+                logit_bias: vec![(1, 101.0)],
+                ..Default::default()
+            },
+            SamplingParams {
+                logit_bias: vec![(1, 1.0); MAX_LOGIT_BIAS + 1],
+                ..Default::default()
+            },
+            SamplingParams {
+                top_logprobs: MAX_TOP_LOGPROBS + 1,
+                ..Default::default()
+            },
         ] {
             assert!(
-                matches!(bad.validate(), Err(EngineError::InvalidSampling { .. })),
+                matches!(bad.validate(10), Err(EngineError::InvalidSampling { .. })),
                 "{bad:?}"
             );
         }
-        assert!(SamplingParams::default().validate().is_ok());
+        assert!(SamplingParams::default().validate(10).is_ok());
         let stop = StopParams {
             max_tokens: 0,
+            ..Default::default()
+        };
+        assert!(stop.validate(10).is_err());
+        let stop = StopParams {
+            max_tokens: 4,
+            min_tokens: 5,
             ..Default::default()
         };
         assert!(stop.validate(10).is_err());
@@ -407,5 +608,110 @@ mod tests {
             ..Default::default()
         };
         assert!(stop.validate(10).is_err());
+    }
+
+    /// log-softmax in f64, the reference for reported logprobs.
+    fn log_softmax(logits: &[f32]) -> Vec<f64> {
+        let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+        let sum: f64 = logits.iter().map(|&l| (l as f64 - max).exp()).sum();
+        logits
+            .iter()
+            .map(|&l| l as f64 - max - sum.ln())
+            .collect()
+    }
+
+    #[test]
+    fn top_logprobs_are_the_most_likely_in_order_and_normalised() {
+        let logits: Vec<f32> = (0..300).map(|i| ((i * 37 % 101) as f32) * 0.05).collect();
+        let reference = log_softmax(&logits);
+        for (temperature, seed) in [(0.0, 0), (0.7, 1), (1.5, 2)] {
+            let p = SamplingParams {
+                top_logprobs: 5,
+                ..params(temperature, 0, 1.0, seed)
+            };
+            let out = Sampler::new(&p).sample(&mut logits.clone(), &p, &[], 0, &[]);
+            let ids: Vec<u32> = out.top_logprobs.iter().map(|&(id, _)| id).collect();
+            let mut by_logit: Vec<u32> = (0..300).collect();
+            by_logit.sort_by(|&a, &b| logits[b as usize].total_cmp(&logits[a as usize]).then(a.cmp(&b)));
+            assert_eq!(ids, by_logit[..5], "temperature {temperature}");
+            for &(id, lp) in &out.top_logprobs {
+                assert!((lp as f64 - reference[id as usize]).abs() < 1e-5);
+            }
+            // The sampled token's logprob is on the same scale, whatever the temperature.
+            assert!((out.logprob as f64 - reference[out.token as usize]).abs() < 1e-5);
+            if temperature == 0.0 {
+                assert_eq!(out.token, ids[0], "greedy picks the top-1");
+                assert_eq!(out.logprob, out.top_logprobs[0].1);
+            }
+        }
+    }
+
+    #[test]
+    fn top_n_breaks_ties_by_the_lower_id() {
+        assert_eq!(top_n(&[1.0, 3.0, 3.0, 2.0, 3.0], 2), vec![1, 2]);
+        assert_eq!(top_n(&[1.0, 3.0, 3.0, 2.0, 3.0], 4), vec![1, 2, 4, 3]);
+        assert_eq!(top_n(&[1.0, 2.0], 5), vec![1, 0]);
+        assert!(top_n(&[1.0], 0).is_empty());
+    }
+
+    #[test]
+    fn logit_bias_moves_the_choice_and_the_reported_logprob() {
+        let p = SamplingParams {
+            logit_bias: vec![(2, 10.0), (0, -100.0)],
+            top_logprobs: 3,
+            ..SamplingParams::greedy()
+        };
+        let mut logits = [5.0, 4.0, 1.0, 0.0];
+        let out = Sampler::new(&p).sample(&mut logits, &p, &[], 0, &[]);
+        assert_eq!(out.token, 2);
+        let reference = log_softmax(&[-95.0, 4.0, 11.0, 0.0]);
+        assert!((out.logprob as f64 - reference[2]).abs() < 1e-5);
+        assert_eq!(out.top_logprobs.iter().map(|t| t.0).collect::<Vec<_>>(), [2, 1, 3]);
+    }
+
+    #[test]
+    fn presence_and_frequency_penalties_count_generated_tokens_only() {
+        // history: prompt [0, 0, 0], then generated [1, 1].
+        let history = [0, 0, 0, 1, 1];
+        let logits = [3.0, 3.0, 2.5];
+        let presence = SamplingParams {
+            presence_penalty: 0.6,
+            ..SamplingParams::greedy()
+        };
+        let mut l = logits;
+        let out = Sampler::new(&presence).sample(&mut l, &presence, &history, 3, &[]);
+        assert_eq!(l, [3.0, 2.4, 2.5], "once for token 1, never for prompt-only token 0");
+        assert_eq!(out.token, 0);
+        let frequency = SamplingParams {
+            frequency_penalty: 0.3,
+            ..SamplingParams::greedy()
+        };
+        let mut l = logits;
+        Sampler::new(&frequency).sample(&mut l, &frequency, &history, 3, &[]);
+        assert_eq!(l, [3.0, 2.4, 2.5], "0.3 per appearance, twice");
+        let negative = SamplingParams {
+            presence_penalty: -1.0,
+            ..SamplingParams::greedy()
+        };
+        let out = Sampler::new(&negative).sample(&mut logits.clone(), &negative, &history, 3, &[]);
+        assert_eq!(out.token, 1, "a negative penalty encourages repeats");
+    }
+
+    #[test]
+    fn suppressed_ids_cannot_be_picked_even_when_biased() {
+        let p = SamplingParams {
+            logit_bias: vec![(0, 100.0)],
+            top_logprobs: 2,
+            ..params(1.0, 0, 1.0, 3)
+        };
+        for seed in 0..50 {
+            let p = SamplingParams {
+                seed: Some(seed),
+                ..p.clone()
+            };
+            let out = Sampler::new(&p).sample(&mut [9.0, 1.0, 0.5], &p, &[], 0, &[0]);
+            assert_ne!(out.token, 0);
+            assert!(out.top_logprobs.iter().all(|&(id, _)| id != 0));
+        }
     }
 }

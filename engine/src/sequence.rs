@@ -5,7 +5,7 @@
 use tandem_text::{IncrementalDetokenizer, StopStringMatcher, TextTokenizer};
 
 use crate::engine::{FinishReason, SeqId, StepOutput};
-use crate::sampling::{Sampler, SamplingParams, StopParams};
+use crate::sampling::{SampledToken, Sampler, SamplingParams, StopParams};
 
 #[derive(Debug)]
 pub(crate) struct Sequence {
@@ -67,17 +67,40 @@ impl Sequence {
         self.tokens.len() - self.computed
     }
 
+    /// Samples the next token from this sequence's logits row; until `min_tokens` are
+    /// generated its stop ids cannot be picked.
+    pub fn sample(&mut self, logits: &mut [f32]) -> SampledToken {
+        let suppressed: &[u32] = if self.generated() < self.stop.min_tokens {
+            &self.stop_ids
+        } else {
+            &[]
+        };
+        self.sampler.sample(
+            logits,
+            &self.sampling,
+            &self.tokens,
+            self.prompt_len,
+            suppressed,
+        )
+    }
+
     /// Appends a sampled token and works out what the client sees and whether it ends here.
     pub fn push_token(
         &mut self,
-        token: u32,
-        logprob: f32,
+        sampled: SampledToken,
         tokenizer: &TextTokenizer,
         context: usize,
     ) -> StepOutput {
+        let SampledToken {
+            token,
+            logprob,
+            top_logprobs,
+        } = sampled;
         self.tokens.push(token);
         let mut finish = None;
         let mut text = String::new();
+        // Before `min_tokens`, stop strings do not apply (and stop ids were suppressed).
+        let may_stop = self.generated() > self.stop.min_tokens;
         if self.stop_ids.contains(&token) {
             finish = Some(FinishReason::Stop);
             text.push_str(&self.flush(tokenizer, false));
@@ -86,9 +109,15 @@ impl Sequence {
                 tracing::warn!(seq = self.id, error = %e, "detokenization failed");
                 String::new()
             });
-            let m = self.stop_matcher.push(&delta);
-            text.push_str(&m.emit);
-            if m.stopped.is_some() {
+            let stopped = if may_stop {
+                let m = self.stop_matcher.push(&delta);
+                text.push_str(&m.emit);
+                m.stopped.is_some()
+            } else {
+                text.push_str(&delta);
+                false
+            };
+            if stopped {
                 finish = Some(FinishReason::Stop);
             } else if self.generated() >= self.stop.max_tokens || self.tokens.len() >= context {
                 finish = Some(FinishReason::Length);
@@ -99,6 +128,7 @@ impl Sequence {
             id: self.id,
             token,
             logprob,
+            top_logprobs,
             text,
             finish,
             prompt_tokens: self.prompt_len,

@@ -10,7 +10,8 @@ use tandem_engine::engine::{EngineStats, ReceivedKv};
 mod common;
 use tandem_engine::model::dummy_model;
 use tandem_engine::{
-    Engine, EngineConfig, EngineError, FinishReason, Model, SamplingParams, StepOutput, StopParams,
+    Engine, EngineConfig, EngineError, FinishReason, Model, SampledToken, SamplingParams,
+    StepOutput, StopParams,
 };
 use tandem_kv::KvLocation;
 use tandem_text::TextTokenizer;
@@ -215,6 +216,7 @@ fn sampled_requests_reproduce_with_a_seed() {
         top_p: 0.95,
         seed: Some(1234),
         repetition_penalty: 1.1,
+        ..SamplingParams::default()
     };
     let stop = StopParams {
         max_tokens: 25,
@@ -321,8 +323,7 @@ fn bad_inputs_are_typed_errors() {
     assert!(
         e.add_prefilled(
             vec![3; 20],
-            9999,
-            0.0,
+            SampledToken::new(9999, 0.0),
             ReceivedKv::host(blocks.clone()),
             ok.clone(),
             stop.clone()
@@ -332,8 +333,7 @@ fn bad_inputs_are_typed_errors() {
     assert!(
         e.add_prefilled(
             vec![3; 40],
-            5,
-            0.0,
+            SampledToken::new(5, 0.0),
             ReceivedKv::host(blocks.clone()),
             ok.clone(),
             stop.clone()
@@ -344,8 +344,7 @@ fn bad_inputs_are_typed_errors() {
     let err = e
         .add_prefilled(
             vec![3; 20],
-            5,
-            0.0,
+            SampledToken::new(5, 0.0),
             ReceivedKv {
                 blocks: blocks.clone(),
                 location: KvLocation::Device,

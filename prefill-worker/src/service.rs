@@ -11,9 +11,11 @@ use tandem_proto::PROTOCOL_VERSION;
 use tandem_proto::v1::prefill_service_server::{PrefillService, PrefillServiceServer};
 use tandem_proto::v1::*;
 use tandem_text::TextTokenizer;
-use tandem_transfer::{Peers, TransferError, connect, transport_name};
+use tandem_transfer::{
+    FirstToken, Peers, TransferError, connect, top_logprobs_to_proto, transport_name,
+};
 use tandem_worker::convert::{
-    engine_status, kv_layout_to_proto, sampling_from_proto, tokenizer_spec,
+    engine_status, kv_layout_to_proto, sampling_from_proto, stop_from_proto, tokenizer_spec,
 };
 use tandem_worker::{EngineHandle, SeqEvent, spawn_engine};
 use tokio::net::TcpListener;
@@ -218,10 +220,14 @@ impl PrefillService for PrefillWorker {
 /// which stops the transfer before the next layer and aborts the sequence.
 async fn prefill(inner: &Inner, req: PrefillRequest) -> Result<PrefillResponse, Status> {
     let sampling = sampling_from_proto(req.sampling.as_ref());
-    // One output token (the first), whatever the model says.
+    // One output token (the first). The request's stop ids and EOS matter only to keep them
+    // from being that token under `min_tokens`; the decode worker applies the rest.
+    let asked = stop_from_proto(req.stop.as_ref());
     let stop = StopParams {
         max_tokens: 1,
-        ignore_eos: true,
+        ignore_eos: req.stop.is_none() || asked.ignore_eos,
+        stop_token_ids: asked.stop_token_ids,
+        min_tokens: asked.min_tokens.min(1),
         ..StopParams::default()
     };
     validate_request(
@@ -270,8 +276,13 @@ async fn prefill(inner: &Inner, req: PrefillRequest) -> Result<PrefillResponse, 
             queue_seconds,
             compute_seconds,
         } => {
+            let first = FirstToken {
+                token: output.token,
+                logprob: output.logprob,
+                top_logprobs: output.top_logprobs.clone(),
+            };
             let stats = sender
-                .commit(output.token, output.logprob)
+                .commit(first)
                 .await
                 .map_err(|e| {
                     inner.peers.forget(&dest);
@@ -287,6 +298,7 @@ async fn prefill(inner: &Inner, req: PrefillRequest) -> Result<PrefillResponse, 
             Ok(PrefillResponse {
                 first_token: output.token,
                 first_logprob: output.logprob,
+                first_top_logprobs: top_logprobs_to_proto(&output.top_logprobs),
                 kv_bytes: stats.bytes,
                 transfer_seconds: stats.seconds,
                 compute_seconds,

@@ -149,6 +149,7 @@ async fn shipped_kv_is_the_computed_kv_committed_with_the_first_token() {
             .expect("lease");
         let resp = p
             .prefill(PrefillRequest {
+                stop: None,
                 request_id: format!("ship-{i}"),
                 prompt: p37.clone(),
                 sampling: Some(SamplingParams::default()),
@@ -198,6 +199,7 @@ async fn an_ended_lease_or_an_unproven_decode_side_gets_nothing() {
     side.table.cancel(lease.token());
     let err = p
         .prefill(PrefillRequest {
+            stop: None,
             request_id: "gone".into(),
             prompt: p40.clone(),
             sampling: None,
@@ -229,6 +231,7 @@ async fn an_ended_lease_or_an_unproven_decode_side_gets_nothing() {
         .expect("lease");
     let err = p
         .prefill(PrefillRequest {
+            stop: None,
             request_id: "stranger".into(),
             prompt: p40,
             sampling: None,

@@ -7,7 +7,9 @@
 /// Bumped on any incompatible change to the messages or the raw TCP framing.
 /// 2: leases are 128-bit capabilities; KV destinations name the decode worker, not addresses;
 /// the raw TCP hello answers the listener's challenge.
-pub const PROTOCOL_VERSION: u32 = 2;
+/// 3: the first token travels with its top logprobs (a longer raw TCP commit header); prefill
+/// requests carry the stop parameters (min_tokens).
+pub const PROTOCOL_VERSION: u32 = 3;
 
 /// What one request may ask for. The router refuses anything outside these bounds itself,
 /// naming the field, before a worker sees it; the workers' engines hold the same bounds
@@ -24,6 +26,14 @@ pub mod limits {
     pub const MAX_STOP_STRING_BYTES: usize = 256;
     /// `stop_token_ids` per request.
     pub const MAX_STOP_TOKEN_IDS: usize = 64;
+    /// `presence_penalty` and `frequency_penalty` in [-MAX_OPENAI_PENALTY, MAX_OPENAI_PENALTY].
+    pub const MAX_OPENAI_PENALTY: f32 = 2.0;
+    /// `logit_bias` entries per request.
+    pub const MAX_LOGIT_BIAS: usize = 1024;
+    /// A `logit_bias` value in [-MAX_LOGIT_BIAS_VALUE, MAX_LOGIT_BIAS_VALUE].
+    pub const MAX_LOGIT_BIAS_VALUE: f32 = 100.0;
+    /// Alternatives reported per token (`top_logprobs`, completions' `logprobs`).
+    pub const MAX_TOP_LOGPROBS: usize = 20;
     /// Bytes of a lease capability.
     pub const LEASE_TOKEN_BYTES: usize = 16;
 }

@@ -112,6 +112,9 @@ pub struct TokenOut {
     pub logprob: f32,
     pub index: u32,
     pub special: bool,
+    /// The most likely tokens at this position, most likely first (as many as the request's
+    /// `top_logprobs`, never more: a worker's extra ones are dropped).
+    pub top_logprobs: Vec<(u32, f32)>,
 }
 
 /// The end of a generation.
@@ -506,7 +509,7 @@ fn generate_request(ctx: &FlowContext, req: &FlowRequest, mode: Mode) -> Generat
     GenerateRequest {
         request_id: req.request_id.clone(),
         prompt: req.prompt.clone(),
-        sampling: Some(req.sampling),
+        sampling: Some(req.sampling.clone()),
         stop: Some(req.stop.clone()),
         mode: mode as i32,
         lease_ttl_ms: match mode {
@@ -620,8 +623,9 @@ async fn run_disaggregated(
         PrefillRequest {
             request_id: req.request_id.clone(),
             prompt: req.prompt.clone(),
-            sampling: Some(req.sampling),
+            sampling: Some(req.sampling.clone()),
             destination: Some(destination),
+            stop: Some(req.stop.clone()),
         },
         &req.request_id,
     ));
@@ -697,18 +701,22 @@ async fn run_disaggregated(
 
 /// Whether `token` must be the last one, so its event can carry the finish.
 fn is_known_last(req: &FlowRequest, token: &TokenEvent) -> bool {
+    let may_stop = token.index >= req.stop.min_tokens;
     token.index.saturating_add(1) >= req.stop.max_tokens
-        || (!req.stop.ignore_eos && req.eos_token_ids.contains(&token.id))
-        || req.stop.stop_token_ids.contains(&token.id)
+        || (may_stop && !req.stop.ignore_eos && req.eos_token_ids.contains(&token.id))
+        || (may_stop && req.stop.stop_token_ids.contains(&token.id))
 }
 
-fn token_out(t: TokenEvent) -> TokenOut {
+fn token_out(t: TokenEvent, req: &FlowRequest) -> TokenOut {
+    let mut top = t.top_logprobs;
+    top.truncate(req.sampling.top_logprobs as usize);
     TokenOut {
         id: t.id,
         text: t.text,
         logprob: t.logprob,
         index: t.index,
         special: t.special,
+        top_logprobs: top.into_iter().map(|t| (t.id, t.logprob)).collect(),
     }
 }
 
@@ -748,7 +756,7 @@ async fn pump(
             Ok(DecodeItem::Token(token)) => {
                 if let Some(prev) = held.take()
                     && tx
-                        .send(FlowEvent::Token(token_out(prev), None))
+                        .send(FlowEvent::Token(token_out(prev, req), None))
                         .await
                         .is_err()
                 {
@@ -757,7 +765,7 @@ async fn pump(
                 if req.hold_every_token || is_known_last(req, &token) {
                     held = Some(token);
                 } else if tx
-                    .send(FlowEvent::Token(token_out(token), None))
+                    .send(FlowEvent::Token(token_out(token, req), None))
                     .await
                     .is_err()
                 {
@@ -771,7 +779,7 @@ async fn pump(
                         .record(f.kv_wait_seconds);
                 }
                 let event = match held.take() {
-                    Some(last) => FlowEvent::Token(token_out(last), Some(finish.clone())),
+                    Some(last) => FlowEvent::Token(token_out(last, req), Some(finish.clone())),
                     None => FlowEvent::Finished(finish.clone()),
                 };
                 return match tx.send(event).await {
@@ -783,7 +791,7 @@ async fn pump(
                 let e = e.into_api();
                 tracing::warn!(error = %e, "generation failed after the response head; ending the stream with an error event");
                 if let Some(prev) = held.take() {
-                    let _ = tx.send(FlowEvent::Token(token_out(prev), None)).await;
+                    let _ = tx.send(FlowEvent::Token(token_out(prev, req), None)).await;
                 }
                 let kind = e.kind();
                 let _ = tx.send(FlowEvent::Failed(e)).await;

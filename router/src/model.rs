@@ -122,6 +122,21 @@ impl ServedModel {
             })
     }
 
+    /// One token's text as logprobs report it: the id decoded on its own, special tokens
+    /// included (a piece of a multi-byte character decodes to U+FFFD; an id outside the
+    /// vocabulary to nothing).
+    pub fn token_text(&self, id: u32) -> String {
+        if self.vocab_size > 0 && id >= self.vocab_size {
+            return String::new();
+        }
+        self.tokenizer.decode(&[id], false).unwrap_or_default()
+    }
+
+    /// Whether `id` is one of the tokenizer's special tokens.
+    pub fn is_special(&self, id: u32) -> bool {
+        self.tokenizer.is_special(id)
+    }
+
     /// The vocabulary's piece of each id (`?` for an id outside it).
     pub fn pieces(&self, ids: &[u32]) -> Vec<String> {
         ids.iter()

@@ -82,7 +82,7 @@ async fn disaggregated_completion_end_to_end() {
     assert_eq!(g.prompt, prompt);
     assert_eq!(g.lease_ttl_ms, 30_000);
     assert_eq!(g.stop.as_ref().unwrap().max_tokens, 5);
-    assert_eq!(g.sampling.unwrap().temperature, 0.0);
+    assert_eq!(g.sampling.as_ref().unwrap().temperature, 0.0);
 
     let lease = lock(&decode.0.leases)[0].clone();
     let calls = prefill.calls();
@@ -805,6 +805,9 @@ mod validation;
 
 #[path = "cases/failures.rs"]
 mod failures;
+
+#[path = "cases/sampling_api.rs"]
+mod sampling_api;
 
 #[path = "cases/discovery.rs"]
 mod discovery;

@@ -24,7 +24,7 @@ use tandem_proto::v1::{Transport, WorkerInfo};
 use crate::error::TransferError;
 use crate::inplace::InPlace;
 use crate::peers::{Opening, Peers};
-use crate::sender::{KvSender, SendFuture};
+use crate::sender::{FirstToken, KvSender, SendFuture};
 
 /// A prefill worker's opened device pools and owner-tag files, kept across requests.
 #[derive(Debug, Default)]
@@ -167,7 +167,7 @@ impl KvSender for CudaIpcSender {
         Ok(())
     }
 
-    fn commit(self: Box<Self>, first_token: u32, first_logprob: f32) -> SendFuture {
-        self.transfer.commit(first_token, first_logprob, Vec::new())
+    fn commit(self: Box<Self>, first: FirstToken) -> SendFuture {
+        self.transfer.commit(first, Vec::new())
     }
 }

@@ -12,7 +12,7 @@ use crate::checksum::crc32;
 use crate::error::TransferError;
 use crate::lease::{LeaseTable, LeaseToken};
 use crate::peers::Opening;
-use crate::sender::{KvSender, SendFuture, SendStats};
+use crate::sender::{FirstToken, KvSender, SendFuture, SendStats};
 
 /// Payload bytes per message, well under tonic's 4 MiB default limit.
 const MAX_PAYLOAD: usize = 1 << 20;
@@ -104,7 +104,7 @@ impl KvSender for GrpcSender {
         Ok(())
     }
 
-    fn commit(self: Box<Self>, first_token: u32, first_logprob: f32) -> SendFuture {
+    fn commit(self: Box<Self>, first: FirstToken) -> SendFuture {
         Box::pin(async move {
             let me = *self;
             let started = me.started.unwrap_or_else(Instant::now);
@@ -113,8 +113,9 @@ impl KvSender for GrpcSender {
                     lease: me.lease.as_bytes().to_vec(),
                     kv_layout_hash: me.layout_hash.clone(),
                     request_id: me.request_id.clone(),
-                    first_token,
-                    first_logprob,
+                    first_token: first.token,
+                    first_logprob: first.logprob,
+                    first_top_logprobs: first.top_to_proto(),
                     num_tokens: me.num_tokens as u32,
                     checksums: Vec::new(),
                     transport: Transport::Grpc as i32,

@@ -13,7 +13,7 @@ use tandem_proto::v1::{KvCommit, KvDestination, Transport};
 use crate::error::TransferError;
 use crate::lease::LeaseToken;
 use crate::peers::Opening;
-use crate::sender::{SendFuture, SendStats};
+use crate::sender::{FirstToken, SendFuture, SendStats};
 
 /// One request's in-place transfer, up to its commit.
 pub(crate) struct InPlace {
@@ -85,7 +85,7 @@ impl InPlace {
 
     /// Commits once every piece was written: the decode worker verifies (`checksums`, for
     /// transports whose memory it can read back) and admits the request with this token.
-    pub fn commit(self, first_token: u32, first_logprob: f32, checksums: Vec<u32>) -> SendFuture {
+    pub fn commit(self, first: FirstToken, checksums: Vec<u32>) -> SendFuture {
         Box::pin(async move {
             if let Some(missing) = self.written.iter().position(|w| !w) {
                 return Err(TransferError::Incomplete(format!(
@@ -98,8 +98,9 @@ impl InPlace {
                 lease: self.lease.as_bytes().to_vec(),
                 kv_layout_hash: self.dest.kv_layout_hash.clone(),
                 request_id: self.request_id.clone(),
-                first_token,
-                first_logprob,
+                first_token: first.token,
+                first_logprob: first.logprob,
+                first_top_logprobs: first.top_to_proto(),
                 num_tokens: self.num_tokens as u32,
                 checksums,
                 transport: self.transport as i32,

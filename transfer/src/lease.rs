@@ -20,6 +20,7 @@ use tokio::sync::oneshot;
 
 use crate::checksum::crc32;
 use crate::error::TransferError;
+use crate::sender::top_logprobs_from_proto;
 use tandem_kv::shm::OwnerTags;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -79,6 +80,8 @@ impl LeaseToken {
 pub struct Commit {
     pub first_token: u32,
     pub first_logprob: f32,
+    /// The first token's alternatives (as many as the request asked for).
+    pub first_top_logprobs: Vec<(u32, f32)>,
     /// KV bytes received (or, for shared memory, verified in place).
     pub bytes: u64,
     pub transport: Transport,
@@ -427,7 +430,9 @@ impl LeaseTable {
             return Err(TransferError::Cancelled);
         }
         let transport = Transport::try_from(c.transport).unwrap_or(Transport::Unspecified);
-        let bytes = match self.verify(&lease, c, transport) {
+        let verified = top_logprobs_from_proto(&c.first_top_logprobs)
+            .and_then(|top| Ok((top, self.verify(&lease, c, transport)?)));
+        let (first_top_logprobs, bytes) = match verified {
             Ok(bytes) => bytes,
             Err(e) => {
                 drop(state);
@@ -441,6 +446,7 @@ impl LeaseTable {
         let commit = Commit {
             first_token: c.first_token,
             first_logprob: c.first_logprob,
+            first_top_logprobs,
             bytes,
             transport,
         };

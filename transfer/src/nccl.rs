@@ -21,7 +21,7 @@ use crate::lease::{DevicePool, LeaseTable, LeaseToken};
 use crate::nccl_wire::{self, Link, MESSAGE_AREA_BYTES};
 use crate::peers::{Opening, Peers};
 use crate::receivers::{AbortLink, ReceiverSlot, Receivers};
-use crate::sender::{KvSender, SendFuture};
+use crate::sender::{FirstToken, KvSender, SendFuture};
 
 /// How long a queued send or receive may take before the link is declared dead and
 /// aborted (a peer died mid-message; NCCL itself would wait forever).
@@ -196,8 +196,8 @@ impl KvSender for NcclSender {
         Ok(())
     }
 
-    fn commit(self: Box<Self>, first_token: u32, first_logprob: f32) -> SendFuture {
-        self.transfer.commit(first_token, first_logprob, Vec::new())
+    fn commit(self: Box<Self>, first: FirstToken) -> SendFuture {
+        self.transfer.commit(first, Vec::new())
     }
 }
 

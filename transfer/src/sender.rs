@@ -6,7 +6,8 @@
 use std::pin::Pin;
 
 use tandem_kv::DeviceKv;
-use tandem_proto::v1::Transport;
+use tandem_proto::limits::MAX_TOP_LOGPROBS;
+use tandem_proto::v1::{TopLogprob, Transport};
 
 use crate::error::TransferError;
 
@@ -54,5 +55,46 @@ pub trait KvSender: Send {
 
     /// Finishes: every piece has been sent; the decode worker verifies and admits the request
     /// with this first token.
-    fn commit(self: Box<Self>, first_token: u32, first_logprob: f32) -> SendFuture;
+    fn commit(self: Box<Self>, first: FirstToken) -> SendFuture;
+}
+
+/// The token the prefill worker sampled, as the decode worker admits the request with it.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct FirstToken {
+    pub token: u32,
+    pub logprob: f32,
+    /// The most likely alternatives, when the request asked for them.
+    pub top_logprobs: Vec<(u32, f32)>,
+}
+
+impl FirstToken {
+    /// A first token without alternatives.
+    pub fn new(token: u32, logprob: f32) -> Self {
+        Self {
+            token,
+            logprob,
+            top_logprobs: Vec::new(),
+        }
+    }
+
+    pub fn top_to_proto(&self) -> Vec<TopLogprob> {
+        top_logprobs_to_proto(&self.top_logprobs)
+    }
+}
+
+pub fn top_logprobs_to_proto(top: &[(u32, f32)]) -> Vec<TopLogprob> {
+    top.iter()
+        .map(|&(id, logprob)| TopLogprob { id, logprob })
+        .collect()
+}
+
+/// A peer's alternatives, refused when there are more than any request may ask for.
+pub fn top_logprobs_from_proto(top: &[TopLogprob]) -> Result<Vec<(u32, f32)>, TransferError> {
+    if top.len() > MAX_TOP_LOGPROBS {
+        return Err(TransferError::Protocol(format!(
+            "{} top logprobs (at most {MAX_TOP_LOGPROBS})",
+            top.len()
+        )));
+    }
+    Ok(top.iter().map(|t| (t.id, t.logprob)).collect())
 }

@@ -17,7 +17,7 @@ use crate::checksum::crc32;
 use crate::error::TransferError;
 use crate::inplace::InPlace;
 use crate::peers::Opening;
-use crate::sender::{KvSender, SendFuture};
+use crate::sender::{FirstToken, KvSender, SendFuture};
 
 /// A prefill worker's mappings of decode workers' pools, opened once per pool file.
 #[derive(Debug, Default)]
@@ -119,8 +119,8 @@ impl KvSender for ShmSender {
         Ok(())
     }
 
-    fn commit(self: Box<Self>, first_token: u32, first_logprob: f32) -> SendFuture {
+    fn commit(self: Box<Self>, first: FirstToken) -> SendFuture {
         self.transfer
-            .commit(first_token, first_logprob, self.checksums)
+            .commit(first, self.checksums)
     }
 }

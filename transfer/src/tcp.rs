@@ -20,7 +20,8 @@ use std::time::{Duration, Instant};
 
 use tandem_auth::InternalAuth;
 use tandem_proto::PROTOCOL_VERSION;
-use tandem_proto::v1::{KvCommit, Transport};
+use tandem_proto::limits::MAX_TOP_LOGPROBS;
+use tandem_proto::v1::{KvCommit, TopLogprob, Transport};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadHalf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{Semaphore, mpsc};
@@ -32,7 +33,7 @@ use crate::error::TransferError;
 use crate::frame::{self, HeaderReader, HeaderWriter, Kind};
 use crate::lease::{Lease, LeaseTable};
 use crate::peers::Opening;
-use crate::sender::{KvSender, SendFuture, SendStats};
+use crate::sender::{FirstToken, KvSender, SendFuture, SendStats};
 
 /// Payload bytes per frame the sender builds.
 const MAX_FRAME_PAYLOAD: usize = 8 << 20;
@@ -43,8 +44,9 @@ const RECEIVE_CHUNK: usize = 1 << 20;
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 /// How long the sender waits for the ack after its commit.
 const ACK_TIMEOUT: Duration = Duration::from_secs(60);
-/// A commit frame's header: first token, logprob, tokens, bytes.
-const COMMIT_HEADER: u32 = 4 + 4 + 4 + 8;
+/// A commit frame's header at most: first token, logprob, tokens, bytes, the count of top
+/// logprobs and as many (id, logprob) pairs as a request may ask for.
+const COMMIT_HEADER: u32 = 4 + 4 + 4 + 8 + 4 + 8 * MAX_TOP_LOGPROBS as u32;
 
 /// The listener's bounds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -195,16 +197,20 @@ impl KvSender for TcpSender {
         Ok(())
     }
 
-    fn commit(self: Box<Self>, first_token: u32, first_logprob: f32) -> SendFuture {
+    fn commit(self: Box<Self>, first: FirstToken) -> SendFuture {
         Box::pin(async move {
             let mut me = *self;
             let started = me.started.unwrap_or_else(Instant::now);
             let mut header = HeaderWriter::default();
             header
-                .u32(first_token)
-                .f32(first_logprob)
+                .u32(first.token)
+                .f32(first.logprob)
                 .u32(me.num_tokens as u32)
-                .u64(me.bytes);
+                .u64(me.bytes)
+                .u32(first.top_logprobs.len() as u32);
+            for &(id, logprob) in &first.top_logprobs {
+                header.u32(id).f32(logprob);
+            }
             let sent = me.tx.send(frame::encode(Kind::Commit, &header.0)).await;
             drop(me.tx);
             let wrote = me
@@ -461,6 +467,13 @@ async fn receive<R: AsyncReadExt + Unpin>(
                     commit.first_logprob = h.f32()?;
                     commit.num_tokens = h.u32()?;
                     commit.bytes = h.u64()?;
+                    // Bounded by the header's length, which read_header bounded.
+                    let alternatives = h.u32()?;
+                    for _ in 0..alternatives {
+                        let id = h.u32()?;
+                        let logprob = h.f32()?;
+                        commit.first_top_logprobs.push(TopLogprob { id, logprob });
+                    }
                     h.end()?;
                     return table.commit(&commit);
                 }

@@ -12,7 +12,8 @@ use tandem_kv::{KvCache, KvDtype, KvLayout, KvStorage};
 use tandem_proto::v1::decode_service_server::DecodeServiceServer;
 use tandem_proto::v1::*;
 use tandem_transfer::{
-    KvOnlyDecode, Lease, LeaseTable, Peers, TcpLimits, TransferError, connect, serve_tcp,
+    FirstToken, KvOnlyDecode, Lease, LeaseTable, Peers, TcpLimits, TransferError, connect,
+    serve_tcp,
 };
 use tokio::net::TcpListener;
 
@@ -209,7 +210,7 @@ async fn every_transport_delivers_verified_blocks() {
         let dest = destination(&d, transport, &lease);
         let sender = connect(&peers, &dest, &l, "req", tokens, 0).await.unwrap();
         let sender = send_all(sender, &l, 3, None).await.unwrap();
-        let stats = sender.commit(42, -0.25).await.unwrap();
+        let stats = sender.commit(FirstToken::new(42, -0.25)).await.unwrap();
         assert_eq!(stats.transport, transport);
         assert_eq!(stats.bytes, (3 * 3 * l.block_layer_bytes()) as u64);
         let commit = rx.await.unwrap().unwrap();
@@ -257,7 +258,7 @@ async fn mismatches_and_incomplete_transfers_fail_loudly() {
             .await
             .unwrap();
         let sender = send_all(sender, &layout("m"), 2, Some(1)).await.unwrap();
-        assert!(sender.commit(1, 0.0).await.is_err(), "{transport:?}");
+        assert!(sender.commit(FirstToken::new(1, 0.0)).await.is_err(), "{transport:?}");
         if transport != Transport::Shm {
             assert!(
                 rx.await.unwrap().is_err(),
@@ -286,7 +287,7 @@ async fn a_cancelled_lease_fences_every_transport() {
             // Shared memory refuses to write at once (the owner tag is gone) ...
             Err(TransferError::Cancelled) => assert_eq!(transport, Transport::Shm),
             // ... the network transports learn it from the peer, at the latest at commit.
-            Ok(sender) => assert!(sender.commit(1, 0.0).await.is_err(), "{transport:?}"),
+            Ok(sender) => assert!(sender.commit(FirstToken::new(1, 0.0)).await.is_err(), "{transport:?}"),
             Err(_) => {}
         }
         assert_eq!(
@@ -375,7 +376,7 @@ async fn internal_tls_carries_grpc_and_tcp_transfers() {
         .await
         .unwrap();
         let sender = send_all(sender, &l, 2, None).await.unwrap();
-        sender.commit(3, 0.0).await.unwrap();
+        sender.commit(FirstToken::new(3, 0.0)).await.unwrap();
         assert!(rx.await.unwrap().is_ok(), "{transport:?}");
         assert_eq!(
             d.cache.block_layer_bytes(2, 5).unwrap(),
@@ -654,7 +655,7 @@ mod raw_tcp {
         .await
         .unwrap();
         let sender = send_all(sender, &layout("m"), 1, None).await.unwrap();
-        sender.commit(5, 0.0).await.unwrap();
+        sender.commit(FirstToken::new(5, 0.0)).await.unwrap();
         assert!(rx.await.unwrap().is_ok());
     }
 }

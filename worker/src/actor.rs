@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use tandem_engine::engine::ChunkInfo;
 use tandem_engine::{
-    Engine, EngineError, ReceivedKv, SamplingParams, SeqId, StepOutput, StopParams,
+    Engine, EngineError, ReceivedKv, SampledToken, SamplingParams, SeqId, StepOutput, StopParams,
 };
 use tandem_kv::KvCache;
 use tandem_kv::{KvLocation, SharedPool};
@@ -67,8 +67,7 @@ enum Command {
     },
     AddPrefilled {
         prompt: Vec<u32>,
-        first_token: u32,
-        first_logprob: f32,
+        first: SampledToken,
         blocks: Vec<u32>,
         kv: KvLocation,
         sampling: SamplingParams,
@@ -136,8 +135,7 @@ impl EngineHandle {
     pub async fn add_prefilled(
         &self,
         prompt: Vec<u32>,
-        first_token: u32,
-        first_logprob: f32,
+        first: SampledToken,
         blocks: Vec<u32>,
         kv: KvLocation,
         sampling: SamplingParams,
@@ -148,8 +146,7 @@ impl EngineHandle {
         self.tx
             .send(Command::AddPrefilled {
                 prompt,
-                first_token,
-                first_logprob,
+                first,
                 blocks,
                 kv,
                 sampling,
@@ -352,8 +349,7 @@ fn handle_command(engine: &mut Engine, entries: &mut HashMap<SeqId, Entry>, cmd:
         }
         Command::AddPrefilled {
             prompt,
-            first_token,
-            first_logprob,
+            first,
             blocks,
             kv,
             sampling,
@@ -363,8 +359,7 @@ fn handle_command(engine: &mut Engine, entries: &mut HashMap<SeqId, Entry>, cmd:
         } => {
             let result = engine.add_prefilled(
                 prompt,
-                first_token,
-                first_logprob,
+                first,
                 ReceivedKv {
                     blocks,
                     location: kv,
@@ -460,7 +455,7 @@ mod tests {
     use tandem_engine::{EngineConfig, Model};
     use tandem_kv::DeviceKv;
     use tandem_text::TextTokenizer;
-    use tandem_transfer::{SendFuture, TransferError};
+    use tandem_transfer::{FirstToken, SendFuture, TransferError};
 
     /// A sender that only takes device memory (as `cuda-ipc` does).
     struct DeviceOnly;
@@ -480,7 +475,7 @@ mod tests {
         ) -> Result<(), TransferError> {
             panic!("a CPU engine has no device pool to send from");
         }
-        fn commit(self: Box<Self>, _: u32, _: f32) -> SendFuture {
+        fn commit(self: Box<Self>, _: FirstToken) -> SendFuture {
             Box::pin(async { Err(TransferError::Protocol("not reached".into())) })
         }
     }

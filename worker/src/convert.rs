@@ -21,6 +21,11 @@ pub fn sampling_from_proto(p: Option<&pb::SamplingParams>) -> SamplingParams {
             } else {
                 p.repetition_penalty
             },
+            presence_penalty: p.presence_penalty,
+            frequency_penalty: p.frequency_penalty,
+            // The engine's validation bounds the count and the values.
+            logit_bias: p.logit_bias.iter().map(|b| (b.id, b.bias)).collect(),
+            top_logprobs: p.top_logprobs as usize,
         },
     }
 }
@@ -32,6 +37,14 @@ pub fn sampling_to_proto(s: &SamplingParams) -> pb::SamplingParams {
         top_p: s.top_p,
         seed: s.seed,
         repetition_penalty: s.repetition_penalty,
+        presence_penalty: s.presence_penalty,
+        frequency_penalty: s.frequency_penalty,
+        logit_bias: s
+            .logit_bias
+            .iter()
+            .map(|&(id, bias)| pb::LogitBias { id, bias })
+            .collect(),
+        top_logprobs: s.top_logprobs as u32,
     }
 }
 
@@ -44,6 +57,7 @@ pub fn stop_from_proto(p: Option<&pb::StopParams>) -> StopParams {
             stop_token_ids: p.stop_token_ids.clone(),
             stop_strings: p.stop_strings.clone(),
             ignore_eos: p.ignore_eos,
+            min_tokens: p.min_tokens as usize,
         },
     }
 }
@@ -54,6 +68,7 @@ pub fn stop_to_proto(s: &StopParams) -> pb::StopParams {
         stop_token_ids: s.stop_token_ids.clone(),
         stop_strings: s.stop_strings.clone(),
         ignore_eos: s.ignore_eos,
+        min_tokens: s.min_tokens as u32,
     }
 }
 
@@ -113,6 +128,10 @@ mod tests {
             top_p: 0.9,
             seed: Some(3),
             repetition_penalty: 1.2,
+            presence_penalty: -0.5,
+            frequency_penalty: 1.5,
+            logit_bias: vec![(7, -100.0), (3, 2.5)],
+            top_logprobs: 4,
         };
         assert_eq!(sampling_from_proto(Some(&sampling_to_proto(&s))), s);
         let zeroed = pb::SamplingParams::default();
@@ -126,6 +145,7 @@ mod tests {
             stop_token_ids: vec![1],
             stop_strings: vec!["x".into()],
             ignore_eos: true,
+            min_tokens: 3,
         };
         assert_eq!(stop_from_proto(Some(&stop_to_proto(&st))), st);
         assert_eq!(
@@ -150,6 +170,10 @@ mod tests {
         assert_eq!(engine::MAX_STOP_STRINGS, wire::MAX_STOP_STRINGS);
         assert_eq!(engine::MAX_STOP_STRING_LEN, wire::MAX_STOP_STRING_BYTES);
         assert_eq!(engine::MAX_STOP_TOKEN_IDS, wire::MAX_STOP_TOKEN_IDS);
+        assert_eq!(engine::MAX_OPENAI_PENALTY, wire::MAX_OPENAI_PENALTY);
+        assert_eq!(engine::MAX_LOGIT_BIAS, wire::MAX_LOGIT_BIAS);
+        assert_eq!(engine::MAX_LOGIT_BIAS_VALUE, wire::MAX_LOGIT_BIAS_VALUE);
+        assert_eq!(engine::MAX_TOP_LOGPROBS, wire::MAX_TOP_LOGPROBS);
         // And the engine takes exactly up to them.
         let at = |t: f32, r: f32| SamplingParams {
             temperature: t,
@@ -158,13 +182,13 @@ mod tests {
         };
         assert!(
             at(wire::MAX_TEMPERATURE, wire::MAX_REPETITION_PENALTY)
-                .validate()
+                .validate(100)
                 .is_ok()
         );
-        assert!(at(wire::MAX_TEMPERATURE * 1.01, 1.0).validate().is_err());
+        assert!(at(wire::MAX_TEMPERATURE * 1.01, 1.0).validate(100).is_err());
         assert!(
             at(1.0, wire::MAX_REPETITION_PENALTY * 1.01)
-                .validate()
+                .validate(100)
                 .is_err()
         );
         let stop = |ids: usize, strings: usize, bytes: usize| StopParams {

@@ -106,6 +106,7 @@ async fn strangers(dep: &Deployment) -> anyhow::Result<Attack> {
             ..Default::default()
         };
         let prefill = PrefillRequest {
+            stop: None,
             request_id: "stranger".into(),
             prompt: vec![5; 10],
             ..Default::default()
@@ -307,6 +308,7 @@ async fn prefill_to_sink(dep: &Deployment) -> anyhow::Result<Attack> {
     let mut codes = Vec::new();
     for transport in transports {
         let request = PrefillRequest {
+            stop: None,
             request_id: "ssrf".into(),
             prompt: vec![7; 40],
             sampling: Some(SamplingParams::default()),

@@ -5,7 +5,7 @@
 use std::collections::HashMap;
 
 use tandem_engine::engine::ReceivedKv;
-use tandem_engine::{Engine, SamplingParams, StopParams};
+use tandem_engine::{Engine, SampledToken, SamplingParams, StopParams};
 
 /// The greedy tokens of `prompt` prefilled on one engine and decoded on another (both made
 /// by `engine`), the first token from the prefill side. Both engines must free every block.
@@ -60,8 +60,11 @@ pub fn handoff(engine: impl Fn() -> Engine, prompt: &[u32], max_tokens: usize) -
     let (id, out0) = decode
         .add_prefilled(
             prompt.to_vec(),
-            first.token,
-            first.logprob,
+            SampledToken {
+                token: first.token,
+                logprob: first.logprob,
+                top_logprobs: first.top_logprobs.clone(),
+            },
             ReceivedKv::host(blocks),
             SamplingParams::greedy(),
             stop(max_tokens),

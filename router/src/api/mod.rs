@@ -11,6 +11,7 @@
 pub mod error;
 pub mod extract;
 pub mod info;
+pub mod logprobs;
 pub mod openai;
 pub mod sse;
 pub mod tgi;

@@ -17,6 +17,7 @@
 //! `stream_options.include_usage`, in the usage chunk's `usage.tandem`; streaming without
 //! it, as a top-level `tandem` object on the final chunk (the one with `finish_reason`).
 
+use std::sync::Arc;
 use std::time::Instant;
 
 use axum::Extension;
@@ -29,6 +30,7 @@ use tandem_proto::v1::{FinishReason, StopParams};
 use tandem_text::ChatMessage;
 
 use super::error::{ApiError, ApiFlavor};
+use super::logprobs::{Logprobs, LogprobsBuilder, LogprobsShape};
 use super::extract::ApiJson;
 use super::sse::{StreamFormatter, data_event, stream_response, tandem_headers};
 use super::validate::{self, StopField, UnimplementedFields, refuse_unimplemented};
@@ -68,6 +70,9 @@ pub struct SamplingFields {
     pub presence_penalty: Option<f64>,
     pub frequency_penalty: Option<f64>,
     pub logit_bias: Option<serde_json::Map<String, Value>>,
+    /// Set by the route from its own fields (`logprobs`, `top_logprobs`).
+    pub logprobs: Option<LogprobsShape>,
+    pub top_logprobs: u32,
 }
 
 /// Moves the unimplemented fields out of a request struct that has them all.
@@ -75,7 +80,6 @@ macro_rules! unimplemented_fields {
     ($body:expr) => {
         UnimplementedFields {
             response_format: $body.response_format,
-            top_logprobs: $body.top_logprobs,
             prompt_logprobs: $body.prompt_logprobs,
             guided_json: $body.guided_json,
             guided_regex: $body.guided_regex,
@@ -109,6 +113,8 @@ macro_rules! sampling_fields {
             presence_penalty: $body.presence_penalty,
             frequency_penalty: $body.frequency_penalty,
             logit_bias: $body.logit_bias,
+            logprobs: None,
+            top_logprobs: 0,
         }
     };
 }
@@ -119,7 +125,7 @@ pub struct CompletionRequest {
     pub model: Option<String>,
     pub prompt: Option<Value>,
     pub max_tokens: Option<i64>,
-    pub logprobs: Option<u32>,
+    pub logprobs: Option<i64>,
     pub echo: Option<bool>,
     pub suffix: Option<String>,
     pub temperature: Option<f64>,
@@ -139,7 +145,7 @@ pub struct CompletionRequest {
     pub frequency_penalty: Option<f64>,
     pub logit_bias: Option<serde_json::Map<String, Value>>,
     pub response_format: Option<Value>,
-    pub top_logprobs: Option<Value>,
+    pub top_logprobs: Option<i64>,
     pub prompt_logprobs: Option<Value>,
     pub guided_json: Option<Value>,
     pub guided_regex: Option<Value>,
@@ -184,7 +190,7 @@ pub struct ChatRequest {
     pub frequency_penalty: Option<f64>,
     pub logit_bias: Option<serde_json::Map<String, Value>>,
     pub response_format: Option<Value>,
-    pub top_logprobs: Option<Value>,
+    pub top_logprobs: Option<i64>,
     pub prompt_logprobs: Option<Value>,
     pub guided_json: Option<Value>,
     pub guided_regex: Option<Value>,
@@ -199,6 +205,9 @@ pub struct ChatRequest {
 /// What the shared fields validate into.
 struct Params {
     sampling: tandem_proto::v1::SamplingParams,
+    logprobs: Option<LogprobsShape>,
+    /// Validated against the completion budget once it is known.
+    min_tokens: Option<i64>,
     stop_strings: Vec<String>,
     stop_token_ids: Vec<u32>,
     ignore_eos: bool,
@@ -209,20 +218,6 @@ struct Params {
 fn params(f: SamplingFields, model: &ServedModel) -> Result<Params, ApiError> {
     validate::single_choice(f.n, "n")?;
     validate::single_choice(f.best_of, "best_of")?;
-    if f.min_tokens.is_some_and(|n| n != 0) {
-        return Err(validate::unsupported("min_tokens", "only 0 is accepted"));
-    }
-    for (name, value) in [
-        ("presence_penalty", f.presence_penalty),
-        ("frequency_penalty", f.frequency_penalty),
-    ] {
-        if value.is_some_and(|v| v != 0.0) {
-            return Err(validate::unsupported(name, "use `repetition_penalty`"));
-        }
-    }
-    if f.logit_bias.as_ref().is_some_and(|m| !m.is_empty()) {
-        return Err(validate::unsupported("logit_bias", "no logit biasing"));
-    }
     let stream = f.stream.unwrap_or(false);
     if f.stream_options.is_some() && !stream {
         return Err(ApiError::invalid(
@@ -235,14 +230,23 @@ fn params(f: SamplingFields, model: &ServedModel) -> Result<Params, ApiError> {
         .as_ref()
         .and_then(|o| o.include_usage)
         .unwrap_or(false);
-    Ok(Params {
-        sampling: validate::sampling(
+    let sampling = tandem_proto::v1::SamplingParams {
+        presence_penalty: validate::openai_penalty(f.presence_penalty, "presence_penalty")?,
+        frequency_penalty: validate::openai_penalty(f.frequency_penalty, "frequency_penalty")?,
+        logit_bias: validate::logit_bias(f.logit_bias, model)?,
+        top_logprobs: f.top_logprobs,
+        ..validate::sampling(
             validate::temperature(f.temperature, 1.0)?,
             validate::top_p(f.top_p)?,
             validate::top_k(f.top_k)?,
             f.seed,
             validate::repetition_penalty(f.repetition_penalty)?,
-        ),
+        )
+    };
+    Ok(Params {
+        sampling,
+        logprobs: f.logprobs,
+        min_tokens: f.min_tokens,
         stop_strings: validate::stop_strings(f.stop)?,
         stop_token_ids: validate::stop_token_ids(f.stop_token_ids, model)?,
         ignore_eos: f.ignore_eos.unwrap_or(false),
@@ -333,22 +337,24 @@ fn flow_request(
     p: &Params,
     arrival: Instant,
     state: &AppState,
-) -> FlowRequest {
-    FlowRequest {
+    max_tokens_param: &str,
+) -> Result<FlowRequest, ApiError> {
+    Ok(FlowRequest {
         request_id: request_id.to_string(),
         prompt,
-        sampling: p.sampling,
+        sampling: p.sampling.clone(),
         stop: StopParams {
             max_tokens,
             stop_token_ids: p.stop_token_ids.clone(),
             stop_strings: p.stop_strings.clone(),
             ignore_eos: p.ignore_eos,
+            min_tokens: validate::min_tokens(p.min_tokens, max_tokens, max_tokens_param)?,
         },
         eos_token_ids: model.eos_token_ids.clone(),
         hold_every_token: false,
         arrival,
         deadline: deadline_from(state, arrival),
-    }
+    })
 }
 
 /// Which OpenAI object family a response belongs to.
@@ -369,10 +375,6 @@ pub async fn completions(
         let model = state.model()?;
         let ApiJson(body) = body?;
         state.check_model_name(&model, body.model.as_deref())?;
-        // `logprobs: 0` asks for the sampled tokens' log probabilities, so it too is refused.
-        if body.logprobs.is_some() {
-            return Err(validate::unsupported("logprobs", "no log probabilities"));
-        }
         refuse_unimplemented(&unimplemented_fields!(body))?;
         if body.echo == Some(true) {
             return Err(validate::unsupported("echo", "the prompt is not echoed"));
@@ -380,8 +382,29 @@ pub async fn completions(
         if body.suffix.is_some() {
             return Err(validate::unsupported("suffix", "no insertion"));
         }
+        if body.top_logprobs.is_some() {
+            return Err(ApiError::invalid(
+                "top_logprobs",
+                "completions take the number of alternatives as `logprobs`",
+            ));
+        }
         let requested = validate::max_tokens(body.max_tokens, "max_tokens")?;
-        let p = params(sampling_fields!(body), &model)?;
+        // `logprobs: N` (0 too) asks for the tokens' logprobs and N alternatives each.
+        let (shape, top) = match body.logprobs {
+            None => (None, 0),
+            Some(n) => (
+                Some(LogprobsShape::Completion),
+                validate::top_logprobs(Some(n), "logprobs")?,
+            ),
+        };
+        let p = params(
+            SamplingFields {
+                logprobs: shape,
+                top_logprobs: top,
+                ..sampling_fields!(body)
+            },
+            &model,
+        )?;
         let prompt = parse_prompt(body.prompt)?;
         if let PromptInput::Ids(ids) = &prompt {
             validate::prompt_ids(ids, &model, "prompt")?;
@@ -408,7 +431,16 @@ pub async fn completions(
             &model,
             fields,
         )?;
-        let req = flow_request(&model, &request_id, prompt, budget, &p, arrival, &state);
+        let req = flow_request(
+            &model,
+            &request_id,
+            prompt,
+            budget,
+            &p,
+            arrival,
+            &state,
+            "max_tokens",
+        )?;
         Ok((model, req, p, in_flight))
     }
     .await;
@@ -434,10 +466,15 @@ pub async fn chat_completions(
         let model = state.model()?;
         let ApiJson(body) = body?;
         state.check_model_name(&model, body.model.as_deref())?;
-        if body.logprobs == Some(true) {
-            return Err(validate::unsupported("logprobs", "no log probabilities"));
-        }
         refuse_unimplemented(&unimplemented_fields!(body))?;
+        let wants_logprobs = body.logprobs == Some(true);
+        let top = validate::top_logprobs(body.top_logprobs, "top_logprobs")?;
+        if top > 0 && !wants_logprobs {
+            return Err(ApiError::invalid(
+                "top_logprobs",
+                "`top_logprobs` needs `logprobs: true`",
+            ));
+        }
         if body.tools.as_ref().is_some_and(|t| !t.is_empty()) {
             return Err(validate::unsupported("tools", "no tool calling"));
         }
@@ -446,7 +483,14 @@ pub async fn chat_completions(
             Some(n) => validate::max_tokens(Some(n), "max_completion_tokens")?,
             None => validate::max_tokens(body.max_tokens, "max_tokens")?,
         };
-        let p = params(sampling_fields!(body), &model)?;
+        let p = params(
+            SamplingFields {
+                logprobs: wants_logprobs.then_some(LogprobsShape::Chat),
+                top_logprobs: top,
+                ..sampling_fields!(body)
+            },
+            &model,
+        )?;
         let messages = match body.messages {
             None => return Err(ApiError::invalid("messages", "`messages` is required")),
             Some(m) if m.is_empty() => {
@@ -477,7 +521,9 @@ pub async fn chat_completions(
             max_tokens: param,
         };
         let budget = validate::completion_budget(prompt.len(), requested, None, &model, fields)?;
-        let req = flow_request(&model, &request_id, prompt, budget, &p, arrival, &state);
+        let req = flow_request(
+            &model, &request_id, prompt, budget, &p, arrival, &state, param,
+        )?;
         Ok((model, req, p, in_flight))
     }
     .await;
@@ -496,7 +542,7 @@ pub async fn chat_completions(
 async fn respond(
     state: &AppState,
     kind: Kind,
-    model: &ServedModel,
+    model: &Arc<ServedModel>,
     req: FlowRequest,
     p: &Params,
     in_flight: InFlight,
@@ -516,6 +562,9 @@ async fn respond(
         head: None,
         prompt_tokens,
         sent_role: false,
+        logprobs: p
+            .logprobs
+            .map(|shape| (shape, LogprobsBuilder::new(shape), Arc::clone(model))),
     };
     if p.stream {
         let keepalive = state.config().sse_keepalive;
@@ -530,7 +579,7 @@ async fn respond(
     formatter.on_head(&head);
     match collect(started).await {
         Ok(done) => {
-            let body = formatter.full_response(&done.text, &done.finish);
+            let body = formatter.full_response(&done.text, &done.tokens, &done.finish);
             let mut response = (StatusCode::OK, axum::Json(body)).into_response();
             tandem_headers(&head, response.headers_mut());
             response
@@ -578,7 +627,7 @@ struct Usage {
 struct CompletionChoice<'a> {
     index: u32,
     text: &'a str,
-    logprobs: Option<()>,
+    logprobs: Option<Value>,
     finish_reason: Option<&'static str>,
 }
 
@@ -594,7 +643,7 @@ struct Delta<'a> {
 struct ChatChunkChoice<'a> {
     index: u32,
     delta: Delta<'a>,
-    logprobs: Option<()>,
+    logprobs: Option<Value>,
     finish_reason: Option<&'static str>,
 }
 
@@ -608,7 +657,7 @@ struct ChatMessageOut<'a> {
 struct ChatChoice<'a> {
     index: u32,
     message: ChatMessageOut<'a>,
-    logprobs: Option<()>,
+    logprobs: Option<Value>,
     finish_reason: &'static str,
 }
 
@@ -644,9 +693,22 @@ struct OpenAiFormatter {
     head: Option<Head>,
     prompt_tokens: u32,
     sent_role: bool,
+    /// When the request asked for logprobs: their shape, the builder, and the model whose
+    /// tokenizer writes the tokens' text.
+    logprobs: Option<(LogprobsShape, LogprobsBuilder, Arc<ServedModel>)>,
 }
 
 impl OpenAiFormatter {
+    /// The `logprobs` object for `tokens` (none unless asked for).
+    fn logprobs_of<'t>(&mut self, tokens: impl IntoIterator<Item = &'t TokenOut>) -> Option<Value> {
+        let (shape, builder, model) = self.logprobs.as_mut()?;
+        let mut out = Logprobs::default();
+        for token in tokens {
+            builder.push(model, token, &mut out);
+        }
+        Some(out.to_json(*shape))
+    }
+
     fn tandem(&self, f: &FinishOut) -> TandemUsage {
         TandemUsage {
             mode: self.head.as_ref().map_or("none", |h| h.mode.as_str()),
@@ -699,6 +761,7 @@ impl OpenAiFormatter {
     /// One chunk: a token's text (if any) and, on the last, the finish reason.
     fn chunk(&mut self, token: Option<&TokenOut>, finish: Option<&FinishOut>) -> String {
         let text = token.filter(|t| !t.special).map_or("", |t| t.text.as_str());
+        let logprobs = token.and_then(|t| self.logprobs_of([t]));
         let reason = finish.map(finish_reason);
         let usage = self.include_usage.then_some(None);
         let tandem = finish
@@ -709,7 +772,7 @@ impl OpenAiFormatter {
                 vec![CompletionChoice {
                     index: 0,
                     text,
-                    logprobs: None,
+                    logprobs,
                     finish_reason: reason,
                 }],
                 usage,
@@ -724,7 +787,7 @@ impl OpenAiFormatter {
                     vec![ChatChunkChoice {
                         index: 0,
                         delta: Delta { role, content },
-                        logprobs: None,
+                        logprobs,
                         finish_reason: reason,
                     }],
                     usage,
@@ -758,15 +821,16 @@ impl OpenAiFormatter {
     }
 
     /// The non-streaming response object.
-    fn full_response(&self, text: &str, f: &FinishOut) -> Value {
+    fn full_response(&mut self, text: &str, tokens: &[TokenOut], f: &FinishOut) -> Value {
         let usage = serde_json::to_value(self.usage(f)).unwrap_or(Value::Null);
+        let logprobs = self.logprobs_of(tokens);
         match self.kind {
             Kind::Completion => serde_json::json!({
                 "id": self.id,
                 "object": "text_completion",
                 "created": self.created,
                 "model": self.model,
-                "choices": [CompletionChoice { index: 0, text, logprobs: None, finish_reason: Some(finish_reason(f)) }],
+                "choices": [CompletionChoice { index: 0, text, logprobs, finish_reason: Some(finish_reason(f)) }],
                 "usage": usage,
             }),
             Kind::Chat => serde_json::json!({
@@ -777,7 +841,7 @@ impl OpenAiFormatter {
                 "choices": [ChatChoice {
                     index: 0,
                     message: ChatMessageOut { role: "assistant", content: text },
-                    logprobs: None,
+                    logprobs,
                     finish_reason: finish_reason(f),
                 }],
                 "usage": usage,

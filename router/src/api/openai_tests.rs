@@ -24,6 +24,7 @@ fn formatter(kind: Kind, include_usage: bool, mode: RunMode) -> OpenAiFormatter 
         head: Some(head(mode)),
         prompt_tokens: 5,
         sent_role: false,
+        logprobs: None,
     }
 }
 
@@ -34,6 +35,7 @@ fn token(text: &str, index: u32) -> TokenOut {
         logprob: -0.25,
         index,
         special: false,
+        top_logprobs: Vec::new(),
     }
 }
 
@@ -118,9 +120,10 @@ fn chat_stream_golden() {
 
 #[test]
 fn full_responses_golden() {
-    let f = formatter(Kind::Completion, false, RunMode::Disaggregated);
+    let mut f = formatter(Kind::Completion, false, RunMode::Disaggregated);
     let body = f.full_response(
         "Hello",
+        &[],
         &finish(FinishReason::Length, 4096, Some(Transport::Shm)),
     );
     assert_eq!(
@@ -129,7 +132,7 @@ fn full_responses_golden() {
     );
     let mut chat = formatter(Kind::Chat, false, RunMode::Aggregated);
     chat.id = "chatcmpl-ID".into();
-    let body = chat.full_response("Hi", &finish(FinishReason::Stop, 0, None));
+    let body = chat.full_response("Hi", &[], &finish(FinishReason::Stop, 0, None));
     assert_eq!(body["object"], "chat.completion");
     assert_eq!(body["choices"][0]["message"]["content"], "Hi");
     assert_eq!(body["choices"][0]["message"]["role"], "assistant");
@@ -216,7 +219,7 @@ fn unimplemented_fields_pass_only_when_they_ask_for_the_default() {
     // What clients send when they want nothing special.
     for json in [
         serde_json::json!({}),
-        serde_json::json!({"response_format": {"type": "text"}, "top_logprobs": 0,
+        serde_json::json!({"response_format": {"type": "text"},
             "tool_choice": "none", "functions": [], "function_call": "auto",
             "guided_json": null, "prompt_logprobs": null}),
     ] {
@@ -227,7 +230,6 @@ fn unimplemented_fields_pass_only_when_they_ask_for_the_default() {
             serde_json::json!({"response_format": {"type": "json_object"}}),
             "response_format",
         ),
-        (serde_json::json!({"top_logprobs": 2}), "top_logprobs"),
         (serde_json::json!({"prompt_logprobs": 0}), "prompt_logprobs"),
         (serde_json::json!({"guided_regex": "a+"}), "guided_regex"),
         (

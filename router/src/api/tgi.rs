@@ -6,12 +6,15 @@
 //!
 //! Sampling follows TGI: greedy unless `do_sample` or a warper (`temperature` ≠ 1, `top_p`,
 //! `top_k`) is given; `temperature` and `top_k` must be strictly positive. `truncate` keeps
-//! the last N prompt tokens. `best_of` must be 1. Refused with a 422 naming the field:
-//! `return_full_text`, `typical_p` < 1, `watermark`, `top_n_tokens`, `decoder_input_details`,
-//! non-zero `frequency_penalty`. The event `index` counts tokens from 1, as TGI's does.
+//! the last N prompt tokens. `best_of` must be 1. `top_n_tokens` adds each token's most
+//! likely alternatives (`details.top_tokens`, a stream event's `top_tokens`);
+//! `frequency_penalty` is OpenAI's. Refused with a 422 naming the field:
+//! `return_full_text`, `typical_p` < 1, `watermark`, `decoder_input_details`, `grammar`,
+//! `adapter_id`. The event `index` counts tokens from 1, as TGI's does.
 //! `finish_reason` is `eos_token` when the last token is an EOS id, `stop_sequence` for any
 //! other stop, `length` at `max_new_tokens`.
 
+use std::sync::Arc;
 use std::time::Instant;
 
 use axum::Extension;
@@ -27,6 +30,7 @@ use super::validate::{self, StopField};
 use super::{AppState, RequestId, admit, collect, deadline_from, record_rejection, start};
 use crate::admission::InFlight;
 use crate::flow::{FinishOut, FlowEvent, FlowRequest, TokenOut};
+use crate::model::ServedModel;
 
 /// TGI's default `max_new_tokens`.
 const DEFAULT_MAX_NEW_TOKENS: u32 = 100;
@@ -72,6 +76,9 @@ struct Prepared {
     seed: Option<u64>,
     ignore_eos: bool,
     eos_token_ids: Vec<u32>,
+    /// Alternatives per token to report (`top_n_tokens`), and the model that names them.
+    top_n: u32,
+    model: Arc<ServedModel>,
 }
 
 fn strictly_positive(value: Option<f64>, param: &str) -> Result<(), ApiError> {
@@ -98,19 +105,9 @@ fn refuse_unsupported(p: &TgiParameters) -> Result<(), ApiError> {
         ),
         (p.watermark == Some(true), "watermark", "no watermarking"),
         (
-            p.top_n_tokens.is_some_and(|n| n > 0),
-            "top_n_tokens",
-            "no top tokens",
-        ),
-        (
             p.decoder_input_details == Some(true),
             "decoder_input_details",
             "no prompt details",
-        ),
-        (
-            p.frequency_penalty.is_some_and(|f| f != 0.0),
-            "frequency_penalty",
-            "use `repetition_penalty`",
         ),
         (
             p.grammar.as_ref().is_some_and(|g| !g.is_null()),
@@ -164,13 +161,18 @@ async fn prepare(
     } else {
         0.0
     };
-    let sampling = validate::sampling(
-        temperature,
-        validate::top_p(p.top_p)?,
-        validate::top_k(p.top_k)?,
-        p.seed,
-        validate::repetition_penalty(p.repetition_penalty)?,
-    );
+    let top_n = validate::top_logprobs(p.top_n_tokens.map(i64::from), "top_n_tokens")?;
+    let sampling = tandem_proto::v1::SamplingParams {
+        frequency_penalty: validate::openai_penalty(p.frequency_penalty, "frequency_penalty")?,
+        top_logprobs: top_n,
+        ..validate::sampling(
+            temperature,
+            validate::top_p(p.top_p)?,
+            validate::top_k(p.top_k)?,
+            p.seed,
+            validate::repetition_penalty(p.repetition_penalty)?,
+        )
+    };
     let stop_strings = validate::stop_strings(p.stop.map(StopField::Many))?;
     let inputs = body.inputs;
     // The cheap checks passed: hold a slot, then tokenize (see `admit`).
@@ -208,6 +210,7 @@ async fn prepare(
                 stop_token_ids: Vec::new(),
                 stop_strings,
                 ignore_eos,
+                min_tokens: 0,
             },
             eos_token_ids: model.eos_token_ids.clone(),
             arrival,
@@ -217,6 +220,8 @@ async fn prepare(
         seed: p.seed,
         ignore_eos,
         eos_token_ids: model.eos_token_ids.clone(),
+        top_n,
+        model,
     })
 }
 
@@ -276,6 +281,12 @@ async fn generate_whole(
                 special: t.special,
             })
             .collect(),
+        top_tokens: (prepared.top_n > 0).then(|| {
+            done.tokens
+                .iter()
+                .map(|t| top_tokens(&prepared.model, t))
+                .collect()
+        }),
     };
     let body = TgiGenerateResponse {
         generated_text: &done.text,
@@ -345,6 +356,7 @@ pub async fn generate_stream(
         seed: prepared.seed,
         ignore_eos: prepared.ignore_eos,
         eos_token_ids: prepared.eos_token_ids,
+        top_n: (prepared.top_n > 0).then_some(prepared.model),
     };
     let pending = start(&state, prepared.request, prepared.in_flight);
     let keepalive = state.config().sse_keepalive;
@@ -372,6 +384,31 @@ struct TgiDetails<'a> {
     seed: Option<u64>,
     prefill: Vec<TgiToken<'a>>,
     tokens: Vec<TgiToken<'a>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    top_tokens: Option<Vec<Vec<TgiTopToken>>>,
+}
+
+/// One of a position's most likely tokens (TGI's `Token`).
+#[derive(Debug, Serialize, PartialEq)]
+struct TgiTopToken {
+    id: u32,
+    text: String,
+    logprob: f32,
+    special: bool,
+}
+
+/// `token`'s alternatives, named by the model's tokenizer.
+fn top_tokens(model: &ServedModel, token: &TokenOut) -> Vec<TgiTopToken> {
+    token
+        .top_logprobs
+        .iter()
+        .map(|&(id, logprob)| TgiTopToken {
+            id,
+            text: model.token_text(id),
+            logprob,
+            special: model.is_special(id),
+        })
+        .collect()
 }
 
 #[derive(Serialize)]
@@ -396,6 +433,8 @@ struct TgiStreamEvent<'a> {
     token: TgiToken<'a>,
     generated_text: Option<&'a str>,
     details: Option<TgiStreamDetails>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    top_tokens: Option<Vec<TgiTopToken>>,
 }
 
 /// The last stream event's `details` (TGI's `StreamDetails`: no token lists).
@@ -414,6 +453,8 @@ struct TgiFormatter {
     seed: Option<u64>,
     ignore_eos: bool,
     eos_token_ids: Vec<u32>,
+    /// Set when the request asked for `top_n_tokens`.
+    top_n: Option<Arc<ServedModel>>,
 }
 
 impl TgiFormatter {
@@ -443,6 +484,7 @@ impl TgiFormatter {
             },
             generated_text: finish.map(|_| self.generated.as_str()),
             details,
+            top_tokens: self.top_n.as_ref().map(|m| top_tokens(m, token)),
         };
         data_event(&serde_json::to_string(&event).unwrap_or_default(), false)
     }
@@ -473,6 +515,7 @@ impl StreamFormatter for TgiFormatter {
                     logprob: 0.0,
                     index: self.count,
                     special: true,
+                    top_logprobs: Vec::new(),
                 };
                 let last = self.last_token;
                 let out = self.event(&token, Some(&f));
@@ -501,6 +544,7 @@ mod tests {
             logprob: -0.5,
             index,
             special: false,
+            top_logprobs: Vec::new(),
         }
     }
 
@@ -523,6 +567,7 @@ mod tests {
             seed: Some(7),
             ignore_eos: false,
             eos_token_ids: vec![2],
+            top_n: None,
         }
     }
 

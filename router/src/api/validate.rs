@@ -8,10 +8,11 @@
 use serde::Deserialize;
 use serde_json::Value;
 use tandem_proto::limits::{
-    MAX_REPETITION_PENALTY, MAX_STOP_STRING_BYTES, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS,
-    MAX_TEMPERATURE,
+    MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_VALUE, MAX_OPENAI_PENALTY, MAX_REPETITION_PENALTY,
+    MAX_STOP_STRING_BYTES, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_TEMPERATURE,
+    MAX_TOP_LOGPROBS,
 };
-use tandem_proto::v1::SamplingParams;
+use tandem_proto::v1::{LogitBias, SamplingParams};
 
 use super::error::ApiError;
 use crate::model::ServedModel;
@@ -258,7 +259,7 @@ pub fn completion_budget(
     }
 }
 
-/// Sampling parameters for the workers.
+/// Sampling parameters for the workers (the OpenAI-only ones at their neutral values).
 pub fn sampling(
     temperature: f32,
     top_p: f32,
@@ -272,6 +273,99 @@ pub fn sampling(
         top_p,
         seed,
         repetition_penalty,
+        ..SamplingParams::default()
+    }
+}
+
+/// `presence_penalty` / `frequency_penalty`: in [-2, 2] (0 when absent).
+pub fn openai_penalty(value: Option<f64>, param: &str) -> Result<f32, ApiError> {
+    let v = value.unwrap_or(0.0);
+    let max = f64::from(MAX_OPENAI_PENALTY);
+    if !(v.is_finite() && (-max..=max).contains(&v)) {
+        return Err(ApiError::invalid(
+            param,
+            format!("`{param}` must be in [-{max}, {max}], got {v}"),
+        ));
+    }
+    Ok(v as f32)
+}
+
+/// `logit_bias`: token ids (as JSON object keys) to biases in [-100, 100], at most
+/// `MAX_LOGIT_BIAS` of them, each id inside the vocabulary.
+pub fn logit_bias(
+    map: Option<serde_json::Map<String, Value>>,
+    model: &ServedModel,
+) -> Result<Vec<LogitBias>, ApiError> {
+    let map = map.unwrap_or_default();
+    if map.len() > MAX_LOGIT_BIAS {
+        return Err(ApiError::invalid(
+            "logit_bias",
+            format!(
+                "`logit_bias` may hold at most {MAX_LOGIT_BIAS} tokens, got {}",
+                map.len()
+            ),
+        ));
+    }
+    let mut out = Vec::with_capacity(map.len());
+    for (key, value) in map {
+        let Ok(id) = key.parse::<u32>() else {
+            return Err(ApiError::invalid(
+                "logit_bias",
+                "`logit_bias` keys must be token ids (non-negative integers as strings)",
+            ));
+        };
+        if model.vocab_size > 0 && id >= model.vocab_size {
+            return Err(ApiError::invalid(
+                "logit_bias",
+                format!(
+                    "token id {id} is out of range: the vocabulary has {} tokens",
+                    model.vocab_size
+                ),
+            ));
+        }
+        let max = f64::from(MAX_LOGIT_BIAS_VALUE);
+        match value.as_f64() {
+            Some(bias) if (-max..=max).contains(&bias) => out.push(LogitBias {
+                id,
+                bias: bias as f32,
+            }),
+            _ => {
+                return Err(ApiError::invalid(
+                    "logit_bias",
+                    format!("the bias of token {id} must be a number in [-{max}, {max}]"),
+                ));
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// How many alternatives to report per token (`top_logprobs`, or completions' `logprobs`):
+/// 0 to `MAX_TOP_LOGPROBS`.
+pub fn top_logprobs(value: Option<i64>, param: &str) -> Result<u32, ApiError> {
+    match value {
+        None => Ok(0),
+        Some(n) if (0..=MAX_TOP_LOGPROBS as i64).contains(&n) => Ok(n as u32),
+        Some(n) => Err(ApiError::invalid(
+            param,
+            format!("`{param}` must be in [0, {MAX_TOP_LOGPROBS}], got {n}"),
+        )),
+    }
+}
+
+/// `min_tokens`: at least 0 and at most the completion budget.
+pub fn min_tokens(value: Option<i64>, budget: u32, budget_param: &str) -> Result<u32, ApiError> {
+    match value {
+        None => Ok(0),
+        Some(n) if n < 0 => Err(ApiError::invalid(
+            "min_tokens",
+            format!("`min_tokens` must be at least 0, got {n}"),
+        )),
+        Some(n) if n > i64::from(budget) => Err(ApiError::invalid(
+            "min_tokens",
+            format!("`min_tokens` ({n}) is more than `{budget_param}` ({budget})"),
+        )),
+        Some(n) => Ok(n as u32),
     }
 }
 
@@ -391,7 +485,6 @@ mod tests {
 #[derive(Debug, Default, Deserialize)]
 pub struct UnimplementedFields {
     pub response_format: Option<Value>,
-    pub top_logprobs: Option<Value>,
     pub prompt_logprobs: Option<Value>,
     pub guided_json: Option<Value>,
     pub guided_regex: Option<Value>,
@@ -417,11 +510,11 @@ pub fn refuse_unimplemented(f: &UnimplementedFields) -> Result<(), ApiError> {
             "no structured output: only {\"type\": \"text\"}",
         ));
     }
-    if !is(&f.top_logprobs, &[Value::from(0)]) {
-        return Err(unsupported("top_logprobs", "no log probabilities"));
-    }
     if given(&f.prompt_logprobs) {
-        return Err(unsupported("prompt_logprobs", "no log probabilities"));
+        return Err(unsupported(
+            "prompt_logprobs",
+            "no log probabilities of prompt tokens",
+        ));
     }
     for (name, value) in [
         ("guided_json", &f.guided_json),

@@ -73,9 +73,20 @@ fn matrix() -> Vec<Case> {
         case("top_p above one", c, json!({"prompt": "Hi", "top_p": 1.5}), 400).param("top_p"),
         case("n = 2", c, json!({"prompt": "Hi", "n": 2}), 400).param("n"),
         case("top_k -2", c, json!({"prompt": "Hi", "top_k": -2}), 400).param("top_k"),
-        case("min_tokens", c, json!({"prompt": "Hi", "min_tokens": 5}), 400).param("min_tokens").says(&["not supported"]),
-        case("logprobs", c, json!({"prompt": "Hi", "logprobs": 2}), 400).param("logprobs"),
-        case("logprobs 0", c, json!({"prompt": "Hi", "logprobs": 0}), 400).param("logprobs"),
+        case("min_tokens over max_tokens", c, json!({"prompt": "Hi", "min_tokens": 5, "max_tokens": 4}), 400)
+            .param("min_tokens").says(&["5", "4"]),
+        case("min_tokens negative", c, json!({"prompt": "Hi", "min_tokens": -1}), 400).param("min_tokens"),
+        case("logprobs over 20", c, json!({"prompt": "Hi", "logprobs": 21}), 400).param("logprobs").says(&["20"]),
+        case("logprobs negative", c, json!({"prompt": "Hi", "logprobs": -1}), 400).param("logprobs"),
+        case("top_logprobs on completions", c, json!({"prompt": "Hi", "top_logprobs": 2}), 400).param("top_logprobs"),
+        case("presence_penalty over 2", c, json!({"prompt": "Hi", "presence_penalty": 2.5}), 400).param("presence_penalty"),
+        case("frequency_penalty under -2", chat, json!({"messages": user, "frequency_penalty": -3}), 400).param("frequency_penalty"),
+        case("logit_bias id out of vocabulary", c, json!({"prompt": "Hi", "logit_bias": {"999999": 1}}), 400)
+            .param("logit_bias").says(&["999999"]),
+        case("logit_bias key not an id", c, json!({"prompt": "Hi", "logit_bias": {"hello": 1}}), 400).param("logit_bias"),
+        case("logit_bias over 100", c, json!({"prompt": "Hi", "logit_bias": {"5": 101}}), 400).param("logit_bias"),
+        case("logit_bias not a number", c, json!({"prompt": "Hi", "logit_bias": {"5": "x"}}), 400).param("logit_bias"),
+        case("echo", c, json!({"prompt": "Hi", "echo": true}), 400).param("echo"),
         case("prompt_logprobs", c, json!({"prompt": "Hi", "prompt_logprobs": 1}), 400).param("prompt_logprobs"),
         case("json_object output", chat, json!({"messages": user, "response_format": {"type": "json_object"}}), 400)
             .param("response_format").says(&["structured output"]),
@@ -83,7 +94,10 @@ fn matrix() -> Vec<Case> {
             .param("response_format"),
         case("guided_choice", c, json!({"prompt": "Hi", "guided_choice": ["a", "b"]}), 400).param("guided_choice"),
         case("guided_json", chat, json!({"messages": user, "guided_json": {"type": "object"}}), 400).param("guided_json"),
-        case("top_logprobs", chat, json!({"messages": user, "top_logprobs": 3}), 400).param("top_logprobs"),
+        case("top_logprobs without logprobs", chat, json!({"messages": user, "top_logprobs": 3}), 400)
+            .param("top_logprobs").says(&["logprobs"]),
+        case("top_logprobs over 20", chat, json!({"messages": user, "logprobs": true, "top_logprobs": 21}), 400)
+            .param("top_logprobs"),
         case("tool_choice required", chat, json!({"messages": user, "tool_choice": "required"}), 400).param("tool_choice"),
         case("functions", chat, json!({"messages": user, "functions": [{"name": "f"}]}), 400).param("functions"),
         case("stream_options without stream", c, json!({"prompt": "Hi", "stream_options": {"include_usage": true}}), 400)
@@ -116,6 +130,10 @@ fn matrix() -> Vec<Case> {
         case("tgi temperature 0", "/generate", json!({"inputs": "Hi", "parameters": {"temperature": 0.0}}), 422),
         case("tgi top_p", "/generate", json!({"inputs": "Hi", "parameters": {"top_p": 1.5}}), 422),
         case("tgi best_of", "/generate_stream", json!({"inputs": "Hi", "parameters": {"best_of": 2}}), 422),
+        case("tgi top_n_tokens over 20", "/generate", json!({"inputs": "Hi", "parameters": {"top_n_tokens": 21}}), 422)
+            .says(&["top_n_tokens"]),
+        case("tgi frequency_penalty", "/generate", json!({"inputs": "Hi", "parameters": {"frequency_penalty": 3.0}}), 422)
+            .says(&["frequency_penalty"]),
         case("tgi over context", "/generate", json!({"inputs": "Hello", "parameters": {"max_new_tokens": 124}}), 422)
             .says(&["128", "129"]),
         case("tgi malformed", "/generate_stream", json!(null), 422).raw(b"{\"inputs\":"),

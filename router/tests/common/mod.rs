@@ -314,6 +314,8 @@ async fn run_generate(
         }
     }
     let max = req.stop.as_ref().map_or(16, |s| s.max_tokens) as usize;
+    // The alternatives a request asked for, plus one too many: the router must drop it.
+    let alternatives = req.sampling.as_ref().map_or(0, |s| s.top_logprobs);
     let mut sent = 0u32;
     for (i, (id, text)) in script.tokens.iter().take(max).enumerate() {
         tokio::time::sleep(script.token_delay).await;
@@ -329,6 +331,16 @@ async fn run_generate(
             logprob: -0.5,
             index: i as u32,
             special: *id == EOS,
+            top_logprobs: if alternatives == 0 {
+                Vec::new()
+            } else {
+                (0..=alternatives)
+                    .map(|k| TopLogprob {
+                        id: if k == 0 { *id } else { *id + k },
+                        logprob: -0.5 - k as f32,
+                    })
+                    .collect()
+            },
         };
         if tx.send(event(Event::Token(token))).await.is_err() {
             return;
@@ -479,6 +491,7 @@ impl PrefillService for FakePrefill {
                 checksums: Vec::new(),
                 transport: dest.transport,
                 bytes: KV_BYTES,
+                first_top_logprobs: Vec::new(),
             })
             .await?;
         Ok(Response::new(PrefillResponse {
@@ -489,6 +502,7 @@ impl PrefillService for FakePrefill {
             compute_seconds: 0.001,
             queue_seconds: 0.0,
             transport: dest.transport,
+            first_top_logprobs: Vec::new(),
         }))
     }
 }

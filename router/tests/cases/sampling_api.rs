@@ -1,0 +1,202 @@
+//! Logprobs, penalties, logit bias and `min_tokens` through the router: what reaches the
+//! workers (both of them, in disaggregated mode), and the OpenAI and TGI shapes of the
+//! alternatives the fake decode worker reports. The fake sends one alternative more than
+//! asked for (the token itself at -0.5, then id + k at -0.5 - k): the router drops it.
+
+use super::*;
+
+/// The fake's alternatives for the token of `byte`, as the router must report them.
+fn alternatives(byte: u8, n: u32) -> Vec<(String, f64)> {
+    (0..n)
+        .map(|k| {
+            let text = ((byte + k as u8) as char).to_string();
+            (text, -0.5 - f64::from(k))
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn chat_logprobs_and_every_sampling_field_reach_both_workers() {
+    let (decode, prefill, _ds, _ps, router) = setup().await;
+    let r = post(
+        &router.url,
+        "/v1/chat/completions",
+        json!({
+            "messages": [{"role": "user", "content": "Hi"}],
+            "max_tokens": 4, "logprobs": true, "top_logprobs": 2,
+            "presence_penalty": 0.5, "frequency_penalty": -0.25,
+            "logit_bias": {"5": -100, "7": 2.5}, "min_tokens": 2,
+        }),
+    )
+    .await;
+    assert_eq!(r.status(), 200);
+    let body: Value = r.json().await.unwrap();
+    let choice = &body["choices"][0];
+    let text = choice["message"]["content"].as_str().unwrap().to_string();
+    let content = choice["logprobs"]["content"].as_array().unwrap();
+    assert_eq!(content.len(), text.len(), "{body}");
+    for (entry, byte) in content.iter().zip(text.bytes()) {
+        let token = (byte as char).to_string();
+        assert_eq!(entry["token"], token.as_str());
+        assert_eq!(entry["logprob"], -0.5);
+        assert_eq!(entry["bytes"], json!([byte]));
+        let top: Vec<(String, f64)> = entry["top_logprobs"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| {
+                assert_eq!(t["bytes"], json!(t["token"].as_str().unwrap().as_bytes()));
+                (t["token"].as_str().unwrap().into(), t["logprob"].as_f64().unwrap())
+            })
+            .collect();
+        assert_eq!(top, alternatives(byte, 2), "{entry}");
+    }
+
+    let g = &decode.generate_calls()[0];
+    let s = g.sampling.as_ref().unwrap();
+    assert_eq!((s.presence_penalty, s.frequency_penalty), (0.5, -0.25));
+    let bias: Vec<(u32, f32)> = s.logit_bias.iter().map(|b| (b.id, b.bias)).collect();
+    assert_eq!(bias, [(5, -100.0), (7, 2.5)]);
+    assert_eq!(s.top_logprobs, 2);
+    assert_eq!(g.stop.as_ref().unwrap().min_tokens, 2);
+    // The prefill worker samples the first token: it gets the same sampling and stop ids.
+    let p = &prefill.calls()[0];
+    assert_eq!(p.sampling.as_ref(), Some(s));
+    assert_eq!(p.stop.as_ref().unwrap().min_tokens, 2);
+    router.stop().await;
+}
+
+#[tokio::test]
+async fn without_logprobs_nothing_is_asked_or_reported() {
+    let (decode, _prefill, _ds, _ps, router) = setup().await;
+    for (path, body) in [
+        ("/v1/completions", json!({"prompt": "Hi", "max_tokens": 3})),
+        (
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "logprobs": false, "top_logprobs": 0}),
+        ),
+    ] {
+        let r = post(&router.url, path, body).await;
+        assert_eq!(r.status(), 200);
+        let body: Value = r.json().await.unwrap();
+        assert_eq!(body["choices"][0]["logprobs"], Value::Null, "{body}");
+    }
+    for g in decode.generate_calls() {
+        assert_eq!(g.sampling.as_ref().unwrap().top_logprobs, 0);
+    }
+    router.stop().await;
+}
+
+#[tokio::test]
+async fn completion_logprobs_stream_one_entry_per_chunk_in_the_legacy_shape() {
+    let (_decode, _prefill, _ds, _ps, router) = setup().await;
+    let r = post(
+        &router.url,
+        "/v1/completions",
+        json!({"prompt": "Hi", "max_tokens": 4, "logprobs": 1, "stream": true}),
+    )
+    .await;
+    assert_eq!(r.status(), 200);
+    let body = r.text().await.unwrap();
+    let events = sse_payloads(&body);
+    let mut offset = 0;
+    let mut tokens = 0;
+    for e in &events[..events.len() - 1] {
+        let chunk: Value = serde_json::from_str(e).unwrap();
+        let choice = &chunk["choices"][0];
+        let text = choice["text"].as_str().unwrap();
+        if text.is_empty() {
+            continue;
+        }
+        let lp = &choice["logprobs"];
+        assert_eq!(lp["tokens"], json!([text]), "{chunk}");
+        assert_eq!(lp["token_logprobs"], json!([-0.5]));
+        assert_eq!(lp["text_offset"], json!([offset]));
+        // The one alternative asked for is the token itself: one entry.
+        assert_eq!(lp["top_logprobs"], json!([{text: -0.5}]));
+        offset += text.chars().count();
+        tokens += 1;
+    }
+    assert_eq!(tokens, 4);
+
+    // Non-streaming, two alternatives: the second is another token, so two entries.
+    let r = post(
+        &router.url,
+        "/v1/completions",
+        json!({"prompt": "Hi", "max_tokens": 3, "logprobs": 2}),
+    )
+    .await;
+    let body: Value = r.json().await.unwrap();
+    let lp = &body["choices"][0]["logprobs"];
+    let text = body["choices"][0]["text"].as_str().unwrap();
+    assert_eq!(lp["tokens"].as_array().unwrap().len(), 3);
+    assert_eq!(lp["text_offset"], json!([0, 1, 2]));
+    for (dict, byte) in lp["top_logprobs"].as_array().unwrap().iter().zip(text.bytes()) {
+        let expected: serde_json::Map<String, Value> = alternatives(byte, 2)
+            .into_iter()
+            .map(|(t, l)| (t, json!(l)))
+            .collect();
+        assert_eq!(dict, &Value::Object(expected));
+    }
+    router.stop().await;
+}
+
+#[tokio::test]
+async fn tgi_top_n_tokens_in_details_and_stream_events() {
+    let (decode, _prefill, _ds, _ps, router) = setup().await;
+    let r = post(
+        &router.url,
+        "/generate",
+        json!({"inputs": "Hi", "parameters": {"max_new_tokens": 3, "details": true, "top_n_tokens": 2, "frequency_penalty": 0.5}}),
+    )
+    .await;
+    assert_eq!(r.status(), 200);
+    let body: Value = r.json().await.unwrap();
+    let details = &body["details"];
+    let tokens = details["tokens"].as_array().unwrap();
+    let top = details["top_tokens"].as_array().unwrap();
+    assert_eq!(top.len(), tokens.len());
+    for (token, top) in tokens.iter().zip(top) {
+        let byte = token["text"].as_str().unwrap().as_bytes()[0];
+        let id = token["id"].as_u64().unwrap();
+        assert_eq!(
+            top,
+            &json!([
+                {"id": id, "text": (byte as char).to_string(), "logprob": -0.5, "special": false},
+                {"id": id + 1, "text": ((byte + 1) as char).to_string(), "logprob": -1.5, "special": false},
+            ])
+        );
+    }
+    assert_eq!(
+        decode.generate_calls()[0]
+            .sampling
+            .as_ref()
+            .unwrap()
+            .frequency_penalty,
+        0.5
+    );
+
+    let r = post(
+        &router.url,
+        "/generate_stream",
+        json!({"inputs": "Hi", "parameters": {"max_new_tokens": 2, "top_n_tokens": 1}}),
+    )
+    .await;
+    let body = r.text().await.unwrap();
+    for e in sse_payloads(&body) {
+        let event: Value = serde_json::from_str(&e).unwrap();
+        let top = event["top_tokens"].as_array().unwrap();
+        assert_eq!(top.len(), 1, "{event}");
+        assert_eq!(top[0]["id"], event["token"]["id"]);
+    }
+    // Without top_n_tokens the field is absent, as before.
+    let r = post(
+        &router.url,
+        "/generate",
+        json!({"inputs": "Hi", "parameters": {"max_new_tokens": 2, "details": true}}),
+    )
+    .await;
+    let body: Value = r.json().await.unwrap();
+    assert!(body["details"].get("top_tokens").is_none(), "{body}");
+    router.stop().await;
+}
