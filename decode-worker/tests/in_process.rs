@@ -164,7 +164,10 @@ async fn ship(
     })
     .await
     .expect("sender thread");
-    sender.commit(FirstToken::new(first, 0.0)).await.expect("commit")
+    sender
+        .commit(FirstToken::new(first, 0.0))
+        .await
+        .expect("commit")
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

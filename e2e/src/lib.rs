@@ -270,6 +270,8 @@ pub async fn wait_http_ok(url: &str, timeout: Duration) -> anyhow::Result<()> {
 #[derive(Debug, Clone)]
 pub struct Completion {
     pub text: String,
+    /// The response's `logprobs` (each token's, with two alternatives).
+    pub logprobs: serde_json::Value,
     pub usage: serde_json::Value,
     /// The `x-tandem-mode`, `x-tandem-transport` and `x-tandem-kv-bytes` headers.
     pub mode: String,
@@ -278,7 +280,9 @@ pub struct Completion {
 }
 
 /// A greedy completion of `prompt` (token ids) through the router at `base`, exactly
-/// `max_tokens` long (`ignore_eos`). A status other than 200 is an error with the body.
+/// `max_tokens` long (`ignore_eos`), with its logprobs and two alternatives per token (the
+/// first token's come from the prefill worker in disaggregated mode). A status other than
+/// 200 is an error with the body.
 pub async fn greedy_completion(
     client: &reqwest::Client,
     base: &str,
@@ -287,7 +291,7 @@ pub async fn greedy_completion(
 ) -> anyhow::Result<Completion> {
     let body = serde_json::json!({
         "model": "tandem", "prompt": prompt, "max_tokens": max_tokens,
-        "temperature": 0.0, "ignore_eos": true,
+        "temperature": 0.0, "ignore_eos": true, "logprobs": 2,
     });
     let resp = client
         .post(format!("{base}/v1/completions"))
@@ -316,6 +320,7 @@ pub async fn greedy_completion(
             .as_str()
             .unwrap_or_default()
             .to_string(),
+        logprobs: v["choices"][0]["logprobs"].clone(),
         usage: v["usage"].clone(),
         mode,
         transport,

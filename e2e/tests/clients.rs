@@ -103,7 +103,7 @@ const TGI_SCRIPT: &str = r#"
 import json, sys
 from text_generation import Client
 client = Client(sys.argv[1])
-whole = client.generate("Once upon a time", max_new_tokens=8)
+whole = client.generate("Once upon a time", max_new_tokens=8, top_n_tokens=2)
 streamed, last = "", None
 for event in client.generate_stream("Once upon a time", max_new_tokens=8):
     if not event.token.special:
@@ -113,6 +113,8 @@ print(json.dumps({"text": whole.generated_text, "finish": str(whole.details.fini
                   "generated": whole.details.generated_tokens, "tokens": len(whole.details.tokens),
                   "token_text": "".join(t.text for t in whole.details.tokens if not t.special),
                   "logprobs": [t.logprob for t in whole.details.tokens],
+                  "greedy_is_top1": all(top[0].id == t.id and len(top) == 2
+                                        for top, t in zip(whole.details.top_tokens, whole.details.tokens)),
                   "streamed": streamed, "stream_text": last.generated_text}))
 "#;
 
@@ -141,6 +143,7 @@ async fn tgi_python_client_generates_and_streams() {
             .iter()
             .all(|l| l.as_f64().is_some_and(|l| l <= 0.0))
     );
+    assert_eq!(v["greedy_is_top1"], true, "top_n_tokens: {v}");
     assert_eq!(v["streamed"], v["text"], "greedy: streamed and whole agree");
     assert_eq!(v["stream_text"], v["text"]);
 }
@@ -207,4 +210,73 @@ async fn curl_drives_generate_stream() {
         joined.as_str(),
         "non-streaming TGI answer matches"
     );
+}
+
+const OPENAI_SAMPLING_SCRIPT: &str = r#"
+import json, math, sys, urllib.request, openai
+base = sys.argv[1]
+client = openai.OpenAI(base_url=base + "/v1", api_key="unused")
+msgs = [{"role": "user", "content": "Say hello"}]
+ask = dict(model="tandem", messages=msgs, max_tokens=8, temperature=0, logprobs=True, top_logprobs=3,
+           extra_body={"ignore_eos": True})
+whole = client.chat.completions.create(**ask)
+content = whole.choices[0].logprobs.content
+streamed = []
+for chunk in client.chat.completions.create(stream=True, **ask):
+    if chunk.choices and chunk.choices[0].logprobs:
+        streamed += [[c.token, c.logprob] for c in chunk.choices[0].logprobs.content]
+comp = client.completions.create(model="tandem", prompt="Once upon a time", max_tokens=6, temperature=0,
+                                 logprobs=2, extra_body={"ignore_eos": True})
+lp = comp.choices[0].logprobs
+req = urllib.request.Request(base + "/tokenize", headers={"Content-Type": "application/json"},
+                             data=json.dumps({"prompt": "x", "add_special_tokens": False}).encode())
+x = json.load(urllib.request.urlopen(req))["tokens"][0]
+def run(**kw):
+    r = client.completions.create(model="tandem", prompt="Once upon a time", max_tokens=6, temperature=0,
+                                  extra_body={"ignore_eos": True, **kw})
+    return {"text": r.choices[0].text, "tokens": r.usage.completion_tokens, "finish": r.choices[0].finish_reason}
+print(json.dumps({
+    "chat_tokens": len(content), "chat_text": whole.choices[0].message.content,
+    "chat_pieces": "".join(c.token for c in content),
+    "greedy_is_top1": all(c.top_logprobs[0].token == c.token and c.top_logprobs[0].logprob == c.logprob
+                          for c in content),
+    "ranked": all(len(c.top_logprobs) == 3 and all(a.logprob >= b.logprob
+                  for a, b in zip(c.top_logprobs, c.top_logprobs[1:])) for c in content),
+    "max_mass": max(sum(math.exp(t.logprob) for t in c.top_logprobs) for c in content),
+    "streamed": streamed, "whole": [[c.token, c.logprob] for c in content],
+    "comp_text": comp.choices[0].text, "comp_pieces": "".join(lp.tokens), "offsets": lp.text_offset,
+    "comp_top_has_sampled": all(t in top and 2 <= len(top) <= 3 for t, top in zip(lp.tokens, lp.top_logprobs)),
+    "comp_greedy_is_max": all(max(top.values()) == l for top, l in zip(lp.top_logprobs, lp.token_logprobs)),
+    "forced": run(logit_bias={str(x): 100}),
+    "stopped": run(logit_bias={str(x): 100}, stop_token_ids=[x]),
+    "held": run(logit_bias={str(x): 100}, stop_token_ids=[x], min_tokens=3),
+}))
+"#;
+
+/// The `openai` client's logprobs (chat and completions, streamed and whole), logit_bias and
+/// min_tokens against a real deployment.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn openai_python_client_logprobs_bias_and_min_tokens() {
+    let v = run_client(OPENAI_SAMPLING_SCRIPT).await;
+    assert_eq!(v["chat_tokens"], 8, "{v}");
+    assert_eq!(v["greedy_is_top1"], true, "{v}");
+    assert_eq!(v["ranked"], true, "{v}");
+    assert!(v["max_mass"].as_f64().unwrap() <= 1.0 + 1e-4, "{v}");
+    assert_eq!(
+        v["streamed"], v["whole"],
+        "streamed logprobs equal the whole response's"
+    );
+    assert_eq!(v["comp_top_has_sampled"], true, "{v}");
+    assert_eq!(v["comp_greedy_is_max"], true, "{v}");
+    let offsets: Vec<u64> = serde_json::from_value(v["offsets"].clone()).unwrap();
+    assert_eq!(offsets.len(), 6);
+    assert!(offsets.windows(2).all(|w| w[0] <= w[1]), "{v}");
+    // +100 on "x" forces it; as a stop token it then ends generation at once, unless
+    // min_tokens holds it back for 3 tokens.
+    assert_eq!(v["forced"]["text"], "xxxxxx", "{v}");
+    assert_eq!(v["stopped"]["tokens"], 1, "{v}");
+    assert_eq!(v["stopped"]["finish"], "stop");
+    let held = &v["held"];
+    assert!(held["tokens"].as_u64().unwrap() >= 3, "{v}");
+    assert!(!held["text"].as_str().unwrap().starts_with('x'), "{v}");
 }

@@ -1,5 +1,5 @@
 //! The whole system through the router: the correctness gate (disaggregated output equals
-//! aggregated output token for token, for every transport, at concurrency 1 and 16, on the
+//! aggregated output token for token and logprob for logprob, for every transport, at concurrency 1 and 16, on the
 //! tiny model and on SmolLM2), cancellation, a decode worker dying mid-stream, and bad input
 //! on a real deployment.
 
@@ -87,6 +87,12 @@ async fn correctness_gate(model: &str, n: usize, max_len: u32, vocab: u32, max_t
                     want.text,
                     "{model}: prompt {i} ({} tokens) over {transport} at concurrency {concurrency}",
                     prompts[i].len()
+                );
+                // Logprobs and alternatives too, bit for bit (the first token's were
+                // computed by the prefill worker and carried with the KV commit).
+                assert_eq!(
+                    got.logprobs, want.logprobs,
+                    "{model}: prompt {i} logprobs over {transport}"
                 );
             }
         }

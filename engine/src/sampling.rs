@@ -343,7 +343,6 @@ impl Sampler {
     }
 }
 
-
 /// One sampled token, with its log-probability and the most likely tokens at its position
 /// (most likely first, the lower id first on a tie), as the module doc defines them.
 #[derive(Debug, Clone, PartialEq, Default)]
@@ -486,10 +485,14 @@ mod tests {
         let logits = [5.0, 4.0, 1.0, 0.5, 0.1, -3.0];
         for seed in 0..200 {
             let p = params(1.0, 2, 1.0, seed);
-            let t = Sampler::new(&p).sample(&mut logits.clone(), &p, &[], 0, &[]).token;
+            let t = Sampler::new(&p)
+                .sample(&mut logits.clone(), &p, &[], 0, &[])
+                .token;
             assert!(t < 2, "top_k=2 gave {t}");
             let p = params(1.0, 0, 0.5, seed);
-            let t = Sampler::new(&p).sample(&mut logits.clone(), &p, &[], 0, &[]).token;
+            let t = Sampler::new(&p)
+                .sample(&mut logits.clone(), &p, &[], 0, &[])
+                .token;
             assert_eq!(t, 0, "top_p=0.5 keeps only the first (p≈0.71)");
         }
     }
@@ -614,10 +617,7 @@ mod tests {
     fn log_softmax(logits: &[f32]) -> Vec<f64> {
         let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
         let sum: f64 = logits.iter().map(|&l| (l as f64 - max).exp()).sum();
-        logits
-            .iter()
-            .map(|&l| l as f64 - max - sum.ln())
-            .collect()
+        logits.iter().map(|&l| l as f64 - max - sum.ln()).collect()
     }
 
     #[test]
@@ -632,7 +632,11 @@ mod tests {
             let out = Sampler::new(&p).sample(&mut logits.clone(), &p, &[], 0, &[]);
             let ids: Vec<u32> = out.top_logprobs.iter().map(|&(id, _)| id).collect();
             let mut by_logit: Vec<u32> = (0..300).collect();
-            by_logit.sort_by(|&a, &b| logits[b as usize].total_cmp(&logits[a as usize]).then(a.cmp(&b)));
+            by_logit.sort_by(|&a, &b| {
+                logits[b as usize]
+                    .total_cmp(&logits[a as usize])
+                    .then(a.cmp(&b))
+            });
             assert_eq!(ids, by_logit[..5], "temperature {temperature}");
             for &(id, lp) in &out.top_logprobs {
                 assert!((lp as f64 - reference[id as usize]).abs() < 1e-5);
@@ -666,7 +670,10 @@ mod tests {
         assert_eq!(out.token, 2);
         let reference = log_softmax(&[-95.0, 4.0, 11.0, 0.0]);
         assert!((out.logprob as f64 - reference[2]).abs() < 1e-5);
-        assert_eq!(out.top_logprobs.iter().map(|t| t.0).collect::<Vec<_>>(), [2, 1, 3]);
+        assert_eq!(
+            out.top_logprobs.iter().map(|t| t.0).collect::<Vec<_>>(),
+            [2, 1, 3]
+        );
     }
 
     #[test]
@@ -680,7 +687,11 @@ mod tests {
         };
         let mut l = logits;
         let out = Sampler::new(&presence).sample(&mut l, &presence, &history, 3, &[]);
-        assert_eq!(l, [3.0, 2.4, 2.5], "once for token 1, never for prompt-only token 0");
+        assert_eq!(
+            l,
+            [3.0, 2.4, 2.5],
+            "once for token 1, never for prompt-only token 0"
+        );
         assert_eq!(out.token, 0);
         let frequency = SamplingParams {
             frequency_penalty: 0.3,

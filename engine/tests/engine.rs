@@ -403,3 +403,135 @@ fn a_gpu_engine_without_a_gpu_is_a_clear_error() {
         }
     }
 }
+
+/// Every sampling adjustment and the reported logprobs come out bit for bit the same whether
+/// one engine runs the request or a prefill engine samples its first token and another
+/// continues: the adjustments depend only on the request's own tokens.
+#[test]
+fn adjustments_and_logprobs_match_across_the_handoff() {
+    let model = model();
+    let p = prompt(3, 40);
+    let plain = run_alone(&model, &p, 6);
+    let stop = |max_tokens, min_tokens, stop_token_ids: Vec<u32>| StopParams {
+        max_tokens,
+        min_tokens,
+        stop_token_ids,
+        ignore_eos: true,
+        ..Default::default()
+    };
+    let cases = [
+        (
+            SamplingParams {
+                top_logprobs: 5,
+                presence_penalty: 0.7,
+                frequency_penalty: 0.4,
+                logit_bias: vec![(plain[1], -3.0), (17, 1.5)],
+                ..SamplingParams::greedy()
+            },
+            stop(12, 3, vec![plain[0]]),
+        ),
+        (
+            SamplingParams {
+                temperature: 0.9,
+                top_k: 30,
+                top_p: 0.9,
+                seed: Some(11),
+                repetition_penalty: 1.2,
+                frequency_penalty: -0.5,
+                top_logprobs: 3,
+                ..SamplingParams::default()
+            },
+            stop(12, 12, vec![plain[0], plain[2]]),
+        ),
+    ];
+    for (sampling, st) in cases {
+        let mut e = engine(&model, 64);
+        let id = e
+            .add_request(p.clone(), sampling.clone(), st.clone())
+            .unwrap();
+        let alone = e.run_to_completion(id).unwrap();
+        let handed = common::handoff_with(|| engine(&model, 64), &p, sampling.clone(), st.clone());
+        let key = |o: &StepOutput| {
+            (
+                o.token,
+                o.logprob.to_bits(),
+                o.top_logprobs.clone(),
+                o.finish,
+            )
+        };
+        assert_eq!(
+            alone.iter().map(key).collect::<Vec<_>>(),
+            handed.iter().map(key).collect::<Vec<_>>(),
+            "{sampling:?}"
+        );
+        // min_tokens kept the stop ids out of the first tokens, and they are never reported
+        // as alternatives there.
+        for o in alone.iter().take(st.min_tokens) {
+            assert!(!st.stop_token_ids.contains(&o.token), "{sampling:?}");
+            assert!(
+                o.top_logprobs
+                    .iter()
+                    .all(|(id, _)| !st.stop_token_ids.contains(id))
+            );
+        }
+        for o in &alone {
+            assert_eq!(o.top_logprobs.len(), sampling.top_logprobs);
+            assert!(o.top_logprobs.windows(2).all(|w| w[0].1 >= w[1].1));
+            if sampling.is_greedy() {
+                assert_eq!(
+                    o.top_logprobs[0],
+                    (o.token, o.logprob),
+                    "greedy is the top-1"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn logit_bias_and_min_tokens_steer_generation() {
+    let model = model();
+    let p = prompt(5, 30);
+    let plain = run_alone(&model, &p, 4);
+    let forced = (3..200).find(|t| !plain.contains(t)).unwrap();
+    let mut e = engine(&model, 64);
+    let biased = SamplingParams {
+        logit_bias: vec![(forced, 100.0)],
+        ..SamplingParams::greedy()
+    };
+    let (_, st) = greedy(4);
+    let id = e.add_request(p.clone(), biased, st).unwrap();
+    let out = e.run_to_completion(id).unwrap();
+    assert!(
+        out.iter().all(|o| o.token == forced),
+        "+100 forces the token"
+    );
+
+    // The first greedy token as a stop token ends at once; with min_tokens it cannot.
+    let stop = |min_tokens| StopParams {
+        max_tokens: 8,
+        stop_token_ids: vec![plain[0]],
+        ignore_eos: true,
+        min_tokens,
+        ..Default::default()
+    };
+    let id = e
+        .add_request(p.clone(), SamplingParams::greedy(), stop(0))
+        .unwrap();
+    let out = e.run_to_completion(id).unwrap();
+    assert_eq!(out.len(), 1);
+    assert_eq!(out[0].finish, Some(FinishReason::Stop));
+    let id = e
+        .add_request(p.clone(), SamplingParams::greedy(), stop(3))
+        .unwrap();
+    let out = e.run_to_completion(id).unwrap();
+    assert!(out.len() >= 3, "{} tokens", out.len());
+    assert!(out[..3].iter().all(|o| o.token != plain[0]));
+    // min_tokens > max_tokens is refused.
+    let bad = StopParams {
+        max_tokens: 2,
+        min_tokens: 3,
+        ..Default::default()
+    };
+    assert!(e.add_request(p, SamplingParams::greedy(), bad).is_err());
+}

@@ -281,13 +281,10 @@ async fn prefill(inner: &Inner, req: PrefillRequest) -> Result<PrefillResponse, 
                 logprob: output.logprob,
                 top_logprobs: output.top_logprobs.clone(),
             };
-            let stats = sender
-                .commit(first)
-                .await
-                .map_err(|e| {
-                    inner.peers.forget(&dest);
-                    transfer_status(e)
-                })?;
+            let stats = sender.commit(first).await.map_err(|e| {
+                inner.peers.forget(&dest);
+                transfer_status(e)
+            })?;
             tracing::debug!(
                 bytes = stats.bytes,
                 transfer_s = stats.seconds,

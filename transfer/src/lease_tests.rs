@@ -67,6 +67,32 @@ fn full_transfer_commits_and_lands_in_the_blocks() {
 }
 
 #[test]
+fn a_commit_with_more_alternatives_than_any_request_asks_for_fails_its_lease() {
+    let (cache, table) = setup();
+    let bb = cache.layout().block_layer_bytes();
+    let (lease, mut rx) = table.create(vec![1], 10, "r").unwrap();
+    for layer in 0..2 {
+        let p = vec![3u8; bb];
+        table
+            .write_blocks(&lease, layer, &[0], &[crc32(&p)], &p)
+            .unwrap();
+    }
+    let mut commit = commit_msg(&table, &lease, Transport::Grpc);
+    commit.first_top_logprobs = (0..=tandem_proto::limits::MAX_TOP_LOGPROBS as u32)
+        .map(|id| tandem_proto::v1::TopLogprob { id, logprob: -1.0 })
+        .collect();
+    assert!(matches!(
+        table.commit(&commit),
+        Err(TransferError::Protocol(_))
+    ));
+    assert!(
+        rx.try_recv().unwrap().is_err(),
+        "the waiting request hears of it"
+    );
+    assert!(table.is_empty());
+}
+
+#[test]
 fn bad_transfers_are_refused() {
     let (cache, table) = setup();
     let bb = cache.layout().block_layer_bytes();

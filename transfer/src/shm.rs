@@ -120,7 +120,6 @@ impl KvSender for ShmSender {
     }
 
     fn commit(self: Box<Self>, first: FirstToken) -> SendFuture {
-        self.transfer
-            .commit(first, self.checksums)
+        self.transfer.commit(first, self.checksums)
     }
 }

@@ -210,7 +210,14 @@ async fn every_transport_delivers_verified_blocks() {
         let dest = destination(&d, transport, &lease);
         let sender = connect(&peers, &dest, &l, "req", tokens, 0).await.unwrap();
         let sender = send_all(sender, &l, 3, None).await.unwrap();
-        let stats = sender.commit(FirstToken::new(42, -0.25)).await.unwrap();
+        // The first token's alternatives travel with it, on every transport.
+        let top = vec![(42, -0.25), (7, -1.5), (1000, -3.0)];
+        let first = FirstToken {
+            token: 42,
+            logprob: -0.25,
+            top_logprobs: top.clone(),
+        };
+        let stats = sender.commit(first).await.unwrap();
         assert_eq!(stats.transport, transport);
         assert_eq!(stats.bytes, (3 * 3 * l.block_layer_bytes()) as u64);
         let commit = rx.await.unwrap().unwrap();
@@ -218,6 +225,7 @@ async fn every_transport_delivers_verified_blocks() {
             (commit.first_token, commit.first_logprob, commit.bytes),
             (42, -0.25, stats.bytes)
         );
+        assert_eq!(commit.first_top_logprobs, top, "{transport:?}");
         for layer in 0..3 {
             for (lb, &b) in blocks.iter().enumerate() {
                 assert_eq!(
@@ -258,7 +266,10 @@ async fn mismatches_and_incomplete_transfers_fail_loudly() {
             .await
             .unwrap();
         let sender = send_all(sender, &layout("m"), 2, Some(1)).await.unwrap();
-        assert!(sender.commit(FirstToken::new(1, 0.0)).await.is_err(), "{transport:?}");
+        assert!(
+            sender.commit(FirstToken::new(1, 0.0)).await.is_err(),
+            "{transport:?}"
+        );
         if transport != Transport::Shm {
             assert!(
                 rx.await.unwrap().is_err(),
@@ -287,7 +298,10 @@ async fn a_cancelled_lease_fences_every_transport() {
             // Shared memory refuses to write at once (the owner tag is gone) ...
             Err(TransferError::Cancelled) => assert_eq!(transport, Transport::Shm),
             // ... the network transports learn it from the peer, at the latest at commit.
-            Ok(sender) => assert!(sender.commit(FirstToken::new(1, 0.0)).await.is_err(), "{transport:?}"),
+            Ok(sender) => assert!(
+                sender.commit(FirstToken::new(1, 0.0)).await.is_err(),
+                "{transport:?}"
+            ),
             Err(_) => {}
         }
         assert_eq!(

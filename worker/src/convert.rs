@@ -191,6 +191,24 @@ mod tests {
                 .validate(100)
                 .is_err()
         );
+        let extras = |penalty: f32, bias: usize, value: f32, top: usize| SamplingParams {
+            presence_penalty: penalty,
+            frequency_penalty: -penalty,
+            logit_bias: vec![(1, value); bias],
+            top_logprobs: top,
+            ..SamplingParams::default()
+        };
+        let (p, b, v, t) = (
+            wire::MAX_OPENAI_PENALTY,
+            wire::MAX_LOGIT_BIAS,
+            wire::MAX_LOGIT_BIAS_VALUE,
+            wire::MAX_TOP_LOGPROBS,
+        );
+        assert!(extras(p, b, v, t).validate(100).is_ok());
+        assert!(extras(p * 1.01, 0, 0.0, 0).validate(100).is_err());
+        assert!(extras(0.0, b + 1, 0.0, 0).validate(100).is_err());
+        assert!(extras(0.0, 1, -v * 1.01, 0).validate(100).is_err());
+        assert!(extras(0.0, 0, 0.0, t + 1).validate(100).is_err());
         let stop = |ids: usize, strings: usize, bytes: usize| StopParams {
             stop_token_ids: vec![1; ids],
             stop_strings: vec!["é".repeat(bytes / 2); strings],

@@ -5,22 +5,44 @@
 use std::collections::HashMap;
 
 use tandem_engine::engine::ReceivedKv;
-use tandem_engine::{Engine, SampledToken, SamplingParams, StopParams};
+use tandem_engine::{Engine, SampledToken, SamplingParams, StepOutput, StopParams};
 
 /// The greedy tokens of `prompt` prefilled on one engine and decoded on another (both made
 /// by `engine`), the first token from the prefill side. Both engines must free every block.
 /// As the workers do, only the blocks the decode side reads cross (a sliding-window model's
 /// earlier ones stay behind), into a reservation of just those.
 pub fn handoff(engine: impl Fn() -> Engine, prompt: &[u32], max_tokens: usize) -> Vec<u32> {
-    let stop = |n| StopParams {
-        max_tokens: n,
+    let stop = StopParams {
+        max_tokens,
         ignore_eos: true,
         ..Default::default()
     };
+    handoff_with(engine, prompt, SamplingParams::greedy(), stop)
+        .iter()
+        .map(|o| o.token)
+        .collect()
+}
+
+/// [`handoff`] with any sampling and stop parameters, returning every output. The prefill
+/// side stops after one token and sees the request's stop ids and `min_tokens`, as the
+/// prefill worker does.
+pub fn handoff_with(
+    engine: impl Fn() -> Engine,
+    prompt: &[u32],
+    sampling: SamplingParams,
+    stop: StopParams,
+) -> Vec<StepOutput> {
     let mut prefill = engine();
     let first_block = prefill.model().config().first_needed_block(prompt.len());
+    let prefill_stop = StopParams {
+        max_tokens: 1,
+        stop_token_ids: stop.stop_token_ids.clone(),
+        stop_strings: Vec::new(),
+        ignore_eos: stop.ignore_eos,
+        min_tokens: stop.min_tokens.min(1),
+    };
     prefill
-        .add_request(prompt.to_vec(), SamplingParams::greedy(), stop(1))
+        .add_request(prompt.to_vec(), sampling.clone(), prefill_stop)
         .unwrap();
     let mut shipped: HashMap<(usize, usize), Vec<u8>> = HashMap::new();
     let mut first = None;
@@ -66,18 +88,14 @@ pub fn handoff(engine: impl Fn() -> Engine, prompt: &[u32], max_tokens: usize) -
                 top_logprobs: first.top_logprobs.clone(),
             },
             ReceivedKv::host(blocks),
-            SamplingParams::greedy(),
-            stop(max_tokens),
+            sampling,
+            stop,
         )
         .unwrap();
-    let mut tokens = vec![out0.token];
-    tokens.extend(
-        decode
-            .run_to_completion(id)
-            .unwrap()
-            .iter()
-            .map(|o| o.token),
-    );
+    let mut outputs = vec![out0];
+    if outputs[0].finish.is_none() {
+        outputs.extend(decode.run_to_completion(id).unwrap());
+    }
     assert_eq!(decode.used_blocks(), 0, "decode side frees its blocks");
-    tokens
+    outputs
 }

@@ -154,7 +154,16 @@ mod tests {
         let m = model();
         let mut b = LogprobsBuilder::new(LogprobsShape::Chat);
         let mut lp = Logprobs::default();
-        b.push(&m, &token(id(b'h'), -0.25, &[(id(b'h'), -0.25), (id(b'j'), -2.0)], false), &mut lp);
+        b.push(
+            &m,
+            &token(
+                id(b'h'),
+                -0.25,
+                &[(id(b'h'), -0.25), (id(b'j'), -2.0)],
+                false,
+            ),
+            &mut lp,
+        );
         b.push(&m, &token(id(b'i'), f32::NEG_INFINITY, &[], false), &mut lp);
         let json = lp.to_json(LogprobsShape::Chat);
         assert_eq!(
@@ -174,11 +183,19 @@ mod tests {
         let m = model();
         let mut b = LogprobsBuilder::new(LogprobsShape::Completion);
         let mut first = Logprobs::default();
-        b.push(&m, &token(id(b'a'), -1.5, &[(id(b'b'), -0.5)], false), &mut first);
+        b.push(
+            &m,
+            &token(id(b'a'), -1.5, &[(id(b'b'), -0.5)], false),
+            &mut first,
+        );
         // A special token (EOS) is not reported; offsets continue from the text.
         b.push(&m, &token(id(b'c'), -0.1, &[], true), &mut first);
         let mut second = Logprobs::default();
-        b.push(&m, &token(id(b'd'), -0.75, &[(id(b'd'), -0.75)], false), &mut second);
+        b.push(
+            &m,
+            &token(id(b'd'), -0.75, &[(id(b'd'), -0.75)], false),
+            &mut second,
+        );
         assert_eq!(
             first.to_json(LogprobsShape::Completion),
             serde_json::json!({

@@ -1,11 +1,13 @@
 //! The OpenAI routes: `POST /v1/completions`, `POST /v1/chat/completions` (streaming and
 //! not) and `GET /v1/models`.
 //!
-//! Accepted beyond OpenAI's fields, as vLLM does: `ignore_eos`, `top_k` (-1/0 = off),
-//! `repetition_penalty`, `stop_token_ids`, and `min_tokens` = 0. Refused with a 400 naming
-//! the field (rather than silently ignored): `n`/`best_of` ≠ 1, `min_tokens` > 0, `logprobs`
-//! (any value on completions, `true` on chat), `top_logprobs` and vLLM's `prompt_logprobs`,
-//! `echo`, `suffix`, non-zero presence/frequency penalties, `logit_bias`, tools and a
+//! OpenAI's sampling fields: `temperature`, `top_p`, `seed`, `stop`, `presence_penalty` and
+//! `frequency_penalty` ([-2, 2], over generated tokens), `logit_bias` (token id → [-100,
+//! 100]), and logprobs (`logprobs: true` + `top_logprobs` ≤ 20 on chat, `logprobs: N` ≤ 20 on
+//! completions; shapes in `logprobs`). Accepted beyond OpenAI's fields, as vLLM does:
+//! `ignore_eos`, `top_k` (-1/0 = off), `repetition_penalty`, `stop_token_ids`, `min_tokens`
+//! (≤ the completion budget). Refused with a 400 naming the field (rather than silently
+//! ignored): `n`/`best_of` ≠ 1, vLLM's `prompt_logprobs`, `echo`, `suffix`, tools and a
 //! `tool_choice` or legacy `functions`/`function_call` that asks for them, a
 //! `response_format` other than text and vLLM's `guided_*`/`structured_outputs` (no
 //! structured output yet), `stream_options` without `stream`, non-text content parts.
@@ -30,8 +32,8 @@ use tandem_proto::v1::{FinishReason, StopParams};
 use tandem_text::ChatMessage;
 
 use super::error::{ApiError, ApiFlavor};
-use super::logprobs::{Logprobs, LogprobsBuilder, LogprobsShape};
 use super::extract::ApiJson;
+use super::logprobs::{Logprobs, LogprobsBuilder, LogprobsShape};
 use super::sse::{StreamFormatter, data_event, stream_response, tandem_headers};
 use super::validate::{self, StopField, UnimplementedFields, refuse_unimplemented};
 use super::{
@@ -329,16 +331,18 @@ pub(crate) fn message_text(content: Option<Value>, i: usize) -> Result<String, A
     }
 }
 
+/// The request for the flow; `budget` is the completion budget and the field that named it
+/// (for `min_tokens`' error).
 fn flow_request(
     model: &ServedModel,
     request_id: &str,
     prompt: Vec<u32>,
-    max_tokens: u32,
+    budget: (u32, &str),
     p: &Params,
     arrival: Instant,
     state: &AppState,
-    max_tokens_param: &str,
 ) -> Result<FlowRequest, ApiError> {
+    let (max_tokens, max_tokens_param) = budget;
     Ok(FlowRequest {
         request_id: request_id.to_string(),
         prompt,
@@ -435,11 +439,10 @@ pub async fn completions(
             &model,
             &request_id,
             prompt,
-            budget,
+            (budget, "max_tokens"),
             &p,
             arrival,
             &state,
-            "max_tokens",
         )?;
         Ok((model, req, p, in_flight))
     }
@@ -522,7 +525,13 @@ pub async fn chat_completions(
         };
         let budget = validate::completion_budget(prompt.len(), requested, None, &model, fields)?;
         let req = flow_request(
-            &model, &request_id, prompt, budget, &p, arrival, &state, param,
+            &model,
+            &request_id,
+            prompt,
+            (budget, param),
+            &p,
+            arrival,
+            &state,
         )?;
         Ok((model, req, p, in_flight))
     }

@@ -46,7 +46,10 @@ async fn chat_logprobs_and_every_sampling_field_reach_both_workers() {
             .iter()
             .map(|t| {
                 assert_eq!(t["bytes"], json!(t["token"].as_str().unwrap().as_bytes()));
-                (t["token"].as_str().unwrap().into(), t["logprob"].as_f64().unwrap())
+                (
+                    t["token"].as_str().unwrap().into(),
+                    t["logprob"].as_f64().unwrap(),
+                )
             })
             .collect();
         assert_eq!(top, alternatives(byte, 2), "{entry}");
@@ -131,7 +134,12 @@ async fn completion_logprobs_stream_one_entry_per_chunk_in_the_legacy_shape() {
     let text = body["choices"][0]["text"].as_str().unwrap();
     assert_eq!(lp["tokens"].as_array().unwrap().len(), 3);
     assert_eq!(lp["text_offset"], json!([0, 1, 2]));
-    for (dict, byte) in lp["top_logprobs"].as_array().unwrap().iter().zip(text.bytes()) {
+    for (dict, byte) in lp["top_logprobs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .zip(text.bytes())
+    {
         let expected: serde_json::Map<String, Value> = alternatives(byte, 2)
             .into_iter()
             .map(|(t, l)| (t, json!(l)))
