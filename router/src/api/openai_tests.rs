@@ -1,8 +1,9 @@
 //! Golden tests of the OpenAI objects and stream chunks (ids and timestamps fixed).
 
 use super::*;
-use crate::flow::RunMode;
+use crate::flow::{FinishOut, FlowEvent, Head, RunMode, TokenOut};
 use crate::routing::FallbackReason;
+use tandem_proto::v1::FinishReason;
 use tandem_proto::v1::Transport;
 
 fn head(mode: RunMode) -> Head {

@@ -1,0 +1,300 @@
+//! The OpenAI response objects: whole responses, stream chunks (with the first chunk's
+//! role, per-token logprobs, the finish chunk and the usage chunk), and the `tandem` usage
+//! extension, built by one formatter per request.
+
+use std::sync::Arc;
+
+use serde::Serialize;
+use serde_json::Value;
+use tandem_proto::v1::FinishReason;
+
+use super::Kind;
+use crate::api::error::ApiError;
+use crate::api::logprobs::{Logprobs, LogprobsBuilder, LogprobsShape};
+use crate::api::sse::{StreamFormatter, data_event};
+use crate::flow::{FinishOut, FlowEvent, Head, TokenOut, transport_name};
+use crate::model::ServedModel;
+
+/// The `tandem` extension object.
+#[derive(Debug, Serialize, PartialEq)]
+pub struct TandemUsage {
+    pub mode: &'static str,
+    pub kv_bytes: u64,
+    pub transport: Option<&'static str>,
+    pub fallback_reason: Option<&'static str>,
+}
+
+#[derive(Debug, Serialize)]
+struct Usage {
+    prompt_tokens: u32,
+    completion_tokens: u32,
+    total_tokens: u32,
+    tandem: TandemUsage,
+}
+
+#[derive(Serialize)]
+struct CompletionChoice<'a> {
+    index: u32,
+    text: &'a str,
+    logprobs: Option<Value>,
+    finish_reason: Option<&'static str>,
+}
+
+#[derive(Serialize, Default)]
+struct Delta<'a> {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    role: Option<&'static str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    content: Option<&'a str>,
+}
+
+#[derive(Serialize)]
+struct ChatChunkChoice<'a> {
+    index: u32,
+    delta: Delta<'a>,
+    logprobs: Option<Value>,
+    finish_reason: Option<&'static str>,
+}
+
+#[derive(Serialize)]
+struct ChatMessageOut<'a> {
+    role: &'static str,
+    content: &'a str,
+}
+
+#[derive(Serialize)]
+struct ChatChoice<'a> {
+    index: u32,
+    message: ChatMessageOut<'a>,
+    logprobs: Option<Value>,
+    finish_reason: &'static str,
+}
+
+/// One streamed chunk; `usage` is absent, null, or set.
+#[derive(Serialize)]
+struct Envelope<'a, C> {
+    id: &'a str,
+    object: &'static str,
+    created: u64,
+    model: &'a str,
+    choices: Vec<C>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    usage: Option<Option<Usage>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    tandem: Option<TandemUsage>,
+}
+
+fn finish_reason(f: &FinishOut) -> &'static str {
+    match f.reason {
+        FinishReason::Length => "length",
+        _ => "stop",
+    }
+}
+
+/// Builds the OpenAI objects of one request.
+pub(super) struct OpenAiFormatter {
+    pub(super) kind: Kind,
+    pub(super) id: String,
+    pub(super) created: u64,
+    pub(super) model: String,
+    pub(super) include_usage: bool,
+    /// Known once the first token is in (a stream may start before).
+    pub(super) head: Option<Head>,
+    pub(super) prompt_tokens: u32,
+    pub(super) sent_role: bool,
+    /// When the request asked for logprobs: their shape, the builder, and the model whose
+    /// tokenizer writes the tokens' text.
+    pub(super) logprobs: Option<(LogprobsShape, LogprobsBuilder, Arc<ServedModel>)>,
+}
+
+impl OpenAiFormatter {
+    /// The `logprobs` object for `tokens` (none unless asked for).
+    fn logprobs_of<'t>(&mut self, tokens: impl IntoIterator<Item = &'t TokenOut>) -> Option<Value> {
+        let (shape, builder, model) = self.logprobs.as_mut()?;
+        let mut out = Logprobs::default();
+        for token in tokens {
+            builder.push(model, token, &mut out);
+        }
+        Some(out.to_json(*shape))
+    }
+
+    fn tandem(&self, f: &FinishOut) -> TandemUsage {
+        TandemUsage {
+            mode: self.head.as_ref().map_or("none", |h| h.mode.as_str()),
+            kv_bytes: f.kv_bytes,
+            transport: f.transport.map(|t| transport_name(Some(t))),
+            fallback_reason: self
+                .head
+                .as_ref()
+                .and_then(|h| h.fallback)
+                .map(|r| r.as_str()),
+        }
+    }
+
+    fn usage(&self, f: &FinishOut) -> Usage {
+        let prompt = if f.prompt_tokens > 0 {
+            f.prompt_tokens
+        } else {
+            self.prompt_tokens
+        };
+        Usage {
+            prompt_tokens: prompt,
+            completion_tokens: f.completion_tokens,
+            total_tokens: prompt.saturating_add(f.completion_tokens),
+            tandem: self.tandem(f),
+        }
+    }
+
+    fn envelope<C: Serialize>(
+        &self,
+        choices: Vec<C>,
+        usage: Option<Option<Usage>>,
+        tandem: Option<TandemUsage>,
+    ) -> String {
+        let object = match self.kind {
+            Kind::Completion => "text_completion",
+            Kind::Chat => "chat.completion.chunk",
+        };
+        let envelope = Envelope {
+            id: &self.id,
+            object,
+            created: self.created,
+            model: &self.model,
+            choices,
+            usage,
+            tandem,
+        };
+        serde_json::to_string(&envelope).unwrap_or_default()
+    }
+
+    /// One chunk: a token's text (if any) and, on the last, the finish reason.
+    fn chunk(&mut self, token: Option<&TokenOut>, finish: Option<&FinishOut>) -> String {
+        let text = token.filter(|t| !t.special).map_or("", |t| t.text.as_str());
+        let logprobs = token.and_then(|t| self.logprobs_of([t]));
+        let reason = finish.map(finish_reason);
+        let usage = self.include_usage.then_some(None);
+        let tandem = finish
+            .filter(|_| !self.include_usage)
+            .map(|f| self.tandem(f));
+        let json = match self.kind {
+            Kind::Completion => self.envelope(
+                vec![CompletionChoice {
+                    index: 0,
+                    text,
+                    logprobs,
+                    finish_reason: reason,
+                }],
+                usage,
+                tandem,
+            ),
+            Kind::Chat => {
+                // The first token's chunk also opens the assistant message.
+                let role = (!self.sent_role).then_some("assistant");
+                self.sent_role = true;
+                let content = (token.is_some() || role.is_some()).then_some(text);
+                self.envelope(
+                    vec![ChatChunkChoice {
+                        index: 0,
+                        delta: Delta { role, content },
+                        logprobs,
+                        finish_reason: reason,
+                    }],
+                    usage,
+                    tandem,
+                )
+            }
+        };
+        data_event(&json, true)
+    }
+
+    /// After the last chunk: the usage chunk when asked for, then `[DONE]`.
+    fn tail(&mut self, f: &FinishOut) -> String {
+        let mut out = String::new();
+        if self.include_usage {
+            let json = match self.kind {
+                Kind::Completion => self.envelope(
+                    Vec::<CompletionChoice>::new(),
+                    Some(Some(self.usage(f))),
+                    None,
+                ),
+                Kind::Chat => self.envelope(
+                    Vec::<ChatChunkChoice>::new(),
+                    Some(Some(self.usage(f))),
+                    None,
+                ),
+            };
+            out.push_str(&data_event(&json, true));
+        }
+        out.push_str(&data_event("[DONE]", true));
+        out
+    }
+
+    /// The non-streaming response object.
+    pub(super) fn full_response(
+        &mut self,
+        text: &str,
+        tokens: &[TokenOut],
+        f: &FinishOut,
+    ) -> Value {
+        let usage = serde_json::to_value(self.usage(f)).unwrap_or(Value::Null);
+        let logprobs = self.logprobs_of(tokens);
+        match self.kind {
+            Kind::Completion => serde_json::json!({
+                "id": self.id,
+                "object": "text_completion",
+                "created": self.created,
+                "model": self.model,
+                "choices": [CompletionChoice { index: 0, text, logprobs, finish_reason: Some(finish_reason(f)) }],
+                "usage": usage,
+            }),
+            Kind::Chat => serde_json::json!({
+                "id": self.id,
+                "object": "chat.completion",
+                "created": self.created,
+                "model": self.model,
+                "choices": [ChatChoice {
+                    index: 0,
+                    message: ChatMessageOut { role: "assistant", content: text },
+                    logprobs,
+                    finish_reason: finish_reason(f),
+                }],
+                "usage": usage,
+            }),
+        }
+    }
+}
+
+/// The error event that ends a broken OpenAI stream, then `[DONE]`.
+pub fn stream_error(e: &ApiError) -> String {
+    let mut out = data_event(&e.openai_body().to_string(), true);
+    out.push_str(&data_event("[DONE]", true));
+    out
+}
+
+impl StreamFormatter for OpenAiFormatter {
+    fn on_head(&mut self, head: &Head) {
+        self.head = Some(head.clone());
+    }
+
+    fn format(&mut self, event: FlowEvent) -> (String, bool) {
+        match event {
+            FlowEvent::Token(t, None) => (self.chunk(Some(&t), None), false),
+            FlowEvent::Token(t, Some(f)) => {
+                let mut out = self.chunk(Some(&t), Some(&f));
+                out.push_str(&self.tail(&f));
+                (out, true)
+            }
+            FlowEvent::Finished(f) => {
+                let mut out = self.chunk(None, Some(&f));
+                out.push_str(&self.tail(&f));
+                (out, true)
+            }
+            FlowEvent::Failed(e) => (stream_error(&e), true),
+        }
+    }
+
+    fn broken(&mut self) -> String {
+        tracing::error!("event stream ended without a finish; sending an error event");
+        stream_error(&ApiError::WorkerFailed)
+    }
+}
