@@ -14,6 +14,7 @@ use std::time::{Duration, Instant};
 use tandem_engine::engine::{first_token_output, validate_request};
 use tandem_engine::{SampledToken, SamplingParams, StepOutput, StopParams};
 use tandem_proto::v1::*;
+use tandem_text::Guide;
 use tandem_transfer::{Commit, Lease, top_logprobs_to_proto};
 use tandem_worker::SeqEvent;
 use tandem_worker::convert::{
@@ -188,6 +189,16 @@ async fn disaggregated(
         logprob: commit.first_logprob,
         top_logprobs: commit.first_top_logprobs,
     };
+    // The grammar, if any, compiled once off the async workers: a copy follows the first
+    // token here, the original goes to the engine.
+    let guide = match inner.engine.compile_guide(&sampling).await {
+        Ok(guide) => guide,
+        Err(e) => {
+            release(&inner, lease.blocks.clone(), false);
+            let _ = out.send(Err(engine_status(&e))).await;
+            return;
+        }
+    };
     let first = first_token_output(
         &inner.tokenizer,
         context,
@@ -195,6 +206,7 @@ async fn disaggregated(
         sampled.clone(),
         &sampling,
         &stop,
+        guide.as_ref().map(Guide::copy),
     );
     if out.send(Ok(token_event(&inner, &first))).await.is_err() {
         release(&inner, lease.blocks.clone(), false);
@@ -215,6 +227,7 @@ async fn disaggregated(
             tandem_transfer::kv_location(commit.transport),
             sampling,
             stop,
+            guide,
             events_tx,
         )
         .await;

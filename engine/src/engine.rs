@@ -14,7 +14,7 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
-use tandem_text::TextTokenizer;
+use tandem_text::{Guide, TextTokenizer};
 
 use std::sync::MutexGuard;
 use tandem_kv::{
@@ -25,6 +25,7 @@ use tandem_kv::{
 use crate::backend::{self, Batch, ComputeBackend};
 use crate::device::Device;
 use crate::error::{EngineError, Result};
+use crate::guides::Guides;
 use crate::model::{Model, SeqInput};
 use crate::sampling::{SampledToken, Sampler, SamplingParams, StopParams};
 use crate::sequence::Sequence;
@@ -167,6 +168,7 @@ pub struct Engine {
     running: Vec<SeqId>,
     next_id: SeqId,
     eos: Vec<u32>,
+    guides: Guides,
     stats: EngineStats,
     /// Where the forward pass runs (`cache` is the KV itself on the CPU, staging on a GPU).
     backend: Box<dyn ComputeBackend>,
@@ -211,6 +213,7 @@ impl Engine {
             )));
         }
         let eos = tokenizer.info().eos_token_ids.clone();
+        let guides = Guides::new(&tokenizer);
         let backend = backend::for_device(&config.device, &model, cache.num_blocks())?;
         Ok(Self {
             pool: SharedPool::new(cache.num_blocks()),
@@ -223,9 +226,15 @@ impl Engine {
             running: Vec::new(),
             next_id: 1,
             eos,
+            guides,
             stats: EngineStats::default(),
             backend,
         })
+    }
+
+    /// The grammar compiler of this engine's tokenizer (shared, built on first use).
+    pub fn guides(&self) -> Guides {
+        self.guides.clone()
     }
 
     /// Which backend computes (`cpu` or `cuda`).
@@ -336,13 +345,35 @@ impl Engine {
         sampling: SamplingParams,
         stop: StopParams,
     ) -> Result<SeqId> {
+        self.add_request_guided(prompt, sampling, stop, None)
+    }
+
+    /// [`Engine::add_request`] with the request's grammar already compiled (by [`Guides`],
+    /// off the engine's thread); `None` compiles it here if the request has one.
+    pub fn add_request_guided(
+        &mut self,
+        prompt: Vec<u32>,
+        sampling: SamplingParams,
+        stop: StopParams,
+        guide: Option<Guide>,
+    ) -> Result<SeqId> {
         self.validate_request(&prompt, &sampling, &stop)?;
+        let guide = self.guide_for(&sampling, guide)?;
         let id = self.allocate_id();
         let sampler = Sampler::new(&sampling);
-        let seq = Sequence::new(id, prompt, sampling, stop, &self.eos, sampler);
+        let seq = Sequence::new(id, prompt, sampling, stop, &self.eos, sampler).with_guide(guide);
         self.seqs.insert(id, seq);
         self.waiting.push_back(id);
         Ok(id)
+    }
+
+    /// The compiled guide a request runs with: the given one, else compiled now.
+    fn guide_for(&self, sampling: &SamplingParams, given: Option<Guide>) -> Result<Option<Guide>> {
+        match (&sampling.guide, given) {
+            (None, _) => Ok(None),
+            (Some(_), Some(guide)) => Ok(Some(guide)),
+            (Some(spec), None) => self.guides.compile(spec).map(Some),
+        }
     }
 
     /// Removes a sequence wherever it is and frees its blocks. Returns whether it existed.
@@ -395,7 +426,8 @@ impl Engine {
 
     /// Admits a sequence whose prompt KV already sits in `kv.blocks` (of the host cache, or
     /// of the device pool) and whose first token was sampled elsewhere. Returns its id and the
-    /// output for that first token (which may already finish it, freeing the blocks).
+    /// output for that first token (which may already finish it, freeing the blocks). `guide`
+    /// is the request's grammar compiled elsewhere, not yet advanced (`None`: compiled here).
     pub fn add_prefilled(
         &mut self,
         prompt: Vec<u32>,
@@ -403,6 +435,7 @@ impl Engine {
         kv: ReceivedKv,
         sampling: SamplingParams,
         stop: StopParams,
+        guide: Option<Guide>,
     ) -> Result<(SeqId, StepOutput)> {
         let ReceivedKv { blocks, location } = kv;
         self.validate_request(&prompt, &sampling, &stop)?;
@@ -437,8 +470,10 @@ impl Engine {
         let kept = &blocks[first_block..];
         self.place_received_kv(kept, location)?;
         let id = self.allocate_id();
+        let guide = self.guide_for(&sampling, guide)?;
         let sampler = Sampler::resumed(&sampling, 1);
-        let mut seq = Sequence::new(id, prompt, sampling, stop, &self.eos, sampler);
+        let mut seq =
+            Sequence::new(id, prompt, sampling, stop, &self.eos, sampler).with_guide(guide);
         seq.computed = seq.prompt_len;
         seq.blocks = blocks;
         let out = seq.push_token(first, &self.tokenizer, self.context_len());
@@ -735,6 +770,7 @@ pub fn validate_request(
 /// The output a first token sampled elsewhere produces (text delta, finish), computed the way
 /// [`Engine::add_prefilled`] will, but without an engine: a decode worker streams it the
 /// moment the KV commit arrives instead of waiting for the current forward pass to end.
+/// `guide` is the request's grammar, compiled and not yet advanced, if it has one.
 pub fn first_token_output(
     tokenizer: &TextTokenizer,
     context: usize,
@@ -742,6 +778,7 @@ pub fn first_token_output(
     first: SampledToken,
     sampling: &SamplingParams,
     stop: &StopParams,
+    guide: Option<Guide>,
 ) -> StepOutput {
     let eos = tokenizer.info().eos_token_ids.clone();
     let mut seq = Sequence::new(
@@ -751,7 +788,8 @@ pub fn first_token_output(
         stop.clone(),
         &eos,
         Sampler::resumed(sampling, 0),
-    );
+    )
+    .with_guide(guide);
     seq.computed = seq.prompt_len;
     seq.push_token(first, tokenizer, context)
 }

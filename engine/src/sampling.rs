@@ -16,6 +16,7 @@
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use serde::{Deserialize, Serialize};
+use tandem_text::GuideSpec;
 
 use crate::error::{EngineError, Result};
 
@@ -40,6 +41,8 @@ pub struct SamplingParams {
     pub logit_bias: Vec<(u32, f32)>,
     /// How many most likely tokens to report with each token (0: none).
     pub top_logprobs: usize,
+    /// A grammar the output must match (structured output).
+    pub guide: Option<GuideSpec>,
 }
 
 impl Default for SamplingParams {
@@ -54,6 +57,7 @@ impl Default for SamplingParams {
             frequency_penalty: 0.0,
             logit_bias: Vec::new(),
             top_logprobs: 0,
+            guide: None,
         }
     }
 }

@@ -2,7 +2,7 @@
 //! its blocks, and the text-side state (detokenizer, stop strings) that turns sampled tokens
 //! into output deltas and finish reasons.
 
-use tandem_text::{IncrementalDetokenizer, StopStringMatcher, TextTokenizer};
+use tandem_text::{Guide, IncrementalDetokenizer, StopStringMatcher, TextTokenizer};
 
 use crate::engine::{FinishReason, SeqId, StepOutput};
 use crate::sampling::{SampledToken, Sampler, SamplingParams, StopParams};
@@ -25,6 +25,8 @@ pub(crate) struct Sequence {
     stop_matcher: StopStringMatcher,
     /// Times this sequence lost its blocks and was recomputed.
     pub preemptions: u32,
+    /// The grammar the output must match, following every token pushed.
+    pub guide: Option<Guide>,
 }
 
 impl Sequence {
@@ -55,7 +57,14 @@ impl Sequence {
             detok,
             stop_matcher,
             preemptions: 0,
+            guide: None,
         }
+    }
+
+    /// The sequence with a grammar to follow.
+    pub fn with_guide(mut self, guide: Option<Guide>) -> Self {
+        self.guide = guide;
+        self
     }
 
     pub fn generated(&self) -> usize {
@@ -70,6 +79,12 @@ impl Sequence {
     /// Samples the next token from this sequence's logits row; until `min_tokens` are
     /// generated its stop ids cannot be picked.
     pub fn sample(&mut self, logits: &mut [f32]) -> SampledToken {
+        if let Some(guide) = &mut self.guide
+            && let Err(e) = guide.mask(logits)
+        {
+            // The token then fails to advance the guide, which ends the sequence.
+            tracing::error!(seq = self.id, error = %e, "the grammar could not mask the logits");
+        }
         let suppressed: &[u32] = if self.generated() < self.stop.min_tokens {
             &self.stop_ids
         } else {
@@ -101,6 +116,17 @@ impl Sequence {
         let mut text = String::new();
         // Before `min_tokens`, stop strings do not apply (and stop ids were suppressed).
         let may_stop = self.generated() > self.stop.min_tokens;
+        // A complete grammar ends the sequence like a stop (its last token's text is kept);
+        // a token the grammar refuses ends it too, loudly.
+        let grammar_done = self.guide.as_mut().is_some_and(|g| {
+            g.advance(token).map_or_else(
+                |e| {
+                    tracing::error!(seq = self.id, error = %e, "the grammar refused a token");
+                    true
+                },
+                |()| g.is_finished(),
+            )
+        });
         if self.stop_ids.contains(&token) {
             finish = Some(FinishReason::Stop);
             text.push_str(&self.flush(tokenizer, false));
@@ -119,6 +145,9 @@ impl Sequence {
             };
             if stopped {
                 finish = Some(FinishReason::Stop);
+            } else if grammar_done {
+                finish = Some(FinishReason::Stop);
+                text.push_str(&self.flush(tokenizer, true));
             } else if self.generated() >= self.stop.max_tokens || self.tokens.len() >= context {
                 finish = Some(FinishReason::Length);
                 text.push_str(&self.flush(tokenizer, true));

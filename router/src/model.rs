@@ -3,10 +3,12 @@
 //! API routes need. The router owns tokenization so that prompt lengths are counted once, the
 //! same way for validation, routing and the workers.
 
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use tandem_proto::v1::WorkerInfo;
-use tandem_text::{ChatMessage, ChatTemplate, TextTokenizer, TokenizerInfo};
+use tandem_text::{
+    ChatMessage, ChatTemplate, GuideFactory, GuideSpec, TextTokenizer, TokenizerInfo,
+};
 
 use crate::api::error::ApiError;
 
@@ -24,6 +26,9 @@ pub struct ServedModel {
     pub created: u64,
     tokenizer: TextTokenizer,
     chat_template: Option<ChatTemplate>,
+    /// Compiles structured-output grammars as the workers do; built on the first request
+    /// that has one.
+    guides: OnceLock<Result<GuideFactory, String>>,
 }
 
 impl std::fmt::Debug for ServedModel {
@@ -86,6 +91,7 @@ impl ServedModel {
             created,
             tokenizer,
             chat_template,
+            guides: OnceLock::new(),
         })
     }
 
@@ -104,7 +110,26 @@ impl ServedModel {
             created: 0,
             tokenizer,
             chat_template,
+            guides: OnceLock::new(),
         }
+    }
+
+    /// Compiles `spec` against this tokenizer with the code the workers run, so a grammar a
+    /// worker would refuse gets a 400 naming `param` here. Milliseconds: call it through
+    /// `AppState::encode`.
+    pub fn check_guide(&self, spec: &GuideSpec, param: &str) -> Result<(), ApiError> {
+        let factory = self
+            .guides
+            .get_or_init(|| GuideFactory::new(&self.tokenizer).map_err(|e| e.to_string()))
+            .as_ref()
+            .map_err(|e| {
+                tracing::error!(error = %e, "cannot build the structured-output token trie");
+                ApiError::Internal
+            })?;
+        factory
+            .compile(spec)
+            .map(drop)
+            .map_err(|e| ApiError::invalid(param, format!("`{param}`: {e}")))
     }
 
     /// Token ids of a completion prompt: the tokenizer's special tokens (BOS) included.

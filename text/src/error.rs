@@ -21,6 +21,8 @@ pub enum TextError {
     ChatTemplate(String),
     #[error("this model has no chat template; use a completion endpoint or pass a template")]
     NoChatTemplate,
+    #[error("structured output: {0}")]
+    Guide(String),
 }
 
 impl TextError {

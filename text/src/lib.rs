@@ -1,6 +1,7 @@
 //! Text handling shared by every tandem process that sees text: tokenizers (from a
 //! `tokenizer.json`, an HF folder, GGUF metadata, or the built-in byte-level test tokenizer),
-//! chat templates, incremental detokenization and stop-string matching.
+//! chat templates, incremental detokenization, stop-string matching, and the grammars of
+//! structured output (llguidance over the tokenizer's vocabulary).
 //!
 //! This crate holds no model code on purpose: the router and the benchmark tokenize and
 //! render chat templates exactly as the workers do, without pulling in candle. The engine
@@ -11,6 +12,7 @@ mod chat;
 mod detok;
 mod error;
 pub mod gguf;
+mod guided;
 mod spm;
 mod stop;
 mod tokenizer;
@@ -18,5 +20,6 @@ mod tokenizer;
 pub use chat::{ChatMessage, ChatTemplate};
 pub use detok::IncrementalDetokenizer;
 pub use error::TextError;
+pub use guided::{Guide, GuideFactory, GuideSpec, MAX_GUIDE_BYTES, MAX_GUIDE_CHOICES};
 pub use stop::{StopMatch, StopStringMatcher};
 pub use tokenizer::{TextTokenizer, TokenizerInfo, load_tokenizer};

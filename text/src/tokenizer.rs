@@ -311,6 +311,14 @@ impl TextTokenizer {
         self.inner.id_to_token(id)
     }
 
+    /// Whether the vocabulary is byte-level BPE (pieces spell bytes through GPT-2's table).
+    pub fn is_byte_level(&self) -> bool {
+        matches!(
+            self.inner.get_decoder(),
+            Some(tokenizers::DecoderWrapper::ByteLevel(_))
+        )
+    }
+
     /// Whether `id` is a special (control) token.
     pub fn is_special(&self, id: u32) -> bool {
         self.inner
@@ -321,7 +329,7 @@ impl TextTokenizer {
 }
 
 /// GPT-2's reversible byte → printable character table, in byte order.
-fn bytes_to_unicode() -> Vec<char> {
+pub(crate) fn bytes_to_unicode() -> Vec<char> {
     let printable = |b: u32| {
         (0x21..=0x7e).contains(&b) || (0xa1..=0xac).contains(&b) || (0xae..=0xff).contains(&b)
     };

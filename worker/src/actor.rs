@@ -15,10 +15,12 @@ use std::time::{Duration, Instant};
 
 use tandem_engine::engine::ChunkInfo;
 use tandem_engine::{
-    Engine, EngineError, ReceivedKv, SampledToken, SamplingParams, SeqId, StepOutput, StopParams,
+    Engine, EngineError, Guides, ReceivedKv, SampledToken, SamplingParams, SeqId, StepOutput,
+    StopParams,
 };
 use tandem_kv::KvCache;
 use tandem_kv::{KvLocation, SharedPool};
+use tandem_text::Guide;
 use tandem_transfer::KvSender;
 use tokio::sync::{mpsc as tmpsc, oneshot};
 
@@ -61,6 +63,7 @@ enum Command {
         prompt: Vec<u32>,
         sampling: SamplingParams,
         stop: StopParams,
+        guide: Option<Guide>,
         kv: Option<Box<dyn KvSender>>,
         events: tmpsc::UnboundedSender<SeqEvent>,
         reply: oneshot::Sender<Result<SeqId, EngineError>>,
@@ -72,6 +75,7 @@ enum Command {
         kv: KvLocation,
         sampling: SamplingParams,
         stop: StopParams,
+        guide: Option<Guide>,
         events: tmpsc::UnboundedSender<SeqEvent>,
         reply: oneshot::Sender<Result<SeqId, EngineError>>,
     },
@@ -93,6 +97,7 @@ pub struct EngineHandle {
     tx: mpsc::Sender<Command>,
     pool: SharedPool,
     load: Arc<LoadSnapshot>,
+    guides: Guides,
 }
 
 impl std::fmt::Debug for EngineHandle {
@@ -106,6 +111,26 @@ fn gone() -> EngineError {
 }
 
 impl EngineHandle {
+    /// The engine's grammar compiler.
+    pub fn guides(&self) -> &Guides {
+        &self.guides
+    }
+
+    /// Compiles a request's grammar on the blocking pool (milliseconds of work that must not
+    /// hold up the engine's thread or an async worker).
+    pub async fn compile_guide(
+        &self,
+        sampling: &SamplingParams,
+    ) -> Result<Option<Guide>, EngineError> {
+        let Some(spec) = sampling.guide.clone() else {
+            return Ok(None);
+        };
+        let guides = self.guides.clone();
+        tokio::task::spawn_blocking(move || guides.compile(&spec).map(Some))
+            .await
+            .map_err(|e| EngineError::Unsupported(format!("compiling a grammar: {e}")))?
+    }
+
     /// Queues a whole request (aggregated), or a prompt whose KV goes to `kv` (prefill).
     pub async fn add(
         &self,
@@ -115,12 +140,14 @@ impl EngineHandle {
         kv: Option<Box<dyn KvSender>>,
         events: tmpsc::UnboundedSender<SeqEvent>,
     ) -> Result<SeqId, EngineError> {
+        let guide = self.compile_guide(&sampling).await?;
         let (reply, rx) = oneshot::channel();
         self.tx
             .send(Command::Add {
                 prompt,
                 sampling,
                 stop,
+                guide,
                 kv,
                 events,
                 reply,
@@ -130,7 +157,8 @@ impl EngineHandle {
     }
 
     /// Admits a sequence whose prompt KV is already in `blocks`. Its first token was already
-    /// streamed by the caller; events start with the second token.
+    /// streamed by the caller; events start with the second token. `guide`: the request's
+    /// grammar from [`EngineHandle::compile_guide`], not yet advanced.
     #[allow(clippy::too_many_arguments)]
     pub async fn add_prefilled(
         &self,
@@ -140,6 +168,7 @@ impl EngineHandle {
         kv: KvLocation,
         sampling: SamplingParams,
         stop: StopParams,
+        guide: Option<Guide>,
         events: tmpsc::UnboundedSender<SeqEvent>,
     ) -> Result<SeqId, EngineError> {
         let (reply, rx) = oneshot::channel();
@@ -151,6 +180,7 @@ impl EngineHandle {
                 kv,
                 sampling,
                 stop,
+                guide,
                 events,
                 reply,
             })
@@ -187,6 +217,7 @@ pub fn spawn_engine(engine: Engine) -> std::io::Result<EngineHandle> {
         tx,
         pool: engine.shared_pool(),
         load: load.clone(),
+        guides: engine.guides(),
     };
     std::thread::Builder::new()
         .name("engine".into())
@@ -326,12 +357,13 @@ fn handle_command(engine: &mut Engine, entries: &mut HashMap<SeqId, Entry>, cmd:
             prompt,
             sampling,
             stop,
+            guide,
             kv,
             events,
             reply,
         } => {
             let kv_first = engine.model().config().first_needed_block(prompt.len());
-            let result = engine.add_request(prompt, sampling, stop);
+            let result = engine.add_request_guided(prompt, sampling, stop, guide);
             if let Ok(id) = result {
                 entries.insert(
                     id,
@@ -354,6 +386,7 @@ fn handle_command(engine: &mut Engine, entries: &mut HashMap<SeqId, Entry>, cmd:
             kv,
             sampling,
             stop,
+            guide,
             events,
             reply,
         } => {
@@ -366,6 +399,7 @@ fn handle_command(engine: &mut Engine, entries: &mut HashMap<SeqId, Entry>, cmd:
                 },
                 sampling,
                 stop,
+                guide,
             );
             let result = result.map(|(id, first)| {
                 // The caller streamed the first token already; only a still-running sequence

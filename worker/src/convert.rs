@@ -4,7 +4,7 @@
 use tandem_engine::{EngineError, FinishReason, SamplingParams, StopParams};
 use tandem_kv::KvLayout;
 use tandem_proto::v1 as pb;
-use tandem_text::TextTokenizer;
+use tandem_text::{GuideSpec, TextTokenizer};
 
 /// Sampling parameters from the wire; absent means greedy.
 pub fn sampling_from_proto(p: Option<&pb::SamplingParams>) -> SamplingParams {
@@ -26,8 +26,33 @@ pub fn sampling_from_proto(p: Option<&pb::SamplingParams>) -> SamplingParams {
             // The engine's validation bounds the count and the values.
             logit_bias: p.logit_bias.iter().map(|b| (b.id, b.bias)).collect(),
             top_logprobs: p.top_logprobs as usize,
+            guide: p.guide.as_ref().and_then(guide_from_proto),
         },
     }
+}
+
+/// A wire grammar as the engine's; a message with no kind set is no grammar.
+pub fn guide_from_proto(g: &pb::Guide) -> Option<GuideSpec> {
+    use pb::guide::Kind;
+    Some(match g.kind.as_ref()? {
+        Kind::JsonSchema(s) => GuideSpec::JsonSchema(s.clone()),
+        Kind::JsonObject(_) => GuideSpec::JsonObject,
+        Kind::Regex(s) => GuideSpec::Regex(s.clone()),
+        Kind::Choice(c) => GuideSpec::Choice(c.choices.clone()),
+        Kind::Lark(s) => GuideSpec::Lark(s.clone()),
+    })
+}
+
+pub fn guide_to_proto(g: &GuideSpec) -> pb::Guide {
+    use pb::guide::Kind;
+    let kind = match g {
+        GuideSpec::JsonSchema(s) => Kind::JsonSchema(s.clone()),
+        GuideSpec::JsonObject => Kind::JsonObject(true),
+        GuideSpec::Regex(s) => Kind::Regex(s.clone()),
+        GuideSpec::Choice(c) => Kind::Choice(pb::Choices { choices: c.clone() }),
+        GuideSpec::Lark(s) => Kind::Lark(s.clone()),
+    };
+    pb::Guide { kind: Some(kind) }
 }
 
 pub fn sampling_to_proto(s: &SamplingParams) -> pb::SamplingParams {
@@ -45,6 +70,7 @@ pub fn sampling_to_proto(s: &SamplingParams) -> pb::SamplingParams {
             .map(|&(id, bias)| pb::LogitBias { id, bias })
             .collect(),
         top_logprobs: s.top_logprobs as u32,
+        guide: s.guide.as_ref().map(guide_to_proto),
     }
 }
 
@@ -132,8 +158,22 @@ mod tests {
             frequency_penalty: 1.5,
             logit_bias: vec![(7, -100.0), (3, 2.5)],
             top_logprobs: 4,
+            guide: None,
         };
         assert_eq!(sampling_from_proto(Some(&sampling_to_proto(&s))), s);
+        for guide in [
+            GuideSpec::JsonSchema("{}".into()),
+            GuideSpec::JsonObject,
+            GuideSpec::Regex("a+".into()),
+            GuideSpec::Choice(vec!["x".into(), "y".into()]),
+            GuideSpec::Lark("start: \"a\"".into()),
+        ] {
+            let s = SamplingParams {
+                guide: Some(guide),
+                ..s.clone()
+            };
+            assert_eq!(sampling_from_proto(Some(&sampling_to_proto(&s))), s);
+        }
         let zeroed = pb::SamplingParams::default();
         let d = sampling_from_proto(Some(&zeroed));
         assert_eq!(

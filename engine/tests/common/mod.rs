@@ -90,6 +90,7 @@ pub fn handoff_with(
             ReceivedKv::host(blocks),
             sampling,
             stop,
+            None,
         )
         .unwrap();
     let mut outputs = vec![out0];

@@ -14,6 +14,7 @@ pub mod info;
 pub mod logprobs;
 pub mod openai;
 pub mod sse;
+pub mod structured;
 pub mod tgi;
 pub mod validate;
 

@@ -35,6 +35,7 @@ use super::error::{ApiError, ApiFlavor};
 use super::extract::ApiJson;
 use super::logprobs::{LogprobsBuilder, LogprobsShape};
 use super::sse::{StreamFormatter, stream_response, tandem_headers};
+use super::structured::{self, OpenAiStructured, Structured};
 use super::validate::{self, StopField, UnimplementedFields, refuse_unimplemented};
 use super::{
     AppState, RequestId, admit, collect, deadline_from, record_rejection, start, unix_now,
@@ -72,25 +73,35 @@ pub struct SamplingFields {
     pub presence_penalty: Option<f64>,
     pub frequency_penalty: Option<f64>,
     pub logit_bias: Option<serde_json::Map<String, Value>>,
-    /// Set by the route from its own fields (`logprobs`, `top_logprobs`).
+    /// Set by the route from its own fields (`logprobs`, `top_logprobs`, structured output).
     pub logprobs: Option<LogprobsShape>,
     pub top_logprobs: u32,
+    pub guide: Option<Structured>,
 }
 
 /// Moves the unimplemented fields out of a request struct that has them all.
 macro_rules! unimplemented_fields {
     ($body:expr) => {
         UnimplementedFields {
-            response_format: $body.response_format,
             prompt_logprobs: $body.prompt_logprobs,
+            guided_whitespace_pattern: $body.guided_whitespace_pattern,
+            tool_choice: $body.tool_choice,
+            functions: $body.functions,
+            function_call: $body.function_call,
+        }
+    };
+}
+
+/// Moves the structured-output fields out of a request struct that has them all.
+macro_rules! structured_fields {
+    ($body:expr) => {
+        OpenAiStructured {
+            response_format: $body.response_format,
             guided_json: $body.guided_json,
             guided_regex: $body.guided_regex,
             guided_choice: $body.guided_choice,
             guided_grammar: $body.guided_grammar,
             structured_outputs: $body.structured_outputs,
-            tool_choice: $body.tool_choice,
-            functions: $body.functions,
-            function_call: $body.function_call,
         }
     };
 }
@@ -117,6 +128,7 @@ macro_rules! sampling_fields {
             logit_bias: $body.logit_bias,
             logprobs: None,
             top_logprobs: 0,
+            guide: None,
         }
     };
 }
@@ -154,6 +166,7 @@ pub struct CompletionRequest {
     pub guided_choice: Option<Value>,
     pub guided_grammar: Option<Value>,
     pub structured_outputs: Option<Value>,
+    pub guided_whitespace_pattern: Option<Value>,
     pub tool_choice: Option<Value>,
     pub functions: Option<Value>,
     pub function_call: Option<Value>,
@@ -199,6 +212,7 @@ pub struct ChatRequest {
     pub guided_choice: Option<Value>,
     pub guided_grammar: Option<Value>,
     pub structured_outputs: Option<Value>,
+    pub guided_whitespace_pattern: Option<Value>,
     pub tool_choice: Option<Value>,
     pub functions: Option<Value>,
     pub function_call: Option<Value>,
@@ -208,6 +222,8 @@ pub struct ChatRequest {
 struct Params {
     sampling: tandem_proto::v1::SamplingParams,
     logprobs: Option<LogprobsShape>,
+    /// Its grammar compiles (checked after admission).
+    guide: Option<Structured>,
     /// Validated against the completion budget once it is known.
     min_tokens: Option<i64>,
     stop_strings: Vec<String>,
@@ -237,6 +253,7 @@ fn params(f: SamplingFields, model: &ServedModel) -> Result<Params, ApiError> {
         frequency_penalty: validate::openai_penalty(f.frequency_penalty, "frequency_penalty")?,
         logit_bias: validate::logit_bias(f.logit_bias, model)?,
         top_logprobs: f.top_logprobs,
+        guide: f.guide.as_ref().map(Structured::to_proto),
         ..validate::sampling(
             validate::temperature(f.temperature, 1.0)?,
             validate::top_p(f.top_p)?,
@@ -248,6 +265,7 @@ fn params(f: SamplingFields, model: &ServedModel) -> Result<Params, ApiError> {
     Ok(Params {
         sampling,
         logprobs: f.logprobs,
+        guide: f.guide,
         min_tokens: f.min_tokens,
         stop_strings: validate::stop_strings(f.stop)?,
         stop_token_ids: validate::stop_token_ids(f.stop_token_ids, model)?,
@@ -401,10 +419,12 @@ pub async fn completions(
                 validate::top_logprobs(Some(n), "logprobs")?,
             ),
         };
+        let guide = structured_fields!(body).parse()?;
         let p = params(
             SamplingFields {
                 logprobs: shape,
                 top_logprobs: top,
+                guide,
                 ..sampling_fields!(body)
             },
             &model,
@@ -416,6 +436,7 @@ pub async fn completions(
         // The cheap checks passed: hold a slot before tokenizing, so that overload is
         // refused before that work, and tokenization is bounded like everything else.
         let in_flight = admit(&state, deadline_from(&state, arrival)).await?;
+        structured::check(&state, &model, p.guide.as_ref()).await?;
         let prompt = match prompt {
             PromptInput::Ids(ids) => ids,
             PromptInput::Text(text) => {
@@ -486,10 +507,12 @@ pub async fn chat_completions(
             Some(n) => validate::max_tokens(Some(n), "max_completion_tokens")?,
             None => validate::max_tokens(body.max_tokens, "max_tokens")?,
         };
+        let guide = structured_fields!(body).parse()?;
         let p = params(
             SamplingFields {
                 logprobs: wants_logprobs.then_some(LogprobsShape::Chat),
                 top_logprobs: top,
+                guide,
                 ..sampling_fields!(body)
             },
             &model,
@@ -511,6 +534,7 @@ pub async fn chat_completions(
         }
         // As for completions: the template and the tokenizer run only for admitted requests.
         let in_flight = admit(&state, deadline_from(&state, arrival)).await?;
+        structured::check(&state, &model, p.guide.as_ref()).await?;
         let prompt = state
             .encode(&model, move |m| m.encode_chat(&conversation))
             .await?;

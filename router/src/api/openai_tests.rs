@@ -220,26 +220,16 @@ fn unimplemented_fields_pass_only_when_they_ask_for_the_default() {
     // What clients send when they want nothing special.
     for json in [
         serde_json::json!({}),
-        serde_json::json!({"response_format": {"type": "text"},
-            "tool_choice": "none", "functions": [], "function_call": "auto",
-            "guided_json": null, "prompt_logprobs": null}),
+        serde_json::json!({"tool_choice": "none", "functions": [], "function_call": "auto",
+            "guided_whitespace_pattern": null, "prompt_logprobs": null}),
     ] {
         assert_eq!(param_of(json.clone()), None, "{json}");
     }
     for (json, param) in [
-        (
-            serde_json::json!({"response_format": {"type": "json_object"}}),
-            "response_format",
-        ),
         (serde_json::json!({"prompt_logprobs": 0}), "prompt_logprobs"),
-        (serde_json::json!({"guided_regex": "a+"}), "guided_regex"),
         (
-            serde_json::json!({"guided_grammar": "root ::= \"a\""}),
-            "guided_grammar",
-        ),
-        (
-            serde_json::json!({"structured_outputs": {"choice": ["a"]}}),
-            "structured_outputs",
+            serde_json::json!({"guided_whitespace_pattern": "\\s*"}),
+            "guided_whitespace_pattern",
         ),
         (
             serde_json::json!({"tool_choice": {"type": "function"}}),

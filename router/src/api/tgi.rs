@@ -8,9 +8,9 @@
 //! `top_k`) is given; `temperature` and `top_k` must be strictly positive. `truncate` keeps
 //! the last N prompt tokens. `best_of` must be 1. `top_n_tokens` adds each token's most
 //! likely alternatives (`details.top_tokens`, a stream event's `top_tokens`);
-//! `frequency_penalty` is OpenAI's. Refused with a 422 naming the field:
-//! `return_full_text`, `typical_p` < 1, `watermark`, `decoder_input_details`, `grammar`,
-//! `adapter_id`. The event `index` counts tokens from 1, as TGI's does.
+//! `frequency_penalty` is OpenAI's; `grammar` (`json` with a schema, `regex`) constrains the
+//! output. Refused with a 422 naming the field: `return_full_text`, `typical_p` < 1,
+//! `watermark`, `decoder_input_details`, `adapter_id`. The event `index` counts tokens from 1, as TGI's does.
 //! `finish_reason` is `eos_token` when the last token is an EOS id, `stop_sequence` for any
 //! other stop, `length` at `max_new_tokens`.
 
@@ -26,6 +26,7 @@ use tandem_proto::v1::{FinishReason, StopParams};
 use super::error::{ApiError, ApiFlavor, TgiError};
 use super::extract::ApiJson;
 use super::sse::{StreamFormatter, data_event, stream_response, tandem_headers};
+use super::structured;
 use super::validate::{self, StopField};
 use super::{AppState, RequestId, admit, collect, deadline_from, record_rejection, start};
 use crate::admission::InFlight;
@@ -63,7 +64,7 @@ pub struct TgiParameters {
     pub top_n_tokens: Option<u32>,
     pub decoder_input_details: Option<bool>,
     pub frequency_penalty: Option<f64>,
-    /// TGI's structured output (`{"type": "json"|"regex", "value": …}`): refused, not ignored.
+    /// TGI's structured output: `{"type": "json"|"regex", "value": …}`.
     pub grammar: Option<serde_json::Value>,
     pub adapter_id: Option<String>,
 }
@@ -108,11 +109,6 @@ fn refuse_unsupported(p: &TgiParameters) -> Result<(), ApiError> {
             p.decoder_input_details == Some(true),
             "decoder_input_details",
             "no prompt details",
-        ),
-        (
-            p.grammar.as_ref().is_some_and(|g| !g.is_null()),
-            "grammar",
-            "no structured output",
         ),
         (p.adapter_id.is_some(), "adapter_id", "no LoRA adapters"),
     ];
@@ -162,9 +158,11 @@ async fn prepare(
         0.0
     };
     let top_n = validate::top_logprobs(p.top_n_tokens.map(i64::from), "top_n_tokens")?;
+    let guide = structured::tgi_grammar(p.grammar.as_ref())?;
     let sampling = tandem_proto::v1::SamplingParams {
         frequency_penalty: validate::openai_penalty(p.frequency_penalty, "frequency_penalty")?,
         top_logprobs: top_n,
+        guide: guide.as_ref().map(structured::Structured::to_proto),
         ..validate::sampling(
             temperature,
             validate::top_p(p.top_p)?,
@@ -177,6 +175,7 @@ async fn prepare(
     let inputs = body.inputs;
     // The cheap checks passed: hold a slot, then tokenize (see `admit`).
     let in_flight = admit(state, deadline_from(state, arrival)).await?;
+    structured::check(state, &model, guide.as_ref()).await?;
     let mut prompt = state
         .encode(&model, move |m| m.encode_prompt(&inputs))
         .await?;

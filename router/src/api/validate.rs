@@ -483,13 +483,8 @@ mod tests {
 /// behaviour passes.
 #[derive(Debug, Default, Deserialize)]
 pub struct UnimplementedFields {
-    pub response_format: Option<Value>,
     pub prompt_logprobs: Option<Value>,
-    pub guided_json: Option<Value>,
-    pub guided_regex: Option<Value>,
-    pub guided_choice: Option<Value>,
-    pub guided_grammar: Option<Value>,
-    pub structured_outputs: Option<Value>,
+    pub guided_whitespace_pattern: Option<Value>,
     pub tool_choice: Option<Value>,
     pub functions: Option<Value>,
     pub function_call: Option<Value>,
@@ -502,29 +497,17 @@ pub fn refuse_unimplemented(f: &UnimplementedFields) -> Result<(), ApiError> {
         v.as_ref()
             .is_none_or(|v| v.is_null() || allowed.contains(v))
     };
-    let text_format = [serde_json::json!({"type": "text"})];
-    if !is(&f.response_format, &text_format) {
-        return Err(unsupported(
-            "response_format",
-            "no structured output: only {\"type\": \"text\"}",
-        ));
-    }
     if given(&f.prompt_logprobs) {
         return Err(unsupported(
             "prompt_logprobs",
             "no log probabilities of prompt tokens",
         ));
     }
-    for (name, value) in [
-        ("guided_json", &f.guided_json),
-        ("guided_regex", &f.guided_regex),
-        ("guided_choice", &f.guided_choice),
-        ("guided_grammar", &f.guided_grammar),
-        ("structured_outputs", &f.structured_outputs),
-    ] {
-        if given(value) {
-            return Err(unsupported(name, "no structured output"));
-        }
+    if given(&f.guided_whitespace_pattern) {
+        return Err(unsupported(
+            "guided_whitespace_pattern",
+            "JSON output is written with one space after `:` and `,`",
+        ));
     }
     let no_tools = [Value::from("none"), Value::from("auto")];
     if !is(&f.tool_choice, &no_tools) {

@@ -208,3 +208,51 @@ async fn tgi_top_n_tokens_in_details_and_stream_events() {
     assert!(body["details"].get("top_tokens").is_none(), "{body}");
     router.stop().await;
 }
+
+#[tokio::test]
+async fn structured_output_reaches_both_workers_as_one_grammar() {
+    use tandem_proto::v1::guide::Kind;
+    let (decode, prefill, _ds, _ps, router) = setup().await;
+    let schema = json!({"type": "object", "properties": {"a": {"type": "integer"}}});
+    let asks = [
+        (
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3,
+                   "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": true}}}),
+            Kind::JsonSchema(schema.to_string()),
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "response_format": {"type": "json_object"}}),
+            Kind::JsonObject(true),
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "Hi", "max_tokens": 3, "guided_choice": ["yes", "no"]}),
+            Kind::Choice(tandem_proto::v1::Choices {
+                choices: vec!["yes".into(), "no".into()],
+            }),
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "Hi", "max_tokens": 3, "guided_regex": "[0-9]+"}),
+            Kind::Regex("[0-9]+".into()),
+        ),
+        (
+            "/generate",
+            json!({"inputs": "Hi", "parameters": {"max_new_tokens": 3, "grammar": {"type": "json", "value": schema}}}),
+            Kind::JsonSchema(schema.to_string()),
+        ),
+    ];
+    for (i, (path, body, kind)) in asks.into_iter().enumerate() {
+        let r = post(&router.url, path, body).await;
+        assert_eq!(r.status(), 200, "{path}");
+        let g = &decode.generate_calls()[i];
+        let guide = g.sampling.as_ref().unwrap().guide.as_ref().unwrap();
+        assert_eq!(guide.kind.as_ref(), Some(&kind), "{path}");
+        // The prefill worker samples the first token under the same grammar.
+        let p = prefill.calls();
+        assert_eq!(p[i].sampling.as_ref().unwrap().guide.as_ref(), Some(guide));
+    }
+    router.stop().await;
+}

@@ -88,12 +88,20 @@ fn matrix() -> Vec<Case> {
         case("logit_bias not a number", c, json!({"prompt": "Hi", "logit_bias": {"5": "x"}}), 400).param("logit_bias"),
         case("echo", c, json!({"prompt": "Hi", "echo": true}), 400).param("echo"),
         case("prompt_logprobs", c, json!({"prompt": "Hi", "prompt_logprobs": 1}), 400).param("prompt_logprobs"),
-        case("json_object output", chat, json!({"messages": user, "response_format": {"type": "json_object"}}), 400)
-            .param("response_format").says(&["structured output"]),
-        case("json_schema output", c, json!({"prompt": "Hi", "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}), 400)
+        case("response_format xml", chat, json!({"messages": user, "response_format": {"type": "xml"}}), 400)
+            .param("response_format").says(&["xml"]),
+        case("json_schema without a schema", c, json!({"prompt": "Hi", "response_format": {"type": "json_schema"}}), 400)
             .param("response_format"),
-        case("guided_choice", c, json!({"prompt": "Hi", "guided_choice": ["a", "b"]}), 400).param("guided_choice"),
-        case("guided_json", chat, json!({"messages": user, "guided_json": {"type": "object"}}), 400).param("guided_json"),
+        case("guided_choice empty", c, json!({"prompt": "Hi", "guided_choice": []}), 400).param("guided_choice"),
+        case("guided_json not a schema", chat, json!({"messages": user, "guided_json": 5}), 400).param("guided_json"),
+        case("guided_regex that does not compile", c, json!({"prompt": "Hi", "guided_regex": "(a"}), 400)
+            .param("guided_regex"),
+        case("guided_grammar that does not compile", c, json!({"prompt": "Hi", "guided_grammar": "start: nowhere"}), 400)
+            .param("guided_grammar"),
+        case("two kinds of structured output", c, json!({"prompt": "Hi", "guided_regex": "a", "guided_choice": ["b"]}), 400)
+            .says(&["one kind"]),
+        case("guided_whitespace_pattern", c, json!({"prompt": "Hi", "guided_json": {}, "guided_whitespace_pattern": " "}), 400)
+            .param("guided_whitespace_pattern"),
         case("top_logprobs without logprobs", chat, json!({"messages": user, "top_logprobs": 3}), 400)
             .param("top_logprobs").says(&["logprobs"]),
         case("top_logprobs over 20", chat, json!({"messages": user, "logprobs": true, "top_logprobs": 21}), 400)
@@ -102,7 +110,9 @@ fn matrix() -> Vec<Case> {
         case("functions", chat, json!({"messages": user, "functions": [{"name": "f"}]}), 400).param("functions"),
         case("stream_options without stream", c, json!({"prompt": "Hi", "stream_options": {"include_usage": true}}), 400)
             .param("stream_options").says(&["stream"]),
-        case("tgi grammar", "/generate", json!({"inputs": "Hi", "parameters": {"grammar": {"type": "json", "value": {}}}}), 422)
+        case("tgi grammar of an unknown type", "/generate", json!({"inputs": "Hi", "parameters": {"grammar": {"type": "lark", "value": "x"}}}), 422)
+            .says(&["grammar"]),
+        case("tgi regex that does not compile", "/generate", json!({"inputs": "Hi", "parameters": {"grammar": {"type": "regex", "value": "[z-a]"}}}), 422)
             .says(&["grammar"]),
         case("unknown model", c, json!({"model": "nope", "prompt": "Hi"}), 404).param("model").says(&["nope"]),
         case("prompt wrong type", c, json!({"prompt": 5}), 400).param("prompt"),
