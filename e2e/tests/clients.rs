@@ -8,21 +8,21 @@ use std::process::Command;
 use serde_json::Value;
 use tandem_e2e::{Deployment, DeploymentSpec};
 
-/// A python with the `openai` and `text-generation` packages: `TANDEM_TOOLS_PYTHON`, else the
+/// A python with the `openai`, `text-generation` and `jsonschema` packages: `TANDEM_TOOLS_PYTHON`, else the
 /// tools venv, made on
 /// first use by `scripts/tools-venv` (pip, once), as the harness builds the binaries on first
 /// use. If neither works the test fails saying why: it never passes without running.
 fn tools_python() -> PathBuf {
     let works = |python: &PathBuf| {
         Command::new(python)
-            .args(["-c", "import openai, text_generation"])
+            .args(["-c", "import openai, text_generation, jsonschema"])
             .status()
             .is_ok_and(|s| s.success())
     };
     if let Some(given) = std::env::var_os("TANDEM_TOOLS_PYTHON").map(PathBuf::from) {
         assert!(
             works(&given),
-            "TANDEM_TOOLS_PYTHON={} cannot import openai and text_generation",
+            "TANDEM_TOOLS_PYTHON={} cannot import openai, text_generation and jsonschema",
             given.display()
         );
         return given;
@@ -39,7 +39,7 @@ fn tools_python() -> PathBuf {
     let python = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
     assert!(
         works(&python),
-        "{} cannot import openai and text_generation",
+        "{} cannot import openai, text_generation and jsonschema",
         python.display()
     );
     python
@@ -279,4 +279,90 @@ async fn openai_python_client_logprobs_bias_and_min_tokens() {
     let held = &v["held"];
     assert!(held["tokens"].as_u64().unwrap() >= 3, "{v}");
     assert!(!held["text"].as_str().unwrap().starts_with('x'), "{v}");
+}
+
+const STRUCTURED_SCRIPT: &str = r#"
+import json, sys, jsonschema, openai
+from text_generation import Client
+from text_generation.types import Grammar, GrammarType
+base = sys.argv[1]
+client = openai.OpenAI(base_url=base + "/v1", api_key="unused")
+schema = {"type": "object", "additionalProperties": False, "required": ["name", "age", "tier", "ok"],
+          "properties": {"name": {"type": "string", "maxLength": 8},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                         "tier": {"enum": ["gold", "silver"]}, "ok": {"type": "boolean"}}}
+valid, finishes = 0, []
+for i in range(20):
+    r = client.chat.completions.create(
+        model="tandem", messages=[{"role": "user", "content": f"Person number {i} as JSON"}],
+        max_tokens=120, temperature=0.8, seed=i,
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": schema, "strict": True}})
+    jsonschema.validate(json.loads(r.choices[0].message.content), schema)
+    valid += 1
+    finishes.append(r.choices[0].finish_reason)
+obj = client.chat.completions.create(model="tandem", messages=[{"role": "user", "content": "Any object"}],
+                                     max_tokens=200, temperature=0, response_format={"type": "json_object"})
+choice = client.completions.create(model="tandem", prompt="Pick a colour:", max_tokens=10, temperature=1.0, seed=3,
+                                   extra_body={"guided_choice": ["red", "green", "blue"]})
+regex = client.completions.create(model="tandem", prompt="A code:", max_tokens=20, temperature=0,
+                                  extra_body={"guided_regex": "[A-Z]{3}-[0-9]{4}"})
+streamed = "".join(c.choices[0].text for c in client.completions.create(
+    model="tandem", prompt="A code:", max_tokens=20, stream=True, temperature=0,
+    extra_body={"guided_regex": "[A-Z]{3}-[0-9]{4}"}) if c.choices)
+try:
+    client.completions.create(model="tandem", prompt="x", max_tokens=5, extra_body={"guided_regex": "(unclosed"})
+    refused = None
+except openai.BadRequestError as e:
+    refused = e.status_code
+tgi = Client(base).generate("A code:", max_new_tokens=20,
+                            grammar=Grammar(type=GrammarType.Regex, value="[a-z]{2}[0-9]{2}"))
+print(json.dumps({"valid": valid, "finishes": finishes, "object": obj.choices[0].message.content,
+                  "object_finish": obj.choices[0].finish_reason, "choice": choice.choices[0].text,
+                  "regex": regex.choices[0].text, "streamed": streamed, "refused": refused,
+                  "tgi": tgi.generated_text}))
+"#;
+
+/// Structured output through the official clients on a real (disaggregated) deployment: 20
+/// json_schema answers validate (jsonschema), json_object parses, guided_choice picks a
+/// choice, guided_regex matches (streamed too), TGI's grammar works, and a grammar that does
+/// not compile is a 400.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn structured_output_parses_and_validates_through_the_clients() {
+    let v = run_client(STRUCTURED_SCRIPT).await;
+    assert_eq!(v["valid"], 20, "{v}");
+    assert!(
+        v["finishes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|f| f == "stop"),
+        "a complete grammar ends the answer: {v}"
+    );
+    if v["object_finish"] == "stop" {
+        let object: Value = serde_json::from_str(v["object"].as_str().unwrap()).unwrap();
+        assert!(object.is_object(), "{v}");
+    } else {
+        assert!(v["object"].as_str().unwrap().starts_with('{'), "{v}");
+    }
+    assert!(
+        ["red", "green", "blue"].contains(&v["choice"].as_str().unwrap()),
+        "{v}"
+    );
+    let code = |s: &str| {
+        let b = s.as_bytes();
+        b.len() == 8
+            && b[..3].iter().all(u8::is_ascii_uppercase)
+            && b[3] == b'-'
+            && b[4..].iter().all(u8::is_ascii_digit)
+    };
+    assert!(code(v["regex"].as_str().unwrap()), "{v}");
+    assert_eq!(v["streamed"], v["regex"], "greedy: streamed equals whole");
+    assert_eq!(v["refused"], 400, "{v}");
+    let tgi = v["tgi"].as_str().unwrap().as_bytes();
+    assert!(
+        tgi.len() == 4
+            && tgi[..2].iter().all(u8::is_ascii_lowercase)
+            && tgi[2..].iter().all(u8::is_ascii_digit),
+        "{v}"
+    );
 }

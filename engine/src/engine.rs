@@ -14,7 +14,7 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
-use tandem_text::{Guide, TextTokenizer};
+use tandem_text::{Allowed, Guide, TextTokenizer};
 
 use std::sync::MutexGuard;
 use tandem_kv::{
@@ -510,6 +510,17 @@ impl Engine {
                 blocks: self.seqs[&id].blocks.clone(),
             })
             .collect();
+        // The grammars of the sequences that sample this step compute their masks on another
+        // thread while the forward pass runs (they depend only on the tokens so far).
+        let mut guided: Vec<(SeqId, Guide)> = Vec::new();
+        for &(id, start, len) in &plan {
+            if let Some(seq) = self.seqs.get_mut(&id)
+                && start + len == seq.tokens.len()
+                && let Some(guide) = seq.guide.take()
+            {
+                guided.push((id, guide));
+            }
+        }
         let mut wants_logits = Vec::with_capacity(plan.len());
         let inputs: Vec<SeqInput<'_>> = plan
             .iter()
@@ -532,7 +543,44 @@ impl Engine {
                 .iter()
                 .any(|(id, start, _)| *start < self.seqs[id].prompt_len),
         };
-        let logits = self.backend.forward(&mut self.cache, &batch, on_layer)?;
+        let (logits, guided) = if guided.is_empty() {
+            (
+                self.backend.forward(&mut self.cache, &batch, on_layer),
+                Vec::new(),
+            )
+        } else {
+            let (backend, cache) = (&mut self.backend, &mut self.cache);
+            std::thread::scope(|s| {
+                let masks = s.spawn(move || {
+                    guided
+                        .into_iter()
+                        .map(|(id, mut g)| {
+                            let allowed = g.allowed();
+                            (id, g, allowed)
+                        })
+                        .collect::<Vec<_>>()
+                });
+                let logits = backend.forward(cache, &batch, on_layer);
+                let masks = masks.join().unwrap_or_else(|_| {
+                    tracing::error!("computing grammar masks panicked");
+                    Vec::new()
+                });
+                (logits, masks)
+            })
+        };
+        let mut allowed: HashMap<SeqId, Allowed> = HashMap::new();
+        for (id, guide, mask) in guided {
+            if let Some(seq) = self.seqs.get_mut(&id) {
+                seq.guide = Some(guide);
+            }
+            match mask {
+                Ok(mask) => {
+                    allowed.insert(id, mask);
+                }
+                Err(e) => tracing::error!(seq = id, error = %e, "the grammar could not mask"),
+            }
+        }
+        let logits = logits?;
         self.stats.steps += 1;
 
         let mut outputs = Vec::new();
@@ -573,7 +621,7 @@ impl Engine {
                 continue;
             }
             let Some(mut row) = logits.next() else { break };
-            let sampled = seq.sample(&mut row);
+            let sampled = seq.sample(&mut row, allowed.remove(&id));
             let out = seq.push_token(sampled, &self.tokenizer, context);
             if out.finish.is_some() {
                 self.finish(id);

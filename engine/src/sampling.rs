@@ -7,7 +7,8 @@
 //! worker and the rest by a decode worker, or all by one engine.
 //!
 //! Reported log-probabilities are the log-softmax of the logits after the request's own
-//! adjustments (logit bias, penalties, `min_tokens`) and before temperature, top-k and top-p:
+//! adjustments (its grammar's mask, logit bias, penalties, `min_tokens`) and before
+//! temperature, top-k and top-p:
 //! the distribution the request asks the model for, whatever randomness then picks from it.
 //! So greedy always picks the top-1 reported token, and a token's logprob does not change
 //! with the temperature. (vLLM's default reports the raw model output instead; OpenAI does

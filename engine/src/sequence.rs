@@ -2,7 +2,7 @@
 //! its blocks, and the text-side state (detokenizer, stop strings) that turns sampled tokens
 //! into output deltas and finish reasons.
 
-use tandem_text::{Guide, IncrementalDetokenizer, StopStringMatcher, TextTokenizer};
+use tandem_text::{Allowed, Guide, IncrementalDetokenizer, StopStringMatcher, TextTokenizer};
 
 use crate::engine::{FinishReason, SeqId, StepOutput};
 use crate::sampling::{SampledToken, Sampler, SamplingParams, StopParams};
@@ -77,13 +77,21 @@ impl Sequence {
     }
 
     /// Samples the next token from this sequence's logits row; until `min_tokens` are
-    /// generated its stop ids cannot be picked.
-    pub fn sample(&mut self, logits: &mut [f32]) -> SampledToken {
-        if let Some(guide) = &mut self.guide
-            && let Err(e) = guide.mask(logits)
-        {
+    /// generated its stop ids cannot be picked. A grammar's `allowed` set, computed while the
+    /// forward pass ran, is applied (or computed now when not given).
+    pub fn sample(&mut self, logits: &mut [f32], allowed: Option<Allowed>) -> SampledToken {
+        let allowed = match (allowed, &mut self.guide) {
+            (Some(a), _) => Some(Ok(a)),
+            (None, Some(guide)) => Some(guide.allowed()),
+            (None, None) => None,
+        };
+        match allowed {
+            Some(Ok(a)) => a.apply(logits),
             // The token then fails to advance the guide, which ends the sequence.
-            tracing::error!(seq = self.id, error = %e, "the grammar could not mask the logits");
+            Some(Err(e)) => {
+                tracing::error!(seq = self.id, error = %e, "the grammar could not mask the logits")
+            }
+            None => {}
         }
         let suppressed: &[u32] = if self.generated() < self.stop.min_tokens {
             &self.stop_ids

@@ -185,23 +185,22 @@ impl std::fmt::Debug for Guide {
 }
 
 impl Guide {
-    /// Sets the logit of every token the grammar does not allow next to -inf (and of every
-    /// row past the vocabulary).
-    pub fn mask(&mut self, logits: &mut [f32]) -> Result<(), TextError> {
-        // Once the grammar is complete only EOS remains.
-        let allowed = self
+    /// The tokens the grammar allows next (once it is complete, only EOS). This is the
+    /// expensive part: the engine computes it while the forward pass runs.
+    pub fn allowed(&mut self) -> Result<Allowed, TextError> {
+        let tokens = self
             .matcher
             .compute_mask_or_eos()
             .map_err(|e| TextError::Guide(format!("computing the token mask: {e}")))?;
-        let within = self.vocab.min(logits.len());
-        allowed.iter_unset_entries(|id| {
-            if id < within {
-                logits[id] = f32::NEG_INFINITY;
-            }
-        });
-        for l in logits.iter_mut().skip(within) {
-            *l = f32::NEG_INFINITY;
-        }
+        Ok(Allowed {
+            tokens,
+            vocab: self.vocab,
+        })
+    }
+
+    /// [`Guide::allowed`] applied to `logits` at once.
+    pub fn mask(&mut self, logits: &mut [f32]) -> Result<(), TextError> {
+        self.allowed()?.apply(logits);
         Ok(())
     }
 
@@ -225,6 +224,29 @@ impl Guide {
     /// ended with EOS, or it failed.
     pub fn is_finished(&self) -> bool {
         self.matcher.is_stopped()
+    }
+}
+
+/// The set of tokens a grammar allows at one position.
+#[derive(Debug, Clone)]
+pub struct Allowed {
+    tokens: toktrie::SimpleVob,
+    vocab: usize,
+}
+
+impl Allowed {
+    /// Sets the logit of every token outside the set to -inf (and of every row past the
+    /// vocabulary: a model's padded rows are never tokens).
+    pub fn apply(&self, logits: &mut [f32]) {
+        let within = self.vocab.min(logits.len());
+        self.tokens.iter_unset_entries(|id| {
+            if id < within {
+                logits[id] = f32::NEG_INFINITY;
+            }
+        });
+        for l in logits.iter_mut().skip(within) {
+            *l = f32::NEG_INFINITY;
+        }
     }
 }
 

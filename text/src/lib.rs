@@ -20,6 +20,6 @@ mod tokenizer;
 pub use chat::{ChatMessage, ChatTemplate};
 pub use detok::IncrementalDetokenizer;
 pub use error::TextError;
-pub use guided::{Guide, GuideFactory, GuideSpec, MAX_GUIDE_BYTES, MAX_GUIDE_CHOICES};
+pub use guided::{Allowed, Guide, GuideFactory, GuideSpec, MAX_GUIDE_BYTES, MAX_GUIDE_CHOICES};
 pub use stop::{StopMatch, StopStringMatcher};
 pub use tokenizer::{TextTokenizer, TokenizerInfo, load_tokenizer};
