@@ -510,8 +510,11 @@ impl Engine {
                 blocks: self.seqs[&id].blocks.clone(),
             })
             .collect();
-        // The grammars of the sequences that sample this step compute their masks on another
-        // thread while the forward pass runs (they depend only on the tokens so far).
+        // The grammars of the sequences that sample this step compute their masks (they
+        // depend only on the tokens so far). On a GPU that happens on a CPU thread while the
+        // device runs the forward pass; on the CPU the forward pass already has every core and
+        // an extra thread only competes with it (measured: scripts/bench-structured), so they
+        // are computed first, in turn.
         let mut guided: Vec<(SeqId, Guide)> = Vec::new();
         for &(id, start, len) in &plan {
             if let Some(seq) = self.seqs.get_mut(&id)
@@ -521,6 +524,7 @@ impl Engine {
                 guided.push((id, guide));
             }
         }
+        let overlap = self.backend.name() != "cpu";
         let mut wants_logits = Vec::with_capacity(plan.len());
         let inputs: Vec<SeqInput<'_>> = plan
             .iter()
@@ -543,28 +547,29 @@ impl Engine {
                 .iter()
                 .any(|(id, start, _)| *start < self.seqs[id].prompt_len),
         };
-        let (logits, guided) = if guided.is_empty() {
-            (
-                self.backend.forward(&mut self.cache, &batch, on_layer),
-                Vec::new(),
-            )
+        let masks = |guided: Vec<(SeqId, Guide)>| {
+            guided
+                .into_iter()
+                .map(|(id, mut g)| {
+                    let allowed = g.allowed();
+                    (id, g, allowed)
+                })
+                .collect::<Vec<_>>()
+        };
+        let (logits, guided) = if guided.is_empty() || !overlap {
+            let guided = masks(guided);
+            let logits = self.backend.forward(&mut self.cache, &batch, on_layer);
+            (logits, guided)
         } else {
             let (backend, cache) = (&mut self.backend, &mut self.cache);
             std::thread::scope(|s| {
-                let masks = s.spawn(move || {
-                    guided
-                        .into_iter()
-                        .map(|(id, mut g)| {
-                            let allowed = g.allowed();
-                            (id, g, allowed)
-                        })
-                        .collect::<Vec<_>>()
-                });
+                let masks = s.spawn(move || masks(guided));
                 let logits = backend.forward(cache, &batch, on_layer);
-                let masks = masks.join().unwrap_or_else(|_| {
-                    tracing::error!("computing grammar masks panicked");
-                    Vec::new()
-                });
+                // llguidance catches its own panics; one here would be a bug, and losing the
+                // guides would free those sequences of their grammars: propagate it.
+                let masks = masks
+                    .join()
+                    .unwrap_or_else(|p| std::panic::resume_unwind(p));
                 (logits, masks)
             })
         };
