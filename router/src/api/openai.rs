@@ -6,11 +6,13 @@
 //! 100]), and logprobs (`logprobs: true` + `top_logprobs` ≤ 20 on chat, `logprobs: N` ≤ 20 on
 //! completions; shapes in `logprobs`). Accepted beyond OpenAI's fields, as vLLM does:
 //! `ignore_eos`, `top_k` (-1/0 = off), `repetition_penalty`, `stop_token_ids`, `min_tokens`
-//! (≤ the completion budget). Refused with a 400 naming the field (rather than silently
-//! ignored): `n`/`best_of` ≠ 1, vLLM's `prompt_logprobs`, `echo`, `suffix`, tools and a
-//! `tool_choice` or legacy `functions`/`function_call` that asks for them, a
-//! `response_format` other than text and vLLM's `guided_*`/`structured_outputs` (no
-//! structured output yet), `stream_options` without `stream`, non-text content parts.
+//! (≤ the completion budget), `echo` (the prompt's text before the completion's), and
+//! structured output (`response_format`, vLLM's `guided_*` and `structured_outputs`: see
+//! `structured`). Refused with a 400 naming the field (rather than silently ignored):
+//! `n`/`best_of` ≠ 1, vLLM's `prompt_logprobs` and `echo` with `logprobs` (no prompt
+//! logprobs), `guided_whitespace_pattern`, `suffix`, tools and a `tool_choice` or legacy
+//! `functions`/`function_call` that asks for them, `stream_options` without `stream`,
+//! non-text content parts.
 //! Other unknown fields are ignored, as OpenAI clients send many (`user`, `metadata`…). A
 //! `model` that is not the served one gets 404 `model_not_found`; an absent `model` means the
 //! served one.
@@ -398,8 +400,12 @@ pub async fn completions(
         let ApiJson(body) = body?;
         state.check_model_name(&model, body.model.as_deref())?;
         refuse_unimplemented(&unimplemented_fields!(body))?;
-        if body.echo == Some(true) {
-            return Err(validate::unsupported("echo", "the prompt is not echoed"));
+        let echo = body.echo == Some(true);
+        if echo && body.logprobs.is_some() {
+            return Err(validate::unsupported(
+                "echo",
+                "with `logprobs`: the prompt's logprobs are not computed",
+            ));
         }
         if body.suffix.is_some() {
             return Err(validate::unsupported("suffix", "no insertion"));
@@ -437,12 +443,23 @@ pub async fn completions(
         // refused before that work, and tokenization is bounded like everything else.
         let in_flight = admit(&state, deadline_from(&state, arrival)).await?;
         structured::check(&state, &model, p.guide.as_ref()).await?;
-        let prompt = match prompt {
-            PromptInput::Ids(ids) => ids,
+        let (prompt, echoed) = match prompt {
+            PromptInput::Ids(ids) if echo => {
+                let (ids, text) = state
+                    .encode(&model, move |m| {
+                        let text = m.decode(&ids, "prompt")?;
+                        Ok((ids, text))
+                    })
+                    .await?;
+                (ids, Some(text))
+            }
+            PromptInput::Ids(ids) => (ids, None),
             PromptInput::Text(text) => {
-                state
+                let echoed = echo.then(|| text.clone());
+                let ids = state
                     .encode(&model, move |m| m.encode_prompt(&text))
-                    .await?
+                    .await?;
+                (ids, echoed)
             }
         };
         let fields = validate::Fields {
@@ -465,12 +482,13 @@ pub async fn completions(
             arrival,
             &state,
         )?;
-        Ok((model, req, p, in_flight))
+        Ok((model, req, p, in_flight, echoed))
     }
     .await;
     match prepared {
-        Ok((model, req, p, in_flight)) => {
-            respond(&state, Kind::Completion, &model, req, &p, in_flight).await
+        Ok((model, req, p, in_flight, echoed)) => {
+            let kind = Kind::Completion;
+            respond(&state, kind, &model, req, &p, in_flight, echoed).await
         }
         Err(e) => {
             record_rejection(&e);
@@ -562,7 +580,7 @@ pub async fn chat_completions(
     .await;
     match prepared {
         Ok((model, req, p, in_flight)) => {
-            respond(&state, Kind::Chat, &model, req, &p, in_flight).await
+            respond(&state, Kind::Chat, &model, req, &p, in_flight, None).await
         }
         Err(e) => {
             record_rejection(&e);
@@ -579,6 +597,7 @@ async fn respond(
     req: FlowRequest,
     p: &Params,
     in_flight: InFlight,
+    echo: Option<String>,
 ) -> Response {
     let prompt_tokens = u32::try_from(req.prompt.len()).unwrap_or(u32::MAX);
     let id = match kind {
@@ -595,6 +614,7 @@ async fn respond(
         head: None,
         prompt_tokens,
         sent_role: false,
+        echo,
         logprobs: p
             .logprobs
             .map(|shape| (shape, LogprobsBuilder::new(shape), Arc::clone(model))),

@@ -102,6 +102,8 @@ pub(super) struct OpenAiFormatter {
     pub(super) head: Option<Head>,
     pub(super) prompt_tokens: u32,
     pub(super) sent_role: bool,
+    /// Completions with `echo`: the prompt's text, sent before the first token's.
+    pub(super) echo: Option<String>,
     /// When the request asked for logprobs: their shape, the builder, and the model whose
     /// tokenizer writes the tokens' text.
     pub(super) logprobs: Option<(LogprobsShape, LogprobsBuilder, Arc<ServedModel>)>,
@@ -170,6 +172,14 @@ impl OpenAiFormatter {
     /// One chunk: a token's text (if any) and, on the last, the finish reason.
     fn chunk(&mut self, token: Option<&TokenOut>, finish: Option<&FinishOut>) -> String {
         let text = token.filter(|t| !t.special).map_or("", |t| t.text.as_str());
+        let echoed;
+        let text = match self.echo.take() {
+            Some(prompt) => {
+                echoed = prompt + text;
+                echoed.as_str()
+            }
+            None => text,
+        };
         let logprobs = token.and_then(|t| self.logprobs_of([t]));
         let reason = finish.map(finish_reason);
         let usage = self.include_usage.then_some(None);
@@ -238,6 +248,8 @@ impl OpenAiFormatter {
     ) -> Value {
         let usage = serde_json::to_value(self.usage(f)).unwrap_or(Value::Null);
         let logprobs = self.logprobs_of(tokens);
+        let echoed = self.echo.take().map(|prompt| prompt + text);
+        let text = echoed.as_deref().unwrap_or(text);
         match self.kind {
             Kind::Completion => serde_json::json!({
                 "id": self.id,

@@ -25,6 +25,7 @@ fn formatter(kind: Kind, include_usage: bool, mode: RunMode) -> OpenAiFormatter 
         head: Some(head(mode)),
         prompt_tokens: 5,
         sent_role: false,
+        echo: None,
         logprobs: None,
     }
 }

@@ -256,3 +256,52 @@ async fn structured_output_reaches_both_workers_as_one_grammar() {
     }
     router.stop().await;
 }
+
+#[tokio::test]
+async fn echo_puts_the_prompt_before_the_completion() {
+    let (_decode, _prefill, _ds, _ps, router) = setup().await;
+    let whole = |body: Value| {
+        let url = router.url.clone();
+        async move {
+            let r = post(&url, "/v1/completions", body).await;
+            assert_eq!(r.status(), 200);
+            let v: Value = r.json().await.unwrap();
+            v["choices"][0]["text"].as_str().unwrap().to_string()
+        }
+    };
+    let plain = whole(json!({"prompt": "Hi there", "max_tokens": 3})).await;
+    let echoed = whole(json!({"prompt": "Hi there", "max_tokens": 3, "echo": true})).await;
+    assert_eq!(echoed, format!("Hi there{plain}"));
+    // Token ids are echoed as their text.
+    let ids: Vec<u32> = "Hey".bytes().map(|b| 3 + u32::from(b)).collect();
+    let echoed = whole(json!({"prompt": ids, "max_tokens": 3, "echo": true})).await;
+    assert_eq!(echoed, format!("Hey{plain}"));
+    // Streaming: the prompt comes in the first chunk.
+    let r = post(
+        &router.url,
+        "/v1/completions",
+        json!({"prompt": "Hi there", "max_tokens": 3, "echo": true, "stream": true}),
+    )
+    .await;
+    let body = r.text().await.unwrap();
+    let events = sse_payloads(&body);
+    let first: Value = serde_json::from_str(&events[0]).unwrap();
+    assert!(
+        first["choices"][0]["text"]
+            .as_str()
+            .unwrap()
+            .starts_with("Hi there")
+    );
+    let streamed: String = events[..events.len() - 1]
+        .iter()
+        .map(|e| {
+            let v: Value = serde_json::from_str(e).unwrap();
+            v["choices"][0]["text"]
+                .as_str()
+                .unwrap_or_default()
+                .to_string()
+        })
+        .collect();
+    assert_eq!(streamed, format!("Hi there{plain}"));
+    router.stop().await;
+}
