@@ -14,7 +14,7 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
-use tandem_text::{Allowed, Guide, TextTokenizer};
+use tandem_text::{Allowed, Guide, GuideFactory, TextTokenizer};
 
 use std::sync::MutexGuard;
 use tandem_kv::{
@@ -25,7 +25,7 @@ use tandem_kv::{
 use crate::backend::{self, Batch, ComputeBackend};
 use crate::device::Device;
 use crate::error::{EngineError, Result};
-use crate::guides::Guides;
+use crate::guides::compile_guide;
 use crate::model::{Model, SeqInput};
 use crate::sampling::{SampledToken, Sampler, SamplingParams, StopParams};
 use crate::sequence::Sequence;
@@ -168,7 +168,7 @@ pub struct Engine {
     running: Vec<SeqId>,
     next_id: SeqId,
     eos: Vec<u32>,
-    guides: Guides,
+    guides: GuideFactory,
     stats: EngineStats,
     /// Where the forward pass runs (`cache` is the KV itself on the CPU, staging on a GPU).
     backend: Box<dyn ComputeBackend>,
@@ -213,7 +213,7 @@ impl Engine {
             )));
         }
         let eos = tokenizer.info().eos_token_ids.clone();
-        let guides = Guides::new(&tokenizer);
+        let guides = GuideFactory::new(&tokenizer);
         let backend = backend::for_device(&config.device, &model, cache.num_blocks())?;
         Ok(Self {
             pool: SharedPool::new(cache.num_blocks()),
@@ -232,8 +232,9 @@ impl Engine {
         })
     }
 
-    /// The grammar compiler of this engine's tokenizer (shared, built on first use).
-    pub fn guides(&self) -> Guides {
+    /// The grammar compiler of this engine's tokenizer (clones share its trie, built on
+    /// first use).
+    pub fn guides(&self) -> GuideFactory {
         self.guides.clone()
     }
 
@@ -348,7 +349,7 @@ impl Engine {
         self.add_request_guided(prompt, sampling, stop, None)
     }
 
-    /// [`Engine::add_request`] with the request's grammar already compiled (by [`Guides`],
+    /// [`Engine::add_request`] with the request's grammar already compiled (by [`compile_guide`],
     /// off the engine's thread); `None` compiles it here if the request has one.
     pub fn add_request_guided(
         &mut self,
@@ -372,7 +373,7 @@ impl Engine {
         match (&sampling.guide, given) {
             (None, _) => Ok(None),
             (Some(_), Some(guide)) => Ok(Some(guide)),
-            (Some(spec), None) => self.guides.compile(spec).map(Some),
+            (Some(spec), None) => compile_guide(&self.guides, spec).map(Some),
         }
     }
 

@@ -23,6 +23,6 @@ pub use device::Device;
 pub const CUDA_SUPPORT: bool = cfg!(feature = "cuda");
 pub use engine::{Engine, EngineConfig, FinishReason, ReceivedKv, SeqId, StepOutput};
 pub use error::{EngineError, Result};
-pub use guides::Guides;
+pub use guides::compile_guide;
 pub use model::{LoadOptions, Model, ModelSource, SeqInput, load_model};
 pub use sampling::{SampledToken, SamplingParams, StopParams};

@@ -3,11 +3,11 @@
 //! API routes need. The router owns tokenization so that prompt lengths are counted once, the
 //! same way for validation, routing and the workers.
 
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 
 use tandem_proto::v1::WorkerInfo;
 use tandem_text::{
-    ChatMessage, ChatTemplate, GuideFactory, GuideSpec, TextTokenizer, TokenizerInfo,
+    ChatMessage, ChatTemplate, GuideFactory, GuideSpec, TextError, TextTokenizer, TokenizerInfo,
 };
 
 use crate::api::error::ApiError;
@@ -26,9 +26,9 @@ pub struct ServedModel {
     pub created: u64,
     tokenizer: TextTokenizer,
     chat_template: Option<ChatTemplate>,
-    /// Compiles structured-output grammars as the workers do; built on the first request
-    /// that has one.
-    guides: OnceLock<Result<GuideFactory, String>>,
+    /// Compiles structured-output grammars as the workers do (its trie is built on the first
+    /// request that has one).
+    guides: GuideFactory,
 }
 
 impl std::fmt::Debug for ServedModel {
@@ -83,6 +83,7 @@ impl ServedModel {
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.as_secs())
             .unwrap_or_default();
+        let guides = GuideFactory::new(&tokenizer);
         Ok(Self {
             name,
             context_length: info.context_length,
@@ -91,7 +92,7 @@ impl ServedModel {
             created,
             tokenizer,
             chat_template,
-            guides: OnceLock::new(),
+            guides,
         })
     }
 
@@ -102,6 +103,7 @@ impl ServedModel {
         tokenizer: TextTokenizer,
         chat_template: Option<ChatTemplate>,
     ) -> Self {
+        let guides = GuideFactory::new(&tokenizer);
         Self {
             name: name.to_string(),
             context_length,
@@ -110,7 +112,7 @@ impl ServedModel {
             created: 0,
             tokenizer,
             chat_template,
-            guides: OnceLock::new(),
+            guides,
         }
     }
 
@@ -118,18 +120,14 @@ impl ServedModel {
     /// worker would refuse gets a 400 naming `param` here. Milliseconds: call it through
     /// `AppState::encode`.
     pub fn check_guide(&self, spec: &GuideSpec, param: &str) -> Result<(), ApiError> {
-        let factory = self
-            .guides
-            .get_or_init(|| GuideFactory::new(&self.tokenizer).map_err(|e| e.to_string()))
-            .as_ref()
-            .map_err(|e| {
+        match self.guides.compile(spec) {
+            Ok(_) => Ok(()),
+            Err(TextError::Guide(e)) => Err(ApiError::invalid(param, format!("`{param}`: {e}"))),
+            Err(e) => {
                 tracing::error!(error = %e, "cannot build the structured-output token trie");
-                ApiError::Internal
-            })?;
-        factory
-            .compile(spec)
-            .map(drop)
-            .map_err(|e| ApiError::invalid(param, format!("`{param}`: {e}")))
+                Err(ApiError::Internal)
+            }
+        }
     }
 
     /// Token ids of a completion prompt: the tokenizer's special tokens (BOS) included.

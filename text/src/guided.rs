@@ -2,15 +2,16 @@
 //! any JSON object, a regular expression, one of a list of strings, or a Lark grammar),
 //! compiled by llguidance against the tokenizer's vocabulary.
 //!
-//! A [`GuideFactory`] is built once per tokenizer (the token trie: every token's bytes); each
-//! request compiles its [`GuideSpec`] into a [`Guide`], which masks the logits of the tokens
+//! A [`GuideFactory`] holds one tokenizer's token trie (every token's bytes), built on the
+//! first compilation (a server that never sees a grammar does not pay for it); each request
+//! compiles its [`GuideSpec`] into a [`Guide`], which masks the logits of the tokens
 //! the grammar does not allow next and follows the tokens actually sampled. When the grammar
 //! is complete, only EOS is allowed; a guide that can take no more tokens says so
 //! ([`Guide::is_finished`]). llguidance's own limits bound the work of every compilation and
 //! every mask, so a hostile grammar costs bounded time; tandem bounds the grammar's size
 //! (`MAX_GUIDE_BYTES`) before compiling it.
 
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use llguidance::api::TopLevelGrammar;
 use llguidance::{Matcher, ParserFactory};
@@ -113,10 +114,17 @@ fn compact(mut schema: serde_json::Value) -> serde_json::Value {
     schema
 }
 
-/// Compiles guides for one tokenizer; cheap to clone and shared across threads.
+/// Compiles guides for one tokenizer; cheap to clone (clones share the trie) and shared
+/// across threads.
 #[derive(Clone)]
 pub struct GuideFactory {
-    factory: Arc<ParserFactory>,
+    tokenizer: TextTokenizer,
+    built: Arc<OnceLock<Result<Built, String>>>,
+}
+
+/// What the first compilation builds.
+struct Built {
+    factory: ParserFactory,
     /// Ids at or above this are not tokens of the vocabulary (a model's padded rows).
     vocab: usize,
 }
@@ -124,14 +132,22 @@ pub struct GuideFactory {
 impl std::fmt::Debug for GuideFactory {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("GuideFactory")
-            .field("vocab", &self.vocab)
+            .field("built", &self.built.get().is_some())
             .finish_non_exhaustive()
     }
 }
 
 impl GuideFactory {
-    /// The token trie of `tokenizer` (every token's bytes; special tokens marked as such).
-    pub fn new(tokenizer: &TextTokenizer) -> Result<Self, TextError> {
+    /// A factory for `tokenizer`'s vocabulary; nothing is built yet.
+    pub fn new(tokenizer: &TextTokenizer) -> Self {
+        Self {
+            tokenizer: tokenizer.clone(),
+            built: Arc::new(OnceLock::new()),
+        }
+    }
+
+    /// The token trie of the tokenizer (every token's bytes; special tokens marked as such).
+    fn build(tokenizer: &TextTokenizer) -> Result<Built, String> {
         let words = token_bytes(tokenizer);
         let eos = tokenizer
             .info()
@@ -142,20 +158,27 @@ impl GuideFactory {
         let info = TokRxInfo::new(words.len() as u32, eos);
         let trie = TokTrie::from(&info, &words);
         let env: toktrie::TokEnv = Arc::new(ApproximateTokEnv::new(trie));
-        let mut factory = ParserFactory::new_simple(&env)
-            .map_err(|e| TextError::Guide(format!("building the token trie: {e}")))?;
+        let mut factory =
+            ParserFactory::new_simple(&env).map_err(|e| format!("building the token trie: {e}"))?;
         // Problems come back as errors; nothing is printed.
         factory.quiet();
-        Ok(Self {
-            factory: Arc::new(factory),
+        Ok(Built {
+            factory,
             vocab: words.len(),
         })
     }
 
-    /// Compiles `spec`; a grammar llguidance cannot compile is an error naming why.
+    /// Compiles `spec`: a grammar that is too large or that llguidance cannot compile is a
+    /// [`TextError::Guide`] naming why (checked sizes first, before anything is built); a
+    /// vocabulary the trie cannot be built from is a [`TextError::Unsupported`].
     pub fn compile(&self, spec: &GuideSpec) -> Result<Guide, TextError> {
         spec.check_size()?;
-        let parser = self
+        let built = self
+            .built
+            .get_or_init(|| Self::build(&self.tokenizer))
+            .as_ref()
+            .map_err(|e| TextError::Unsupported(format!("structured output: {e}")))?;
+        let parser = built
             .factory
             .create_parser(spec.grammar()?)
             .map_err(|e| TextError::Guide(format!("{}: {e}", spec.name())))?;
@@ -165,7 +188,7 @@ impl GuideFactory {
         }
         Ok(Guide {
             matcher,
-            vocab: self.vocab,
+            vocab: built.vocab,
         })
     }
 }
@@ -297,7 +320,7 @@ mod tests {
     /// `prefer` ordering the allowed tokens: the guide alone must make the output valid.
     fn generate(spec: &GuideSpec, prefer: impl Fn(u32) -> f32, max: usize) -> (String, bool) {
         let tok = TextTokenizer::byte_level();
-        let factory = GuideFactory::new(&tok).unwrap();
+        let factory = GuideFactory::new(&tok);
         let mut guide = factory.compile(spec).unwrap();
         let eos = tok.info().eos_token_ids[0];
         let mut out = Vec::new();
@@ -382,7 +405,7 @@ mod tests {
 
     #[test]
     fn bad_and_oversized_grammars_are_errors() {
-        let factory = GuideFactory::new(&TextTokenizer::byte_level()).unwrap();
+        let factory = GuideFactory::new(&TextTokenizer::byte_level());
         for spec in [
             GuideSpec::JsonSchema("{not json".into()),
             GuideSpec::Regex("(unclosed".into()),

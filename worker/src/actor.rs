@@ -15,12 +15,12 @@ use std::time::{Duration, Instant};
 
 use tandem_engine::engine::ChunkInfo;
 use tandem_engine::{
-    Engine, EngineError, Guides, ReceivedKv, SampledToken, SamplingParams, SeqId, StepOutput,
-    StopParams,
+    Engine, EngineError, ReceivedKv, SampledToken, SamplingParams, SeqId, StepOutput, StopParams,
+    compile_guide,
 };
 use tandem_kv::KvCache;
 use tandem_kv::{KvLocation, SharedPool};
-use tandem_text::Guide;
+use tandem_text::{Guide, GuideFactory};
 use tandem_transfer::KvSender;
 use tokio::sync::{mpsc as tmpsc, oneshot};
 
@@ -97,7 +97,7 @@ pub struct EngineHandle {
     tx: mpsc::Sender<Command>,
     pool: SharedPool,
     load: Arc<LoadSnapshot>,
-    guides: Guides,
+    guides: GuideFactory,
 }
 
 impl std::fmt::Debug for EngineHandle {
@@ -111,11 +111,6 @@ fn gone() -> EngineError {
 }
 
 impl EngineHandle {
-    /// The engine's grammar compiler.
-    pub fn guides(&self) -> &Guides {
-        &self.guides
-    }
-
     /// Compiles a request's grammar on the blocking pool (milliseconds of work that must not
     /// hold up the engine's thread or an async worker).
     pub async fn compile_guide(
@@ -126,7 +121,7 @@ impl EngineHandle {
             return Ok(None);
         };
         let guides = self.guides.clone();
-        tokio::task::spawn_blocking(move || guides.compile(&spec).map(Some))
+        tokio::task::spawn_blocking(move || compile_guide(&guides, &spec).map(Some))
             .await
             .map_err(|e| EngineError::Unsupported(format!("compiling a grammar: {e}")))?
     }
