@@ -3,7 +3,9 @@
 //! Disaggregated: reserve blocks (from the shared pool, without waiting for a forward pass),
 //! open a lease and tell the router where the KV goes, wait for the commit while watching the
 //! client and the lease's idle time, stream the first token the moment the commit is verified,
-//! then hand the sequence to the engine. Aggregated: queue the whole request.
+//! then hand the sequence to the engine. Aggregated: queue the whole request. A request of
+//! `n` choices streams every choice's tokens on the one stream (each event names its choice)
+//! and ends after the n-th Finished event.
 //! Whatever happens, the blocks go back: on cancel, expiry or a failed transfer they are
 //! released (after a short quarantine when remote writers exist); after admission the
 //! engine owns them.
@@ -102,6 +104,7 @@ pub(crate) async fn start(
             );
         }
         Mode::Aggregated | Mode::Unspecified => {
+            let choices = sampling.n;
             let (events_tx, events) = mpsc::unbounded_channel();
             inner
                 .engine
@@ -113,7 +116,7 @@ pub(crate) async fn start(
                 wait_seconds: 0.0,
                 transport: Transport::Unspecified,
             };
-            tokio::spawn(forward(inner, events, out, report).instrument(span));
+            tokio::spawn(forward(inner, events, out, report, choices).instrument(span));
         }
     }
     Ok(ReceiverStream::new(rx))
@@ -182,13 +185,25 @@ async fn disaggregated(
         wait_seconds: started.elapsed().as_secs_f64(),
         transport: commit.transport,
     };
-    // Stream the first token now rather than after the engine's current step.
+    // Stream the first tokens now rather than after the engine's current step.
     let context = inner.model.config().max_position_embeddings;
-    let sampled = SampledToken {
+    let firsts: Vec<SampledToken> = std::iter::once(SampledToken {
         token: commit.first_token,
         logprob: commit.first_logprob,
         top_logprobs: commit.first_top_logprobs,
-    };
+    })
+    .chain(commit.other_choices.into_iter().map(|c| SampledToken {
+        token: c.token,
+        logprob: c.logprob,
+        top_logprobs: c.top_logprobs,
+    }))
+    .collect();
+    if firsts.len() != sampling.n {
+        release(&inner, lease.blocks.clone(), false);
+        let why = format!("{} first tokens for {} choices", firsts.len(), sampling.n);
+        let _ = out.send(Err(Status::data_loss(why))).await;
+        return;
+    }
     // The grammar, if any, compiled once off the async workers: a copy follows the first
     // token here, the original goes to the engine.
     let guide = match inner.engine.compile_guide(&sampling).await {
@@ -199,22 +214,30 @@ async fn disaggregated(
             return;
         }
     };
-    let first = first_token_output(
-        &inner.tokenizer,
-        context,
-        &prompt,
-        sampled.clone(),
-        &sampling,
-        &stop,
-        guide.as_ref().map(Guide::copy),
-    );
-    if out.send(Ok(token_event(&inner, &first))).await.is_err() {
-        release(&inner, lease.blocks.clone(), false);
-        return;
+    let mut open = 0;
+    for (choice, sampled) in (0..).zip(&firsts) {
+        let mut first = first_token_output(
+            &inner.tokenizer,
+            context,
+            &prompt,
+            sampled.clone(),
+            &sampling,
+            &stop,
+            guide.as_ref().map(Guide::copy),
+        );
+        first.choice = choice;
+        if out.send(Ok(token_event(&inner, &first))).await.is_err() {
+            release(&inner, lease.blocks.clone(), false);
+            return;
+        }
+        if first.finish.is_some() {
+            let _ = out.send(Ok(finished_event(&first, report))).await;
+        } else {
+            open += 1;
+        }
     }
-    if first.finish.is_some() {
+    if open == 0 {
         release(&inner, lease.blocks.clone(), false);
-        let _ = out.send(Ok(finished_event(&first, report))).await;
         return;
     }
     let (events_tx, events) = mpsc::unbounded_channel();
@@ -222,7 +245,7 @@ async fn disaggregated(
         .engine
         .add_prefilled(
             prompt,
-            sampled,
+            firsts,
             lease.blocks.clone(),
             tandem_transfer::kv_location(commit.transport),
             sampling,
@@ -232,7 +255,7 @@ async fn disaggregated(
         )
         .await;
     match admitted {
-        Ok(_) => forward(inner, events, out, report).await,
+        Ok(_) => forward(inner, events, out, report, open).await,
         Err(e) => {
             release(&inner, lease.blocks.clone(), false);
             let _ = out.send(Err(engine_status(&e))).await;
@@ -240,13 +263,14 @@ async fn disaggregated(
     }
 }
 
-/// Relays the engine's events for one sequence until it finishes or the client leaves
-/// (dropping `events` then makes the engine abort the sequence before its next step).
+/// Relays the engine's events for one request until its `open` choices finish or the client
+/// leaves (dropping `events` then makes the engine abort the request before its next step).
 async fn forward(
     inner: Arc<Inner>,
     mut events: mpsc::UnboundedReceiver<SeqEvent>,
     out: Out,
     report: KvReport,
+    mut open: usize,
 ) {
     loop {
         let event = tokio::select! {
@@ -259,8 +283,13 @@ async fn forward(
                     return;
                 }
                 if o.finish.is_some() {
-                    let _ = out.send(Ok(finished_event(&o, report))).await;
-                    return;
+                    if out.send(Ok(finished_event(&o, report))).await.is_err() {
+                        return;
+                    }
+                    open = open.saturating_sub(1);
+                    if open == 0 {
+                        return;
+                    }
                 }
             }
             Some(SeqEvent::Failed(reason) | SeqEvent::TransferFailed(reason)) => {
@@ -286,6 +315,7 @@ fn token_event(inner: &Inner, o: &StepOutput) -> GenerateEvent {
             index: o.completion_tokens.saturating_sub(1) as u32,
             special: inner.tokenizer.is_special(o.token),
             top_logprobs: top_logprobs_to_proto(&o.top_logprobs),
+            choice: o.choice,
         })),
     }
 }
@@ -300,6 +330,7 @@ fn finished_event(o: &StepOutput, kv: KvReport) -> GenerateEvent {
             kv_bytes: kv.bytes,
             kv_wait_seconds: kv.wait_seconds,
             transport: kv.transport as i32,
+            choice: o.choice,
         })),
     }
 }

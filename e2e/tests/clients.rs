@@ -366,3 +366,69 @@ async fn structured_output_parses_and_validates_through_the_clients() {
         "{v}"
     );
 }
+
+const CHOICES_SCRIPT: &str = r#"
+import json, sys, openai
+from text_generation import Client
+base = sys.argv[1]
+client = openai.OpenAI(base_url=base + "/v1", api_key="unused")
+extra = {"ignore_eos": True}
+greedy = client.chat.completions.with_raw_response.create(
+    model="tandem", messages=[{"role": "user", "content": "Say hello"}], max_tokens=8, temperature=0, n=4,
+    extra_body=extra)
+mode = greedy.headers.get("x-tandem-mode")
+greedy = greedy.parse()
+def sampled(n, seed):
+    r = client.completions.create(model="tandem", prompt="Once upon a time", max_tokens=10, temperature=8.0,
+                                  seed=seed, n=n, extra_body=extra)
+    return [c.text for c in sorted(r.choices, key=lambda c: c.index)]
+streamed = {}
+for chunk in client.completions.create(model="tandem", prompt="Once upon a time", max_tokens=10, temperature=8.0,
+                                       seed=5, n=3, stream=True, extra_body=extra):
+    for c in chunk.choices:
+        streamed[c.index] = streamed.get(c.index, "") + c.text
+best = client.completions.create(model="tandem", prompt="Once upon a time", max_tokens=6, temperature=8.0, seed=1,
+                                 n=2, best_of=4, logprobs=0, extra_body=extra)
+tgi = Client(base).generate("Once upon a time", max_new_tokens=6, do_sample=True, temperature=8.0, best_of=3)
+print(json.dumps({
+    "mode": mode, "greedy": [c.message.content for c in greedy.choices],
+    "greedy_index": [c.index for c in greedy.choices], "greedy_usage": greedy.usage.completion_tokens,
+    "sampled": sampled(3, 5), "again": sampled(3, 5), "seed5": sampled(1, 5), "seed6": sampled(1, 6),
+    "streamed": [streamed[i] for i in sorted(streamed)],
+    "best": [sum(c.logprobs.token_logprobs) / len(c.logprobs.token_logprobs) for c in best.choices],
+    "best_index": [c.index for c in best.choices], "best_usage": best.usage.completion_tokens,
+    "tgi_others": len(tgi.details.best_of_sequences),
+}))
+"#;
+
+/// `n` and `best_of` through the official clients on a real deployment (the tiny model, whose
+/// sharp logits need a high temperature to sample visibly): greedy choices are
+/// identical, seeded ones reproduce (choice i is the single request with seed + i, streamed
+/// or not), `best_of` returns the likeliest `n`, TGI's `best_of` its other sequences.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn n_and_best_of_through_the_clients() {
+    let v = run_client(CHOICES_SCRIPT).await;
+    assert_eq!(v["mode"], "disaggregated", "{v}");
+    let greedy = v["greedy"].as_array().unwrap();
+    assert_eq!(greedy.len(), 4, "{v}");
+    assert!(greedy.iter().all(|g| g == &greedy[0]), "{v}");
+    assert_eq!(v["greedy_index"], serde_json::json!([0, 1, 2, 3]));
+    assert_eq!(v["greedy_usage"], 32, "{v}");
+    assert_eq!(v["sampled"], v["again"], "seeded choices reproduce");
+    assert_eq!(
+        v["sampled"][0], v["seed5"][0],
+        "choice 0 is the seed's request"
+    );
+    assert_eq!(v["sampled"][1], v["seed6"][0], "choice 1 is seed + 1's");
+    assert_ne!(v["sampled"][0], v["sampled"][1], "{v}");
+    assert_eq!(
+        v["streamed"], v["sampled"],
+        "streamed choices equal the whole ones"
+    );
+    let best: Vec<f64> = serde_json::from_value(v["best"].clone()).unwrap();
+    assert_eq!(best.len(), 2);
+    assert!(best[0] >= best[1], "best first: {v}");
+    assert_eq!(v["best_index"], serde_json::json!([0, 1]));
+    assert_eq!(v["best_usage"], 24, "all four generated count: {v}");
+    assert_eq!(v["tgi_others"], 2, "{v}");
+}

@@ -9,6 +9,12 @@
 //!
 //! When the pool runs dry the youngest running sequence is preempted: its blocks are freed
 //! and it is recomputed from its tokens later (counted in [`EngineStats::preemptions`]).
+//!
+//! A request with `n > 1` choices is prefilled once: when its first token is sampled, choices
+//! 1.. sample theirs from the same logits (each with its own seed) and become sequences of
+//! their own that share the prompt's full blocks (reference-counted in the pool) and get a
+//! copy of its last, partly filled block (copy on write: every choice writes its next token
+//! there). A backend that cannot copy blocks recomputes that block's few tokens instead.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
@@ -73,6 +79,9 @@ impl FinishReason {
 #[derive(Debug, Clone, PartialEq)]
 pub struct StepOutput {
     pub id: SeqId,
+    /// The request it answers (the id its `add_*` call returned) and which of its choices.
+    pub request: SeqId,
+    pub choice: u32,
     pub token: u32,
     /// As the sampling module defines it.
     pub logprob: f32,
@@ -377,15 +386,23 @@ impl Engine {
         }
     }
 
-    /// Removes a sequence wherever it is and frees its blocks. Returns whether it existed.
-    pub fn abort(&mut self, id: SeqId) -> bool {
-        let Some(seq) = self.seqs.remove(&id) else {
-            return false;
-        };
-        self.waiting.retain(|&w| w != id);
-        self.running.retain(|&r| r != id);
-        self.free_blocks_of(seq.blocks);
-        true
+    /// Removes a request (every choice of it) wherever it is and frees its blocks. Returns
+    /// whether it existed.
+    pub fn abort(&mut self, request: SeqId) -> bool {
+        let ids: Vec<SeqId> = self
+            .seqs
+            .values()
+            .filter(|s| s.request == request)
+            .map(|s| s.id)
+            .collect();
+        for id in &ids {
+            if let Some(seq) = self.seqs.remove(id) {
+                self.free_blocks_of(seq.blocks);
+            }
+        }
+        self.waiting.retain(|w| !ids.contains(w));
+        self.running.retain(|r| !ids.contains(r));
+        !ids.is_empty()
     }
 
     /// Reserves blocks for `prompt_len` tokens whose KV another engine will write (the decode
@@ -425,34 +442,45 @@ impl Engine {
         &mut self.cache
     }
 
-    /// Admits a sequence whose prompt KV already sits in `kv.blocks` (of the host cache, or
-    /// of the device pool) and whose first token was sampled elsewhere. Returns its id and the
-    /// output for that first token (which may already finish it, freeing the blocks). `guide`
-    /// is the request's grammar compiled elsewhere, not yet advanced (`None`: compiled here).
+    /// Admits a request whose prompt KV already sits in `kv.blocks` (of the host cache, or
+    /// of the device pool) and whose first tokens were sampled elsewhere, one per choice
+    /// (`sampling.n` of them). Returns its id and the output for each choice's first token
+    /// (which may already finish that choice; the blocks are freed with the last holder).
+    /// `guide` is the request's grammar compiled elsewhere, not yet advanced (`None`:
+    /// compiled here).
     pub fn add_prefilled(
         &mut self,
         prompt: Vec<u32>,
-        first: SampledToken,
+        firsts: Vec<SampledToken>,
         kv: ReceivedKv,
         sampling: SamplingParams,
         stop: StopParams,
         guide: Option<Guide>,
-    ) -> Result<(SeqId, StepOutput)> {
+    ) -> Result<(SeqId, Vec<StepOutput>)> {
         let ReceivedKv { blocks, location } = kv;
         self.validate_request(&prompt, &sampling, &stop)?;
-        let vocab = self.model.config().vocab_size;
-        if let Some(&id) = std::iter::once(&first.token)
-            .chain(first.top_logprobs.iter().map(|(id, _)| id))
-            .find(|&&id| id as usize >= vocab)
-        {
-            return Err(EngineError::UnknownToken { id, vocab });
-        }
-        if first.top_logprobs.len() > sampling.top_logprobs {
+        if firsts.len() != sampling.n {
             return Err(EngineError::InvalidKv(format!(
-                "the first token came with {} alternatives; {} were asked for",
-                first.top_logprobs.len(),
-                sampling.top_logprobs
+                "{} first tokens for {} choices",
+                firsts.len(),
+                sampling.n
             )));
+        }
+        let vocab = self.model.config().vocab_size;
+        for first in &firsts {
+            if let Some(&id) = std::iter::once(&first.token)
+                .chain(first.top_logprobs.iter().map(|(id, _)| id))
+                .find(|&&id| id as usize >= vocab)
+            {
+                return Err(EngineError::UnknownToken { id, vocab });
+            }
+            if first.top_logprobs.len() > sampling.top_logprobs {
+                return Err(EngineError::InvalidKv(format!(
+                    "the first token came with {} alternatives; {} were asked for",
+                    first.top_logprobs.len(),
+                    sampling.top_logprobs
+                )));
+            }
         }
         // A sliding-window model's KV arrives for the blocks its first decode step reads
         // (`first_needed_block` on, as `reserve` counts them): the table is padded in front.
@@ -477,14 +505,105 @@ impl Engine {
             Sequence::new(id, prompt, sampling, stop, &self.eos, sampler).with_guide(guide);
         seq.computed = seq.prompt_len;
         seq.blocks = blocks;
-        let out = seq.push_token(first, &self.tokenizer, self.context_len());
+        let mut firsts = firsts.into_iter();
+        let own = firsts.next().ok_or(EngineError::EmptyPrompt)?;
+        let mut outputs = Vec::with_capacity(seq.sampling.n);
+        for (choice, first) in (1..).zip(firsts) {
+            let sampler = Sampler::for_choice(&seq.sampling, choice as usize, 1);
+            let child_id = self.allocate_id();
+            let child = seq.choice_of(child_id, choice, sampler);
+            outputs.push(self.admit_choice(child, first, &seq.blocks));
+        }
+        let out = seq.push_token(own, &self.tokenizer, self.context_len());
         if out.finish.is_some() {
             self.free_blocks_of(seq.blocks);
         } else {
             self.seqs.insert(id, seq);
             self.running.push(id);
         }
-        Ok((id, out))
+        outputs.insert(0, out);
+        Ok((id, outputs))
+    }
+
+    /// Starts choices 1.. of the request whose choice 0 (`parent`) is about to sample its
+    /// first token from `row`: each samples its own from the same logits and grammar mask.
+    fn fork_choices(
+        &mut self,
+        parent: SeqId,
+        row: &[f32],
+        allowed: Option<&Allowed>,
+    ) -> Vec<StepOutput> {
+        let Some(seq) = self.seqs.get(&parent) else {
+            return Vec::new();
+        };
+        let (n, blocks) = (seq.sampling.n, seq.blocks.clone());
+        let mut outputs = Vec::with_capacity(n - 1);
+        for choice in 1..n {
+            let child_id = self.allocate_id();
+            let seq = &self.seqs[&parent];
+            let sampler = Sampler::for_choice(&seq.sampling, choice, 0);
+            let mut child = seq.choice_of(child_id, choice as u32, sampler);
+            let mut logits = row.to_vec();
+            let first = child.sample(&mut logits, allowed.cloned());
+            outputs.push(self.admit_choice(child, first, &blocks));
+        }
+        outputs
+    }
+
+    /// Gives a new choice its first token and, unless that ends it, the prompt's KV from its
+    /// request's choice 0 (`prompt_blocks`): the full blocks shared, the partly filled last
+    /// one copied (or, where the backend cannot copy or no block is free, its tokens
+    /// recomputed in a coming step).
+    fn admit_choice(
+        &mut self,
+        mut child: Sequence,
+        first: SampledToken,
+        prompt_blocks: &[u32],
+    ) -> StepOutput {
+        let out = child.push_token(first, &self.tokenizer, self.context_len());
+        if out.finish.is_some() {
+            return out;
+        }
+        let prompt_len = child.prompt_len;
+        let full = (prompt_len / BLOCK_SIZE).min(prompt_blocks.len());
+        let shared: Vec<u32> = prompt_blocks[..full]
+            .iter()
+            .copied()
+            .filter(|&b| b != FREED_BLOCK)
+            .collect();
+        if let Err(e) = self.pool().share(&shared) {
+            // A bookkeeping bug: the choice recomputes its prompt instead.
+            tracing::error!(error = %e, "sharing a prompt's blocks failed");
+            child.blocks.clear();
+            child.computed = 0;
+        } else {
+            child.blocks = prompt_blocks[..full].to_vec();
+            child.computed = full * BLOCK_SIZE;
+            let last = prompt_blocks
+                .get(full)
+                .filter(|_| prompt_len > full * BLOCK_SIZE);
+            let copy = last.and_then(|_| self.pool().allocate_one().ok());
+            if let (Some(&last), Some(copy)) = (last, copy) {
+                match self.backend.copy_block(&mut self.cache, last, copy) {
+                    Ok(()) => {
+                        child.blocks.push(copy);
+                        child.computed = prompt_len;
+                    }
+                    Err(e) => {
+                        tracing::debug!(error = %e, "recomputing a shared prompt's last block");
+                        self.free_blocks_of(vec![copy]);
+                    }
+                }
+            }
+            if full * BLOCK_SIZE == prompt_len {
+                // No partly filled block: the next token starts a new one.
+                child.computed = prompt_len;
+            }
+        }
+        let id = child.id;
+        self.seqs.insert(id, child);
+        self.running.push(id);
+        out
     }
 
     /// One forward pass. Returns a token for every sequence that produced one.
@@ -627,7 +746,15 @@ impl Engine {
                 continue;
             }
             let Some(mut row) = logits.next() else { break };
-            let sampled = seq.sample(&mut row, allowed.remove(&id));
+            let mask = allowed.remove(&id);
+            if seq.forks_now() {
+                let choices = self.fork_choices(id, &row, mask.as_ref());
+                outputs.extend(choices);
+            }
+            let Some(seq) = self.seqs.get_mut(&id) else {
+                continue;
+            };
+            let sampled = seq.sample(&mut row, mask);
             let out = seq.push_token(sampled, &self.tokenizer, context);
             if out.finish.is_some() {
                 self.finish(id);
@@ -637,12 +764,13 @@ impl Engine {
         Ok(outputs)
     }
 
-    /// Runs steps until `id` finishes; returns its outputs (other sequences advance too).
+    /// Runs steps until request `id` finishes (every choice of it); returns its outputs
+    /// (other sequences advance too).
     pub fn run_to_completion(&mut self, id: SeqId) -> Result<Vec<StepOutput>> {
         let mut mine = Vec::new();
-        while self.seqs.contains_key(&id) {
+        while self.seqs.values().any(|s| s.request == id) {
             for out in self.step()? {
-                if out.id == id {
+                if out.request == id {
                     mine.push(out);
                 }
             }

@@ -44,6 +44,9 @@ pub struct SamplingParams {
     pub top_logprobs: usize,
     /// A grammar the output must match (structured output).
     pub guide: Option<GuideSpec>,
+    /// Choices to generate from the one prompt (1..=MAX_CHOICES); choice `i` draws from the
+    /// seed `seed + i` (see [`Sampler::for_choice`]).
+    pub n: usize,
 }
 
 impl Default for SamplingParams {
@@ -59,6 +62,7 @@ impl Default for SamplingParams {
             logit_bias: Vec::new(),
             top_logprobs: 0,
             guide: None,
+            n: 1,
         }
     }
 }
@@ -104,6 +108,9 @@ impl SamplingParams {
                 "top_logprobs",
                 format!("{} is more than {MAX_TOP_LOGPROBS}", self.top_logprobs),
             );
+        }
+        if !(1..=MAX_CHOICES).contains(&self.n) {
+            return bad("n", format!("{} is not in [1, {MAX_CHOICES}]", self.n));
         }
         if !self.temperature.is_finite() || !(0.0..=MAX_TEMPERATURE).contains(&self.temperature) {
             return bad(
@@ -174,6 +181,7 @@ pub const MAX_OPENAI_PENALTY: f32 = 2.0;
 pub const MAX_LOGIT_BIAS: usize = 1024;
 pub const MAX_LOGIT_BIAS_VALUE: f32 = 100.0;
 pub const MAX_TOP_LOGPROBS: usize = 20;
+pub const MAX_CHOICES: usize = 16;
 
 impl StopParams {
     pub fn validate(&self, vocab: usize) -> Result<()> {
@@ -227,17 +235,29 @@ pub struct Sampler {
 
 impl Sampler {
     pub fn new(params: &SamplingParams) -> Self {
-        let rng = match params.seed {
-            Some(seed) => StdRng::seed_from_u64(seed),
-            None => StdRng::from_os_rng(),
-        };
-        Self { rng }
+        Self::resumed(params, 0)
+    }
+
+    /// The sampler of choice `choice` of an `n > 1` request that has already sampled
+    /// `tokens` tokens: seeded with `seed + choice` (each choice reproducible on its own,
+    /// and choice 0 the same as an `n = 1` request), or from the OS without a seed.
+    pub fn for_choice(params: &SamplingParams, choice: usize, tokens: usize) -> Self {
+        let seed = params.seed.map(|s| s.wrapping_add(choice as u64));
+        Self::seeded(seed, params.is_greedy(), tokens)
     }
 
     /// A sampler that has already sampled `tokens` tokens (continuing another engine's run).
     pub fn resumed(params: &SamplingParams, tokens: usize) -> Self {
-        let mut s = Self::new(params);
-        if !params.is_greedy() {
+        Self::seeded(params.seed, params.is_greedy(), tokens)
+    }
+
+    fn seeded(seed: Option<u64>, greedy: bool, tokens: usize) -> Self {
+        let rng = match seed {
+            Some(seed) => StdRng::seed_from_u64(seed),
+            None => StdRng::from_os_rng(),
+        };
+        let mut s = Self { rng };
+        if !greedy {
             for _ in 0..tokens {
                 let _: f32 = s.rng.random();
             }

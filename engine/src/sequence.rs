@@ -1,6 +1,7 @@
 //! One request's state inside an engine: its tokens, how many of them have KV in the cache,
 //! its blocks, and the text-side state (detokenizer, stop strings) that turns sampled tokens
-//! into output deltas and finish reasons.
+//! into output deltas and finish reasons. The choices of an `n > 1` request are sequences of
+//! their own that name the request (its choice 0's id).
 
 use tandem_text::{Allowed, Guide, IncrementalDetokenizer, StopStringMatcher, TextTokenizer};
 
@@ -10,6 +11,10 @@ use crate::sampling::{SampledToken, Sampler, SamplingParams, StopParams};
 #[derive(Debug)]
 pub(crate) struct Sequence {
     pub id: SeqId,
+    /// The request this sequence answers: its own id for choice 0, choice 0's for the others.
+    pub request: SeqId,
+    /// Which of the request's `sampling.n` choices this is.
+    pub choice: u32,
     /// The prompt followed by every generated token.
     pub tokens: Vec<u32>,
     pub prompt_len: usize,
@@ -46,6 +51,8 @@ impl Sequence {
         let stop_matcher = StopStringMatcher::new(&stop.stop_strings);
         Self {
             id,
+            request: id,
+            choice: 0,
             prompt_len: prompt.len(),
             tokens: prompt,
             computed: 0,
@@ -59,6 +66,31 @@ impl Sequence {
             preemptions: 0,
             guide: None,
         }
+    }
+
+    /// Choice `choice` of this sequence's request, before its first token: the same prompt,
+    /// parameters and grammar state (copied), its own `sampler`, no blocks yet.
+    pub fn choice_of(&self, id: SeqId, choice: u32, sampler: Sampler) -> Self {
+        let prompt = self.tokens[..self.prompt_len].to_vec();
+        let mut child = Sequence::new(
+            id,
+            prompt,
+            self.sampling.clone(),
+            self.stop.clone(),
+            &[],
+            sampler,
+        )
+        .with_guide(self.guide.as_ref().map(Guide::copy));
+        child.stop_ids = self.stop_ids.clone();
+        child.request = self.request;
+        child.choice = choice;
+        child
+    }
+
+    /// Whether this sequence is about to take its request's first token and must start the
+    /// request's other choices from the same logits.
+    pub fn forks_now(&self) -> bool {
+        self.choice == 0 && self.sampling.n > 1 && self.generated() == 0
     }
 
     /// The sequence with a grammar to follow.
@@ -163,6 +195,8 @@ impl Sequence {
         }
         StepOutput {
             id: self.id,
+            request: self.request,
+            choice: self.choice,
             token,
             logprob,
             top_logprobs,

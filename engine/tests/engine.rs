@@ -323,7 +323,7 @@ fn bad_inputs_are_typed_errors() {
     assert!(
         e.add_prefilled(
             vec![3; 20],
-            SampledToken::new(9999, 0.0),
+            vec![SampledToken::new(9999, 0.0)],
             ReceivedKv::host(blocks.clone()),
             ok.clone(),
             stop.clone(),
@@ -334,7 +334,7 @@ fn bad_inputs_are_typed_errors() {
     assert!(
         e.add_prefilled(
             vec![3; 40],
-            SampledToken::new(5, 0.0),
+            vec![SampledToken::new(5, 0.0)],
             ReceivedKv::host(blocks.clone()),
             ok.clone(),
             stop.clone(),
@@ -343,10 +343,22 @@ fn bad_inputs_are_typed_errors() {
         .is_err(),
         "blocks do not cover the prompt"
     );
+    assert!(
+        e.add_prefilled(
+            vec![3; 20],
+            vec![SampledToken::new(5, 0.0); 2],
+            ReceivedKv::host(blocks.clone()),
+            ok.clone(),
+            stop.clone(),
+            None
+        )
+        .is_err(),
+        "two first tokens for one choice"
+    );
     let err = e
         .add_prefilled(
             vec![3; 20],
-            SampledToken::new(5, 0.0),
+            vec![SampledToken::new(5, 0.0)],
             ReceivedKv {
                 blocks: blocks.clone(),
                 location: KvLocation::Device,

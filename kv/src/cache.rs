@@ -252,6 +252,29 @@ impl KvCache {
         Ok(())
     }
 
+    /// Copies every layer of block `src` into block `dst` (the copy-on-write of a shared
+    /// prompt's last, partly filled block).
+    pub fn copy_block(&mut self, src: u32, dst: u32) -> Result<()> {
+        let n = self.layout.block_layer_bytes();
+        let size = self.layout.dtype.size_in_bytes();
+        for layer in 0..self.layout.num_layers {
+            let from = self.offset(layer, src)? * size;
+            let to = self.offset(layer, dst)? * size;
+            if from != to {
+                // SAFETY: both in bounds (checked offsets) and distinct blocks, so the
+                // ranges do not overlap; `&mut self` excludes the engine's own readers.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(
+                        self.storage.base.add(from),
+                        self.storage.base.add(to),
+                        n,
+                    )
+                };
+            }
+        }
+        Ok(())
+    }
+
     /// Mutable floats of one block of one layer of an f32 cache.
     pub fn block_layer_mut(&mut self, layer: usize, block: u32) -> Result<&mut [f32]> {
         self.require_f32()?;
@@ -624,6 +647,34 @@ mod tests {
         // The last piece of the pool: offsets count 2-byte elements, not 4.
         assert_eq!(cache.block_layer_bytes(0, 1).unwrap().len(), n);
         assert!(cache.block_layer(0, 0).is_err());
+    }
+
+    #[test]
+    fn a_copied_block_has_every_layer_of_its_source() {
+        for dtype in [KvDtype::F32, KvDtype::Bf16] {
+            let l = KvLayout { dtype, ..layout() };
+            let mut cache = KvCache::with_budget(l.clone(), 3 * l.block_bytes()).unwrap();
+            let n = l.block_layer_bytes();
+            for layer in 0..l.num_layers {
+                let payload: Vec<u8> = (0..n).map(|i| (i + 7 * layer) as u8).collect();
+                cache.write_block_layer_bytes(layer, 2, &payload).unwrap();
+            }
+            cache.copy_block(2, 0).unwrap();
+            for layer in 0..l.num_layers {
+                assert_eq!(
+                    cache.block_layer_bytes(layer, 0).unwrap(),
+                    cache.block_layer_bytes(layer, 2).unwrap()
+                );
+            }
+            assert!(
+                cache
+                    .block_layer_bytes(0, 1)
+                    .unwrap()
+                    .iter()
+                    .all(|&b| b == 0)
+            );
+            assert!(cache.copy_block(0, 3).is_err());
+        }
     }
 
     #[test]

@@ -1,5 +1,6 @@
-//! `BlockPool`: O(1) allocation and release of physical KV blocks from a free stack, with an
-//! ownership bit per block so a double free or a foreign id is an error, not corruption; and
+//! `BlockPool`: O(1) allocation and release of physical KV blocks from a free stack, with a
+//! reference count per block (the sequences of an `n > 1` request share their prompt's full
+//! blocks) so a double free or a foreign id is an error, not corruption; and
 //! [`SharedPool`], the same behind a mutex for an engine and the threads that reserve blocks
 //! for incoming KV.
 
@@ -12,7 +13,8 @@ use crate::error::{KvError, Result};
 #[derive(Debug, Clone)]
 pub struct BlockPool {
     free: Vec<u32>,
-    in_use: Vec<bool>,
+    /// Holders of each block (0: free).
+    refs: Vec<u32>,
 }
 
 impl BlockPool {
@@ -20,12 +22,12 @@ impl BlockPool {
         // Reversed so that block 0 is handed out first (easier to read in logs and tests).
         Self {
             free: (0..num_blocks as u32).rev().collect(),
-            in_use: vec![false; num_blocks],
+            refs: vec![0; num_blocks],
         }
     }
 
     pub fn total(&self) -> usize {
-        self.in_use.len()
+        self.refs.len()
     }
 
     pub fn free_count(&self) -> usize {
@@ -46,7 +48,7 @@ impl BlockPool {
         }
         let blocks = self.free.split_off(self.free.len() - n);
         for &b in &blocks {
-            self.in_use[b as usize] = true;
+            self.refs[b as usize] = 1;
         }
         Ok(blocks)
     }
@@ -57,31 +59,54 @@ impl BlockPool {
             .free
             .pop()
             .ok_or(KvError::OutOfBlocks { needed: 1, free: 0 })?;
-        self.in_use[b as usize] = true;
+        self.refs[b as usize] = 1;
         Ok(b)
     }
 
-    /// Returns blocks to the pool. Ids that are not currently allocated are rejected as a
-    /// whole, before anything is freed.
+    /// One more holder for each of `blocks` (all allocated, or nothing changes): a sequence
+    /// that shares them with the one that wrote them. Each holder releases them once.
+    pub fn share(&mut self, blocks: &[u32]) -> Result<()> {
+        if let Some(&b) = blocks.iter().find(|&&b| !self.is_allocated(b)) {
+            return Err(KvError::InvalidKv(format!(
+                "block {b} shared but not allocated"
+            )));
+        }
+        for &b in blocks {
+            self.refs[b as usize] += 1;
+        }
+        Ok(())
+    }
+
+    /// How many holders `b` has (0: free or unknown).
+    pub fn holders(&self, b: u32) -> u32 {
+        self.refs.get(b as usize).copied().unwrap_or(0)
+    }
+
+    /// Drops one holder of each block; a block with none left goes back to the pool. Ids that
+    /// are not currently allocated (or repeated: one holder releases a block once) are
+    /// rejected as a whole, before anything is released.
     pub fn release(&mut self, blocks: &[u32]) -> Result<()> {
         let mut seen = std::collections::HashSet::with_capacity(blocks.len());
         for &b in blocks {
-            if !self.in_use.get(b as usize).copied().unwrap_or(false) || !seen.insert(b) {
+            if !self.is_allocated(b) || !seen.insert(b) {
                 return Err(KvError::InvalidKv(format!(
                     "block {b} released but not allocated"
                 )));
             }
         }
         for &b in blocks {
-            self.in_use[b as usize] = false;
-            self.free.push(b);
+            let refs = &mut self.refs[b as usize];
+            *refs -= 1;
+            if *refs == 0 {
+                self.free.push(b);
+            }
         }
         Ok(())
     }
 
     /// Whether `b` is currently allocated.
     pub fn is_allocated(&self, b: u32) -> bool {
-        self.in_use.get(b as usize).copied().unwrap_or(false)
+        self.holders(b) > 0
     }
 }
 
@@ -172,5 +197,26 @@ mod tests {
         let b = pool.allocate(2).unwrap();
         assert!(pool.release(&[b[0], b[0]]).is_err());
         assert_eq!(pool.used_count(), 2, "a rejected release frees nothing");
+    }
+
+    #[test]
+    fn shared_blocks_are_free_after_their_last_holder() {
+        let mut pool = BlockPool::new(3);
+        let a = pool.allocate(2).unwrap();
+        pool.share(&a).unwrap();
+        pool.share(&a[..1]).unwrap();
+        assert_eq!((pool.holders(a[0]), pool.holders(a[1])), (3, 2));
+        assert!(pool.share(&[a[0], 2]).is_err(), "block 2 is free");
+        assert_eq!(pool.holders(a[0]), 3, "a refused share changes nothing");
+        pool.release(&a).unwrap();
+        assert_eq!(pool.free_count(), 1, "both still held");
+        pool.release(&a).unwrap();
+        assert_eq!(pool.free_count(), 2, "a[1] had two holders");
+        pool.release(&a[..1]).unwrap();
+        assert_eq!(pool.free_count(), 3);
+        assert!(
+            pool.release(&a[..1]).is_err(),
+            "released more often than held"
+        );
     }
 }

@@ -272,15 +272,22 @@ async fn prefill(inner: &Inner, req: PrefillRequest) -> Result<PrefillResponse, 
     match event {
         SeqEvent::Prefilled {
             output,
+            others,
             sender,
             queue_seconds,
             compute_seconds,
         } => {
-            let first = FirstToken {
-                token: output.token,
-                logprob: output.logprob,
-                top_logprobs: output.top_logprobs.clone(),
+            let first_token = |o: &tandem_engine::StepOutput| FirstToken {
+                token: o.token,
+                logprob: o.logprob,
+                top_logprobs: o.top_logprobs.clone(),
+                other_choices: Vec::new(),
             };
+            let first = FirstToken {
+                other_choices: others.iter().map(first_token).collect(),
+                ..first_token(&output)
+            };
+            let other_choices = first.others_to_proto();
             let stats = sender.commit(first).await.map_err(|e| {
                 inner.peers.forget(&dest);
                 transfer_status(e)
@@ -296,6 +303,7 @@ async fn prefill(inner: &Inner, req: PrefillRequest) -> Result<PrefillResponse, 
                 first_token: output.token,
                 first_logprob: output.logprob,
                 first_top_logprobs: top_logprobs_to_proto(&output.top_logprobs),
+                other_choices,
                 kv_bytes: stats.bytes,
                 transfer_seconds: stats.seconds,
                 compute_seconds,

@@ -9,7 +9,9 @@
 /// the raw TCP hello answers the listener's challenge.
 /// 3: the first token travels with its top logprobs (a longer raw TCP commit header); prefill
 /// requests carry the stop parameters (min_tokens).
-pub const PROTOCOL_VERSION: u32 = 3;
+/// 4: requests may ask for `n` choices: their first tokens travel together (another raw TCP
+/// commit header), token and finish events name their choice.
+pub const PROTOCOL_VERSION: u32 = 4;
 
 /// What one request may ask for. The router refuses anything outside these bounds itself,
 /// naming the field, before a worker sees it; the workers' engines hold the same bounds
@@ -34,6 +36,8 @@ pub mod limits {
     pub const MAX_LOGIT_BIAS_VALUE: f32 = 100.0;
     /// Alternatives reported per token (`top_logprobs`, completions' `logprobs`).
     pub const MAX_TOP_LOGPROBS: usize = 20;
+    /// Choices per request (`n`, `best_of`): they share the prompt's KV.
+    pub const MAX_CHOICES: usize = 16;
     /// Bytes of a lease capability.
     pub const LEASE_TOKEN_BYTES: usize = 16;
 }

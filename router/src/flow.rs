@@ -13,6 +13,9 @@
 //! Retries happen only before the head: after a decode worker died (once, on another decode
 //! worker) and after a prefill failure (once, on another prefill worker, then aggregated if
 //! `--fallback aggregated`). A failure after the head ends the stream with an error event.
+//!
+//! A request of `n` choices is one generation on the workers: its token and finish events
+//! name their choice, and the flow ends after the n-th finish (which says it is the last).
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -107,6 +110,8 @@ pub fn transport_name(t: Option<Transport>) -> &'static str {
 /// One generated token.
 #[derive(Debug, Clone, PartialEq)]
 pub struct TokenOut {
+    /// Which of the request's choices it belongs to.
+    pub choice: u32,
     pub id: u32,
     pub text: String,
     pub logprob: f32,
@@ -120,10 +125,17 @@ pub struct TokenOut {
 /// The end of a generation.
 #[derive(Debug, Clone, PartialEq)]
 pub struct FinishOut {
+    /// The choice that ended.
+    pub choice: u32,
+    /// Whether it was the request's last choice to end (the stream ends after it).
+    pub last: bool,
     /// `Stop` covers EOS, stop tokens and stop strings; `Length` is max_tokens.
     pub reason: FinishReason,
     pub prompt_tokens: u32,
+    /// This choice's tokens.
     pub completion_tokens: u32,
+    /// The tokens of every choice that has ended so far (all of them on the last finish).
+    pub total_completion_tokens: u32,
     pub kv_bytes: u64,
     pub transport: Option<Transport>,
 }
@@ -263,7 +275,7 @@ fn record_outcome(outcome: &Outcome, arrival: Instant) {
             metrics::counter!(m::TOKENS_TOTAL, "kind" => "prompt")
                 .increment(u64::from(finish.prompt_tokens));
             metrics::counter!(m::TOKENS_TOTAL, "kind" => "completion")
-                .increment(u64::from(finish.completion_tokens));
+                .increment(u64::from(finish.total_completion_tokens));
             (Some(*mode), "ok")
         }
         Outcome::Cancelled(mode) => (*mode, "cancelled"),
@@ -313,7 +325,7 @@ async fn drive(
         Outcome::Ok(_, f) => tracing::info!(
             mode = mode.as_str(),
             prompt_tokens = f.prompt_tokens,
-            completion_tokens = f.completion_tokens,
+            completion_tokens = f.total_completion_tokens,
             kv_bytes = f.kv_bytes,
             "request finished"
         ),
@@ -711,6 +723,7 @@ fn token_out(t: TokenEvent, req: &FlowRequest) -> TokenOut {
     let mut top = t.top_logprobs;
     top.truncate(req.sampling.top_logprobs as usize);
     TokenOut {
+        choice: t.choice,
         id: t.id,
         text: t.text,
         logprob: t.logprob,
@@ -728,7 +741,12 @@ async fn pump(
     timing: &mut Timing,
 ) -> Outcome {
     let mode = live.head.mode;
-    let mut held: Option<TokenEvent> = None;
+    let choices = req.sampling.n.max(1) as usize;
+    // Per choice: the token held back until the next event, and whether it ended.
+    let mut held: Vec<Option<TokenEvent>> = vec![None; choices];
+    let mut ended = vec![false; choices];
+    let mut total_completion_tokens = 0u32;
+    let broken = |what: &str| Err(decode_protocol_error(&live.decode, what));
     loop {
         let item = match live.early.pop_front() {
             Some(item) => Ok(item),
@@ -752,9 +770,21 @@ async fn pump(
                 }
             }
         };
+        // An event for a choice the request does not have, or one that already ended, is the
+        // worker misbehaving.
+        let item = match item {
+            Ok(DecodeItem::Token(t)) if ended.get(t.choice as usize) != Some(&false) => {
+                broken("a token of a choice that does not exist or has ended")
+            }
+            Ok(DecodeItem::Finished(f)) if ended.get(f.choice as usize) != Some(&false) => {
+                broken("a finish of a choice that does not exist or has ended")
+            }
+            item => item,
+        };
         match item {
             Ok(DecodeItem::Token(token)) => {
-                if let Some(prev) = held.take()
+                let slot = &mut held[token.choice as usize];
+                if let Some(prev) = slot.take()
                     && tx
                         .send(FlowEvent::Token(token_out(prev, req), None))
                         .await
@@ -763,7 +793,7 @@ async fn pump(
                     return Outcome::Cancelled(Some(mode));
                 }
                 if req.hold_every_token || is_known_last(req, &token) {
-                    held = Some(token);
+                    *slot = Some(token);
                 } else if tx
                     .send(FlowEvent::Token(token_out(token, req), None))
                     .await
@@ -773,24 +803,31 @@ async fn pump(
                 }
             }
             Ok(DecodeItem::Finished(f)) => {
-                let finish = finish_out(&live.head, &f);
-                if mode == RunMode::Disaggregated {
+                let choice = f.choice as usize;
+                ended[choice] = true;
+                total_completion_tokens =
+                    total_completion_tokens.saturating_add(f.completion_tokens);
+                let mut finish = finish_out(&live.head, &f);
+                finish.total_completion_tokens = total_completion_tokens;
+                finish.last = ended.iter().all(|&e| e);
+                if mode == RunMode::Disaggregated && finish.last {
                     metrics::histogram!(m::KV_WAIT_SECONDS, "transport" => transport_name(live.head.transport))
                         .record(f.kv_wait_seconds);
                 }
-                let event = match held.take() {
+                let event = match held[choice].take() {
                     Some(last) => FlowEvent::Token(token_out(last, req), Some(finish.clone())),
                     None => FlowEvent::Finished(finish.clone()),
                 };
-                return match tx.send(event).await {
-                    Ok(()) => Outcome::Ok(mode, finish),
-                    Err(_) => Outcome::Cancelled(Some(mode)),
-                };
+                match tx.send(event).await {
+                    Ok(()) if finish.last => return Outcome::Ok(mode, finish),
+                    Ok(()) => {}
+                    Err(_) => return Outcome::Cancelled(Some(mode)),
+                }
             }
             Err(e) => {
                 let e = e.into_api();
                 tracing::warn!(error = %e, "generation failed after the response head; ending the stream with an error event");
-                if let Some(prev) = held.take() {
+                for prev in held.iter_mut().filter_map(Option::take) {
                     let _ = tx.send(FlowEvent::Token(token_out(prev, req), None)).await;
                 }
                 let kind = e.kind();
@@ -803,6 +840,9 @@ async fn pump(
 
 fn finish_out(head: &Head, f: &Finished) -> FinishOut {
     FinishOut {
+        choice: f.choice,
+        last: true,
+        total_completion_tokens: f.completion_tokens,
         reason: match FinishReason::try_from(f.reason) {
             Ok(FinishReason::Length) => FinishReason::Length,
             _ => FinishReason::Stop,

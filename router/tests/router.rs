@@ -892,7 +892,7 @@ async fn model_tokenizer_and_tgi_compat_routes() {
     let info: Value = get("/info").await.unwrap().json().await.unwrap();
     assert_eq!(info["model_id"], MODEL);
     assert_eq!(info["max_total_tokens"], CONTEXT);
-    assert_eq!(info["max_best_of"], 1);
+    assert_eq!(info["max_best_of"], 16);
     let r = post(
         &router.url,
         "/",

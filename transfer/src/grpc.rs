@@ -116,6 +116,7 @@ impl KvSender for GrpcSender {
                     first_token: first.token,
                     first_logprob: first.logprob,
                     first_top_logprobs: first.top_to_proto(),
+                    other_choices: first.others_to_proto(),
                     num_tokens: me.num_tokens as u32,
                     checksums: Vec::new(),
                     transport: Transport::Grpc as i32,

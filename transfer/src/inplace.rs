@@ -101,6 +101,7 @@ impl InPlace {
                 first_token: first.token,
                 first_logprob: first.logprob,
                 first_top_logprobs: first.top_to_proto(),
+                other_choices: first.others_to_proto(),
                 num_tokens: self.num_tokens as u32,
                 checksums,
                 transport: self.transport as i32,

@@ -20,7 +20,7 @@ use tokio::sync::oneshot;
 
 use crate::checksum::crc32;
 use crate::error::TransferError;
-use crate::sender::top_logprobs_from_proto;
+use crate::sender::{FirstToken, other_choices_from_proto, top_logprobs_from_proto};
 use tandem_kv::shm::OwnerTags;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -82,6 +82,8 @@ pub struct Commit {
     pub first_logprob: f32,
     /// The first token's alternatives (as many as the request asked for).
     pub first_top_logprobs: Vec<(u32, f32)>,
+    /// The first tokens of choices 1.. of an `n > 1` request.
+    pub other_choices: Vec<FirstToken>,
     /// KV bytes received (or, for shared memory, verified in place).
     pub bytes: u64,
     pub transport: Transport,
@@ -430,9 +432,11 @@ impl LeaseTable {
             return Err(TransferError::Cancelled);
         }
         let transport = Transport::try_from(c.transport).unwrap_or(Transport::Unspecified);
-        let verified = top_logprobs_from_proto(&c.first_top_logprobs)
-            .and_then(|top| Ok((top, self.verify(&lease, c, transport)?)));
-        let (first_top_logprobs, bytes) = match verified {
+        let verified = top_logprobs_from_proto(&c.first_top_logprobs).and_then(|top| {
+            let others = other_choices_from_proto(&c.other_choices)?;
+            Ok(((top, others), self.verify(&lease, c, transport)?))
+        });
+        let ((first_top_logprobs, other_choices), bytes) = match verified {
             Ok(bytes) => bytes,
             Err(e) => {
                 drop(state);
@@ -447,6 +451,7 @@ impl LeaseTable {
             first_token: c.first_token,
             first_logprob: c.first_logprob,
             first_top_logprobs,
+            other_choices,
             bytes,
             transport,
         };

@@ -58,7 +58,8 @@ pub use lease::{Commit, DevicePool, Lease, LeaseTable, LeaseToken, Progress, Quo
 pub use nccl::{DeviceLink, NcclReceivers, nccl_supported, spawn_nccl_receiver};
 pub use peers::{GRPC_CONNECTION_WINDOW, GRPC_STREAM_WINDOW, Peers, VerifiedDecode};
 pub use sender::{
-    FirstToken, KvSender, SendFuture, SendStats, top_logprobs_from_proto, top_logprobs_to_proto,
+    FirstToken, KvSender, SendFuture, SendStats, other_choices_from_proto, top_logprobs_from_proto,
+    top_logprobs_to_proto,
 };
 pub use service::{KvOnlyDecode, kv_rpcs};
 pub use tcp::{TcpLimits, serve_tcp};

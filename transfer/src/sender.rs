@@ -6,8 +6,8 @@
 use std::pin::Pin;
 
 use tandem_kv::DeviceKv;
-use tandem_proto::limits::MAX_TOP_LOGPROBS;
-use tandem_proto::v1::{TopLogprob, Transport};
+use tandem_proto::limits::{MAX_CHOICES, MAX_TOP_LOGPROBS};
+use tandem_proto::v1::{FirstChoice, TopLogprob, Transport};
 
 use crate::error::TransferError;
 
@@ -65,6 +65,9 @@ pub struct FirstToken {
     pub logprob: f32,
     /// The most likely alternatives, when the request asked for them.
     pub top_logprobs: Vec<(u32, f32)>,
+    /// The first tokens of choices 1.. of an `n > 1` request (this one is choice 0's); their
+    /// own `other_choices` are empty.
+    pub other_choices: Vec<FirstToken>,
 }
 
 impl FirstToken {
@@ -73,13 +76,48 @@ impl FirstToken {
         Self {
             token,
             logprob,
-            top_logprobs: Vec::new(),
+            ..Self::default()
         }
     }
 
     pub fn top_to_proto(&self) -> Vec<TopLogprob> {
         top_logprobs_to_proto(&self.top_logprobs)
     }
+
+    /// `other_choices` as the wire carries them.
+    pub fn others_to_proto(&self) -> Vec<FirstChoice> {
+        self.other_choices
+            .iter()
+            .map(|c| FirstChoice {
+                token: c.token,
+                logprob: c.logprob,
+                top_logprobs: c.top_to_proto(),
+            })
+            .collect()
+    }
+}
+
+/// A peer's other choices, refused when there are more than a request may have or any has
+/// more alternatives than a request may ask for.
+pub fn other_choices_from_proto(others: &[FirstChoice]) -> Result<Vec<FirstToken>, TransferError> {
+    if others.len() >= MAX_CHOICES {
+        return Err(TransferError::Protocol(format!(
+            "{} more choices (at most {})",
+            others.len(),
+            MAX_CHOICES - 1
+        )));
+    }
+    others
+        .iter()
+        .map(|c| {
+            Ok(FirstToken {
+                token: c.token,
+                logprob: c.logprob,
+                top_logprobs: top_logprobs_from_proto(&c.top_logprobs)?,
+                other_choices: Vec::new(),
+            })
+        })
+        .collect()
 }
 
 pub fn top_logprobs_to_proto(top: &[(u32, f32)]) -> Vec<TopLogprob> {

@@ -20,8 +20,8 @@ use std::time::{Duration, Instant};
 
 use tandem_auth::InternalAuth;
 use tandem_proto::PROTOCOL_VERSION;
-use tandem_proto::limits::MAX_TOP_LOGPROBS;
-use tandem_proto::v1::{KvCommit, TopLogprob, Transport};
+use tandem_proto::limits::{MAX_CHOICES, MAX_TOP_LOGPROBS};
+use tandem_proto::v1::{FirstChoice, KvCommit, TopLogprob, Transport};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadHalf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{Semaphore, mpsc};
@@ -44,9 +44,12 @@ const RECEIVE_CHUNK: usize = 1 << 20;
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 /// How long the sender waits for the ack after its commit.
 const ACK_TIMEOUT: Duration = Duration::from_secs(60);
-/// A commit frame's header at most: first token, logprob, tokens, bytes, the count of top
+/// One choice's first token in a commit header at most: token, logprob, the count of top
 /// logprobs and as many (id, logprob) pairs as a request may ask for.
-const COMMIT_HEADER: u32 = 4 + 4 + 4 + 8 + 4 + 8 * MAX_TOP_LOGPROBS as u32;
+const CHOICE_HEADER: u32 = 4 + 4 + 4 + 8 * MAX_TOP_LOGPROBS as u32;
+/// A commit frame's header at most: choice 0's first token, tokens, bytes, the count of other
+/// choices and as many first tokens as a request may have.
+const COMMIT_HEADER: u32 = CHOICE_HEADER + 4 + 8 + 4 + (MAX_CHOICES as u32 - 1) * CHOICE_HEADER;
 
 /// The listener's bounds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -210,6 +213,16 @@ impl KvSender for TcpSender {
                 .u32(first.top_logprobs.len() as u32);
             for &(id, logprob) in &first.top_logprobs {
                 header.u32(id).f32(logprob);
+            }
+            header.u32(first.other_choices.len() as u32);
+            for choice in &first.other_choices {
+                header
+                    .u32(choice.token)
+                    .f32(choice.logprob)
+                    .u32(choice.top_logprobs.len() as u32);
+                for &(id, logprob) in &choice.top_logprobs {
+                    header.u32(id).f32(logprob);
+                }
             }
             let sent = me.tx.send(frame::encode(Kind::Commit, &header.0)).await;
             drop(me.tx);
@@ -468,11 +481,18 @@ async fn receive<R: AsyncReadExt + Unpin>(
                     commit.num_tokens = h.u32()?;
                     commit.bytes = h.u64()?;
                     // Bounded by the header's length, which read_header bounded.
-                    let alternatives = h.u32()?;
-                    for _ in 0..alternatives {
-                        let id = h.u32()?;
+                    commit.first_top_logprobs = read_alternatives(&mut h)?;
+                    // Bounded likewise; the lease table checks the counts.
+                    let others = h.u32()?;
+                    for _ in 0..others {
+                        let token = h.u32()?;
                         let logprob = h.f32()?;
-                        commit.first_top_logprobs.push(TopLogprob { id, logprob });
+                        let top_logprobs = read_alternatives(&mut h)?;
+                        commit.other_choices.push(FirstChoice {
+                            token,
+                            logprob,
+                            top_logprobs,
+                        });
                     }
                     h.end()?;
                     return table.commit(&commit);
@@ -488,4 +508,17 @@ async fn receive<R: AsyncReadExt + Unpin>(
     .await;
     bufpool::give(buf);
     result
+}
+
+/// A count of (id, logprob) pairs and the pairs; the count is bounded by the header's
+/// length, which `read_header` bounded.
+fn read_alternatives(h: &mut HeaderReader<'_>) -> Result<Vec<TopLogprob>, TransferError> {
+    let count = h.u32()?;
+    let mut top = Vec::new();
+    for _ in 0..count {
+        let id = h.u32()?;
+        let logprob = h.f32()?;
+        top.push(TopLogprob { id, logprob });
+    }
+    Ok(top)
 }

@@ -210,12 +210,25 @@ async fn every_transport_delivers_verified_blocks() {
         let dest = destination(&d, transport, &lease);
         let sender = connect(&peers, &dest, &l, "req", tokens, 0).await.unwrap();
         let sender = send_all(sender, &l, 3, None).await.unwrap();
-        // The first token's alternatives travel with it, on every transport.
+        // The first token's alternatives travel with it, on every transport, and so do the
+        // other choices' first tokens: as many as a request may have, each with as many
+        // alternatives as it may ask for (the largest TCP commit header).
         let top = vec![(42, -0.25), (7, -1.5), (1000, -3.0)];
+        let others: Vec<FirstToken> = (1..tandem_proto::limits::MAX_CHOICES as u32)
+            .map(|c| FirstToken {
+                token: 100 + c,
+                logprob: -(c as f32),
+                top_logprobs: (0..tandem_proto::limits::MAX_TOP_LOGPROBS as u32)
+                    .map(|k| (c * 1000 + k, -(k as f32)))
+                    .collect(),
+                other_choices: Vec::new(),
+            })
+            .collect();
         let first = FirstToken {
             token: 42,
             logprob: -0.25,
             top_logprobs: top.clone(),
+            other_choices: others.clone(),
         };
         let stats = sender.commit(first).await.unwrap();
         assert_eq!(stats.transport, transport);
@@ -226,6 +239,7 @@ async fn every_transport_delivers_verified_blocks() {
             (42, -0.25, stats.bytes)
         );
         assert_eq!(commit.first_top_logprobs, top, "{transport:?}");
+        assert_eq!(commit.other_choices, others, "{transport:?}");
         for layer in 0..3 {
             for (lb, &b) in blocks.iter().enumerate() {
                 assert_eq!(

@@ -6,7 +6,8 @@
 //! (client cancelled, RPC dropped), the actor aborts the sequence before the next step and
 //! its blocks go back to the pool. A prefill sequence may carry a [`KvSender`]: the actor
 //! hands it every layer's blocks from inside the forward pass, and gives it back with the
-//! first token so the handler can commit.
+//! first token (of every choice, for `n > 1`) so the handler can commit. A request of `n`
+//! choices has one entry and one event channel; its events name their choice.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -30,7 +31,10 @@ pub enum SeqEvent {
     Token(StepOutput),
     /// The prompt ran and every layer of its KV went to the sender: commit it.
     Prefilled {
+        /// Choice 0's first token.
         output: StepOutput,
+        /// The first tokens of choices 1.. (by choice) of an `n > 1` request.
+        others: Vec<StepOutput>,
         sender: Box<dyn KvSender>,
         /// Time queued before the prompt's first chunk ran.
         queue_seconds: f64,
@@ -70,7 +74,7 @@ enum Command {
     },
     AddPrefilled {
         prompt: Vec<u32>,
-        first: SampledToken,
+        firsts: Vec<SampledToken>,
         blocks: Vec<u32>,
         kv: KvLocation,
         sampling: SamplingParams,
@@ -151,14 +155,14 @@ impl EngineHandle {
         rx.await.map_err(|_| gone())?
     }
 
-    /// Admits a sequence whose prompt KV is already in `blocks`. Its first token was already
-    /// streamed by the caller; events start with the second token. `guide`: the request's
-    /// grammar from [`EngineHandle::compile_guide`], not yet advanced.
+    /// Admits a request whose prompt KV is already in `blocks`, with each choice's first
+    /// token. The caller streamed those already; events start with the second tokens.
+    /// `guide`: the request's grammar from [`EngineHandle::compile_guide`], not yet advanced.
     #[allow(clippy::too_many_arguments)]
     pub async fn add_prefilled(
         &self,
         prompt: Vec<u32>,
-        first: SampledToken,
+        firsts: Vec<SampledToken>,
         blocks: Vec<u32>,
         kv: KvLocation,
         sampling: SamplingParams,
@@ -170,7 +174,7 @@ impl EngineHandle {
         self.tx
             .send(Command::AddPrefilled {
                 prompt,
-                first,
+                firsts,
                 blocks,
                 kv,
                 sampling,
@@ -195,6 +199,10 @@ impl EngineHandle {
 
 struct Entry {
     events: tmpsc::UnboundedSender<SeqEvent>,
+    /// Choices still generating (the entry goes with the last).
+    open: usize,
+    /// A prefill request's first tokens so far (all arrive in the step that samples them).
+    firsts: Vec<StepOutput>,
     kv: Option<Box<dyn KvSender>>,
     /// The first logical block the decode side reads (a sliding-window model's earlier blocks
     /// are not shipped); the lease numbers its blocks from there.
@@ -358,12 +366,15 @@ fn handle_command(engine: &mut Engine, entries: &mut HashMap<SeqId, Entry>, cmd:
             reply,
         } => {
             let kv_first = engine.model().config().first_needed_block(prompt.len());
+            let open = sampling.n;
             let result = engine.add_request_guided(prompt, sampling, stop, guide);
             if let Ok(id) = result {
                 entries.insert(
                     id,
                     Entry {
                         events,
+                        open,
+                        firsts: Vec::new(),
                         kv,
                         kv_first,
                         kv_error: None,
@@ -376,7 +387,7 @@ fn handle_command(engine: &mut Engine, entries: &mut HashMap<SeqId, Entry>, cmd:
         }
         Command::AddPrefilled {
             prompt,
-            first,
+            firsts,
             blocks,
             kv,
             sampling,
@@ -387,7 +398,7 @@ fn handle_command(engine: &mut Engine, entries: &mut HashMap<SeqId, Entry>, cmd:
         } => {
             let result = engine.add_prefilled(
                 prompt,
-                first,
+                firsts,
                 ReceivedKv {
                     blocks,
                     location: kv,
@@ -396,14 +407,17 @@ fn handle_command(engine: &mut Engine, entries: &mut HashMap<SeqId, Entry>, cmd:
                 stop,
                 guide,
             );
-            let result = result.map(|(id, first)| {
-                // The caller streamed the first token already; only a still-running sequence
-                // needs an entry.
-                if first.finish.is_none() {
+            let result = result.map(|(id, firsts)| {
+                // The caller streamed the first tokens already; only choices still running
+                // need an entry.
+                let open = firsts.iter().filter(|o| o.finish.is_none()).count();
+                if open > 0 {
                     entries.insert(
                         id,
                         Entry {
                             events,
+                            open,
+                            firsts: Vec::new(),
                             kv: None,
                             kv_first: 0,
                             kv_error: None,
@@ -420,7 +434,7 @@ fn handle_command(engine: &mut Engine, entries: &mut HashMap<SeqId, Entry>, cmd:
 }
 
 fn deliver(engine: &mut Engine, entries: &mut HashMap<SeqId, Entry>, out: StepOutput) {
-    let id = out.id;
+    let id = out.request;
     let finished = out.finish.is_some();
     let Some(entry) = entries.get_mut(&id) else {
         return;
@@ -429,33 +443,42 @@ fn deliver(engine: &mut Engine, entries: &mut HashMap<SeqId, Entry>, out: StepOu
         // Its KV did not all go out: the step's failure sweep reports it, never a commit.
         return;
     }
-    let event = match entry.kv.take() {
-        Some(sender) => {
-            // A prefill sequence: its one token completes the prompt; the sender commits.
-            let now = Instant::now();
-            let first_run = entry.first_run.unwrap_or(now);
-            if !finished {
-                engine.abort(id);
-            }
-            entries.remove(&id).map(|e| {
-                (
-                    e.events,
-                    SeqEvent::Prefilled {
-                        output: out,
-                        sender,
-                        queue_seconds: first_run.duration_since(e.added).as_secs_f64(),
-                        compute_seconds: now.duration_since(first_run).as_secs_f64(),
-                    },
-                )
-            })
+    let event = if entry.kv.is_some() {
+        // A prefill request: its first tokens (one per choice, all from this step) complete
+        // the prompt; the sender commits them.
+        entry.firsts.push(out);
+        if entry.firsts.len() < entry.open {
+            return;
         }
-        None => {
-            let ev = SeqEvent::Token(out);
-            if finished {
-                entries.remove(&id).map(|e| (e.events, ev))
-            } else {
-                Some((entry.events.clone(), ev))
-            }
+        let now = Instant::now();
+        let first_run = entry.first_run.unwrap_or(now);
+        // Whatever did not end at its first token stops here (the decode side goes on).
+        engine.abort(id);
+        entries.remove(&id).and_then(|mut e| {
+            let sender = e.kv.take()?;
+            e.firsts.sort_by_key(|o| o.choice);
+            let mut firsts = e.firsts.into_iter();
+            let output = firsts.next()?;
+            Some((
+                e.events,
+                SeqEvent::Prefilled {
+                    output,
+                    others: firsts.collect(),
+                    sender,
+                    queue_seconds: first_run.duration_since(e.added).as_secs_f64(),
+                    compute_seconds: now.duration_since(first_run).as_secs_f64(),
+                },
+            ))
+        })
+    } else {
+        let ev = SeqEvent::Token(out);
+        if finished {
+            entry.open = entry.open.saturating_sub(1);
+        }
+        if entry.open == 0 {
+            entries.remove(&id).map(|e| (e.events, ev))
+        } else {
+            Some((entry.events.clone(), ev))
         }
     };
     if let Some((events, ev)) = event {

@@ -27,6 +27,8 @@ pub fn sampling_from_proto(p: Option<&pb::SamplingParams>) -> SamplingParams {
             logit_bias: p.logit_bias.iter().map(|b| (b.id, b.bias)).collect(),
             top_logprobs: p.top_logprobs as usize,
             guide: p.guide.as_ref().and_then(guide_from_proto),
+            // proto3 zero means "unset": one choice.
+            n: (p.n as usize).max(1),
         },
     }
 }
@@ -71,6 +73,7 @@ pub fn sampling_to_proto(s: &SamplingParams) -> pb::SamplingParams {
             .collect(),
         top_logprobs: s.top_logprobs as u32,
         guide: s.guide.as_ref().map(guide_to_proto),
+        n: s.n as u32,
     }
 }
 
@@ -159,8 +162,15 @@ mod tests {
             logit_bias: vec![(7, -100.0), (3, 2.5)],
             top_logprobs: 4,
             guide: None,
+            n: 3,
         };
         assert_eq!(sampling_from_proto(Some(&sampling_to_proto(&s))), s);
+        let unset = pb::SamplingParams::default();
+        assert_eq!(
+            sampling_from_proto(Some(&unset)).n,
+            1,
+            "proto3 zero is one choice"
+        );
         for guide in [
             GuideSpec::JsonSchema("{}".into()),
             GuideSpec::JsonObject,
@@ -214,6 +224,14 @@ mod tests {
         assert_eq!(engine::MAX_LOGIT_BIAS, wire::MAX_LOGIT_BIAS);
         assert_eq!(engine::MAX_LOGIT_BIAS_VALUE, wire::MAX_LOGIT_BIAS_VALUE);
         assert_eq!(engine::MAX_TOP_LOGPROBS, wire::MAX_TOP_LOGPROBS);
+        assert_eq!(engine::MAX_CHOICES, wire::MAX_CHOICES);
+        let n = |n: usize| SamplingParams {
+            n,
+            ..SamplingParams::default()
+        };
+        assert!(n(wire::MAX_CHOICES).validate(100).is_ok());
+        assert!(n(wire::MAX_CHOICES + 1).validate(100).is_err());
+        assert!(n(0).validate(100).is_err());
         // And the engine takes exactly up to them.
         let at = |t: f32, r: f32| SamplingParams {
             temperature: t,

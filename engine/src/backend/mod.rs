@@ -64,6 +64,17 @@ pub trait ComputeBackend: Send {
         location: KvLocation,
     ) -> Result<()>;
 
+    /// Copies every layer of block `src` into `dst`: the copy-on-write of a prompt's last,
+    /// partly filled block when an `n > 1` request's sequences part. A backend without it
+    /// says so, and the engine recomputes that block's tokens instead.
+    fn copy_block(&mut self, host: &mut KvCache, src: u32, dst: u32) -> Result<()> {
+        let _ = (host, src, dst);
+        Err(crate::error::EngineError::Unsupported(format!(
+            "copying KV blocks on the {} backend",
+            self.name()
+        )))
+    }
+
     /// The device KV pool, for transports that copy device to device.
     fn device_kv(&self) -> Option<DeviceKv> {
         None

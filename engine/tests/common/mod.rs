@@ -23,9 +23,9 @@ pub fn handoff(engine: impl Fn() -> Engine, prompt: &[u32], max_tokens: usize) -
         .collect()
 }
 
-/// [`handoff`] with any sampling and stop parameters, returning every output. The prefill
-/// side stops after one token and sees the request's stop ids and `min_tokens`, as the
-/// prefill worker does.
+/// [`handoff`] with any sampling and stop parameters, returning every output (of every
+/// choice, each choice's in order). The prefill side stops after one token per choice and
+/// sees the request's stop ids and `min_tokens`, as the prefill worker does.
 pub fn handoff_with(
     engine: impl Fn() -> Engine,
     prompt: &[u32],
@@ -45,7 +45,7 @@ pub fn handoff_with(
         .add_request(prompt.to_vec(), sampling.clone(), prefill_stop)
         .unwrap();
     let mut shipped: HashMap<(usize, usize), Vec<u8>> = HashMap::new();
-    let mut first = None;
+    let mut firsts: Vec<StepOutput> = Vec::new();
     while prefill.has_work() {
         let outs = prefill
             .step_with(&mut |layer, cache, chunks| {
@@ -57,9 +57,11 @@ pub fn handoff_with(
                 }
             })
             .unwrap();
-        first = outs.into_iter().next().or(first);
+        firsts.extend(outs);
     }
-    let first = first.expect("the prefill side sampled a first token");
+    firsts.sort_by_key(|o| o.choice);
+    assert_eq!(firsts.len(), sampling.n, "one first token per choice");
+    assert!(firsts.iter().all(|o| o.finish.is_some()));
     assert_eq!(prefill.used_blocks(), 0, "prefill side frees its blocks");
 
     let mut decode = engine();
@@ -79,24 +81,26 @@ pub fn handoff_with(
             .import_block_layer(*layer, blocks[*lb], bytes)
             .unwrap();
     }
-    let (id, out0) = decode
+    let firsts = firsts
+        .iter()
+        .map(|first| SampledToken {
+            token: first.token,
+            logprob: first.logprob,
+            top_logprobs: first.top_logprobs.clone(),
+        })
+        .collect();
+    let (id, mut outputs) = decode
         .add_prefilled(
             prompt.to_vec(),
-            SampledToken {
-                token: first.token,
-                logprob: first.logprob,
-                top_logprobs: first.top_logprobs.clone(),
-            },
+            firsts,
             ReceivedKv::host(blocks),
             sampling,
             stop,
             None,
         )
         .unwrap();
-    let mut outputs = vec![out0];
-    if outputs[0].finish.is_none() {
-        outputs.extend(decode.run_to_completion(id).unwrap());
-    }
+    outputs.extend(decode.run_to_completion(id).unwrap());
     assert_eq!(decode.used_blocks(), 0, "decode side frees its blocks");
+    outputs.sort_by_key(|o| o.choice);
     outputs
 }

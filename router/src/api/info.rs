@@ -186,7 +186,7 @@ pub async fn tgi_info(State(state): State<AppState>) -> Response {
         "model_sha": null,
         "model_pipeline_tag": "text-generation",
         "max_concurrent_requests": state.config().max_concurrent_requests,
-        "max_best_of": 1,
+        "max_best_of": tandem_proto::limits::MAX_CHOICES,
         "max_stop_sequences": tandem_proto::limits::MAX_STOP_STRINGS,
         "max_input_tokens": context.saturating_sub(1),
         "max_total_tokens": context,

@@ -140,6 +140,7 @@ mod tests {
 
     fn token(id: u32, logprob: f32, top: &[(u32, f32)], special: bool) -> TokenOut {
         TokenOut {
+            choice: 0,
             id,
             text: String::new(),
             logprob,

@@ -286,7 +286,7 @@ pub fn start(state: &AppState, request: FlowRequest, in_flight: InFlight) -> Flo
     flow::start(Arc::clone(&state.0.flow), request, in_flight)
 }
 
-/// A whole generation, for the non-streaming routes.
+/// One choice of a whole generation, for the non-streaming routes.
 #[derive(Debug)]
 pub struct Collected {
     /// The text of the non-special tokens.
@@ -296,16 +296,58 @@ pub struct Collected {
     pub last_token: Option<u32>,
     /// Every token as it was generated (TGI's `details.tokens`).
     pub tokens: Vec<crate::flow::TokenOut>,
+    /// The choice it was generated as (its seed is the request's plus this), whatever
+    /// [`CollectedAll::best`] numbers it.
+    pub generated_as: u32,
+}
+
+impl Collected {
+    /// The mean logprob of its tokens, how `best_of` ranks choices (OpenAI: "the highest log
+    /// probability per token"); a choice without tokens ranks last.
+    pub fn mean_logprob(&self) -> f64 {
+        if self.tokens.is_empty() {
+            return f64::NEG_INFINITY;
+        }
+        let sum: f64 = self.tokens.iter().map(|t| f64::from(t.logprob)).sum();
+        sum / self.tokens.len() as f64
+    }
+}
+
+/// Every choice of a whole generation, by choice index.
+#[derive(Debug)]
+pub struct CollectedAll {
+    pub choices: Vec<Collected>,
+    /// The last finish: its `total_completion_tokens` counts every choice.
+    pub finish: FinishOut,
+}
+
+impl CollectedAll {
+    /// The `keep` best choices by [`Collected::mean_logprob`], best first (ties keep their
+    /// order), numbered again from 0.
+    pub fn best(mut self, keep: usize) -> Self {
+        self.choices
+            .sort_by(|a, b| b.mean_logprob().total_cmp(&a.mean_logprob()));
+        self.choices.truncate(keep.max(1));
+        for (i, c) in (0..).zip(self.choices.iter_mut()) {
+            c.finish.choice = i;
+            for t in &mut c.tokens {
+                t.choice = i;
+            }
+        }
+        self
+    }
 }
 
 /// Reads a started generation to its end. Nothing has been sent yet, so a failure here
 /// still becomes a real HTTP status.
-pub async fn collect(mut stream: FlowStream) -> Result<Collected, ApiError> {
-    let mut text = String::new();
-    let mut tokens: Vec<crate::flow::TokenOut> = Vec::new();
+pub async fn collect(mut stream: FlowStream) -> Result<CollectedAll, ApiError> {
+    let mut texts: std::collections::BTreeMap<u32, (String, Vec<crate::flow::TokenOut>)> =
+        std::collections::BTreeMap::new();
+    let mut done: Vec<Collected> = Vec::new();
     while let Some(event) = stream.events.recv().await {
         let finish = match event {
             FlowEvent::Token(token, finish) => {
+                let (text, tokens) = texts.entry(token.choice).or_default();
                 if !token.special {
                     text.push_str(&token.text);
                 }
@@ -318,12 +360,22 @@ pub async fn collect(mut stream: FlowStream) -> Result<Collected, ApiError> {
             FlowEvent::Finished(finish) => finish,
             FlowEvent::Failed(e) => return Err(e),
         };
-        return Ok(Collected {
+        let (text, tokens) = texts.remove(&finish.choice).unwrap_or_default();
+        let last = finish.last;
+        done.push(Collected {
+            generated_as: finish.choice,
             text,
-            finish,
             last_token: tokens.last().map(|t| t.id),
             tokens,
+            finish: finish.clone(),
         });
+        if last {
+            done.sort_by_key(|c| c.finish.choice);
+            return Ok(CollectedAll {
+                choices: done,
+                finish,
+            });
+        }
     }
     tracing::error!("event stream ended without a finish");
     Err(ApiError::WorkerFailed)

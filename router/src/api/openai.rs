@@ -8,8 +8,10 @@
 //! `ignore_eos`, `top_k` (-1/0 = off), `repetition_penalty`, `stop_token_ids`, `min_tokens`
 //! (≤ the completion budget), `echo` (the prompt's text before the completion's), and
 //! structured output (`response_format`, vLLM's `guided_*` and `structured_outputs`: see
-//! `structured`). Refused with a 400 naming the field (rather than silently ignored):
-//! `n`/`best_of` ≠ 1, vLLM's `prompt_logprobs` and `echo` with `logprobs` (no prompt
+//! `structured`), `n` ≤ 16 choices and `best_of` (≥ `n`, not streamed: that many are
+//! generated and the `n` with the highest mean token logprob returned), the prompt prefilled
+//! once for all of them. Refused with a 400 naming the field (rather than silently
+//! ignored): vLLM's `prompt_logprobs` and `echo` with `logprobs` (no prompt
 //! logprobs), `guided_whitespace_pattern`, `suffix`, tools and a `tool_choice` or legacy
 //! `functions`/`function_call` that asks for them, `stream_options` without `stream`,
 //! non-text content parts.
@@ -21,6 +23,7 @@
 //! `stream_options.include_usage`, in the usage chunk's `usage.tandem`; streaming without
 //! it, as a top-level `tandem` object on the final chunk (the one with `finish_reason`).
 
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -35,7 +38,7 @@ use tandem_text::ChatMessage;
 
 use super::error::{ApiError, ApiFlavor};
 use super::extract::ApiJson;
-use super::logprobs::{LogprobsBuilder, LogprobsShape};
+use super::logprobs::LogprobsShape;
 use super::sse::{StreamFormatter, stream_response, tandem_headers};
 use super::structured::{self, OpenAiStructured, Structured};
 use super::validate::{self, StopField, UnimplementedFields, refuse_unimplemented};
@@ -233,12 +236,13 @@ struct Params {
     ignore_eos: bool,
     stream: bool,
     include_usage: bool,
+    /// Choices returned; `sampling.n` (best_of) are generated.
+    choices: u32,
 }
 
 fn params(f: SamplingFields, model: &ServedModel) -> Result<Params, ApiError> {
-    validate::single_choice(f.n, "n")?;
-    validate::single_choice(f.best_of, "best_of")?;
     let stream = f.stream.unwrap_or(false);
+    let (choices, best_of) = validate::n_and_best_of(f.n, f.best_of, stream)?;
     if f.stream_options.is_some() && !stream {
         return Err(ApiError::invalid(
             "stream_options",
@@ -256,6 +260,7 @@ fn params(f: SamplingFields, model: &ServedModel) -> Result<Params, ApiError> {
         logit_bias: validate::logit_bias(f.logit_bias, model)?,
         top_logprobs: f.top_logprobs,
         guide: f.guide.as_ref().map(Structured::to_proto),
+        n: best_of,
         ..validate::sampling(
             validate::temperature(f.temperature, 1.0)?,
             validate::top_p(f.top_p)?,
@@ -274,6 +279,7 @@ fn params(f: SamplingFields, model: &ServedModel) -> Result<Params, ApiError> {
         ignore_eos: f.ignore_eos.unwrap_or(false),
         stream,
         include_usage,
+        choices,
     })
 }
 
@@ -613,11 +619,11 @@ async fn respond(
         include_usage: p.include_usage,
         head: None,
         prompt_tokens,
-        sent_role: false,
+        started: HashSet::new(),
         echo,
         logprobs: p
             .logprobs
-            .map(|shape| (shape, LogprobsBuilder::new(shape), Arc::clone(model))),
+            .map(|shape| (shape, HashMap::new(), Arc::clone(model))),
     };
     if p.stream {
         let keepalive = state.config().sse_keepalive;
@@ -632,7 +638,12 @@ async fn respond(
     formatter.on_head(&head);
     match collect(started).await {
         Ok(done) => {
-            let body = formatter.full_response(&done.text, &done.tokens, &done.finish);
+            let done = if p.choices < p.sampling.n {
+                done.best(p.choices as usize)
+            } else {
+                done
+            };
+            let body = formatter.full_response(&done);
             let mut response = (StatusCode::OK, axum::Json(body)).into_response();
             tandem_headers(&head, response.headers_mut());
             response

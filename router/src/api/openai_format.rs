@@ -1,7 +1,10 @@
 //! The OpenAI response objects: whole responses, stream chunks (with the first chunk's
 //! role, per-token logprobs, the finish chunk and the usage chunk), and the `tandem` usage
-//! extension, built by one formatter per request.
+//! extension, built by one formatter per request. With `n > 1` every chunk carries its
+//! choice's `index`; the usage (and the `tandem` object) comes once, after the last choice
+//! ends, counting every choice's tokens.
 
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
 use serde::Serialize;
@@ -9,6 +12,7 @@ use serde_json::Value;
 use tandem_proto::v1::FinishReason;
 
 use super::Kind;
+use crate::api::CollectedAll;
 use crate::api::error::ApiError;
 use crate::api::logprobs::{Logprobs, LogprobsBuilder, LogprobsShape};
 use crate::api::sse::{StreamFormatter, data_event};
@@ -101,18 +105,30 @@ pub(super) struct OpenAiFormatter {
     /// Known once the first token is in (a stream may start before).
     pub(super) head: Option<Head>,
     pub(super) prompt_tokens: u32,
-    pub(super) sent_role: bool,
-    /// Completions with `echo`: the prompt's text, sent before the first token's.
+    /// Choices whose first chunk (with the assistant role, or the echo) went out.
+    pub(super) started: HashSet<u32>,
+    /// Completions with `echo`: the prompt's text, sent before each choice's first token's.
     pub(super) echo: Option<String>,
-    /// When the request asked for logprobs: their shape, the builder, and the model whose
-    /// tokenizer writes the tokens' text.
-    pub(super) logprobs: Option<(LogprobsShape, LogprobsBuilder, Arc<ServedModel>)>,
+    /// When the request asked for logprobs: their shape, a builder per choice, and the model
+    /// whose tokenizer writes the tokens' text.
+    pub(super) logprobs: Option<(
+        LogprobsShape,
+        HashMap<u32, LogprobsBuilder>,
+        Arc<ServedModel>,
+    )>,
 }
 
 impl OpenAiFormatter {
-    /// The `logprobs` object for `tokens` (none unless asked for).
-    fn logprobs_of<'t>(&mut self, tokens: impl IntoIterator<Item = &'t TokenOut>) -> Option<Value> {
-        let (shape, builder, model) = self.logprobs.as_mut()?;
+    /// The `logprobs` object for `tokens` of one choice (none unless asked for).
+    fn logprobs_of<'t>(
+        &mut self,
+        choice: u32,
+        tokens: impl IntoIterator<Item = &'t TokenOut>,
+    ) -> Option<Value> {
+        let (shape, builders, model) = self.logprobs.as_mut()?;
+        let builder = builders
+            .entry(choice)
+            .or_insert_with(|| LogprobsBuilder::new(*shape));
         let mut out = Logprobs::default();
         for token in tokens {
             builder.push(model, token, &mut out);
@@ -141,8 +157,8 @@ impl OpenAiFormatter {
         };
         Usage {
             prompt_tokens: prompt,
-            completion_tokens: f.completion_tokens,
-            total_tokens: prompt.saturating_add(f.completion_tokens),
+            completion_tokens: f.total_completion_tokens,
+            total_tokens: prompt.saturating_add(f.total_completion_tokens),
             tandem: self.tandem(f),
         }
     }
@@ -169,27 +185,29 @@ impl OpenAiFormatter {
         serde_json::to_string(&envelope).unwrap_or_default()
     }
 
-    /// One chunk: a token's text (if any) and, on the last, the finish reason.
+    /// One chunk of one choice: a token's text (if any) and, on its last, the finish reason.
     fn chunk(&mut self, token: Option<&TokenOut>, finish: Option<&FinishOut>) -> String {
+        let index = token.map_or_else(|| finish.map_or(0, |f| f.choice), |t| t.choice);
+        let first = self.started.insert(index);
         let text = token.filter(|t| !t.special).map_or("", |t| t.text.as_str());
         let echoed;
-        let text = match self.echo.take() {
+        let text = match self.echo.as_deref().filter(|_| first) {
             Some(prompt) => {
-                echoed = prompt + text;
+                echoed = format!("{prompt}{text}");
                 echoed.as_str()
             }
             None => text,
         };
-        let logprobs = token.and_then(|t| self.logprobs_of([t]));
+        let logprobs = token.and_then(|t| self.logprobs_of(index, [t]));
         let reason = finish.map(finish_reason);
         let usage = self.include_usage.then_some(None);
         let tandem = finish
-            .filter(|_| !self.include_usage)
+            .filter(|f| f.last && !self.include_usage)
             .map(|f| self.tandem(f));
         let json = match self.kind {
             Kind::Completion => self.envelope(
                 vec![CompletionChoice {
-                    index: 0,
+                    index,
                     text,
                     logprobs,
                     finish_reason: reason,
@@ -198,13 +216,12 @@ impl OpenAiFormatter {
                 tandem,
             ),
             Kind::Chat => {
-                // The first token's chunk also opens the assistant message.
-                let role = (!self.sent_role).then_some("assistant");
-                self.sent_role = true;
+                // A choice's first chunk also opens its assistant message.
+                let role = first.then_some("assistant");
                 let content = (token.is_some() || role.is_some()).then_some(text);
                 self.envelope(
                     vec![ChatChunkChoice {
-                        index: 0,
+                        index,
                         delta: Delta { role, content },
                         logprobs,
                         finish_reason: reason,
@@ -239,40 +256,48 @@ impl OpenAiFormatter {
         out
     }
 
-    /// The non-streaming response object.
-    pub(super) fn full_response(
-        &mut self,
-        text: &str,
-        tokens: &[TokenOut],
-        f: &FinishOut,
-    ) -> Value {
-        let usage = serde_json::to_value(self.usage(f)).unwrap_or(Value::Null);
-        let logprobs = self.logprobs_of(tokens);
-        let echoed = self.echo.take().map(|prompt| prompt + text);
-        let text = echoed.as_deref().unwrap_or(text);
-        match self.kind {
-            Kind::Completion => serde_json::json!({
-                "id": self.id,
-                "object": "text_completion",
-                "created": self.created,
-                "model": self.model,
-                "choices": [CompletionChoice { index: 0, text, logprobs, finish_reason: Some(finish_reason(f)) }],
-                "usage": usage,
-            }),
-            Kind::Chat => serde_json::json!({
-                "id": self.id,
-                "object": "chat.completion",
-                "created": self.created,
-                "model": self.model,
-                "choices": [ChatChoice {
-                    index: 0,
-                    message: ChatMessageOut { role: "assistant", content: text },
+    /// The non-streaming response object: every choice in `done`, in order.
+    pub(super) fn full_response(&mut self, done: &CollectedAll) -> Value {
+        let usage = serde_json::to_value(self.usage(&done.finish)).unwrap_or(Value::Null);
+        let mut choices = Vec::with_capacity(done.choices.len());
+        for c in &done.choices {
+            let index = c.finish.choice;
+            let logprobs = self.logprobs_of(index, &c.tokens);
+            let text = match &self.echo {
+                Some(prompt) => format!("{prompt}{}", c.text),
+                None => c.text.clone(),
+            };
+            let reason = finish_reason(&c.finish);
+            choices.push(match self.kind {
+                Kind::Completion => serde_json::json!(CompletionChoice {
+                    index,
+                    text: &text,
                     logprobs,
-                    finish_reason: finish_reason(f),
-                }],
-                "usage": usage,
-            }),
+                    finish_reason: Some(reason),
+                }),
+                Kind::Chat => serde_json::json!(ChatChoice {
+                    index,
+                    message: ChatMessageOut {
+                        role: "assistant",
+                        content: &text,
+                    },
+                    logprobs,
+                    finish_reason: reason,
+                }),
+            });
         }
+        let object = match self.kind {
+            Kind::Completion => "text_completion",
+            Kind::Chat => "chat.completion",
+        };
+        serde_json::json!({
+            "id": self.id,
+            "object": object,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            "usage": usage,
+        })
     }
 }
 
@@ -293,13 +318,17 @@ impl StreamFormatter for OpenAiFormatter {
             FlowEvent::Token(t, None) => (self.chunk(Some(&t), None), false),
             FlowEvent::Token(t, Some(f)) => {
                 let mut out = self.chunk(Some(&t), Some(&f));
-                out.push_str(&self.tail(&f));
-                (out, true)
+                if f.last {
+                    out.push_str(&self.tail(&f));
+                }
+                (out, f.last)
             }
             FlowEvent::Finished(f) => {
                 let mut out = self.chunk(None, Some(&f));
-                out.push_str(&self.tail(&f));
-                (out, true)
+                if f.last {
+                    out.push_str(&self.tail(&f));
+                }
+                (out, f.last)
             }
             FlowEvent::Failed(e) => (stream_error(&e), true),
         }

@@ -24,7 +24,7 @@ fn formatter(kind: Kind, include_usage: bool, mode: RunMode) -> OpenAiFormatter 
         include_usage,
         head: Some(head(mode)),
         prompt_tokens: 5,
-        sent_role: false,
+        started: Default::default(),
         echo: None,
         logprobs: None,
     }
@@ -32,6 +32,7 @@ fn formatter(kind: Kind, include_usage: bool, mode: RunMode) -> OpenAiFormatter 
 
 fn token(text: &str, index: u32) -> TokenOut {
     TokenOut {
+        choice: 0,
         id: 40 + index,
         text: text.into(),
         logprob: -0.25,
@@ -43,11 +44,28 @@ fn token(text: &str, index: u32) -> TokenOut {
 
 fn finish(reason: FinishReason, kv_bytes: u64, transport: Option<Transport>) -> FinishOut {
     FinishOut {
+        choice: 0,
+        last: true,
         reason,
         prompt_tokens: 5,
         completion_tokens: 2,
+        total_completion_tokens: 2,
         kv_bytes,
         transport,
+    }
+}
+
+/// A one-choice generation of `text` without tokens.
+fn whole(text: &str, finish: FinishOut) -> crate::api::CollectedAll {
+    crate::api::CollectedAll {
+        choices: vec![crate::api::Collected {
+            text: text.into(),
+            finish: finish.clone(),
+            last_token: None,
+            tokens: Vec::new(),
+            generated_as: 0,
+        }],
+        finish,
     }
 }
 
@@ -123,18 +141,17 @@ fn chat_stream_golden() {
 #[test]
 fn full_responses_golden() {
     let mut f = formatter(Kind::Completion, false, RunMode::Disaggregated);
-    let body = f.full_response(
+    let body = f.full_response(&whole(
         "Hello",
-        &[],
-        &finish(FinishReason::Length, 4096, Some(Transport::Shm)),
-    );
+        finish(FinishReason::Length, 4096, Some(Transport::Shm)),
+    ));
     assert_eq!(
         body.to_string(),
         r#"{"id":"cmpl-ID","object":"text_completion","created":1700000000,"model":"m","choices":[{"index":0,"text":"Hello","logprobs":null,"finish_reason":"length"}],"usage":{"prompt_tokens":5,"completion_tokens":2,"total_tokens":7,"tandem":{"mode":"disaggregated","kv_bytes":4096,"transport":"shm","fallback_reason":null}}}"#
     );
     let mut chat = formatter(Kind::Chat, false, RunMode::Aggregated);
     chat.id = "chatcmpl-ID".into();
-    let body = chat.full_response("Hi", &[], &finish(FinishReason::Stop, 0, None));
+    let body = chat.full_response(&whole("Hi", finish(FinishReason::Stop, 0, None)));
     assert_eq!(body["object"], "chat.completion");
     assert_eq!(body["choices"][0]["message"]["content"], "Hi");
     assert_eq!(body["choices"][0]["message"]["role"], "assistant");

@@ -6,7 +6,9 @@
 //!
 //! Sampling follows TGI: greedy unless `do_sample` or a warper (`temperature` ≠ 1, `top_p`,
 //! `top_k`) is given; `temperature` and `top_k` must be strictly positive. `truncate` keeps
-//! the last N prompt tokens. `best_of` must be 1. `top_n_tokens` adds each token's most
+//! the last N prompt tokens. `best_of` (≤ 16, sampling only, not streamed) generates that many
+//! sequences from one prefill and returns the one with the highest mean token logprob, the
+//! others in `details.best_of_sequences`. `top_n_tokens` adds each token's most
 //! likely alternatives (`details.top_tokens`, a stream event's `top_tokens`);
 //! `frequency_penalty` is OpenAI's; `grammar` (`json` with a schema, `regex`) constrains the
 //! output. Refused with a 422 naming the field: `return_full_text`, `typical_p` < 1,
@@ -28,7 +30,9 @@ use super::extract::ApiJson;
 use super::sse::{StreamFormatter, data_event, stream_response, tandem_headers};
 use super::structured;
 use super::validate::{self, StopField};
-use super::{AppState, RequestId, admit, collect, deadline_from, record_rejection, start};
+use super::{
+    AppState, Collected, RequestId, admit, collect, deadline_from, record_rejection, start,
+};
 use crate::admission::InFlight;
 use crate::flow::{FinishOut, FlowEvent, FlowRequest, TokenOut};
 use crate::model::ServedModel;
@@ -123,6 +127,7 @@ async fn prepare(
     request_id: &str,
     arrival: Instant,
     body: Result<ApiJson<TgiRequest>, ApiError>,
+    stream: bool,
 ) -> Result<Prepared, ApiError> {
     let model = state.model()?;
     let ApiJson(body) = body?;
@@ -131,7 +136,7 @@ async fn prepare(
     if body.inputs.is_empty() {
         return Err(ApiError::invalid("inputs", "`inputs` must not be empty"));
     }
-    validate::single_choice(p.best_of, "best_of")?;
+    let (_, best_of) = validate::n_and_best_of(None, p.best_of, stream)?;
     strictly_positive(p.temperature, "temperature")?;
     if p.top_k.is_some_and(|k| k <= 0) {
         return Err(ApiError::invalid(
@@ -157,12 +162,20 @@ async fn prepare(
     } else {
         0.0
     };
+    if best_of > 1 && temperature == 0.0 {
+        // As TGI: greedy sequences would all be the same one.
+        return Err(ApiError::invalid(
+            "best_of",
+            "`best_of` > 1 needs sampling (`do_sample` or a sampling parameter)",
+        ));
+    }
     let top_n = validate::top_logprobs(p.top_n_tokens.map(i64::from), "top_n_tokens")?;
     let guide = structured::tgi_grammar(p.grammar.as_ref())?;
     let sampling = tandem_proto::v1::SamplingParams {
         frequency_penalty: validate::openai_penalty(p.frequency_penalty, "frequency_penalty")?,
         top_logprobs: top_n,
         guide: guide.as_ref().map(structured::Structured::to_proto),
+        n: best_of,
         ..validate::sampling(
             temperature,
             validate::top_p(p.top_p)?,
@@ -240,13 +253,14 @@ async fn generate_whole(
     body: Result<ApiJson<TgiRequest>, ApiError>,
     as_list: bool,
 ) -> Response {
-    let prepared = match prepare(&state, &request_id, Instant::now(), body).await {
+    let prepared = match prepare(&state, &request_id, Instant::now(), body, false).await {
         Ok(p) => p,
         Err(e) => {
             record_rejection(&e);
             return TgiError(e).into_response();
         }
     };
+    let best_of = prepared.request.sampling.n;
     let started = match start(&state, prepared.request, prepared.in_flight)
         .head()
         .await
@@ -259,36 +273,57 @@ async fn generate_whole(
         Ok(done) => done,
         Err(e) => return TgiError(e).into_response(),
     };
-    let details = TgiDetails {
-        finish_reason: tgi_finish_reason(
-            &done.finish,
-            done.last_token,
-            prepared.ignore_eos,
-            &prepared.eos_token_ids,
-        ),
-        generated_tokens: done.finish.completion_tokens,
-        seed: prepared.seed,
-        // The prompt's tokens come only with `decoder_input_details`, which is refused.
-        prefill: Vec::new(),
-        tokens: done
-            .tokens
-            .iter()
-            .map(|t| TgiToken {
-                id: t.id,
-                text: &t.text,
-                logprob: t.logprob,
-                special: t.special,
-            })
-            .collect(),
-        top_tokens: (prepared.top_n > 0).then(|| {
-            done.tokens
+    // The best sequence answers; with best_of the others follow in the details.
+    let mut ranked = done.best(best_of as usize).choices.into_iter();
+    let Some(best) = ranked.next() else {
+        return TgiError(ApiError::WorkerFailed).into_response();
+    };
+    let others: Vec<Collected> = ranked.collect();
+    let (ignore_eos, eos, seed) = (prepared.ignore_eos, &prepared.eos_token_ids, prepared.seed);
+    let top_n = (prepared.top_n > 0).then_some(&*prepared.model);
+    let sequence = |c| tgi_sequence(c, ignore_eos, eos, seed, top_n);
+    fn tgi_sequence<'a>(
+        c: &'a Collected,
+        ignore_eos: bool,
+        eos_token_ids: &[u32],
+        seed: Option<u64>,
+        top_n: Option<&ServedModel>,
+    ) -> TgiSequence<'a> {
+        TgiSequence {
+            finish_reason: tgi_finish_reason(&c.finish, c.last_token, ignore_eos, eos_token_ids),
+            generated_tokens: c.finish.completion_tokens,
+            // Sequence i samples with seed + i (TGI reports each sequence's seed).
+            seed: seed.map(|s| s.wrapping_add(u64::from(c.generated_as))),
+            // The prompt's tokens come only with `decoder_input_details`, which is refused.
+            prefill: Vec::new(),
+            tokens: c
+                .tokens
                 .iter()
-                .map(|t| top_tokens(&prepared.model, t))
-                .collect()
-        }),
+                .map(|t| TgiToken {
+                    id: t.id,
+                    text: &t.text,
+                    logprob: t.logprob,
+                    special: t.special,
+                })
+                .collect(),
+            top_tokens: top_n.map(|model| c.tokens.iter().map(|t| top_tokens(model, t)).collect()),
+        }
+    }
+    let best_of_sequences = (best_of > 1).then(|| {
+        others
+            .iter()
+            .map(|c| TgiBestOf {
+                generated_text: &c.text,
+                sequence: sequence(c),
+            })
+            .collect()
+    });
+    let details = TgiDetails {
+        sequence: sequence(&best),
+        best_of_sequences,
     };
     let body = TgiGenerateResponse {
-        generated_text: &done.text,
+        generated_text: &best.text,
         details: prepared.details.then_some(details),
     };
     let mut response = if as_list {
@@ -340,7 +375,7 @@ pub async fn generate_stream(
     Extension(RequestId(request_id)): Extension<RequestId>,
     body: Result<ApiJson<TgiRequest>, ApiError>,
 ) -> Response {
-    let prepared = match prepare(&state, &request_id, Instant::now(), body).await {
+    let prepared = match prepare(&state, &request_id, Instant::now(), body, true).await {
         Ok(p) => p,
         Err(e) => {
             record_rejection(&e);
@@ -378,6 +413,15 @@ fn tgi_finish_reason(
 /// `/generate`'s `details`, as TGI's client parses them (`prefill` and `tokens` required).
 #[derive(Serialize)]
 struct TgiDetails<'a> {
+    #[serde(flatten)]
+    sequence: TgiSequence<'a>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    best_of_sequences: Option<Vec<TgiBestOf<'a>>>,
+}
+
+/// What TGI reports of one generated sequence.
+#[derive(Serialize)]
+struct TgiSequence<'a> {
     finish_reason: &'static str,
     generated_tokens: u32,
     seed: Option<u64>,
@@ -385,6 +429,14 @@ struct TgiDetails<'a> {
     tokens: Vec<TgiToken<'a>>,
     #[serde(skip_serializing_if = "Option::is_none")]
     top_tokens: Option<Vec<Vec<TgiTopToken>>>,
+}
+
+/// One of `best_of`'s other sequences (TGI's `BestOfSequence`).
+#[derive(Serialize)]
+struct TgiBestOf<'a> {
+    generated_text: &'a str,
+    #[serde(flatten)]
+    sequence: TgiSequence<'a>,
 }
 
 /// One of a position's most likely tokens (TGI's `Token`).
@@ -509,6 +561,7 @@ impl StreamFormatter for TgiFormatter {
                     "generation finished without a final token; closing with an empty token event"
                 );
                 let token = TokenOut {
+                    choice: 0,
                     id: self.last_token.unwrap_or_default(),
                     text: String::new(),
                     logprob: 0.0,
@@ -538,6 +591,7 @@ mod tests {
 
     fn token(id: u32, text: &str, index: u32) -> TokenOut {
         TokenOut {
+            choice: 0,
             id,
             text: text.into(),
             logprob: -0.5,
@@ -549,9 +603,12 @@ mod tests {
 
     fn finish(reason: FinishReason, n: u32) -> FinishOut {
         FinishOut {
+            choice: 0,
+            last: true,
             reason,
             prompt_tokens: 3,
             completion_tokens: n,
+            total_completion_tokens: n,
             kv_bytes: 0,
             transport: Some(Transport::Shm),
         }

@@ -83,15 +83,45 @@ pub fn repetition_penalty(value: Option<f64>) -> Result<f32, ApiError> {
     Ok(r as f32)
 }
 
-/// `n` (and `best_of`): only one choice per request.
-pub fn single_choice(value: Option<i64>, param: &str) -> Result<(), ApiError> {
+/// `n` or `best_of`: choices per request, 1 when absent.
+pub fn choices(value: Option<i64>, param: &str) -> Result<u32, ApiError> {
+    let max = tandem_proto::limits::MAX_CHOICES;
     match value {
-        None | Some(1) => Ok(()),
+        None => Ok(1),
+        Some(n) if (1..=max as i64).contains(&n) => Ok(n as u32),
         Some(n) => Err(ApiError::invalid(
             param,
-            format!("`{param}` must be 1: tandem generates one sequence per request, got {n}"),
+            format!("`{param}` must be in [1, {max}], got {n}"),
         )),
     }
+}
+
+/// `n` and `best_of` together: how many choices to generate (`best_of`, at least `n`) and to
+/// return (`n`, the best by mean token logprob). `best_of` above `n` needs the whole answer
+/// before ranking, so it cannot stream (as OpenAI and vLLM say).
+pub fn n_and_best_of(
+    n: Option<i64>,
+    best_of: Option<i64>,
+    stream: bool,
+) -> Result<(u32, u32), ApiError> {
+    let n = choices(n, "n")?;
+    let best_of = match best_of {
+        None => n,
+        Some(_) => choices(best_of, "best_of")?,
+    };
+    if best_of < n {
+        return Err(ApiError::invalid(
+            "best_of",
+            format!("`best_of` ({best_of}) must be at least `n` ({n})"),
+        ));
+    }
+    if best_of > n && stream {
+        return Err(ApiError::invalid(
+            "best_of",
+            "`best_of` above `n` cannot be used with `stream`",
+        ));
+    }
+    Ok((n, best_of))
 }
 
 /// A stop field given as one string or a list of strings.
@@ -408,8 +438,16 @@ mod tests {
         assert_eq!(top_k(Some(40)).unwrap(), 40);
         assert!(top_k(Some(-2)).is_err());
         assert!(repetition_penalty(Some(0.0)).is_err());
-        assert!(single_choice(Some(2), "n").is_err());
-        assert!(single_choice(Some(1), "n").is_ok());
+        assert_eq!(choices(None, "n").unwrap(), 1);
+        assert_eq!(choices(Some(16), "n").unwrap(), 16);
+        assert!(choices(Some(17), "n").is_err());
+        assert!(choices(Some(0), "n").is_err());
+        assert_eq!(n_and_best_of(Some(2), None, true).unwrap(), (2, 2));
+        assert_eq!(n_and_best_of(Some(2), Some(5), false).unwrap(), (2, 5));
+        assert_eq!(n_and_best_of(None, Some(3), false).unwrap(), (1, 3));
+        assert!(n_and_best_of(Some(3), Some(2), false).is_err());
+        assert!(n_and_best_of(Some(2), Some(3), true).is_err());
+        assert!(n_and_best_of(Some(2), Some(2), true).is_ok());
     }
 
     #[test]

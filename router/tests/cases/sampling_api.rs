@@ -305,3 +305,95 @@ async fn echo_puts_the_prompt_before_the_completion() {
     assert_eq!(streamed, format!("Hi there{plain}"));
     router.stop().await;
 }
+
+#[tokio::test]
+async fn n_choices_come_back_indexed_and_best_of_keeps_the_likeliest() {
+    let (decode, _prefill, _ds, _ps, router) = setup().await;
+    // best_of 3, n 2: three generated (the fake's choice c has logprob -0.5 - c per token),
+    // the two likeliest returned, numbered 0 and 1.
+    let r = post(
+        &router.url,
+        "/v1/completions",
+        json!({"prompt": "Hi", "max_tokens": 3, "n": 2, "best_of": 3, "logprobs": 0}),
+    )
+    .await;
+    assert_eq!(r.status(), 200);
+    let body: Value = r.json().await.unwrap();
+    let choices = body["choices"].as_array().unwrap();
+    assert_eq!(choices.len(), 2, "{body}");
+    for (i, c) in choices.iter().enumerate() {
+        assert_eq!(c["index"], i);
+        let lp = c["logprobs"]["token_logprobs"].as_array().unwrap();
+        assert!(
+            lp.iter().all(|v| v.as_f64() == Some(-0.5 - i as f64)),
+            "{c}"
+        );
+    }
+    assert_eq!(
+        body["usage"]["completion_tokens"], 9,
+        "every generated choice counts"
+    );
+    assert_eq!(decode.generate_calls()[0].sampling.as_ref().unwrap().n, 3);
+
+    // Streamed chat with n = 2: each chunk names its choice, each choice opens with the
+    // role and ends with a finish; the usage comes once, after both.
+    let r = post(
+        &router.url,
+        "/v1/chat/completions",
+        json!({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "n": 2,
+               "stream": true, "stream_options": {"include_usage": true}}),
+    )
+    .await;
+    assert_eq!(r.status(), 200);
+    let text = r.text().await.unwrap();
+    let chunks: Vec<Value> = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter(|d| *d != "[DONE]")
+        .map(|d| serde_json::from_str(d).unwrap())
+        .collect();
+    let mut content = [String::new(), String::new()];
+    let (mut roles, mut finishes, mut usages) = ([0; 2], [0; 2], 0);
+    for chunk in &chunks {
+        if !chunk["usage"].is_null() {
+            usages += 1;
+            assert_eq!(chunk["usage"]["completion_tokens"], 6);
+            continue;
+        }
+        let c = &chunk["choices"][0];
+        let i = c["index"].as_u64().unwrap() as usize;
+        roles[i] += usize::from(c["delta"]["role"] == "assistant");
+        finishes[i] += usize::from(!c["finish_reason"].is_null());
+        content[i] += c["delta"]["content"].as_str().unwrap_or("");
+    }
+    assert_eq!((roles, finishes, usages), ([1, 1], [1, 1], 1), "{text}");
+    assert_eq!(content[0], content[1]);
+    assert!(!content[0].is_empty());
+    assert!(text.ends_with("data: [DONE]\n\n"));
+}
+
+#[tokio::test]
+async fn tgi_best_of_returns_the_other_sequences_in_the_details() {
+    let (decode, _prefill, _ds, _ps, router) = setup().await;
+    let r = post(
+        &router.url,
+        "/generate",
+        json!({"inputs": "Hi", "parameters": {"max_new_tokens": 3, "best_of": 3, "do_sample": true,
+               "seed": 10, "details": true}}),
+    )
+    .await;
+    assert_eq!(r.status(), 200);
+    let body: Value = r.json().await.unwrap();
+    let details = &body["details"];
+    assert_eq!(
+        details["seed"], 10,
+        "the best is choice 0 (the likeliest): {body}"
+    );
+    let others = details["best_of_sequences"].as_array().unwrap();
+    assert_eq!(others.len(), 2);
+    assert_eq!(others[0]["seed"], 11);
+    assert_eq!(others[1]["seed"], 12);
+    assert_eq!(others[0]["generated_text"], body["generated_text"]);
+    assert_eq!(others[0]["tokens"].as_array().unwrap().len(), 3);
+    assert_eq!(decode.generate_calls()[0].sampling.as_ref().unwrap().n, 3);
+}

@@ -71,7 +71,9 @@ fn matrix() -> Vec<Case> {
         case("temperature negative", c, json!({"prompt": "Hi", "temperature": -1}), 400).param("temperature"),
         case("top_p zero", c, json!({"prompt": "Hi", "top_p": 0}), 400).param("top_p"),
         case("top_p above one", c, json!({"prompt": "Hi", "top_p": 1.5}), 400).param("top_p"),
-        case("n = 2", c, json!({"prompt": "Hi", "n": 2}), 400).param("n"),
+        case("n = 17", c, json!({"prompt": "Hi", "n": 17}), 400).param("n").says(&["16"]),
+        case("best_of under n", c, json!({"prompt": "Hi", "n": 3, "best_of": 2}), 400).param("best_of"),
+        case("best_of streamed", c, json!({"prompt": "Hi", "n": 1, "best_of": 2, "stream": true}), 400).param("best_of"),
         case("top_k -2", c, json!({"prompt": "Hi", "top_k": -2}), 400).param("top_k"),
         case("min_tokens over max_tokens", c, json!({"prompt": "Hi", "min_tokens": 5, "max_tokens": 4}), 400)
             .param("min_tokens").says(&["5", "4"]),
@@ -132,14 +134,15 @@ fn matrix() -> Vec<Case> {
         case("chat over context", chat, json!({"messages": user, "max_completion_tokens": 1000}), 400)
             .param("max_completion_tokens")
             .says(&["128"]),
-        case("chat n = 3", chat, json!({"messages": user, "n": 3}), 400).param("n"),
+        case("chat n = 0", chat, json!({"messages": user, "n": 0}), 400).param("n"),
         case("chat temperature", chat, json!({"messages": user, "temperature": -0.5}), 400).param("temperature"),
         case("tgi empty inputs", "/generate", json!({"inputs": ""}), 422),
         case("tgi missing inputs", "/generate", json!({"parameters": {}}), 422),
         case("tgi max_new_tokens 0", "/generate_stream", json!({"inputs": "Hi", "parameters": {"max_new_tokens": 0}}), 422),
         case("tgi temperature 0", "/generate", json!({"inputs": "Hi", "parameters": {"temperature": 0.0}}), 422),
         case("tgi top_p", "/generate", json!({"inputs": "Hi", "parameters": {"top_p": 1.5}}), 422),
-        case("tgi best_of", "/generate_stream", json!({"inputs": "Hi", "parameters": {"best_of": 2}}), 422),
+        case("tgi best_of streamed", "/generate_stream", json!({"inputs": "Hi", "parameters": {"best_of": 2, "do_sample": true}}), 422),
+        case("tgi best_of greedy", "/generate", json!({"inputs": "Hi", "parameters": {"best_of": 2}}), 422),
         case("tgi top_n_tokens over 20", "/generate", json!({"inputs": "Hi", "parameters": {"top_n_tokens": 21}}), 422)
             .says(&["top_n_tokens"]),
         case("tgi frequency_penalty", "/generate", json!({"inputs": "Hi", "parameters": {"frequency_penalty": 3.0}}), 422)

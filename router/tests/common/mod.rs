@@ -316,6 +316,7 @@ async fn run_generate(
     let max = req.stop.as_ref().map_or(16, |s| s.max_tokens) as usize;
     // The alternatives a request asked for, plus one too many: the router must drop it.
     let alternatives = req.sampling.as_ref().map_or(0, |s| s.top_logprobs);
+    let choices = req.sampling.as_ref().map_or(1, |s| s.n.max(1));
     let mut sent = 0u32;
     for (i, (id, text)) in script.tokens.iter().take(max).enumerate() {
         tokio::time::sleep(script.token_delay).await;
@@ -325,25 +326,29 @@ async fn run_generate(
                 .await;
             return;
         }
-        let token = TokenEvent {
-            id: *id,
-            text: text.clone(),
-            logprob: -0.5,
-            index: i as u32,
-            special: *id == EOS,
-            top_logprobs: if alternatives == 0 {
-                Vec::new()
-            } else {
-                (0..=alternatives)
-                    .map(|k| TopLogprob {
-                        id: if k == 0 { *id } else { *id + k },
-                        logprob: -0.5 - k as f32,
-                    })
-                    .collect()
-            },
-        };
-        if tx.send(event(Event::Token(token))).await.is_err() {
-            return;
+        // Every choice of an n > 1 request gets the script, interleaved token by token.
+        for choice in 0..choices {
+            let token = TokenEvent {
+                id: *id,
+                text: text.clone(),
+                logprob: -0.5 - choice as f32,
+                index: i as u32,
+                special: *id == EOS,
+                top_logprobs: if alternatives == 0 {
+                    Vec::new()
+                } else {
+                    (0..=alternatives)
+                        .map(|k| TopLogprob {
+                            id: if k == 0 { *id } else { *id + k },
+                            logprob: -0.5 - k as f32,
+                        })
+                        .collect()
+                },
+                choice,
+            };
+            if tx.send(event(Event::Token(token))).await.is_err() {
+                return;
+            }
         }
         sent += 1;
     }
@@ -352,20 +357,23 @@ async fn run_generate(
     } else {
         FinishReason::Stop
     };
-    let _ = tx
-        .send(event(Event::Finished(Finished {
-            reason: reason as i32,
-            prompt_tokens: req.prompt.len() as u32,
-            completion_tokens: sent,
-            kv_bytes,
-            kv_wait_seconds: 0.001,
-            transport: if disaggregated {
-                Transport::Shm as i32
-            } else {
-                0
-            },
-        })))
-        .await;
+    for choice in 0..choices {
+        let _ = tx
+            .send(event(Event::Finished(Finished {
+                reason: reason as i32,
+                prompt_tokens: req.prompt.len() as u32,
+                completion_tokens: sent,
+                kv_bytes,
+                kv_wait_seconds: 0.001,
+                transport: if disaggregated {
+                    Transport::Shm as i32
+                } else {
+                    0
+                },
+                choice,
+            })))
+            .await;
+    }
 }
 
 // ---------------------------------------------------------------------------------------
@@ -492,6 +500,7 @@ impl PrefillService for FakePrefill {
                 transport: dest.transport,
                 bytes: KV_BYTES,
                 first_top_logprobs: Vec::new(),
+                other_choices: Vec::new(),
             })
             .await?;
         Ok(Response::new(PrefillResponse {
@@ -503,6 +512,7 @@ impl PrefillService for FakePrefill {
             queue_seconds: 0.0,
             transport: dest.transport,
             first_top_logprobs: Vec::new(),
+            other_choices: Vec::new(),
         }))
     }
 }

@@ -41,6 +41,10 @@ impl ComputeBackend for CpuBackend {
         })
     }
 
+    fn copy_block(&mut self, host: &mut KvCache, src: u32, dst: u32) -> Result<()> {
+        Ok(host.copy_block(src, dst)?)
+    }
+
     fn import_blocks(
         &mut self,
         _host: &mut KvCache,
