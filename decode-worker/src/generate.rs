@@ -20,7 +20,7 @@ use tandem_text::Guide;
 use tandem_transfer::{Commit, Lease, top_logprobs_to_proto};
 use tandem_worker::SeqEvent;
 use tandem_worker::convert::{
-    engine_status, finish_to_proto, sampling_from_proto, stop_from_proto,
+    engine_status, finish_to_proto, prompt_logprobs_to_proto, sampling_from_proto, stop_from_proto,
 };
 use tokio::sync::{mpsc, oneshot};
 use tokio_stream::wrappers::ReceiverStream;
@@ -316,6 +316,7 @@ fn token_event(inner: &Inner, o: &StepOutput) -> GenerateEvent {
             special: inner.tokenizer.is_special(o.token),
             top_logprobs: top_logprobs_to_proto(&o.top_logprobs),
             choice: o.choice,
+            prompt_logprobs: prompt_logprobs_to_proto(&o.prompt_logprobs),
         })),
     }
 }

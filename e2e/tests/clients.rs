@@ -432,3 +432,59 @@ async fn n_and_best_of_through_the_clients() {
     assert_eq!(v["best_usage"], 24, "all four generated count: {v}");
     assert_eq!(v["tgi_others"], 2, "{v}");
 }
+
+const PROMPT_LOGPROBS_SCRIPT: &str = r#"
+import json, sys, openai
+from text_generation import Client
+base = sys.argv[1]
+client = openai.OpenAI(base_url=base + "/v1", api_key="unused")
+prompt = "Once upon a time"
+first = client.completions.create(model="tandem", prompt=prompt, max_tokens=1, temperature=0, logprobs=0)
+t0 = first.choices[0].logprobs.tokens[0]
+echo = client.completions.create(model="tandem", prompt=prompt + t0, max_tokens=3, temperature=0, echo=True,
+                                 logprobs=2, extra_body={"ignore_eos": True})
+lp = echo.choices[0].logprobs
+vllm = client.completions.create(model="tandem", prompt=prompt, max_tokens=1, temperature=0,
+                                 extra_body={"prompt_logprobs": 3})
+plp = vllm.choices[0].prompt_logprobs
+tgi = Client(base).generate(prompt, max_new_tokens=2, decoder_input_details=True)
+print(json.dumps({
+    "t0_logprob": first.choices[0].logprobs.token_logprobs[0],
+    "echo_text": echo.choices[0].text, "echo_tokens": "".join(lp.tokens), "echo_first": lp.token_logprobs[0],
+    "echo_first_top": lp.top_logprobs[0], "echo_logprobs": lp.token_logprobs,
+    "prompt_len": vllm.usage.prompt_tokens, "vllm_len": len(plp), "vllm_first": plp[0],
+    "vllm_ranked": all(min(e["rank"] for e in entry.values()) == 1 and len(entry) >= 3 for entry in plp[1:]),
+    "vllm_logprobs": [max(e["logprob"] for e in entry.values()) <= 0.0 for entry in plp[1:]],
+    "tgi_prefill": [[t.text, t.logprob] for t in tgi.details.prefill],
+}))
+"#;
+
+/// Prompt logprobs through the official clients on a real (disaggregated) deployment: the
+/// echoed legacy object covers the prompt then the completion (the first prompt token
+/// without a logprob); a prompt token's logprob is the one the sampler reported when that
+/// token was generated; vLLM's `prompt_logprobs` and TGI's `decoder_input_details` agree.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prompt_logprobs_through_the_clients() {
+    let v = run_client(PROMPT_LOGPROBS_SCRIPT).await;
+    assert_eq!(v["echo_tokens"], v["echo_text"], "{v}");
+    assert!(
+        v["echo_first"].is_null() && v["echo_first_top"].is_null(),
+        "{v}"
+    );
+    let prompt_len = v["prompt_len"].as_u64().unwrap() as usize;
+    let echo: Vec<Option<f64>> = serde_json::from_value(v["echo_logprobs"].clone()).unwrap();
+    // The echoed prompt is this prompt plus t0: its last prompt token is t0.
+    let t0 = echo[prompt_len].unwrap();
+    let sampled = v["t0_logprob"].as_f64().unwrap();
+    assert!((t0 - sampled).abs() < 1e-5, "{t0} vs {sampled}: {v}");
+    assert_eq!(v["vllm_len"].as_u64().unwrap() as usize, prompt_len);
+    assert!(v["vllm_first"].is_null());
+    assert_eq!(v["vllm_ranked"], true, "{v}");
+    let tgi = v["tgi_prefill"].as_array().unwrap();
+    assert_eq!(tgi.len(), prompt_len, "{v}");
+    assert!(tgi[0][1].is_null());
+    for (i, entry) in tgi.iter().enumerate().skip(1) {
+        let want = echo[i].unwrap();
+        assert!((entry[1].as_f64().unwrap() - want).abs() < 1e-5, "{v}");
+    }
+}

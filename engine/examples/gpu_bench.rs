@@ -102,6 +102,7 @@ fn bench_model(
                 start_pos: 0,
                 block_table: &table,
                 logits: true,
+                all_logits: false,
             }],
             &mut buffers,
         )?;
@@ -126,6 +127,7 @@ fn bench_model(
                     start_pos: 0,
                     block_table: t,
                     logits: false,
+                    all_logits: false,
                 })
                 .collect();
             model.forward(&mut cache, &inputs, &mut buffers)?;
@@ -142,6 +144,7 @@ fn bench_model(
                     start_pos: ctx + s,
                     block_table: t,
                     logits: true,
+                    all_logits: false,
                 })
                 .collect();
             model.forward(&mut cache, &inputs, &mut buffers)?;

@@ -91,6 +91,7 @@ fn main() -> anyhow::Result<()> {
             start_pos: 0,
             block_table: t,
             logits: true,
+            all_logits: false,
         })
         .collect();
     let c = cpu.forward(&mut cpu_cache, &inputs, &mut |_, _| {})?;
@@ -112,6 +113,7 @@ fn main() -> anyhow::Result<()> {
                 start_pos: p.len() + step,
                 block_table: t,
                 logits: true,
+                all_logits: false,
             })
             .collect();
         let c = cpu.forward(&mut cpu_cache, &inputs, &mut |_, _| {})?;
@@ -128,6 +130,7 @@ fn main() -> anyhow::Result<()> {
             start_pos: pos,
             block_table: &table,
             logits: true,
+            all_logits: false,
         }];
         let c = cpu.forward(&mut cpu_cache, &input, &mut |_, _| {})?;
         let g = gpu.forward(&mut gpu_cache, &input, &mut buffers)?;

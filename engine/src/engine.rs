@@ -33,7 +33,7 @@ use crate::device::Device;
 use crate::error::{EngineError, Result};
 use crate::guides::compile_guide;
 use crate::model::{Model, SeqInput};
-use crate::sampling::{SampledToken, Sampler, SamplingParams, StopParams};
+use crate::sampling::{PromptLogprob, SampledToken, Sampler, SamplingParams, StopParams};
 use crate::sequence::Sequence;
 
 /// A prefilled sequence's KV: the reserved blocks it was written into, and where.
@@ -87,6 +87,9 @@ pub struct StepOutput {
     pub logprob: f32,
     /// The request's `top_logprobs` most likely tokens, most likely first.
     pub top_logprobs: Vec<(u32, f32)>,
+    /// On choice 0's first token, when the request asked: one entry per prompt token from
+    /// the second on (empty when the prompt ran elsewhere).
+    pub prompt_logprobs: Vec<PromptLogprob>,
     /// Text this token completes (may be empty, never half a character).
     pub text: String,
     /// Set on the sequence's last token; its blocks are already free.
@@ -651,12 +654,15 @@ impl Engine {
             .map(|&(id, start, len)| {
                 let seq = &self.seqs[&id];
                 let logits = start + len == seq.tokens.len();
-                wants_logits.push(logits);
+                // Every row of a chunk that predicts prompt tokens, for prompt logprobs.
+                let all_logits = seq.wants_prompt_logprobs() && start + 1 < seq.prompt_len;
+                wants_logits.push((logits, all_logits));
                 SeqInput {
                     tokens: &seq.tokens[start..start + len],
                     start_pos: start,
                     block_table: &seq.blocks,
                     logits,
+                    all_logits,
                 }
             })
             .collect();
@@ -711,7 +717,7 @@ impl Engine {
         let mut outputs = Vec::new();
         let mut logits = logits.into_iter();
         let context = self.context_len();
-        for (&(id, _, len), wants) in plan.iter().zip(wants_logits) {
+        for (&(id, start, len), (wants, all_rows)) in plan.iter().zip(wants_logits) {
             let Some(seq) = self.seqs.get_mut(&id) else {
                 continue;
             };
@@ -741,6 +747,16 @@ impl Engine {
                 && let Err(e) = self.pool.lock().release(&leaving)
             {
                 tracing::error!(error = %e, "releasing blocks outside the window failed");
+            }
+            if all_rows {
+                // The rows before the sampling row: each predicts the next prompt token.
+                let k = seq.sampling.prompt_logprobs.unwrap_or(0);
+                for p in start..start + len - usize::from(wants) {
+                    let Some(row) = logits.next() else { break };
+                    if let Some(&next) = seq.tokens.get(p + 1).filter(|_| p + 1 < seq.prompt_len) {
+                        seq.prompt_logprobs.push(PromptLogprob::of(&row, next, k));
+                    }
+                }
             }
             if !wants {
                 continue;
@@ -788,7 +804,7 @@ impl Engine {
             let id = self.running[i];
             let seq = &self.seqs[&id];
             let start = seq.computed;
-            let len = chunk_len(seq.pending(), budget);
+            let len = chunk_len(seq.pending(), row_budget(seq, budget));
             if len == 0 {
                 break;
             }
@@ -808,7 +824,7 @@ impl Engine {
                 break;
             };
             let seq = &self.seqs[&id];
-            let len = chunk_len(seq.pending(), budget);
+            let len = chunk_len(seq.pending(), row_budget(seq, budget));
             if len == 0 {
                 break;
             }
@@ -864,6 +880,10 @@ impl Engine {
         };
         let blocks = std::mem::take(&mut seq.blocks);
         seq.computed = 0;
+        if !seq.prompt_logprobs_sent {
+            // Recomputed with the prompt.
+            seq.prompt_logprobs.clear();
+        }
         seq.preemptions += 1;
         self.stats.preemptions += 1;
         tracing::debug!(
@@ -898,6 +918,19 @@ impl Engine {
         let id = self.next_id;
         self.next_id += 1;
         id
+    }
+}
+
+/// Prompt tokens per step of a sequence computing its prompt logprobs: every row's logits
+/// is kept for the step (vocabulary × 4 bytes each), so its chunks stay this short.
+const PROMPT_LOGPROBS_CHUNK: usize = 256;
+
+/// The token budget of `seq` this step.
+fn row_budget(seq: &Sequence, budget: usize) -> usize {
+    if seq.wants_prompt_logprobs() {
+        budget.min(PROMPT_LOGPROBS_CHUNK)
+    } else {
+        budget
     }
 }
 

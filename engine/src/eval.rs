@@ -26,6 +26,7 @@ pub fn perplexity(model: &Model, tokens: &[u32]) -> Result<f64> {
             start_pos: pos,
             block_table: &table,
             logits: true,
+            all_logits: false,
         };
         let logits = model
             .forward(&mut cache, &[input], &mut |_, _| {})?

@@ -25,4 +25,4 @@ pub use engine::{Engine, EngineConfig, FinishReason, ReceivedKv, SeqId, StepOutp
 pub use error::{EngineError, Result};
 pub use guides::compile_guide;
 pub use model::{LoadOptions, Model, ModelSource, SeqInput, load_model};
-pub use sampling::{SampledToken, SamplingParams, StopParams};
+pub use sampling::{PromptLogprob, SampledToken, SamplingParams, StopParams};

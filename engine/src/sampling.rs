@@ -47,6 +47,8 @@ pub struct SamplingParams {
     /// Choices to generate from the one prompt (1..=MAX_CHOICES); choice `i` draws from the
     /// seed `seed + i` (see [`Sampler::for_choice`]).
     pub n: usize,
+    /// Prompt logprobs with this many alternatives each (see [`PromptLogprob`]).
+    pub prompt_logprobs: Option<usize>,
 }
 
 impl Default for SamplingParams {
@@ -63,6 +65,7 @@ impl Default for SamplingParams {
             top_logprobs: 0,
             guide: None,
             n: 1,
+            prompt_logprobs: None,
         }
     }
 }
@@ -107,6 +110,12 @@ impl SamplingParams {
             return bad(
                 "top_logprobs",
                 format!("{} is more than {MAX_TOP_LOGPROBS}", self.top_logprobs),
+            );
+        }
+        if let Some(k) = self.prompt_logprobs.filter(|&k| k > MAX_TOP_LOGPROBS) {
+            return bad(
+                "prompt_logprobs",
+                format!("{k} is more than {MAX_TOP_LOGPROBS}"),
             );
         }
         if !(1..=MAX_CHOICES).contains(&self.n) {
@@ -431,6 +440,40 @@ fn log_normalizer(logits: &[f32]) -> f32 {
         return 0.0;
     }
     max + crate::backend::cpu::kernels::sum_exp(logits, max).ln()
+}
+
+/// A prompt token's logprob given the tokens before it, from the model's raw logits (no
+/// request adjustments apply to a prompt), with its 1-based rank in the vocabulary (ties
+/// rank the lower id first) and the most likely alternatives.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PromptLogprob {
+    pub logprob: f32,
+    pub rank: u32,
+    pub top_logprobs: Vec<(u32, f32)>,
+}
+
+impl PromptLogprob {
+    /// The entry for `token` from the logits `row` of the position before it.
+    pub fn of(row: &[f32], token: u32, top: usize) -> Self {
+        let normalizer = log_normalizer(row);
+        let own = row
+            .get(token as usize)
+            .copied()
+            .unwrap_or(f32::NEG_INFINITY);
+        let above = row
+            .iter()
+            .enumerate()
+            .filter(|&(i, &v)| v > own || (v == own && (i as u32) < token))
+            .count();
+        Self {
+            logprob: own - normalizer,
+            rank: u32::try_from(above + 1).unwrap_or(u32::MAX),
+            top_logprobs: top_n(row, top)
+                .into_iter()
+                .map(|id| (id, row[id as usize] - normalizer))
+                .collect(),
+        }
+    }
 }
 
 /// The ids of the `n` largest logits, largest first (the lower id first on a tie).

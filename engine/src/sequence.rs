@@ -6,7 +6,7 @@
 use tandem_text::{Allowed, Guide, IncrementalDetokenizer, StopStringMatcher, TextTokenizer};
 
 use crate::engine::{FinishReason, SeqId, StepOutput};
-use crate::sampling::{SampledToken, Sampler, SamplingParams, StopParams};
+use crate::sampling::{PromptLogprob, SampledToken, Sampler, SamplingParams, StopParams};
 
 #[derive(Debug)]
 pub(crate) struct Sequence {
@@ -32,6 +32,11 @@ pub(crate) struct Sequence {
     pub preemptions: u32,
     /// The grammar the output must match, following every token pushed.
     pub guide: Option<Guide>,
+    /// Prompt logprobs computed so far (from the second prompt token on), handed out with
+    /// the first generated token.
+    pub prompt_logprobs: Vec<PromptLogprob>,
+    /// Whether they went out (recomputing the prompt after a preemption does not redo them).
+    pub prompt_logprobs_sent: bool,
 }
 
 impl Sequence {
@@ -65,7 +70,14 @@ impl Sequence {
             stop_matcher,
             preemptions: 0,
             guide: None,
+            prompt_logprobs: Vec::new(),
+            prompt_logprobs_sent: false,
         }
+    }
+
+    /// Whether the prompt's logprobs are still to be computed (choice 0 reports them).
+    pub fn wants_prompt_logprobs(&self) -> bool {
+        self.choice == 0 && self.sampling.prompt_logprobs.is_some() && !self.prompt_logprobs_sent
     }
 
     /// Choice `choice` of this sequence's request, before its first token: the same prompt,
@@ -84,6 +96,7 @@ impl Sequence {
         child.stop_ids = self.stop_ids.clone();
         child.request = self.request;
         child.choice = choice;
+        child.prompt_logprobs_sent = true;
         child
     }
 
@@ -193,10 +206,17 @@ impl Sequence {
                 text.push_str(&self.flush(tokenizer, true));
             }
         }
+        let prompt_logprobs = if self.prompt_logprobs_sent {
+            Vec::new()
+        } else {
+            self.prompt_logprobs_sent = true;
+            std::mem::take(&mut self.prompt_logprobs)
+        };
         StepOutput {
             id: self.id,
             request: self.request,
             choice: self.choice,
+            prompt_logprobs,
             token,
             logprob,
             top_logprobs,

@@ -61,6 +61,7 @@ fn scenario(model: &Model) -> Vec<Vec<f32>> {
         start_pos: 0,
         block_table: &table_b,
         logits: true,
+        all_logits: false,
     }]);
     // First chunk of `a` beside nothing, then its second chunk beside b's first decode step.
     forward(&[SeqInput {
@@ -68,6 +69,7 @@ fn scenario(model: &Model) -> Vec<Vec<f32>> {
         start_pos: 0,
         block_table: &table_a,
         logits: false,
+        all_logits: false,
     }]);
     let mut next_b = vec![7u32];
     forward(&[
@@ -76,12 +78,14 @@ fn scenario(model: &Model) -> Vec<Vec<f32>> {
             start_pos: b.len(),
             block_table: &table_b,
             logits: true,
+            all_logits: false,
         },
         SeqInput {
             tokens: &a[30..],
             start_pos: 30,
             block_table: &table_a,
             logits: true,
+            all_logits: false,
         },
     ]);
     for step in 0..3 {
@@ -93,12 +97,14 @@ fn scenario(model: &Model) -> Vec<Vec<f32>> {
                 start_pos: a.len() + step,
                 block_table: &table_a,
                 logits: true,
+                all_logits: false,
             },
             SeqInput {
                 tokens: &next_b,
                 start_pos: b.len() + 1 + step,
                 block_table: &table_b,
                 logits: true,
+                all_logits: false,
             },
         ]);
     }

@@ -299,6 +299,7 @@ fn seq<'a>(tokens: &'a [u32], start_pos: usize, block_table: &'a [u32]) -> SeqIn
         start_pos,
         block_table,
         logits: true,
+        all_logits: false,
     }
 }
 

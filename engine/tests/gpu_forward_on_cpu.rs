@@ -170,6 +170,7 @@ fn the_gpu_forward_pass_matches_the_cpu_engine() {
                 start_pos: pos,
                 block_table: &table,
                 logits,
+                all_logits: false,
             }];
             pair.step(&input);
             pos += chunk;
@@ -201,6 +202,7 @@ fn a_bad_batch_is_an_error_before_any_launch() {
                 start_pos: 0,
                 block_table: table,
                 logits: true,
+                all_logits: false,
             }],
             &mut StepBuffers::default(),
             &mut |_, _| Ok(()),
@@ -228,6 +230,7 @@ fn seq<'a>(tokens: &'a [u32], start_pos: usize, table: &'a [u32]) -> SeqInput<'a
         start_pos,
         block_table: table,
         logits: true,
+        all_logits: false,
     }
 }
 

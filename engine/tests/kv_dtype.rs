@@ -135,6 +135,7 @@ fn logits_stay_near_the_f32_cache() {
             start_pos: 0,
             block_table: &table,
             logits: true,
+            all_logits: false,
         };
         model
             .forward(&mut cache, &[input], &mut |_, _| {})

@@ -81,6 +81,7 @@ fn batch_logits(model: &Model, prompts: &[Vec<u32>], chunk: usize) -> Vec<Vec<f3
                     start_pos: start,
                     block_table: t,
                     logits: end == p.len(),
+                    all_logits: false,
                 };
                 (i, input)
             })

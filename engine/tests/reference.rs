@@ -102,6 +102,7 @@ fn check_model(model: Arc<Model>, lens: &[usize], tol: f32) {
             start_pos: 0,
             block_table: t,
             logits: true,
+            all_logits: false,
         })
         .collect();
     let got = model
@@ -152,6 +153,7 @@ fn chunked_prefill_matches_reference_and_is_bit_identical_to_one_pass() {
             start_pos: pos,
             block_table: &table,
             logits: true,
+            all_logits: false,
         };
         let out = model
             .forward(&mut paged.cache, &[input], &mut |_, _| {})
@@ -167,6 +169,7 @@ fn chunked_prefill_matches_reference_and_is_bit_identical_to_one_pass() {
         start_pos: 0,
         block_table: &table2,
         logits: true,
+        all_logits: false,
     };
     let whole = model
         .forward(&mut paged.cache, &[one], &mut |_, _| {})
@@ -194,6 +197,7 @@ fn sequences_joining_midway_match_reference_step_by_step() {
                 start_pos: 0,
                 block_table: &ta,
                 logits: true,
+                all_logits: false,
             }],
             &mut |_, _| {},
         )
@@ -208,6 +212,7 @@ fn sequences_joining_midway_match_reference_step_by_step() {
             start_pos: pa,
             block_table: &ta,
             logits: true,
+            all_logits: false,
         }];
         let b_len = match step {
             0 | 1 => 0,
@@ -220,6 +225,7 @@ fn sequences_joining_midway_match_reference_step_by_step() {
                 start_pos: pb,
                 block_table: &tb,
                 logits: true,
+                all_logits: false,
             });
         }
         let out = model
@@ -248,6 +254,7 @@ fn logits_are_bit_identical_whatever_the_batch() {
                 start_pos: 0,
                 block_table: &alone_table,
                 logits: true,
+                all_logits: false,
             }],
             &mut |_, _| {},
         )
@@ -265,6 +272,7 @@ fn logits_are_bit_identical_whatever_the_batch() {
             start_pos: 0,
             block_table: t,
             logits: true,
+            all_logits: false,
         })
         .collect();
     inputs.insert(
@@ -274,6 +282,7 @@ fn logits_are_bit_identical_whatever_the_batch() {
             start_pos: 0,
             block_table: &table,
             logits: true,
+            all_logits: false,
         },
     );
     let batched = model
@@ -302,6 +311,7 @@ fn long_prompt_of_32k_tokens_prefills_in_chunks_within_budget() {
             start_pos: pos,
             block_table: &table,
             logits: pos + chunk == n,
+            all_logits: false,
         };
         last = model.forward(&mut cache, &[input], &mut |_, _| {}).unwrap();
         pos += chunk;

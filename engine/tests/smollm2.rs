@@ -102,6 +102,7 @@ fn logits(model: &tandem_engine::Model, tokens: &[u32]) -> Vec<f32> {
         start_pos: 0,
         block_table: &table,
         logits: true,
+        all_logits: false,
     };
     model
         .forward(&mut cache, &[input], &mut |_, _| {})

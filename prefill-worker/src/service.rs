@@ -15,7 +15,8 @@ use tandem_transfer::{
     FirstToken, Peers, TransferError, connect, top_logprobs_to_proto, transport_name,
 };
 use tandem_worker::convert::{
-    engine_status, kv_layout_to_proto, sampling_from_proto, stop_from_proto, tokenizer_spec,
+    engine_status, kv_layout_to_proto, prompt_logprobs_to_proto, sampling_from_proto,
+    stop_from_proto, tokenizer_spec,
 };
 use tandem_worker::{EngineHandle, SeqEvent, spawn_engine};
 use tokio::net::TcpListener;
@@ -304,6 +305,7 @@ async fn prefill(inner: &Inner, req: PrefillRequest) -> Result<PrefillResponse, 
                 first_logprob: output.logprob,
                 first_top_logprobs: top_logprobs_to_proto(&output.top_logprobs),
                 other_choices,
+                prompt_logprobs: prompt_logprobs_to_proto(&output.prompt_logprobs),
                 kv_bytes: stats.bytes,
                 transfer_seconds: stats.seconds,
                 compute_seconds,

@@ -10,7 +10,7 @@
 /// 3: the first token travels with its top logprobs (a longer raw TCP commit header); prefill
 /// requests carry the stop parameters (min_tokens).
 /// 4: requests may ask for `n` choices: their first tokens travel together (another raw TCP
-/// commit header), token and finish events name their choice.
+/// commit header), token and finish events name their choice; and for prompt logprobs.
 pub const PROTOCOL_VERSION: u32 = 4;
 
 /// What one request may ask for. The router refuses anything outside these bounds itself,

@@ -92,6 +92,43 @@ pub struct Head {
     /// The KV transport used (None aggregated).
     pub transport: Option<Transport>,
     pub fallback: Option<FallbackReason>,
+    /// When the request asked for prompt logprobs: one entry per prompt token from the
+    /// second on (from the prefill worker's answer, or the first token aggregated).
+    pub prompt_logprobs: Vec<PromptEntry>,
+}
+
+/// One prompt token's logprob given the tokens before it (see `tandem-engine`'s
+/// `PromptLogprob`: the raw model output).
+#[derive(Debug, Clone, PartialEq)]
+pub struct PromptEntry {
+    pub logprob: f32,
+    /// 1-based rank in the vocabulary.
+    pub rank: u32,
+    pub top_logprobs: Vec<(u32, f32)>,
+}
+
+/// A worker's prompt logprobs, kept only as far as the request allows: one per prompt token
+/// after the first, as many alternatives as asked (a worker's extras are dropped).
+fn prompt_entries(
+    req: &FlowRequest,
+    wire: Vec<tandem_proto::v1::PromptLogprob>,
+) -> Vec<PromptEntry> {
+    let Some(k) = req.sampling.prompt_logprobs else {
+        return Vec::new();
+    };
+    wire.into_iter()
+        .take(req.prompt.len().saturating_sub(1))
+        .map(|e| PromptEntry {
+            logprob: e.logprob,
+            rank: e.rank,
+            top_logprobs: e
+                .top_logprobs
+                .into_iter()
+                .take(k as usize)
+                .map(|t| (t.id, t.logprob))
+                .collect(),
+        })
+        .collect()
 }
 
 /// The name of a transport in headers and usage (`shm`, `tcp`, `grpc`, `cuda-ipc`, `nccl`,
@@ -557,14 +594,19 @@ async fn run_aggregated(
         .await
         .map_err(|s| decode_failure(decode, &s))?
         .into_inner();
-    let first = next_item(&mut stream, decode).await?;
+    let mut first = next_item(&mut stream, decode).await?;
     timing.on_token(RunMode::Aggregated);
+    let prompt_logprobs = match &mut first {
+        DecodeItem::Token(t) => prompt_entries(req, std::mem::take(&mut t.prompt_logprobs)),
+        DecodeItem::Finished(_) => Vec::new(),
+    };
     Ok(Live {
         head: Head {
             mode: RunMode::Aggregated,
             kv_bytes: 0,
             transport: None,
             fallback,
+            prompt_logprobs,
         },
         stream,
         decode: Arc::clone(decode),
@@ -689,7 +731,8 @@ async fn run_disaggregated(
             }
         }
     }
-    let answer = prefill_answer.unwrap_or_default();
+    let mut answer = prefill_answer.unwrap_or_default();
+    let prompt_logprobs = prompt_entries(req, std::mem::take(&mut answer.prompt_logprobs));
     let transport = Transport::try_from(answer.transport)
         .ok()
         .filter(|t| *t != Transport::Unspecified)
@@ -704,6 +747,7 @@ async fn run_disaggregated(
             kv_bytes: answer.kv_bytes,
             transport: Some(transport),
             fallback: None,
+            prompt_logprobs,
         },
         stream,
         decode: Arc::clone(decode),

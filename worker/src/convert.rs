@@ -1,7 +1,7 @@
 //! Conversions between the wire types (`tandem_proto::v1`) and the engine's, and the mapping
 //! of engine errors to precise gRPC status codes.
 
-use tandem_engine::{EngineError, FinishReason, SamplingParams, StopParams};
+use tandem_engine::{EngineError, FinishReason, PromptLogprob, SamplingParams, StopParams};
 use tandem_kv::KvLayout;
 use tandem_proto::v1 as pb;
 use tandem_text::{GuideSpec, TextTokenizer};
@@ -29,6 +29,7 @@ pub fn sampling_from_proto(p: Option<&pb::SamplingParams>) -> SamplingParams {
             guide: p.guide.as_ref().and_then(guide_from_proto),
             // proto3 zero means "unset": one choice.
             n: (p.n as usize).max(1),
+            prompt_logprobs: p.prompt_logprobs.map(|k| k as usize),
         },
     }
 }
@@ -74,7 +75,24 @@ pub fn sampling_to_proto(s: &SamplingParams) -> pb::SamplingParams {
         top_logprobs: s.top_logprobs as u32,
         guide: s.guide.as_ref().map(guide_to_proto),
         n: s.n as u32,
+        prompt_logprobs: s.prompt_logprobs.map(|k| k as u32),
     }
+}
+
+/// Prompt logprobs as the wire carries them.
+pub fn prompt_logprobs_to_proto(entries: &[PromptLogprob]) -> Vec<pb::PromptLogprob> {
+    entries
+        .iter()
+        .map(|e| pb::PromptLogprob {
+            logprob: e.logprob,
+            rank: e.rank,
+            top_logprobs: e
+                .top_logprobs
+                .iter()
+                .map(|&(id, logprob)| pb::TopLogprob { id, logprob })
+                .collect(),
+        })
+        .collect()
 }
 
 /// Stop parameters from the wire; absent means the engine's defaults.
@@ -163,6 +181,7 @@ mod tests {
             top_logprobs: 4,
             guide: None,
             n: 3,
+            prompt_logprobs: Some(2),
         };
         assert_eq!(sampling_from_proto(Some(&sampling_to_proto(&s))), s);
         let unset = pb::SamplingParams::default();

@@ -46,6 +46,21 @@ pub struct SeqInput<'a> {
     pub block_table: &'a [u32],
     /// Whether to compute logits for the last token.
     pub logits: bool,
+    /// Whether to compute logits for every token (prompt logprobs); they come before the
+    /// last token's, which `logits` still governs.
+    pub all_logits: bool,
+}
+
+impl SeqInput<'_> {
+    /// Rows of logits the forward pass returns for this sequence, in position order.
+    pub fn logit_rows(&self) -> std::ops::Range<usize> {
+        let n = self.tokens.len();
+        match (self.all_logits, self.logits) {
+            (true, _) => 0..n,
+            (false, true) => n.saturating_sub(1)..n,
+            (false, false) => 0..0,
+        }
+    }
 }
 
 impl Model {

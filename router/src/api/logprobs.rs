@@ -8,11 +8,16 @@
 //! dictionaries hold the N most likely tokens and the sampled one, as OpenAI documents (up to
 //! N + 1 entries). Special tokens (an EOS that ends the text) are not reported, so the tokens
 //! concatenate to the returned text. Streaming sends each token's entry in its own chunk.
+//!
+//! Prompt logprobs (the raw model output, see `flow::PromptEntry`): with `echo` on
+//! completions, the prompt's tokens open the legacy object (the first with `null` logprob and
+//! alternatives, as OpenAI's); vLLM's `prompt_logprobs` is a list with `null` for the first
+//! token and then `{id: {logprob, rank, decoded_token}}` for the token and its alternatives.
 
 use serde::Serialize;
 use serde_json::{Map, Value};
 
-use crate::flow::TokenOut;
+use crate::flow::{PromptEntry, TokenOut};
 use crate::model::ServedModel;
 
 /// Which shape a request asked for.
@@ -44,8 +49,9 @@ pub struct ChatEntry {
 pub struct Logprobs {
     chat: Vec<ChatEntry>,
     tokens: Vec<String>,
-    token_logprobs: Vec<f32>,
-    top_logprobs: Vec<Map<String, Value>>,
+    /// `None` for the prompt's first token (nothing predicts it).
+    token_logprobs: Vec<Option<f32>>,
+    top_logprobs: Vec<Option<Map<String, Value>>>,
     text_offset: Vec<usize>,
 }
 
@@ -102,11 +108,62 @@ impl LogprobsBuilder {
                 into.text_offset.push(self.offset);
                 self.offset += text.chars().count();
                 into.tokens.push(text);
-                into.token_logprobs.push(finite(token.logprob));
-                into.top_logprobs.push(top);
+                into.token_logprobs.push(Some(finite(token.logprob)));
+                into.top_logprobs.push(Some(top));
             }
         }
     }
+
+    /// Appends the prompt's tokens (completions with `echo`): `entries[i]` is the logprob of
+    /// `prompt[i + 1]`; the first token has none.
+    pub fn push_prompt(
+        &mut self,
+        model: &ServedModel,
+        prompt: &[u32],
+        entries: &[PromptEntry],
+        into: &mut Logprobs,
+    ) {
+        for (i, &id) in prompt.iter().enumerate() {
+            let text = model.token_text(id);
+            let entry = i.checked_sub(1).and_then(|e| entries.get(e));
+            into.text_offset.push(self.offset);
+            self.offset += text.chars().count();
+            into.token_logprobs.push(entry.map(|e| finite(e.logprob)));
+            into.top_logprobs.push(entry.map(|e| {
+                let mut top = Map::new();
+                for &(alt, logprob) in &e.top_logprobs {
+                    top.entry(model.token_text(alt))
+                        .or_insert_with(|| Value::from(finite(logprob)));
+                }
+                top.entry(text.clone())
+                    .or_insert_with(|| Value::from(finite(e.logprob)));
+                top
+            }));
+            into.tokens.push(text);
+        }
+    }
+}
+
+/// vLLM's `prompt_logprobs`: `null` for the first token, then each token's entry keyed by id
+/// (its own, then its alternatives).
+pub fn vllm_prompt_logprobs(model: &ServedModel, prompt: &[u32], entries: &[PromptEntry]) -> Value {
+    let mut list = vec![Value::Null];
+    for (&id, e) in prompt.iter().skip(1).zip(entries) {
+        let mut map = Map::new();
+        map.insert(
+            id.to_string(),
+            serde_json::json!({"logprob": finite(e.logprob), "rank": e.rank,
+                               "decoded_token": model.token_text(id)}),
+        );
+        for (rank, &(alt, logprob)) in (1u32..).zip(&e.top_logprobs) {
+            map.entry(alt.to_string()).or_insert_with(|| {
+                serde_json::json!({"logprob": finite(logprob), "rank": rank,
+                                   "decoded_token": model.token_text(alt)})
+            });
+        }
+        list.push(Value::Object(map));
+    }
+    Value::Array(list)
 }
 
 impl Logprobs {
@@ -176,6 +233,36 @@ mod tests {
                 ]},
                 {"token": "i", "logprob": -9999.0, "bytes": [105], "top_logprobs": []},
             ]})
+        );
+    }
+
+    #[test]
+    fn echoed_prompts_open_the_legacy_object_and_vllm_lists_them_by_id() {
+        let m = model();
+        let prompt = [id(b'h'), id(b'i')];
+        let entries = [PromptEntry {
+            logprob: -3.0,
+            rank: 4,
+            top_logprobs: vec![(id(b'o'), -0.5)],
+        }];
+        let mut b = LogprobsBuilder::new(LogprobsShape::Completion);
+        let mut lp = Logprobs::default();
+        b.push_prompt(&m, &prompt, &entries, &mut lp);
+        b.push(&m, &token(id(b'!'), -1.0, &[], false), &mut lp);
+        assert_eq!(
+            lp.to_json(LogprobsShape::Completion),
+            serde_json::json!({
+                "tokens": ["h", "i", "!"], "token_logprobs": [null, -3.0, -1.0],
+                "top_logprobs": [null, {"o": -0.5, "i": -3.0}, {"!": -1.0}],
+                "text_offset": [0, 1, 2],
+            })
+        );
+        assert_eq!(
+            vllm_prompt_logprobs(&m, &prompt, &entries),
+            serde_json::json!([null, {
+                id(b'i').to_string(): {"logprob": -3.0, "rank": 4, "decoded_token": "i"},
+                id(b'o').to_string(): {"logprob": -0.5, "rank": 1, "decoded_token": "o"},
+            }])
         );
     }
 

@@ -10,9 +10,10 @@
 //! structured output (`response_format`, vLLM's `guided_*` and `structured_outputs`: see
 //! `structured`), `n` ≤ 16 choices and `best_of` (≥ `n`, not streamed: that many are
 //! generated and the `n` with the highest mean token logprob returned), the prompt prefilled
-//! once for all of them. Refused with a 400 naming the field (rather than silently
-//! ignored): vLLM's `prompt_logprobs` and `echo` with `logprobs` (no prompt
-//! logprobs), `guided_whitespace_pattern`, `suffix`, tools and a `tool_choice` or legacy
+//! once for all of them, and prompt logprobs: `echo` with `logprobs` on completions (the
+//! prompt's tokens open the legacy object), vLLM's `prompt_logprobs: N` (≤ 20, not streamed).
+//! Refused with a 400 naming the field (rather than silently ignored):
+//! `guided_whitespace_pattern`, `suffix`, tools and a `tool_choice` or legacy
 //! `functions`/`function_call` that asks for them, `stream_options` without `stream`,
 //! non-text content parts.
 //! Other unknown fields are ignored, as OpenAI clients send many (`user`, `metadata`…). A
@@ -82,13 +83,16 @@ pub struct SamplingFields {
     pub logprobs: Option<LogprobsShape>,
     pub top_logprobs: u32,
     pub guide: Option<Structured>,
+    /// vLLM's `prompt_logprobs`.
+    pub prompt_logprobs: Option<i64>,
+    /// Completions with `echo` and `logprobs: N`: the prompt's logprobs with N alternatives.
+    pub echo_logprobs: Option<u32>,
 }
 
 /// Moves the unimplemented fields out of a request struct that has them all.
 macro_rules! unimplemented_fields {
     ($body:expr) => {
         UnimplementedFields {
-            prompt_logprobs: $body.prompt_logprobs,
             guided_whitespace_pattern: $body.guided_whitespace_pattern,
             tool_choice: $body.tool_choice,
             functions: $body.functions,
@@ -134,6 +138,8 @@ macro_rules! sampling_fields {
             logprobs: None,
             top_logprobs: 0,
             guide: None,
+            prompt_logprobs: $body.prompt_logprobs,
+            echo_logprobs: None,
         }
     };
 }
@@ -165,7 +171,7 @@ pub struct CompletionRequest {
     pub logit_bias: Option<serde_json::Map<String, Value>>,
     pub response_format: Option<Value>,
     pub top_logprobs: Option<i64>,
-    pub prompt_logprobs: Option<Value>,
+    pub prompt_logprobs: Option<i64>,
     pub guided_json: Option<Value>,
     pub guided_regex: Option<Value>,
     pub guided_choice: Option<Value>,
@@ -211,7 +217,7 @@ pub struct ChatRequest {
     pub logit_bias: Option<serde_json::Map<String, Value>>,
     pub response_format: Option<Value>,
     pub top_logprobs: Option<i64>,
-    pub prompt_logprobs: Option<Value>,
+    pub prompt_logprobs: Option<i64>,
     pub guided_json: Option<Value>,
     pub guided_regex: Option<Value>,
     pub guided_choice: Option<Value>,
@@ -238,6 +244,10 @@ struct Params {
     include_usage: bool,
     /// Choices returned; `sampling.n` (best_of) are generated.
     choices: u32,
+    /// vLLM's `prompt_logprobs` field goes in the response.
+    vllm_prompt_logprobs: bool,
+    /// The prompt's tokens open the completion's legacy logprobs (`echo` + `logprobs`).
+    echo_logprobs: bool,
 }
 
 fn params(f: SamplingFields, model: &ServedModel) -> Result<Params, ApiError> {
@@ -254,6 +264,20 @@ fn params(f: SamplingFields, model: &ServedModel) -> Result<Params, ApiError> {
         .as_ref()
         .and_then(|o| o.include_usage)
         .unwrap_or(false);
+    let vllm_prompt_logprobs = match f.prompt_logprobs {
+        None => None,
+        Some(_) if stream => {
+            return Err(ApiError::invalid(
+                "prompt_logprobs",
+                "`prompt_logprobs` cannot be used with `stream`",
+            ));
+        }
+        Some(n) => Some(validate::top_logprobs(Some(n), "prompt_logprobs")?),
+    };
+    let prompt_logprobs = match (vllm_prompt_logprobs, f.echo_logprobs) {
+        (Some(a), Some(b)) => Some(a.max(b)),
+        (a, b) => a.or(b),
+    };
     let sampling = tandem_proto::v1::SamplingParams {
         presence_penalty: validate::openai_penalty(f.presence_penalty, "presence_penalty")?,
         frequency_penalty: validate::openai_penalty(f.frequency_penalty, "frequency_penalty")?,
@@ -261,6 +285,7 @@ fn params(f: SamplingFields, model: &ServedModel) -> Result<Params, ApiError> {
         top_logprobs: f.top_logprobs,
         guide: f.guide.as_ref().map(Structured::to_proto),
         n: best_of,
+        prompt_logprobs,
         ..validate::sampling(
             validate::temperature(f.temperature, 1.0)?,
             validate::top_p(f.top_p)?,
@@ -280,6 +305,8 @@ fn params(f: SamplingFields, model: &ServedModel) -> Result<Params, ApiError> {
         stream,
         include_usage,
         choices,
+        vllm_prompt_logprobs: vllm_prompt_logprobs.is_some(),
+        echo_logprobs: f.echo_logprobs.is_some(),
     })
 }
 
@@ -407,12 +434,6 @@ pub async fn completions(
         state.check_model_name(&model, body.model.as_deref())?;
         refuse_unimplemented(&unimplemented_fields!(body))?;
         let echo = body.echo == Some(true);
-        if echo && body.logprobs.is_some() {
-            return Err(validate::unsupported(
-                "echo",
-                "with `logprobs`: the prompt's logprobs are not computed",
-            ));
-        }
         if body.suffix.is_some() {
             return Err(validate::unsupported("suffix", "no insertion"));
         }
@@ -437,6 +458,7 @@ pub async fn completions(
                 logprobs: shape,
                 top_logprobs: top,
                 guide,
+                echo_logprobs: (echo && shape.is_some()).then_some(top),
                 ..sampling_fields!(body)
             },
             &model,
@@ -610,8 +632,17 @@ async fn respond(
         Kind::Completion => format!("cmpl-{}", req.request_id),
         Kind::Chat => format!("chatcmpl-{}", req.request_id),
     };
+    let prompt = if p.echo_logprobs || p.vllm_prompt_logprobs {
+        req.prompt.clone()
+    } else {
+        Vec::new()
+    };
     let pending = start(state, req, in_flight);
     let formatter = OpenAiFormatter {
+        prompt,
+        echo_logprobs: p.echo_logprobs,
+        vllm_prompt_logprobs: p.vllm_prompt_logprobs,
+        served: Arc::clone(model),
         kind,
         id,
         created: unix_now(),

@@ -14,7 +14,7 @@ use tandem_proto::v1::FinishReason;
 use super::Kind;
 use crate::api::CollectedAll;
 use crate::api::error::ApiError;
-use crate::api::logprobs::{Logprobs, LogprobsBuilder, LogprobsShape};
+use crate::api::logprobs::{Logprobs, LogprobsBuilder, LogprobsShape, vllm_prompt_logprobs};
 use crate::api::sse::{StreamFormatter, data_event};
 use crate::flow::{FinishOut, FlowEvent, Head, TokenOut, transport_name};
 use crate::model::ServedModel;
@@ -109,6 +109,14 @@ pub(super) struct OpenAiFormatter {
     pub(super) started: HashSet<u32>,
     /// Completions with `echo`: the prompt's text, sent before each choice's first token's.
     pub(super) echo: Option<String>,
+    /// The prompt's tokens, when its logprobs are reported (else empty).
+    pub(super) prompt: Vec<u32>,
+    /// Whether they open each choice's legacy logprobs (`echo` with `logprobs`).
+    pub(super) echo_logprobs: bool,
+    /// Whether the response carries vLLM's `prompt_logprobs`.
+    pub(super) vllm_prompt_logprobs: bool,
+    /// The model whose tokenizer names prompt tokens.
+    pub(super) served: Arc<ServedModel>,
     /// When the request asked for logprobs: their shape, a builder per choice, and the model
     /// whose tokenizer writes the tokens' text.
     pub(super) logprobs: Option<(
@@ -126,10 +134,18 @@ impl OpenAiFormatter {
         tokens: impl IntoIterator<Item = &'t TokenOut>,
     ) -> Option<Value> {
         let (shape, builders, model) = self.logprobs.as_mut()?;
-        let builder = builders
-            .entry(choice)
-            .or_insert_with(|| LogprobsBuilder::new(*shape));
         let mut out = Logprobs::default();
+        let builder = match builders.entry(choice) {
+            std::collections::hash_map::Entry::Occupied(b) => b.into_mut(),
+            std::collections::hash_map::Entry::Vacant(v) => {
+                let builder = v.insert(LogprobsBuilder::new(*shape));
+                if self.echo_logprobs {
+                    let entries = self.head.as_ref().map_or(&[][..], |h| &h.prompt_logprobs);
+                    builder.push_prompt(model, &self.prompt, entries, &mut out);
+                }
+                builder
+            }
+        };
         for token in tokens {
             builder.push(model, token, &mut out);
         }
@@ -290,14 +306,30 @@ impl OpenAiFormatter {
             Kind::Completion => "text_completion",
             Kind::Chat => "chat.completion",
         };
-        serde_json::json!({
+        let mut body = serde_json::json!({
             "id": self.id,
             "object": object,
             "created": self.created,
             "model": self.model,
             "choices": choices,
             "usage": usage,
-        })
+        });
+        if self.vllm_prompt_logprobs {
+            // vLLM puts them in each completion choice, and at the top of a chat response.
+            let entries = self.head.as_ref().map_or(&[][..], |h| &h.prompt_logprobs);
+            let list = vllm_prompt_logprobs(&self.served, &self.prompt, entries);
+            match self.kind {
+                Kind::Completion => {
+                    if let Some(choices) = body["choices"].as_array_mut() {
+                        for c in choices {
+                            c["prompt_logprobs"] = list.clone();
+                        }
+                    }
+                }
+                Kind::Chat => body["prompt_logprobs"] = list,
+            }
+        }
+        body
     }
 }
 

@@ -12,6 +12,7 @@ fn head(mode: RunMode) -> Head {
         kv_bytes: 4096,
         transport: (mode == RunMode::Disaggregated).then_some(Transport::Shm),
         fallback: None,
+        prompt_logprobs: Vec::new(),
     }
 }
 
@@ -27,6 +28,15 @@ fn formatter(kind: Kind, include_usage: bool, mode: RunMode) -> OpenAiFormatter 
         started: Default::default(),
         echo: None,
         logprobs: None,
+        prompt: Vec::new(),
+        echo_logprobs: false,
+        vllm_prompt_logprobs: false,
+        served: Arc::new(ServedModel::new(
+            "m",
+            100,
+            tandem_text::TextTokenizer::byte_level(),
+            None,
+        )),
     }
 }
 
@@ -239,12 +249,11 @@ fn unimplemented_fields_pass_only_when_they_ask_for_the_default() {
     for json in [
         serde_json::json!({}),
         serde_json::json!({"tool_choice": "none", "functions": [], "function_call": "auto",
-            "guided_whitespace_pattern": null, "prompt_logprobs": null}),
+            "guided_whitespace_pattern": null}),
     ] {
         assert_eq!(param_of(json.clone()), None, "{json}");
     }
     for (json, param) in [
-        (serde_json::json!({"prompt_logprobs": 0}), "prompt_logprobs"),
         (
             serde_json::json!({"guided_whitespace_pattern": "\\s*"}),
             "guided_whitespace_pattern",

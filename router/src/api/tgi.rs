@@ -11,8 +11,9 @@
 //! others in `details.best_of_sequences`. `top_n_tokens` adds each token's most
 //! likely alternatives (`details.top_tokens`, a stream event's `top_tokens`);
 //! `frequency_penalty` is OpenAI's; `grammar` (`json` with a schema, `regex`) constrains the
-//! output. Refused with a 422 naming the field: `return_full_text`, `typical_p` < 1,
-//! `watermark`, `decoder_input_details`, `adapter_id`. The event `index` counts tokens from 1, as TGI's does.
+//! output. `decoder_input_details` (not streamed, as TGI) fills `details.prefill` with the
+//! prompt's tokens and their logprobs (the first has none). Refused with a 422 naming the
+//! field: `return_full_text`, `typical_p` < 1, `watermark`, `adapter_id`. The event `index` counts tokens from 1, as TGI's does.
 //! `finish_reason` is `eos_token` when the last token is an EOS id, `stop_sequence` for any
 //! other stop, `length` at `max_new_tokens`.
 
@@ -76,6 +77,8 @@ pub struct TgiParameters {
 /// A validated, admitted TGI request, ready to start.
 struct Prepared {
     request: FlowRequest,
+    /// `decoder_input_details`: the prompt's tokens are reported.
+    prompt_details: bool,
     in_flight: InFlight,
     details: bool,
     seed: Option<u64>,
@@ -109,11 +112,6 @@ fn refuse_unsupported(p: &TgiParameters) -> Result<(), ApiError> {
             "no typical sampling",
         ),
         (p.watermark == Some(true), "watermark", "no watermarking"),
-        (
-            p.decoder_input_details == Some(true),
-            "decoder_input_details",
-            "no prompt details",
-        ),
         (p.adapter_id.is_some(), "adapter_id", "no LoRA adapters"),
     ];
     match checks.into_iter().find(|(bad, _, _)| *bad) {
@@ -137,6 +135,13 @@ async fn prepare(
         return Err(ApiError::invalid("inputs", "`inputs` must not be empty"));
     }
     let (_, best_of) = validate::n_and_best_of(None, p.best_of, stream)?;
+    let prompt_details = p.decoder_input_details == Some(true);
+    if prompt_details && stream {
+        return Err(ApiError::invalid(
+            "decoder_input_details",
+            "`decoder_input_details` cannot be used when streaming tokens",
+        ));
+    }
     strictly_positive(p.temperature, "temperature")?;
     if p.top_k.is_some_and(|k| k <= 0) {
         return Err(ApiError::invalid(
@@ -176,6 +181,7 @@ async fn prepare(
         top_logprobs: top_n,
         guide: guide.as_ref().map(structured::Structured::to_proto),
         n: best_of,
+        prompt_logprobs: prompt_details.then_some(0),
         ..validate::sampling(
             temperature,
             validate::top_p(p.top_p)?,
@@ -209,6 +215,7 @@ async fn prepare(
     )?;
     let ignore_eos = p.ignore_eos_token.unwrap_or(false);
     Ok(Prepared {
+        prompt_details,
         in_flight,
         request: FlowRequest {
             request_id: request_id.to_string(),
@@ -261,6 +268,11 @@ async fn generate_whole(
         }
     };
     let best_of = prepared.request.sampling.n;
+    let prompt = if prepared.prompt_details {
+        prepared.request.prompt.clone()
+    } else {
+        Vec::new()
+    };
     let started = match start(&state, prepared.request, prepared.in_flight)
         .head()
         .await
@@ -281,21 +293,34 @@ async fn generate_whole(
     let others: Vec<Collected> = ranked.collect();
     let (ignore_eos, eos, seed) = (prepared.ignore_eos, &prepared.eos_token_ids, prepared.seed);
     let top_n = (prepared.top_n > 0).then_some(&*prepared.model);
-    let sequence = |c| tgi_sequence(c, ignore_eos, eos, seed, top_n);
+    // The prompt's tokens: the first has no logprob (nothing predicts it).
+    let prefill: Vec<TgiInputToken> = prompt
+        .iter()
+        .enumerate()
+        .map(|(i, &id)| TgiInputToken {
+            id,
+            text: prepared.model.token_text(id),
+            logprob: i
+                .checked_sub(1)
+                .and_then(|e| head.prompt_logprobs.get(e))
+                .map(|e| e.logprob),
+        })
+        .collect();
+    let sequence = |c| tgi_sequence(c, ignore_eos, eos, seed, top_n, &prefill);
     fn tgi_sequence<'a>(
         c: &'a Collected,
         ignore_eos: bool,
         eos_token_ids: &[u32],
         seed: Option<u64>,
         top_n: Option<&ServedModel>,
+        prefill: &[TgiInputToken],
     ) -> TgiSequence<'a> {
         TgiSequence {
             finish_reason: tgi_finish_reason(&c.finish, c.last_token, ignore_eos, eos_token_ids),
             generated_tokens: c.finish.completion_tokens,
             // Sequence i samples with seed + i (TGI reports each sequence's seed).
             seed: seed.map(|s| s.wrapping_add(u64::from(c.generated_as))),
-            // The prompt's tokens come only with `decoder_input_details`, which is refused.
-            prefill: Vec::new(),
+            prefill: prefill.to_vec(),
             tokens: c
                 .tokens
                 .iter()
@@ -425,7 +450,7 @@ struct TgiSequence<'a> {
     finish_reason: &'static str,
     generated_tokens: u32,
     seed: Option<u64>,
-    prefill: Vec<TgiToken<'a>>,
+    prefill: Vec<TgiInputToken>,
     tokens: Vec<TgiToken<'a>>,
     #[serde(skip_serializing_if = "Option::is_none")]
     top_tokens: Option<Vec<Vec<TgiTopToken>>>,
@@ -467,6 +492,14 @@ struct TgiGenerateResponse<'a> {
     generated_text: &'a str,
     #[serde(skip_serializing_if = "Option::is_none")]
     details: Option<TgiDetails<'a>>,
+}
+
+/// One prompt token in `details.prefill` (TGI's `InputToken`).
+#[derive(Serialize, Clone)]
+struct TgiInputToken {
+    id: u32,
+    text: String,
+    logprob: Option<f32>,
 }
 
 #[derive(Serialize)]

@@ -521,7 +521,6 @@ mod tests {
 /// behaviour passes.
 #[derive(Debug, Default, Deserialize)]
 pub struct UnimplementedFields {
-    pub prompt_logprobs: Option<Value>,
     pub guided_whitespace_pattern: Option<Value>,
     pub tool_choice: Option<Value>,
     pub functions: Option<Value>,
@@ -535,12 +534,6 @@ pub fn refuse_unimplemented(f: &UnimplementedFields) -> Result<(), ApiError> {
         v.as_ref()
             .is_none_or(|v| v.is_null() || allowed.contains(v))
     };
-    if given(&f.prompt_logprobs) {
-        return Err(unsupported(
-            "prompt_logprobs",
-            "no log probabilities of prompt tokens",
-        ));
-    }
     if given(&f.guided_whitespace_pattern) {
         return Err(unsupported(
             "guided_whitespace_pattern",

@@ -397,3 +397,118 @@ async fn tgi_best_of_returns_the_other_sequences_in_the_details() {
     assert_eq!(others[0]["tokens"].as_array().unwrap().len(), 3);
     assert_eq!(decode.generate_calls()[0].sampling.as_ref().unwrap().n, 3);
 }
+
+#[tokio::test]
+async fn prompt_logprobs_in_every_api_shape() {
+    let (decode, prefill, _ds, _ps, router) = setup().await;
+    // Completions `echo` with `logprobs: 1`: the prompt's tokens open the legacy object (the
+    // fake prefill worker reports token i at -0.1 × i with its alternatives; one too many).
+    let r = post(
+        &router.url,
+        "/v1/completions",
+        json!({"prompt": "Hey", "max_tokens": 2, "echo": true, "logprobs": 1}),
+    )
+    .await;
+    assert_eq!(r.status(), 200);
+    let body: Value = r.json().await.unwrap();
+    let lp = &body["choices"][0]["logprobs"];
+    let tokens: Vec<&str> = lp["tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_str().unwrap())
+        .collect();
+    assert_eq!(&tokens[..3], &["H", "e", "y"], "{body}");
+    assert_eq!(tokens.len(), 5);
+    assert!(lp["token_logprobs"][0].is_null());
+    assert!(lp["top_logprobs"][0].is_null());
+    assert!((lp["token_logprobs"][2].as_f64().unwrap() + 0.2).abs() < 1e-6);
+    // One alternative (the fake's second is dropped) and the token itself.
+    assert_eq!(
+        lp["top_logprobs"][2].as_object().unwrap().len(),
+        2,
+        "{body}"
+    );
+    assert_eq!(lp["text_offset"], json!([0, 1, 2, 3, 4]));
+    let asked = prefill.calls()[0]
+        .sampling
+        .as_ref()
+        .unwrap()
+        .prompt_logprobs;
+    assert_eq!(asked, Some(1), "the prefill worker computes them");
+
+    // vLLM's prompt_logprobs on chat: a top-level list, null first, then keyed by token id.
+    let r = post(
+        &router.url,
+        "/v1/chat/completions",
+        json!({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "prompt_logprobs": 2}),
+    )
+    .await;
+    assert_eq!(r.status(), 200);
+    let body: Value = r.json().await.unwrap();
+    let list = body["prompt_logprobs"].as_array().unwrap();
+    assert!(list[0].is_null());
+    let second = list[1].as_object().unwrap();
+    assert_eq!(second.len(), 3, "own token and two alternatives: {body}");
+    assert!(
+        second
+            .values()
+            .any(|e| e["rank"] == 1 && e["logprob"].as_f64().unwrap() < -0.05)
+    );
+    let prompt_tokens = body["usage"]["prompt_tokens"].as_u64().unwrap() as usize;
+    assert_eq!(list.len(), prompt_tokens);
+
+    // Completions: in the choice. Streaming asks are refused.
+    let r = post(
+        &router.url,
+        "/v1/completions",
+        json!({"prompt": "Hey", "max_tokens": 2, "prompt_logprobs": 0}),
+    )
+    .await;
+    let body: Value = r.json().await.unwrap();
+    assert_eq!(
+        body["choices"][0]["prompt_logprobs"]
+            .as_array()
+            .unwrap()
+            .len(),
+        3
+    );
+    let r = post(
+        &router.url,
+        "/v1/completions",
+        json!({"prompt": "Hey", "prompt_logprobs": 1, "stream": true}),
+    )
+    .await;
+    assert_eq!(r.status(), 400);
+    let r = post(
+        &router.url,
+        "/v1/completions",
+        json!({"prompt": "Hey", "prompt_logprobs": 21}),
+    )
+    .await;
+    assert_eq!(r.status(), 400);
+
+    // TGI's decoder_input_details: details.prefill, the first token without a logprob.
+    let r = post(
+        &router.url,
+        "/generate",
+        json!({"inputs": "Hey", "parameters": {"max_new_tokens": 2, "details": true,
+               "decoder_input_details": true}}),
+    )
+    .await;
+    assert_eq!(r.status(), 200);
+    let body: Value = r.json().await.unwrap();
+    let prefill_tokens = body["details"]["prefill"].as_array().unwrap();
+    assert_eq!(prefill_tokens.len(), 3, "{body}");
+    assert_eq!(prefill_tokens[0]["text"], "H");
+    assert!(prefill_tokens[0]["logprob"].is_null());
+    assert!((prefill_tokens[1]["logprob"].as_f64().unwrap() + 0.1).abs() < 1e-6);
+    let r = post(
+        &router.url,
+        "/generate_stream",
+        json!({"inputs": "Hey", "parameters": {"decoder_input_details": true}}),
+    )
+    .await;
+    assert_eq!(r.status(), 422);
+    let _ = decode;
+}

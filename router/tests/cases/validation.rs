@@ -88,8 +88,8 @@ fn matrix() -> Vec<Case> {
         case("logit_bias key not an id", c, json!({"prompt": "Hi", "logit_bias": {"hello": 1}}), 400).param("logit_bias"),
         case("logit_bias over 100", c, json!({"prompt": "Hi", "logit_bias": {"5": 101}}), 400).param("logit_bias"),
         case("logit_bias not a number", c, json!({"prompt": "Hi", "logit_bias": {"5": "x"}}), 400).param("logit_bias"),
-        case("echo with logprobs", c, json!({"prompt": "Hi", "echo": true, "logprobs": 1}), 400).param("echo"),
-        case("prompt_logprobs", c, json!({"prompt": "Hi", "prompt_logprobs": 1}), 400).param("prompt_logprobs"),
+        case("prompt_logprobs streamed", c, json!({"prompt": "Hi", "prompt_logprobs": 1, "stream": true}), 400).param("prompt_logprobs"),
+        case("prompt_logprobs over 20", c, json!({"prompt": "Hi", "prompt_logprobs": 21}), 400).param("prompt_logprobs").says(&["20"]),
         case("response_format xml", chat, json!({"messages": user, "response_format": {"type": "xml"}}), 400)
             .param("response_format").says(&["xml"]),
         case("json_schema without a schema", c, json!({"prompt": "Hi", "response_format": {"type": "json_schema"}}), 400)

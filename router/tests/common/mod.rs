@@ -345,6 +345,11 @@ async fn run_generate(
                         .collect()
                 },
                 choice,
+                prompt_logprobs: if i == 0 && choice == 0 && !disaggregated {
+                    fake_prompt_logprobs(&req.prompt, req.sampling.as_ref())
+                } else {
+                    Vec::new()
+                },
             };
             if tx.send(event(Event::Token(token))).await.is_err() {
                 return;
@@ -513,8 +518,32 @@ impl PrefillService for FakePrefill {
             transport: dest.transport,
             first_top_logprobs: Vec::new(),
             other_choices: Vec::new(),
+            prompt_logprobs: fake_prompt_logprobs(&req.prompt, req.sampling.as_ref()),
         }))
     }
+}
+
+/// What the fakes report for prompt logprobs when asked: prompt token i (from 1) at
+/// -0.1 × i, rank i, and one alternative more than asked (id + k at -0.1 × i - k).
+pub fn fake_prompt_logprobs(
+    prompt: &[u32],
+    sampling: Option<&SamplingParams>,
+) -> Vec<PromptLogprob> {
+    let Some(k) = sampling.and_then(|s| s.prompt_logprobs) else {
+        return Vec::new();
+    };
+    (1..prompt.len())
+        .map(|i| PromptLogprob {
+            logprob: -0.1 * i as f32,
+            rank: i as u32,
+            top_logprobs: (1..=k + 1)
+                .map(|a| TopLogprob {
+                    id: prompt[i] + a,
+                    logprob: -0.1 * i as f32 - a as f32,
+                })
+                .collect(),
+        })
+        .collect()
 }
 
 // ---------------------------------------------------------------------------------------

@@ -15,7 +15,8 @@ use crate::model::{Model, SeqInput};
 impl Model {
     /// Runs one batch. Writes each token's K/V into the cache, calls `on_layer(l, cache)` when
     /// layer `l` is complete for the whole batch (so a transport can ship it while later
-    /// layers compute), and returns the last-token logits of every sequence that asked.
+    /// layers compute), and returns the logits rows every sequence asked for, in order
+    /// ([`SeqInput::logit_rows`]).
     pub fn forward(
         &self,
         cache: &mut KvCache,
@@ -214,8 +215,7 @@ impl Model {
         let wanted: Vec<usize> = attn_seqs
             .iter()
             .zip(seqs)
-            .filter(|(_, s)| s.logits)
-            .map(|(a, _)| a.q_row + a.q_len - 1)
+            .flat_map(|(a, s)| s.logit_rows().map(move |r| a.q_row + r))
             .collect();
         let mut last = vec![0f32; wanted.len() * h];
         for (dst, &row) in last.chunks_exact_mut(h).zip(&wanted) {

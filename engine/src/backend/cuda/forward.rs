@@ -211,9 +211,9 @@ fn describe_batch(
             b.positions.push((s.start_pos + i) as i32);
             b.token_seq.push(si as i32);
         }
-        if s.logits {
-            b.wanted.push((b.tokens.len() - 1) as i32);
-        }
+        let first_row = b.tokens.len() - s.tokens.len();
+        b.wanted
+            .extend(s.logit_rows().map(|r| (first_row + r) as i32));
     }
     Ok(b)
 }
@@ -266,7 +266,7 @@ fn add_in_place<D: LaunchDevice>(dev: &D, x: &mut D::F32, y: &D::F32, n: usize) 
 }
 
 /// Runs one batch (same contract as [`Model::forward`]): K/V of every token into `cache`
-/// (`cache_blocks` blocks per layer), last-token logits of every sequence that asked.
+/// (`cache_blocks` blocks per layer), the logits rows every sequence asked for, in order.
 /// `after_layer(l, cache)` runs once layer `l`'s work is queued (its KV written on the
 /// device's queue, not necessarily done): work it queues runs after that layer.
 #[allow(clippy::too_many_arguments)]
