@@ -226,3 +226,38 @@ fn choices_that_end_at_their_first_token_hold_no_blocks() {
     assert_eq!(choices, (0..6).collect::<Vec<_>>());
     assert_eq!(e.used_blocks(), 0);
 }
+
+#[test]
+fn a_choice_without_a_block_for_its_copy_recomputes_the_partial_block() {
+    let model = model();
+    let p = prompt(40);
+    // 40 tokens take 3 blocks (the last partial); one more is free: the first other choice
+    // gets its copy, the second recomputes its last 8 prompt tokens instead.
+    let mut e = engine(&model, blocks_for(40) + 1);
+    let mut sampling = sampled(3);
+    sampling.top_logprobs = 0;
+    let id = e.add_request(p.clone(), sampling.clone(), stop(6)).unwrap();
+    let outputs = e.run_to_completion(id).unwrap();
+    assert_eq!(e.used_blocks(), 0);
+    assert!(
+        e.stats().prefill_tokens > 40,
+        "some prompt tokens ran again: {:?}",
+        e.stats()
+    );
+    for (choice, tokens) in &by_choice(&outputs) {
+        let mut alone = engine(&model, 64);
+        let single = SamplingParams {
+            n: 1,
+            seed: sampling.seed.map(|s| s + u64::from(*choice)),
+            ..sampling.clone()
+        };
+        let sid = alone.add_request(p.clone(), single, stop(6)).unwrap();
+        let want: Vec<u32> = alone
+            .run_to_completion(sid)
+            .unwrap()
+            .iter()
+            .map(|o| o.token)
+            .collect();
+        assert_eq!(tokens, &want, "choice {choice}");
+    }
+}
