@@ -378,9 +378,9 @@ greedy = client.chat.completions.with_raw_response.create(
     extra_body=extra)
 mode = greedy.headers.get("x-tandem-mode")
 greedy = greedy.parse()
-def sampled(n, seed):
-    r = client.completions.create(model="tandem", prompt="Once upon a time", max_tokens=10, temperature=8.0,
-                                  seed=seed, n=n, extra_body=extra)
+def sampled(n, seed, temperature=8.0):
+    r = client.completions.create(model="tandem", prompt="Once upon a time", max_tokens=10,
+                                  temperature=temperature, seed=seed, n=n, extra_body=extra)
     return [c.text for c in sorted(r.choices, key=lambda c: c.index)]
 streamed = {}
 for chunk in client.completions.create(model="tandem", prompt="Once upon a time", max_tokens=10, temperature=8.0,
@@ -394,6 +394,7 @@ print(json.dumps({
     "mode": mode, "greedy": [c.message.content for c in greedy.choices],
     "greedy_index": [c.index for c in greedy.choices], "greedy_usage": greedy.usage.completion_tokens,
     "sampled": sampled(3, 5), "again": sampled(3, 5), "seed5": sampled(1, 5), "seed6": sampled(1, 6),
+    "t1": sampled(4, 11, 1.0), "t1_again": sampled(4, 11, 1.0),
     "streamed": [streamed[i] for i in sorted(streamed)],
     "best": [sum(c.logprobs.token_logprobs) / len(c.logprobs.token_logprobs) for c in best.choices],
     "best_index": [c.index for c in best.choices], "best_usage": best.usage.completion_tokens,
@@ -415,6 +416,8 @@ async fn n_and_best_of_through_the_clients() {
     assert_eq!(v["greedy_index"], serde_json::json!([0, 1, 2, 3]));
     assert_eq!(v["greedy_usage"], 32, "{v}");
     assert_eq!(v["sampled"], v["again"], "seeded choices reproduce");
+    assert_eq!(v["t1"], v["t1_again"], "at temperature 1 too");
+    assert_eq!(v["t1"].as_array().unwrap().len(), 4);
     assert_eq!(
         v["sampled"][0], v["seed5"][0],
         "choice 0 is the seed's request"
