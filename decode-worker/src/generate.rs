@@ -332,6 +332,7 @@ fn finished_event(o: &StepOutput, kv: KvReport) -> GenerateEvent {
             kv_wait_seconds: kv.wait_seconds,
             transport: kv.transport as i32,
             choice: o.choice,
+            cached_tokens: o.cached_tokens as u32,
         })),
     }
 }

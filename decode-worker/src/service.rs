@@ -256,7 +256,13 @@ impl DecodeWorker {
         use std::sync::atomic::Ordering::Relaxed;
         let pool = self.inner.engine.pool();
         let load = self.inner.engine.load();
+        let (prefix_query_tokens, prefix_hit_tokens, prefix_evictions, cached_blocks) =
+            self.inner.engine.prefix_counts();
         LoadReport {
+            prefix_query_tokens,
+            prefix_hit_tokens,
+            prefix_evictions,
+            cached_blocks,
             total_blocks: pool.total() as u32,
             free_blocks: pool.free_count() as u32,
             running: load.running.load(Relaxed) as u32,

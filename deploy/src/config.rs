@@ -145,6 +145,8 @@ pub struct WorkerSpec {
     pub kv_budget_mb: Option<usize>,
     pub max_batch_tokens: Option<usize>,
     pub max_running: Option<usize>,
+    /// Reuse the KV of prefixes computed before (default: on; see `--no-prefix-caching`).
+    pub prefix_caching: Option<bool>,
     /// GPU index (`CUDA_VISIBLE_DEVICES`).
     pub gpu: Option<u32>,
     /// Share of the GPU's SMs under MPS (`CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`, 1–100).

@@ -90,6 +90,9 @@ fn fill_worker(
     if let Some(v) = w.max_running {
         engine.max_running = v;
     }
+    if let Some(on) = w.prefix_caching {
+        engine.no_prefix_caching = !on;
+    }
     // Any GPU setting puts the worker's engine on the GPU (device 0 of what
     // CUDA_VISIBLE_DEVICES leaves it).
     if w.uses_gpu() {

@@ -15,6 +15,14 @@
 //! their own that share the prompt's full blocks (reference-counted in the pool) and get a
 //! copy of its last, partly filled block (copy on write: every choice writes its next token
 //! there). A backend that cannot copy blocks recomputes that block's few tokens instead.
+//!
+//! Prefix caching (on unless [`EngineConfig::prefix_caching`] is off; not for sliding-window
+//! models, nor on a GPU yet): every full block a sequence computes is named by its hash chain
+//! (`tandem_kv::prefix`); when its last holder lets go it stays cached in the pool and is
+//! evicted least recently used only when blocks are needed. A sequence being admitted looks
+//! its tokens up and starts computing at the first block not found (at least its last token
+//! always runs, for its logits); chunked prefill is unchanged. Batch invariance makes a
+//! cached block bit-identical to a recomputed one, so caching never changes the output.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
@@ -90,6 +98,8 @@ pub struct StepOutput {
     /// On choice 0's first token, when the request asked: one entry per prompt token from
     /// the second on (empty when the prompt ran elsewhere).
     pub prompt_logprobs: Vec<PromptLogprob>,
+    /// Prompt tokens whose KV came from the prefix cache when the prompt ran here.
+    pub cached_tokens: usize,
     /// Text this token completes (may be empty, never half a character).
     pub text: String,
     /// Set on the sequence's last token; its blocks are already free.
@@ -101,6 +111,9 @@ pub struct StepOutput {
 /// Engine sizing.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct EngineConfig {
+    /// Reuse the KV of full blocks whose prefix was computed before (see the module doc).
+    #[serde(default = "prefix_caching_default")]
+    pub prefix_caching: bool,
     /// Bytes of KV cache; the pool holds as many blocks as fit.
     pub kv_budget_bytes: usize,
     /// Tokens per forward pass (decode tokens plus prefill chunks).
@@ -112,9 +125,14 @@ pub struct EngineConfig {
     pub device: Device,
 }
 
+fn prefix_caching_default() -> bool {
+    true
+}
+
 impl Default for EngineConfig {
     fn default() -> Self {
         Self {
+            prefix_caching: true,
             kv_budget_bytes: 1 << 30,
             max_batch_tokens: 2048,
             max_running: 256,
@@ -147,6 +165,9 @@ pub struct EngineStats {
     pub prefill_tokens: u64,
     pub decode_tokens: u64,
     pub preemptions: u64,
+    /// Prompt tokens looked up in the prefix cache, and those found there (not computed).
+    pub prefix_query_tokens: u64,
+    pub prefix_hit_tokens: u64,
 }
 
 /// What a per-layer callback learns: which positions of which sequences now have this
@@ -182,6 +203,8 @@ pub struct Engine {
     eos: Vec<u32>,
     guides: GuideFactory,
     stats: EngineStats,
+    /// The salt of this cache's block names, when prefix caching is on.
+    prefix_salt: Option<tandem_kv::BlockHash>,
     /// Where the forward pass runs (`cache` is the KV itself on the CPU, staging on a GPU).
     backend: Box<dyn ComputeBackend>,
 }
@@ -227,7 +250,14 @@ impl Engine {
         let eos = tokenizer.info().eos_token_ids.clone();
         let guides = GuideFactory::new(&tokenizer);
         let backend = backend::for_device(&config.device, &model, cache.num_blocks())?;
+        // A sliding window frees blocks as it moves, and a GPU engine's host cache holds only
+        // the blocks a pass wrote (a prefill worker could not ship cached ones): no caching.
+        let prefix_salt = (config.prefix_caching
+            && model.config().kv_window().is_none()
+            && config.device == Device::Cpu)
+            .then(|| tandem_kv::prefix::salt(&cache.layout().hash()));
         Ok(Self {
+            prefix_salt,
             pool: SharedPool::new(cache.num_blocks()),
             model,
             tokenizer,
@@ -508,6 +538,9 @@ impl Engine {
             Sequence::new(id, prompt, sampling, stop, &self.eos, sampler).with_guide(guide);
         seq.computed = seq.prompt_len;
         seq.blocks = blocks;
+        // Only KV this engine computed is offered to other requests: a peer's KV serves the
+        // request it was sent for, and the blocks that follow it are named after it.
+        seq.cacheable = false;
         let mut firsts = firsts.into_iter();
         let own = firsts.next().ok_or(EngineError::EmptyPrompt)?;
         let mut outputs = Vec::with_capacity(seq.sampling.n);
@@ -730,7 +763,9 @@ impl Engine {
             } else {
                 self.stats.prefill_tokens += len as u64;
             }
+            let before = seq.computed;
             seq.computed += len;
+            Self::name_full_blocks(self.prefix_salt, &self.pool, seq, before);
             // Blocks every layer's window has left behind go back to the pool (the prefill
             // worker has shipped what the decode side needs during this pass).
             let first_needed = self
@@ -823,16 +858,20 @@ impl Engine {
             let Some(&id) = self.waiting.front() else {
                 break;
             };
+            self.reuse_cached_prefix(id);
             let seq = &self.seqs[&id];
             let len = chunk_len(seq.pending(), row_budget(seq, budget));
-            if len == 0 {
-                break;
-            }
             let needed = blocks_for(seq.computed + len).saturating_sub(seq.blocks.len());
-            if needed + watermark > self.pool().free_count() && !self.running.is_empty() {
-                break;
-            }
-            let Ok(new_blocks) = self.pool().allocate(needed) else {
+            let blocked = len == 0
+                || (needed + watermark > self.pool().free_count() && !self.running.is_empty());
+            let allocated = if blocked {
+                None
+            } else {
+                self.pool().allocate(needed).ok()
+            };
+            let Some(new_blocks) = allocated else {
+                // Not this step: the cached prefix goes back (still cached) until it is.
+                self.drop_cached_prefix(id);
                 break;
             };
             self.waiting.pop_front();
@@ -843,6 +882,77 @@ impl Engine {
             budget -= len;
         }
         plan
+    }
+
+    /// A waiting sequence that holds no blocks takes the longest cached prefix of its tokens
+    /// (leaving at least the last token to compute) and skips computing it.
+    fn reuse_cached_prefix(&mut self, id: SeqId) {
+        let Some(salt) = self.prefix_salt else {
+            return;
+        };
+        let Some(seq) = self.seqs.get_mut(&id) else {
+            return;
+        };
+        // Prompt logprobs need every prompt row computed.
+        if !seq.blocks.is_empty() || seq.computed > 0 || seq.wants_prompt_logprobs() {
+            return;
+        }
+        tandem_kv::prefix::extend_hashes(salt, &seq.tokens, &mut seq.block_names);
+        let usable = (seq.tokens.len() - 1) / BLOCK_SIZE;
+        let found = self
+            .pool
+            .lock()
+            .lookup(&seq.block_names[..usable.min(seq.block_names.len())]);
+        seq.computed = found.len() * BLOCK_SIZE;
+        seq.blocks = found;
+        if seq.generated() == 0 {
+            seq.cached_tokens = seq.computed;
+            self.stats.prefix_query_tokens += seq.prompt_len as u64;
+            self.stats.prefix_hit_tokens += seq.computed as u64;
+        }
+    }
+
+    /// Undoes [`Self::reuse_cached_prefix`] for a sequence that stays waiting.
+    fn drop_cached_prefix(&mut self, id: SeqId) {
+        let Some(seq) = self.seqs.get_mut(&id) else {
+            return;
+        };
+        if seq.computed > 0 && seq.computed == seq.blocks.len() * BLOCK_SIZE {
+            let blocks = std::mem::take(&mut seq.blocks);
+            if seq.generated() == 0 {
+                self.stats.prefix_query_tokens -= seq.prompt_len as u64;
+                self.stats.prefix_hit_tokens -= seq.computed as u64;
+            }
+            seq.computed = 0;
+            seq.cached_tokens = 0;
+            self.free_blocks_of(blocks);
+        }
+    }
+
+    /// Names the full blocks `seq` computed since `from` tokens, so later prompts find them.
+    fn name_full_blocks(
+        salt: Option<tandem_kv::BlockHash>,
+        pool: &SharedPool,
+        seq: &mut Sequence,
+        from: usize,
+    ) {
+        let Some(salt) = salt.filter(|_| seq.cacheable) else {
+            return;
+        };
+        let full = seq.computed / BLOCK_SIZE;
+        if full <= from / BLOCK_SIZE {
+            return;
+        }
+        tandem_kv::prefix::extend_hashes(salt, &seq.tokens[..seq.computed], &mut seq.block_names);
+        let mut pool = pool.lock();
+        for i in from / BLOCK_SIZE..full.min(seq.blocks.len()) {
+            let block = seq.blocks[i];
+            if block != FREED_BLOCK
+                && let Err(e) = pool.name(block, seq.block_names[i])
+            {
+                tracing::error!(error = %e, "naming a computed block failed");
+            }
+        }
     }
 
     /// Makes sure `id` has blocks for `tokens` tokens, preempting the youngest running

@@ -37,6 +37,13 @@ pub(crate) struct Sequence {
     pub prompt_logprobs: Vec<PromptLogprob>,
     /// Whether they went out (recomputing the prompt after a preemption does not redo them).
     pub prompt_logprobs_sent: bool,
+    /// The prefix-cache names of its full blocks so far (`tandem_kv::prefix`).
+    pub block_names: Vec<tandem_kv::BlockHash>,
+    /// Prompt tokens whose KV came from the prefix cache at admission.
+    pub cached_tokens: usize,
+    /// Whether its computed blocks join the prefix cache (not when its prompt's KV came
+    /// from a peer).
+    pub cacheable: bool,
 }
 
 impl Sequence {
@@ -72,6 +79,9 @@ impl Sequence {
             guide: None,
             prompt_logprobs: Vec::new(),
             prompt_logprobs_sent: false,
+            block_names: Vec::new(),
+            cached_tokens: 0,
+            cacheable: true,
         }
     }
 
@@ -97,6 +107,7 @@ impl Sequence {
         child.request = self.request;
         child.choice = choice;
         child.prompt_logprobs_sent = true;
+        child.cacheable = self.cacheable;
         child
     }
 
@@ -217,6 +228,7 @@ impl Sequence {
             request: self.request,
             choice: self.choice,
             prompt_logprobs,
+            cached_tokens: self.cached_tokens,
             token,
             logprob,
             top_logprobs,

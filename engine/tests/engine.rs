@@ -404,6 +404,7 @@ fn a_gpu_engine_without_a_gpu_is_a_clear_error() {
         max_batch_tokens: 256,
         max_running: 64,
         device: "cuda".parse().unwrap(),
+        prefix_caching: true,
     };
     match Engine::new(model.clone(), TextTokenizer::byte_level(), config) {
         Err(EngineError::Unsupported(why)) => assert!(

@@ -1,6 +1,7 @@
 //! tandem's KV cache as both the engine and the KV transports see it, and nothing else: what
 //! two peers must agree on before one writes into the other's blocks ([`KvLayout`], its
-//! dtypes and hash), the pool of fixed-size blocks ([`BlockPool`], [`SharedPool`]), the memory
+//! dtypes and hash), the pool of fixed-size blocks ([`BlockPool`], [`SharedPool`]) with the
+//! prefix cache's names for them ([`prefix`]), the memory
 //! that holds them ([`KvCache`] over private or shared-memory [`KvStorage`], and the
 //! shared-memory files' lifecycle in [`shm`]), and the geometry of a GPU engine's device pool
 //! ([`device`]) with the conversion between the two cache layouts ([`staging`]).
@@ -18,6 +19,7 @@ pub mod device;
 mod error;
 mod layout;
 mod pool;
+pub mod prefix;
 pub mod shm;
 pub mod staging;
 
@@ -26,6 +28,7 @@ pub use device::{CopyRun, DeviceKv, DevicePoolLayout, ExportedKv, KvLocation, pl
 pub use error::{KvError, Result};
 pub use layout::{KvDtype, KvLayout};
 pub use pool::{BlockPool, SharedPool};
+pub use prefix::BlockHash;
 
 /// Token slots per block.
 pub const BLOCK_SIZE: usize = 16;

@@ -1,20 +1,33 @@
 //! `BlockPool`: O(1) allocation and release of physical KV blocks from a free stack, with a
 //! reference count per block (the sequences of an `n > 1` request share their prompt's full
-//! blocks) so a double free or a foreign id is an error, not corruption; and
-//! [`SharedPool`], the same behind a mutex for an engine and the threads that reserve blocks
-//! for incoming KV.
+//! blocks, as do requests with a common prefix) so a double free or a foreign id is an error,
+//! not corruption; the prefix cache's bookkeeping (full blocks named by [`BlockHash`], kept
+//! when their last holder lets go and evicted least recently used only when blocks are
+//! needed); and [`SharedPool`], the same behind a mutex for an engine and the threads that
+//! reserve blocks for incoming KV.
 
+use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use crate::blocks_for;
 use crate::error::{KvError, Result};
+use crate::prefix::BlockHash;
 
-/// The free list of a KV cache's blocks.
+/// The blocks of a KV cache: free, held, or cached (named, held by nobody, evictable).
 #[derive(Debug, Clone)]
 pub struct BlockPool {
+    /// Blocks with no name and no holder.
     free: Vec<u32>,
-    /// Holders of each block (0: free).
+    /// Holders of each block (0: free or cached).
     refs: Vec<u32>,
+    /// The name of each block whose KV is a known prefix block.
+    names: Vec<Option<BlockHash>>,
+    by_name: HashMap<BlockHash, u32>,
+    /// Named blocks nobody holds, by when their last holder let go (oldest evicted first).
+    idle: BTreeMap<u64, u32>,
+    idle_since: Vec<u64>,
+    clock: u64,
+    evictions: u64,
 }
 
 impl BlockPool {
@@ -23,6 +36,12 @@ impl BlockPool {
         Self {
             free: (0..num_blocks as u32).rev().collect(),
             refs: vec![0; num_blocks],
+            names: vec![None; num_blocks],
+            by_name: HashMap::new(),
+            idle: BTreeMap::new(),
+            idle_since: vec![0; num_blocks],
+            clock: 0,
+            evictions: 0,
         }
     }
 
@@ -30,23 +49,47 @@ impl BlockPool {
         self.refs.len()
     }
 
+    /// Blocks an allocation may take: free ones, and cached ones nobody holds (evicted).
     pub fn free_count(&self) -> usize {
-        self.free.len()
+        self.free.len() + self.idle.len()
     }
 
     pub fn used_count(&self) -> usize {
         self.total() - self.free_count()
     }
 
-    /// Takes `n` blocks, or none at all when fewer are free.
+    /// Cached blocks nobody holds (counted as free).
+    pub fn cached_idle_count(&self) -> usize {
+        self.idle.len()
+    }
+
+    /// Named blocks, held or not.
+    pub fn named_count(&self) -> usize {
+        self.by_name.len()
+    }
+
+    /// Cached blocks evicted so far to make room.
+    pub fn evictions(&self) -> u64 {
+        self.evictions
+    }
+
+    /// Takes `n` blocks, or none at all when fewer are free: unnamed ones first, then the
+    /// least recently used cached ones (which lose their names).
     pub fn allocate(&mut self, n: usize) -> Result<Vec<u32>> {
-        if n > self.free.len() {
+        if n > self.free_count() {
             return Err(KvError::OutOfBlocks {
                 needed: n,
-                free: self.free.len(),
+                free: self.free_count(),
             });
         }
-        let blocks = self.free.split_off(self.free.len() - n);
+        let from_free = n.min(self.free.len());
+        let mut blocks = self.free.split_off(self.free.len() - from_free);
+        while blocks.len() < n {
+            match self.evict_one() {
+                Some(b) => blocks.push(b),
+                None => break,
+            }
+        }
         for &b in &blocks {
             self.refs[b as usize] = 1;
         }
@@ -55,12 +98,61 @@ impl BlockPool {
 
     /// One more block, for a sequence that grows during decode.
     pub fn allocate_one(&mut self) -> Result<u32> {
-        let b = self
-            .free
-            .pop()
-            .ok_or(KvError::OutOfBlocks { needed: 1, free: 0 })?;
+        let b = match self.free.pop() {
+            Some(b) => b,
+            None => self
+                .evict_one()
+                .ok_or(KvError::OutOfBlocks { needed: 1, free: 0 })?,
+        };
         self.refs[b as usize] = 1;
         Ok(b)
+    }
+
+    /// The least recently released cached block, unnamed.
+    fn evict_one(&mut self) -> Option<u32> {
+        let (_, b) = self.idle.pop_first()?;
+        if let Some(name) = self.names[b as usize].take() {
+            self.by_name.remove(&name);
+        }
+        self.evictions += 1;
+        Some(b)
+    }
+
+    /// The longest run of `names` (a prefix's block names, in order) that is cached: each
+    /// block found gets one more holder (the caller), and comes out of the eviction order.
+    pub fn lookup(&mut self, names: &[BlockHash]) -> Vec<u32> {
+        let mut found = Vec::new();
+        for name in names {
+            let Some(&b) = self.by_name.get(name) else {
+                break;
+            };
+            if self.refs[b as usize] == 0 {
+                self.idle.remove(&self.idle_since[b as usize]);
+            }
+            self.refs[b as usize] += 1;
+            found.push(b);
+        }
+        found
+    }
+
+    /// Names a held block whose KV is now complete and will not change (a full block of a
+    /// sequence). A name another block already has, or a block already named, stays as it is.
+    pub fn name(&mut self, block: u32, name: BlockHash) -> Result<()> {
+        if !self.is_allocated(block) {
+            return Err(KvError::InvalidKv(format!(
+                "block {block} named but not allocated"
+            )));
+        }
+        if self.names[block as usize].is_none() && !self.by_name.contains_key(&name) {
+            self.names[block as usize] = Some(name);
+            self.by_name.insert(name, block);
+        }
+        Ok(())
+    }
+
+    /// Whether a block with this name is cached (held or not).
+    pub fn is_cached(&self, name: &BlockHash) -> bool {
+        self.by_name.contains_key(name)
     }
 
     /// One more holder for each of `blocks` (all allocated, or nothing changes): a sequence
@@ -97,7 +189,15 @@ impl BlockPool {
         for &b in blocks {
             let refs = &mut self.refs[b as usize];
             *refs -= 1;
-            if *refs == 0 {
+            if *refs > 0 {
+                continue;
+            }
+            if self.names[b as usize].is_some() {
+                // Kept for a later prompt with the same prefix, until the space is needed.
+                self.clock += 1;
+                self.idle_since[b as usize] = self.clock;
+                self.idle.insert(self.clock, b);
+            } else {
                 self.free.push(b);
             }
         }
@@ -164,6 +264,12 @@ impl SharedPool {
     pub fn used_count(&self) -> usize {
         self.lock().used_count()
     }
+
+    /// The prefix cache's `(evictions so far, named blocks now)`.
+    pub fn cache_counts(&self) -> (u64, usize) {
+        let pool = self.lock();
+        (pool.evictions(), pool.named_count())
+    }
 }
 
 #[cfg(test)]
@@ -197,6 +303,45 @@ mod tests {
         let b = pool.allocate(2).unwrap();
         assert!(pool.release(&[b[0], b[0]]).is_err());
         assert_eq!(pool.used_count(), 2, "a rejected release frees nothing");
+    }
+
+    #[test]
+    fn named_blocks_stay_cached_until_their_space_is_needed_oldest_first() {
+        let mut pool = BlockPool::new(4);
+        let a = pool.allocate(3).unwrap();
+        pool.name(a[0], 10).unwrap();
+        pool.name(a[1], 11).unwrap();
+        pool.name(a[2], 10).unwrap(); // a name already taken stays with its block
+        assert!(pool.name(3, 12).is_err(), "block 3 is free");
+        pool.release(&[a[1]]).unwrap();
+        pool.release(&[a[0]]).unwrap();
+        pool.release(&[a[2]]).unwrap();
+        assert_eq!((pool.free_count(), pool.cached_idle_count()), (4, 2));
+        // A lookup holds the cached run and stops at the first miss.
+        assert_eq!(pool.lookup(&[10, 11, 12]), vec![a[0], a[1]]);
+        assert_eq!(pool.lookup(&[11]), vec![a[1]], "held twice now");
+        assert_eq!(pool.free_count(), 2);
+        pool.release(&[a[0], a[1]]).unwrap();
+        pool.release(&[a[1]]).unwrap();
+        // Needing every block evicts the cached ones, the least recently released first.
+        let all = pool.allocate(4).unwrap();
+        assert_eq!(all.len(), 4);
+        assert_eq!(pool.evictions(), 2);
+        assert!(pool.lookup(&[10]).is_empty() && pool.lookup(&[11]).is_empty());
+        assert!(pool.allocate_one().is_err());
+        pool.release(&all).unwrap();
+        let mut pool = BlockPool::new(2);
+        let b = pool.allocate(2).unwrap();
+        pool.name(b[0], 1).unwrap();
+        pool.name(b[1], 2).unwrap();
+        pool.release(&[b[1]]).unwrap();
+        pool.release(&[b[0]]).unwrap();
+        assert_eq!(
+            pool.allocate_one().unwrap(),
+            b[1],
+            "released first, evicted first"
+        );
+        assert!(pool.is_cached(&1) && !pool.is_cached(&2));
     }
 
     #[test]

@@ -157,7 +157,13 @@ impl PrefillWorker {
         use std::sync::atomic::Ordering::Relaxed;
         let pool = self.inner.engine.pool();
         let load = self.inner.engine.load();
+        let (prefix_query_tokens, prefix_hit_tokens, prefix_evictions, cached_blocks) =
+            self.inner.engine.prefix_counts();
         LoadReport {
+            prefix_query_tokens,
+            prefix_hit_tokens,
+            prefix_evictions,
+            cached_blocks,
             total_blocks: pool.total() as u32,
             free_blocks: pool.free_count() as u32,
             running: load.running.load(Relaxed) as u32,
@@ -306,6 +312,7 @@ async fn prefill(inner: &Inner, req: PrefillRequest) -> Result<PrefillResponse, 
                 first_top_logprobs: top_logprobs_to_proto(&output.top_logprobs),
                 other_choices,
                 prompt_logprobs: prompt_logprobs_to_proto(&output.prompt_logprobs),
+                cached_tokens: output.cached_tokens as u32,
                 kv_bytes: stats.bytes,
                 transfer_seconds: stats.seconds,
                 compute_seconds,

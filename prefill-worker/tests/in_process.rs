@@ -1,6 +1,7 @@
 //! The prefill worker run in-process through [`serve`] (the tiny model), sending into a
 //! decode-side lease table that a KV-only decode service answers for: the KV it ships over
-//! gRPC and raw TCP is the KV a local engine computes, committed with the greedy first token;
+//! gRPC and raw TCP is the KV a local engine computes, committed with the greedy first token
+//! (also when the prompt's prefix came from the worker's prefix cache);
 //! a lease that ended is refused without failing the worker, and its blocks come back; a
 //! decode service that cannot prove the deployment's secret gets nothing.
 
@@ -159,6 +160,9 @@ async fn shipped_kv_is_the_computed_kv_committed_with_the_first_token() {
             .unwrap_or_else(|e| panic!("{transport:?}: {e}"))
             .into_inner();
         assert_eq!(resp.first_token, first, "{transport:?}");
+        // The second time, the prompt's two full blocks before its last token come from the
+        // prefix cache: not computed, but shipped all the same.
+        assert_eq!(resp.cached_tokens, 32 * i as u32, "{transport:?}");
         let commit = committed
             .try_recv()
             .expect("the lease was committed")

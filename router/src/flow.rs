@@ -95,6 +95,8 @@ pub struct Head {
     /// When the request asked for prompt logprobs: one entry per prompt token from the
     /// second on (from the prefill worker's answer, or the first token aggregated).
     pub prompt_logprobs: Vec<PromptEntry>,
+    /// Disaggregated: prompt tokens the prefill worker found in its prefix cache.
+    pub cached_tokens: u32,
 }
 
 /// One prompt token's logprob given the tokens before it (see `tandem-engine`'s
@@ -175,6 +177,8 @@ pub struct FinishOut {
     pub total_completion_tokens: u32,
     pub kv_bytes: u64,
     pub transport: Option<Transport>,
+    /// Prompt tokens whose KV came from a prefix cache (not computed).
+    pub cached_tokens: u32,
 }
 
 /// What the HTTP layer receives after the head.
@@ -607,6 +611,7 @@ async fn run_aggregated(
             transport: None,
             fallback,
             prompt_logprobs,
+            cached_tokens: 0,
         },
         stream,
         decode: Arc::clone(decode),
@@ -748,6 +753,7 @@ async fn run_disaggregated(
             transport: Some(transport),
             fallback: None,
             prompt_logprobs,
+            cached_tokens: answer.cached_tokens.min(req.prompt.len() as u32),
         },
         stream,
         decode: Arc::clone(decode),
@@ -899,5 +905,9 @@ fn finish_out(head: &Head, f: &Finished) -> FinishOut {
             f.kv_bytes
         },
         transport: head.transport,
+        cached_tokens: match head.mode {
+            RunMode::Disaggregated => head.cached_tokens,
+            RunMode::Aggregated => f.cached_tokens.min(f.prompt_tokens),
+        },
     }
 }

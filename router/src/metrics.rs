@@ -40,6 +40,12 @@ pub const WORKER_KV_BLOCKS_IN_USE: &str = "tandem_router_worker_kv_blocks_in_use
 pub const WORKER_KV_BLOCKS_TOTAL: &str = "tandem_router_worker_kv_blocks_total";
 /// Prompt tokens queued on a prefill worker, by `worker` (from GetLoad).
 pub const WORKER_QUEUED_PREFILL_TOKENS: &str = "tandem_router_worker_queued_prefill_tokens";
+/// Per worker, from its load reports: its prefix cache's prompt tokens looked up and found,
+/// blocks evicted, and blocks cached now.
+pub const WORKER_PREFIX_QUERY_TOKENS: &str = "tandem_router_worker_prefix_query_tokens_total";
+pub const WORKER_PREFIX_HIT_TOKENS: &str = "tandem_router_worker_prefix_hit_tokens_total";
+pub const WORKER_PREFIX_EVICTIONS: &str = "tandem_router_worker_prefix_evictions_total";
+pub const WORKER_CACHED_BLOCKS: &str = "tandem_router_worker_cached_blocks";
 /// Workers in the pool, by `role`: listed URLs plus the addresses DNS entries resolve to
 /// now, each distinct URL counted once, healthy or not.
 pub const DISCOVERED_WORKERS: &str = "tandem_router_discovered_workers";
@@ -133,6 +139,9 @@ pub struct WorkerSamples {
     pub kv_blocks: Option<(u32, u32)>,
     /// Prefill workers, once they have reported their load.
     pub queued_prefill_tokens: Option<u64>,
+    /// The prefix cache's `(query tokens, hit tokens, evictions, cached blocks)`, once the
+    /// worker has reported its load.
+    pub prefix: Option<(u64, u64, u64, u32)>,
 }
 
 /// Escapes a label value for the Prometheus text format.
@@ -151,29 +160,59 @@ fn label_value(v: &str) -> String {
 pub fn render_worker_families(samples: &[WorkerSamples]) -> String {
     use std::fmt::Write;
     type Value = fn(&WorkerSamples) -> Option<String>;
-    let families: [(&str, &str, Value); 4] = [
+    let families: [(&str, &str, &str, Value); 8] = [
         (
             WORKER_HEALTHY,
             "1 if the worker is healthy and routable",
+            "gauge",
             |s| Some(u8::from(s.healthy).to_string()),
         ),
         (
             WORKER_KV_BLOCKS_IN_USE,
             "KV blocks in use on the worker",
+            "gauge",
             |s| s.kv_blocks.map(|(_, used)| used.to_string()),
         ),
-        (WORKER_KV_BLOCKS_TOTAL, "KV blocks on the worker", |s| {
-            s.kv_blocks.map(|(total, _)| total.to_string())
-        }),
+        (
+            WORKER_KV_BLOCKS_TOTAL,
+            "KV blocks on the worker",
+            "gauge",
+            |s| s.kv_blocks.map(|(total, _)| total.to_string()),
+        ),
         (
             WORKER_QUEUED_PREFILL_TOKENS,
             "Prompt tokens queued on the worker",
+            "gauge",
             |s| s.queued_prefill_tokens.map(|n| n.to_string()),
+        ),
+        (
+            WORKER_PREFIX_QUERY_TOKENS,
+            "Prompt tokens the worker looked up in its prefix cache",
+            "counter",
+            |s| s.prefix.map(|p| p.0.to_string()),
+        ),
+        (
+            WORKER_PREFIX_HIT_TOKENS,
+            "Prompt tokens the worker found in its prefix cache (not computed)",
+            "counter",
+            |s| s.prefix.map(|p| p.1.to_string()),
+        ),
+        (
+            WORKER_PREFIX_EVICTIONS,
+            "Cached KV blocks the worker evicted to make room",
+            "counter",
+            |s| s.prefix.map(|p| p.2.to_string()),
+        ),
+        (
+            WORKER_CACHED_BLOCKS,
+            "KV blocks in the worker's prefix cache",
+            "gauge",
+            |s| s.prefix.map(|p| p.3.to_string()),
         ),
     ];
     let mut out = String::new();
-    for (name, help, value) in families {
-        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge");
+    for (name, help, kind, value) in families {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
         for s in samples {
             if let Some(v) = value(s) {
                 let _ = writeln!(
@@ -202,6 +241,7 @@ mod tests {
                 healthy: true,
                 kv_blocks: Some((64, 4)),
                 queued_prefill_tokens: None,
+                prefix: Some((100, 32, 1, 5)),
             },
             WorkerSamples {
                 worker: "http://p\"q".into(),
@@ -209,6 +249,7 @@ mod tests {
                 healthy: false,
                 kv_blocks: None,
                 queued_prefill_tokens: None,
+                prefix: None,
             },
         ];
         let text = render_worker_families(&samples);
@@ -228,6 +269,22 @@ tandem_router_worker_kv_blocks_total{worker=\"http://10.0.0.1:7201\",role=\"deco
 
 # HELP tandem_router_worker_queued_prefill_tokens Prompt tokens queued on the worker
 # TYPE tandem_router_worker_queued_prefill_tokens gauge
+
+# HELP tandem_router_worker_prefix_query_tokens_total Prompt tokens the worker looked up in its prefix cache
+# TYPE tandem_router_worker_prefix_query_tokens_total counter
+tandem_router_worker_prefix_query_tokens_total{worker=\"http://10.0.0.1:7201\",role=\"decode\"} 100
+
+# HELP tandem_router_worker_prefix_hit_tokens_total Prompt tokens the worker found in its prefix cache (not computed)
+# TYPE tandem_router_worker_prefix_hit_tokens_total counter
+tandem_router_worker_prefix_hit_tokens_total{worker=\"http://10.0.0.1:7201\",role=\"decode\"} 32
+
+# HELP tandem_router_worker_prefix_evictions_total Cached KV blocks the worker evicted to make room
+# TYPE tandem_router_worker_prefix_evictions_total counter
+tandem_router_worker_prefix_evictions_total{worker=\"http://10.0.0.1:7201\",role=\"decode\"} 1
+
+# HELP tandem_router_worker_cached_blocks KV blocks in the worker's prefix cache
+# TYPE tandem_router_worker_cached_blocks gauge
+tandem_router_worker_cached_blocks{worker=\"http://10.0.0.1:7201\",role=\"decode\"} 5
 
 ";
         assert_eq!(text, expected);

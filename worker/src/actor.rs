@@ -93,6 +93,9 @@ pub struct LoadSnapshot {
     pub queued_prefill_tokens: AtomicU64,
     pub steps: AtomicU64,
     pub preemptions: AtomicU64,
+    /// The prefix cache: prompt tokens looked up, and found.
+    pub prefix_query_tokens: AtomicU64,
+    pub prefix_hit_tokens: AtomicU64,
 }
 
 /// A cheap, cloneable way to reach the engine thread.
@@ -195,6 +198,18 @@ impl EngineHandle {
     pub fn load(&self) -> &LoadSnapshot {
         &self.load
     }
+
+    /// The prefix cache's counters for a load report: `(prompt tokens looked up, found,
+    /// blocks evicted, blocks cached now)`.
+    pub fn prefix_counts(&self) -> (u64, u64, u64, u32) {
+        let (evictions, cached) = self.pool.cache_counts();
+        (
+            self.load.prefix_query_tokens.load(Ordering::Relaxed),
+            self.load.prefix_hit_tokens.load(Ordering::Relaxed),
+            evictions,
+            u32::try_from(cached).unwrap_or(u32::MAX),
+        )
+    }
 }
 
 struct Entry {
@@ -210,6 +225,9 @@ struct Entry {
     kv_error: Option<String>,
     added: Instant,
     first_run: Option<Instant>,
+    /// The step in which its first chunk ran: that step also ships the prompt's blocks
+    /// before the chunk (a prefix the engine found cached and did not compute).
+    first_step: Option<u64>,
 }
 
 /// Starts the engine thread. It ends when every handle is dropped.
@@ -265,6 +283,7 @@ fn run(mut engine: Engine, rx: mpsc::Receiver<Command>, load: &LoadSnapshot) {
                 .values()
                 .any(|e| e.kv.as_ref().is_some_and(|kv| !kv.reads_device())),
         );
+        let step = engine.stats().steps;
         let result =
             engine.step_with(&mut |layer: usize, cache: &KvCache, chunks: &[ChunkInfo]| {
                 for chunk in chunks {
@@ -279,10 +298,17 @@ fn run(mut engine: Engine, rx: mpsc::Receiver<Command>, load: &LoadSnapshot) {
                     let Some(kv) = entry.kv.as_mut() else {
                         continue;
                     };
-                    // Logical blocks the decode side reads, numbered as its lease numbers them.
+                    // Logical blocks the decode side reads, numbered as its lease numbers them:
+                    // this chunk's, and with the first chunk every block before it (a cached
+                    // prefix the engine did not compute).
                     let first = entry.kv_first;
-                    let shipped = chunk
-                        .logical_blocks()
+                    let blocks = chunk.logical_blocks();
+                    let from = if *entry.first_step.get_or_insert(step) == step {
+                        0
+                    } else {
+                        blocks.start
+                    };
+                    let shipped = (from..blocks.end)
                         .filter(|&lb| lb >= first)
                         .map(|lb| ((lb - first) as u32, chunk.blocks[lb]));
                     if kv.reads_device() {
@@ -380,6 +406,7 @@ fn handle_command(engine: &mut Engine, entries: &mut HashMap<SeqId, Entry>, cmd:
                         kv_error: None,
                         added: Instant::now(),
                         first_run: None,
+                        first_step: None,
                     },
                 );
             }
@@ -423,6 +450,7 @@ fn handle_command(engine: &mut Engine, entries: &mut HashMap<SeqId, Entry>, cmd:
                             kv_error: None,
                             added: Instant::now(),
                             first_run: None,
+                            first_step: None,
                         },
                     );
                 }
@@ -497,6 +525,10 @@ fn publish(engine: &Engine, load: &LoadSnapshot) {
     load.steps.store(engine.stats().steps, Ordering::Relaxed);
     load.preemptions
         .store(engine.stats().preemptions, Ordering::Relaxed);
+    load.prefix_query_tokens
+        .store(engine.stats().prefix_query_tokens, Ordering::Relaxed);
+    load.prefix_hit_tokens
+        .store(engine.stats().prefix_hit_tokens, Ordering::Relaxed);
 }
 
 #[cfg(test)]

@@ -84,6 +84,7 @@ pub fn engine_config(args: &EngineArgs) -> Result<EngineConfig, String> {
         kv_budget_bytes: args.kv_budget_mb << 20,
         max_batch_tokens: args.max_batch_tokens,
         max_running: args.max_running,
+        prefix_caching: !args.no_prefix_caching,
         device,
     })
 }

@@ -26,6 +26,13 @@ pub struct TandemUsage {
     pub kv_bytes: u64,
     pub transport: Option<&'static str>,
     pub fallback_reason: Option<&'static str>,
+    /// Prompt tokens whose KV came from a worker's prefix cache.
+    pub cached_tokens: u32,
+}
+
+#[derive(Debug, Serialize)]
+struct PromptTokensDetails {
+    cached_tokens: u32,
 }
 
 #[derive(Debug, Serialize)]
@@ -33,6 +40,7 @@ struct Usage {
     prompt_tokens: u32,
     completion_tokens: u32,
     total_tokens: u32,
+    prompt_tokens_details: PromptTokensDetails,
     tandem: TandemUsage,
 }
 
@@ -162,6 +170,7 @@ impl OpenAiFormatter {
                 .as_ref()
                 .and_then(|h| h.fallback)
                 .map(|r| r.as_str()),
+            cached_tokens: f.cached_tokens,
         }
     }
 
@@ -175,6 +184,9 @@ impl OpenAiFormatter {
             prompt_tokens: prompt,
             completion_tokens: f.total_completion_tokens,
             total_tokens: prompt.saturating_add(f.total_completion_tokens),
+            prompt_tokens_details: PromptTokensDetails {
+                cached_tokens: f.cached_tokens,
+            },
             tandem: self.tandem(f),
         }
     }

@@ -13,6 +13,7 @@ fn head(mode: RunMode) -> Head {
         transport: (mode == RunMode::Disaggregated).then_some(Transport::Shm),
         fallback: None,
         prompt_logprobs: Vec::new(),
+        cached_tokens: 0,
     }
 }
 
@@ -62,6 +63,7 @@ fn finish(reason: FinishReason, kv_bytes: u64, transport: Option<Transport>) -> 
         total_completion_tokens: 2,
         kv_bytes,
         transport,
+        cached_tokens: 3,
     }
 }
 
@@ -95,7 +97,7 @@ fn completion_stream_with_usage_golden() {
     assert_eq!(
         b,
         "data: {\"id\":\"cmpl-ID\",\"object\":\"text_completion\",\"created\":1700000000,\"model\":\"m\",\"choices\":[{\"index\":0,\"text\":\"lo\",\"logprobs\":null,\"finish_reason\":\"length\"}],\"usage\":null}\n\n\
-         data: {\"id\":\"cmpl-ID\",\"object\":\"text_completion\",\"created\":1700000000,\"model\":\"m\",\"choices\":[],\"usage\":{\"prompt_tokens\":5,\"completion_tokens\":2,\"total_tokens\":7,\"tandem\":{\"mode\":\"disaggregated\",\"kv_bytes\":4096,\"transport\":\"shm\",\"fallback_reason\":null}}}\n\n\
+         data: {\"id\":\"cmpl-ID\",\"object\":\"text_completion\",\"created\":1700000000,\"model\":\"m\",\"choices\":[],\"usage\":{\"prompt_tokens\":5,\"completion_tokens\":2,\"total_tokens\":7,\"prompt_tokens_details\":{\"cached_tokens\":3},\"tandem\":{\"mode\":\"disaggregated\",\"kv_bytes\":4096,\"transport\":\"shm\",\"fallback_reason\":null,\"cached_tokens\":3}}}\n\n\
          data: [DONE]\n\n"
     );
 }
@@ -113,7 +115,7 @@ fn completion_stream_without_usage_puts_tandem_on_the_final_chunk() {
     assert!(done);
     assert_eq!(
         b,
-        "data: {\"id\":\"cmpl-ID\",\"object\":\"text_completion\",\"created\":1700000000,\"model\":\"m\",\"choices\":[{\"index\":0,\"text\":\"\",\"logprobs\":null,\"finish_reason\":\"stop\"}],\"tandem\":{\"mode\":\"aggregated\",\"kv_bytes\":0,\"transport\":null,\"fallback_reason\":\"no_prefill_worker\"}}\n\n\
+        "data: {\"id\":\"cmpl-ID\",\"object\":\"text_completion\",\"created\":1700000000,\"model\":\"m\",\"choices\":[{\"index\":0,\"text\":\"\",\"logprobs\":null,\"finish_reason\":\"stop\"}],\"tandem\":{\"mode\":\"aggregated\",\"kv_bytes\":0,\"transport\":null,\"fallback_reason\":\"no_prefill_worker\",\"cached_tokens\":3}}\n\n\
          data: [DONE]\n\n"
     );
 }
@@ -157,7 +159,7 @@ fn full_responses_golden() {
     ));
     assert_eq!(
         body.to_string(),
-        r#"{"id":"cmpl-ID","object":"text_completion","created":1700000000,"model":"m","choices":[{"index":0,"text":"Hello","logprobs":null,"finish_reason":"length"}],"usage":{"prompt_tokens":5,"completion_tokens":2,"total_tokens":7,"tandem":{"mode":"disaggregated","kv_bytes":4096,"transport":"shm","fallback_reason":null}}}"#
+        r#"{"id":"cmpl-ID","object":"text_completion","created":1700000000,"model":"m","choices":[{"index":0,"text":"Hello","logprobs":null,"finish_reason":"length"}],"usage":{"prompt_tokens":5,"completion_tokens":2,"total_tokens":7,"prompt_tokens_details":{"cached_tokens":3},"tandem":{"mode":"disaggregated","kv_bytes":4096,"transport":"shm","fallback_reason":null,"cached_tokens":3}}}"#
     );
     let mut chat = formatter(Kind::Chat, false, RunMode::Aggregated);
     chat.id = "chatcmpl-ID".into();

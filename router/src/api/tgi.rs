@@ -644,6 +644,7 @@ mod tests {
             total_completion_tokens: n,
             kv_bytes: 0,
             transport: Some(Transport::Shm),
+            cached_tokens: 0,
         }
     }
 

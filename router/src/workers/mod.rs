@@ -224,6 +224,14 @@ impl Worker {
             queued_prefill_tokens: load
                 .filter(|_| self.role == WorkerRole::Prefill)
                 .map(|l| l.queued_prefill_tokens),
+            prefix: load.map(|l| {
+                (
+                    l.prefix_query_tokens,
+                    l.prefix_hit_tokens,
+                    l.prefix_evictions,
+                    l.cached_blocks,
+                )
+            }),
         })
     }
 

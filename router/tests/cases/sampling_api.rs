@@ -512,3 +512,38 @@ async fn prompt_logprobs_in_every_api_shape() {
     assert_eq!(r.status(), 422);
     let _ = decode;
 }
+
+#[tokio::test]
+async fn cached_prompt_tokens_are_reported_in_the_usage() {
+    let (_decode, prefill, _ds, _ps, router) = setup().await;
+    prefill.set_script(PrefillScript {
+        cached_tokens: 3,
+        ..Default::default()
+    });
+    let r = post(
+        &router.url,
+        "/v1/completions",
+        json!({"prompt": "Hello", "max_tokens": 2}),
+    )
+    .await;
+    assert_eq!(r.status(), 200);
+    let body: Value = r.json().await.unwrap();
+    assert_eq!(
+        body["usage"]["prompt_tokens_details"]["cached_tokens"], 3,
+        "{body}"
+    );
+    assert_eq!(body["usage"]["tandem"]["cached_tokens"], 3);
+    // A worker cannot claim more cached tokens than the prompt has.
+    prefill.set_script(PrefillScript {
+        cached_tokens: 1000,
+        ..Default::default()
+    });
+    let r = post(
+        &router.url,
+        "/v1/completions",
+        json!({"prompt": "Hello", "max_tokens": 2}),
+    )
+    .await;
+    let body: Value = r.json().await.unwrap();
+    assert_eq!(body["usage"]["prompt_tokens_details"]["cached_tokens"], 5);
+}

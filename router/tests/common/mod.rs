@@ -376,6 +376,7 @@ async fn run_generate(
                     0
                 },
                 choice,
+                cached_tokens: 0,
             })))
             .await;
     }
@@ -390,6 +391,8 @@ pub struct PrefillScript {
     pub error: Option<Code>,
     /// Answer ABORTED (a failed KV transfer) when the destination is this decode endpoint.
     pub abort_for: Option<String>,
+    /// Prompt tokens it says came from its prefix cache.
+    pub cached_tokens: u32,
 }
 
 #[derive(Debug)]
@@ -519,6 +522,7 @@ impl PrefillService for FakePrefill {
             first_top_logprobs: Vec::new(),
             other_choices: Vec::new(),
             prompt_logprobs: fake_prompt_logprobs(&req.prompt, req.sampling.as_ref()),
+            cached_tokens: script.cached_tokens,
         }))
     }
 }

@@ -1,0 +1,192 @@
+//! Prefix caching on the tiny built-in model: a prompt whose prefix was computed before runs
+//! only the rest, the output is bit for bit what an engine without caching gives (greedy and
+//! seeded, one request or many at once), cached blocks are evicted least recently used only
+//! when space is needed, and the last prompt token always runs.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use tandem_engine::config::{ModelConfig, WeightFormat};
+use tandem_engine::model::dummy_model;
+use tandem_engine::{Engine, EngineConfig, Model, SamplingParams, StepOutput, StopParams};
+use tandem_kv::BLOCK_SIZE;
+use tandem_text::TextTokenizer;
+
+fn model() -> Arc<Model> {
+    Arc::new(
+        dummy_model(
+            ModelConfig::preset("tiny").unwrap(),
+            WeightFormat::F32,
+            0,
+            "tiny",
+        )
+        .unwrap(),
+    )
+}
+
+fn engine(model: &Arc<Model>, blocks: usize, prefix_caching: bool) -> Engine {
+    let config = EngineConfig {
+        kv_budget_bytes: blocks * model.kv_layout().block_bytes(),
+        max_batch_tokens: 256,
+        max_running: 32,
+        prefix_caching,
+        ..Default::default()
+    };
+    Engine::new(model.clone(), TextTokenizer::byte_level(), config).unwrap()
+}
+
+/// `shared` tokens common to every `i`, then `own` tokens of `i`'s.
+fn prompt(i: usize, shared: usize, own: usize) -> Vec<u32> {
+    let mut p: Vec<u32> = (0..shared)
+        .map(|j| 3 + ((j * 7 + 1) % 250) as u32)
+        .collect();
+    p.extend((0..own).map(|j| 3 + ((i * 31 + j * 11) % 250) as u32));
+    p
+}
+
+fn stop(max_tokens: usize) -> StopParams {
+    StopParams {
+        max_tokens,
+        ignore_eos: true,
+        ..Default::default()
+    }
+}
+
+fn seeded(seed: u64) -> SamplingParams {
+    SamplingParams {
+        temperature: 8.0,
+        top_k: 40,
+        seed: Some(seed),
+        top_logprobs: 2,
+        ..SamplingParams::default()
+    }
+}
+
+/// Each request's (token, logprob, alternatives), by request, after running them all at once.
+type Outputs = BTreeMap<u64, Vec<(u32, f32, Vec<(u32, f32)>)>>;
+
+fn run_all(e: &mut Engine, requests: &[(Vec<u32>, SamplingParams)], max_tokens: usize) -> Outputs {
+    let ids: Vec<u64> = requests
+        .iter()
+        .map(|(p, s)| {
+            e.add_request(p.clone(), s.clone(), stop(max_tokens))
+                .unwrap()
+        })
+        .collect();
+    let mut out: Outputs = BTreeMap::new();
+    let mut guard = 0;
+    while e.has_work() {
+        for o in e.step().unwrap() {
+            let StepOutput {
+                request,
+                token,
+                logprob,
+                top_logprobs,
+                ..
+            } = o;
+            out.entry(request)
+                .or_default()
+                .push((token, logprob, top_logprobs));
+        }
+        guard += 1;
+        assert!(guard < 10_000);
+    }
+    // Renumber by position in `requests`, so that two engines' outputs compare.
+    ids.iter()
+        .enumerate()
+        .map(|(i, id)| (i as u64, out.remove(id).unwrap_or_default()))
+        .collect()
+}
+
+#[test]
+fn a_cached_prefix_is_not_computed_again_and_changes_nothing() {
+    let model = model();
+    let first = prompt(0, 90, 10);
+    let second = prompt(1, 90, 10);
+    let mut e = engine(&model, 64, true);
+    run_all(&mut e, &[(first, seeded(1))], 6);
+    let before = e.stats().prefill_tokens;
+    let cached = run_all(&mut e, &[(second.clone(), seeded(2))], 6);
+    let computed = e.stats().prefill_tokens - before;
+    // 90 shared tokens: 5 full blocks (80 tokens) are found; 20 tokens run.
+    assert_eq!(computed, 20, "{:?}", e.stats());
+    assert_eq!(e.stats().prefix_hit_tokens, 80);
+    assert_eq!(e.used_blocks(), 0, "cached blocks count as free");
+    let mut plain = engine(&model, 64, false);
+    assert_eq!(cached, run_all(&mut plain, &[(second, seeded(2))], 6));
+    assert_eq!(plain.stats().prefix_hit_tokens, 0);
+}
+
+#[test]
+fn many_requests_at_once_match_an_engine_without_caching() {
+    let model = model();
+    let requests: Vec<(Vec<u32>, SamplingParams)> = (0..12)
+        .map(|i| {
+            let p = prompt(i % 4, 40 + 16 * (i % 3), 5 + i);
+            let s = if i % 2 == 0 {
+                SamplingParams::greedy()
+            } else {
+                seeded(i as u64)
+            };
+            (p, s)
+        })
+        .collect();
+    let mut cached = engine(&model, 96, true);
+    // Twice: the second round finds the first round's blocks (and its own running mates').
+    let a = run_all(&mut cached, &requests, 10);
+    let b = run_all(&mut cached, &requests, 10);
+    let mut plain = engine(&model, 96, false);
+    let want = run_all(&mut plain, &requests, 10);
+    assert_eq!(a, want);
+    assert_eq!(b, want);
+    assert!(cached.stats().prefix_hit_tokens > 0);
+    assert!(cached.stats().prefill_tokens < plain.stats().prefill_tokens * 2);
+}
+
+#[test]
+fn cached_blocks_are_evicted_least_recently_used_when_space_is_needed() {
+    let model = model();
+    // 8 blocks: prompt A (3 full blocks + 1) and then B, which needs 7, evicts A's.
+    let a = prompt(0, 0, 50);
+    let b = prompt(1, 0, 100);
+    let mut e = engine(&model, 8, true);
+    let first = run_all(&mut e, &[(a.clone(), SamplingParams::greedy())], 4);
+    run_all(&mut e, &[(b, SamplingParams::greedy())], 4);
+    let hits = e.stats().prefix_hit_tokens;
+    let again = run_all(&mut e, &[(a, SamplingParams::greedy())], 4);
+    assert_eq!(again, first);
+    assert_eq!(
+        e.stats().prefix_hit_tokens,
+        hits,
+        "A's blocks were evicted for B"
+    );
+    assert_eq!(e.used_blocks(), 0);
+}
+
+#[test]
+fn the_last_prompt_token_always_runs() {
+    let model = model();
+    let p = prompt(0, 0, 2 * BLOCK_SIZE);
+    let mut e = engine(&model, 16, true);
+    let first = run_all(&mut e, &[(p.clone(), SamplingParams::greedy())], 3);
+    let before = e.stats().prefill_tokens;
+    let again = run_all(&mut e, &[(p, SamplingParams::greedy())], 3);
+    assert_eq!(again, first);
+    // Two full blocks are cached, but the second holds the last token: only one is used.
+    assert_eq!(e.stats().prefill_tokens - before, BLOCK_SIZE as u64);
+}
+
+#[test]
+fn prompt_logprobs_are_computed_whatever_the_cache_holds() {
+    let model = model();
+    let p = prompt(0, 60, 4);
+    let mut e = engine(&model, 32, true);
+    run_all(&mut e, &[(p.clone(), SamplingParams::greedy())], 2);
+    let asking = SamplingParams {
+        prompt_logprobs: Some(1),
+        ..SamplingParams::greedy()
+    };
+    let id = e.add_request(p.clone(), asking, stop(2)).unwrap();
+    let outputs = e.run_to_completion(id).unwrap();
+    assert_eq!(outputs[0].prompt_logprobs.len(), p.len() - 1);
+}
