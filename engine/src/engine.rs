@@ -877,6 +877,11 @@ impl Engine {
             self.waiting.pop_front();
             let seq = self.seqs.get_mut(&id).expect("waiting ids are in seqs");
             seq.blocks.extend(new_blocks);
+            if self.prefix_salt.is_some() && seq.generated() == 0 && !seq.wants_prompt_logprobs() {
+                // Counted when a prompt is admitted, not each time it waits another step.
+                self.stats.prefix_query_tokens += seq.prompt_len as u64;
+                self.stats.prefix_hit_tokens += seq.cached_tokens as u64;
+            }
             plan.push((id, seq.computed, len));
             self.running.push(id);
             budget -= len;
@@ -907,8 +912,6 @@ impl Engine {
         seq.blocks = found;
         if seq.generated() == 0 {
             seq.cached_tokens = seq.computed;
-            self.stats.prefix_query_tokens += seq.prompt_len as u64;
-            self.stats.prefix_hit_tokens += seq.computed as u64;
         }
     }
 
@@ -919,10 +922,6 @@ impl Engine {
         };
         if seq.computed > 0 && seq.computed == seq.blocks.len() * BLOCK_SIZE {
             let blocks = std::mem::take(&mut seq.blocks);
-            if seq.generated() == 0 {
-                self.stats.prefix_query_tokens -= seq.prompt_len as u64;
-                self.stats.prefix_hit_tokens -= seq.computed as u64;
-            }
             seq.computed = 0;
             seq.cached_tokens = 0;
             self.free_blocks_of(blocks);

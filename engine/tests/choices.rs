@@ -6,8 +6,6 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use tandem_engine::config::{ModelConfig, WeightFormat};
-use tandem_engine::model::dummy_model;
 use tandem_engine::{Engine, EngineConfig, Model, SamplingParams, StepOutput, StopParams};
 use tandem_kv::{BLOCK_SIZE, blocks_for};
 use tandem_text::TextTokenizer;
@@ -16,15 +14,7 @@ use tandem_text::TextTokenizer;
 mod common;
 
 fn model() -> Arc<Model> {
-    Arc::new(
-        dummy_model(
-            ModelConfig::preset("tiny").unwrap(),
-            WeightFormat::F32,
-            0,
-            "tiny",
-        )
-        .unwrap(),
-    )
+    common::tiny_model()
 }
 
 fn engine(model: &Arc<Model>, blocks: usize) -> Engine {

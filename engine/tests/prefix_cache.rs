@@ -6,22 +6,15 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use tandem_engine::config::{ModelConfig, WeightFormat};
-use tandem_engine::model::dummy_model;
 use tandem_engine::{Engine, EngineConfig, Model, SamplingParams, StepOutput, StopParams};
 use tandem_kv::BLOCK_SIZE;
 use tandem_text::TextTokenizer;
 
+#[allow(dead_code)]
+mod common;
+
 fn model() -> Arc<Model> {
-    Arc::new(
-        dummy_model(
-            ModelConfig::preset("tiny").unwrap(),
-            WeightFormat::F32,
-            0,
-            "tiny",
-        )
-        .unwrap(),
-    )
+    common::tiny_model()
 }
 
 fn engine(model: &Arc<Model>, blocks: usize, prefix_caching: bool) -> Engine {

@@ -5,24 +5,17 @@
 
 use std::sync::Arc;
 
-use tandem_engine::config::{ModelConfig, WeightFormat};
-use tandem_engine::model::dummy_model;
 use tandem_engine::{
     Engine, EngineConfig, Model, PromptLogprob, SamplingParams, SeqInput, StopParams,
 };
 use tandem_kv::{KvCache, blocks_for};
 use tandem_text::TextTokenizer;
 
+#[allow(dead_code)]
+mod common;
+
 fn model() -> Arc<Model> {
-    Arc::new(
-        dummy_model(
-            ModelConfig::preset("tiny").unwrap(),
-            WeightFormat::F32,
-            0,
-            "tiny",
-        )
-        .unwrap(),
-    )
+    common::tiny_model()
 }
 
 fn engine(model: &Arc<Model>, max_batch_tokens: usize) -> Engine {

@@ -104,3 +104,18 @@ pub fn handoff_with(
     outputs.sort_by_key(|o| o.choice);
     outputs
 }
+
+/// The tiny built-in model with seeded weights (seed 0), as the engine tests share it.
+#[allow(dead_code)] // Not every test file that shares this module builds models this way.
+pub fn tiny_model() -> std::sync::Arc<tandem_engine::Model> {
+    use tandem_engine::config::{ModelConfig, WeightFormat};
+    std::sync::Arc::new(
+        tandem_engine::model::dummy_model(
+            ModelConfig::preset("tiny").unwrap(),
+            WeightFormat::F32,
+            0,
+            "tiny",
+        )
+        .unwrap(),
+    )
+}
