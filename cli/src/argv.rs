@@ -158,6 +158,8 @@ mod tests {
         router.decode = vec!["http://c:3".into()];
         router.transport = Some(TransportArg::CudaIpc);
         router.fallback = Some(FallbackPolicy::Error);
+        router.routing = Some(crate::RoutingPolicy::RoundRobin);
+        router.kv_overlap_weight = Some(0.5);
         router.agg_threshold = Some(0);
         let argv = to_args(&router);
         assert!(

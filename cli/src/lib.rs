@@ -18,7 +18,7 @@ mod worker;
 pub use argv::{defaults, parse_without_env, to_args};
 pub use auth::InternalAuthArgs;
 pub use log::{LogArgs, LogFormat};
-pub use router::{FallbackPolicy, RouterArgs, TransportArg};
+pub use router::{FallbackPolicy, RouterArgs, RoutingPolicy, TransportArg};
 pub use worker::{
     DecodeArgs, EngineArgs, KV_DTYPES, MODEL_PRESETS, ModelArgs, PrefillArgs, ServerArgs,
     WEIGHT_FORMATS,

@@ -19,6 +19,18 @@ pub enum FallbackPolicy {
     Error,
 }
 
+/// How the router picks a decode and a prefill worker for a request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum RoutingPolicy {
+    /// By the prompt's prefix that each worker's cache holds, weighed against its load.
+    KvAware,
+    /// By load alone: most free KV blocks (decode), fewest queued prompt tokens (prefill).
+    Load,
+    /// In turn, whatever their load or cache.
+    RoundRobin,
+}
+
 /// The KV transport the router asks prefill workers to use.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -69,6 +81,13 @@ pub struct RouterArgs {
     /// When no prefill worker is healthy: run aggregated, or answer 503 [default: aggregated].
     #[arg(long, env = "TANDEM_ROUTER_FALLBACK", value_enum)]
     pub fallback: Option<FallbackPolicy>,
+    /// How workers are picked: kv-aware, load or round-robin [default: kv-aware].
+    #[arg(long, env = "TANDEM_ROUTER_ROUTING", value_enum)]
+    pub routing: Option<RoutingPolicy>,
+    /// kv-aware routing: what one KV block of the prompt that a decode worker lacks costs,
+    /// in free blocks of that worker (see router/README.md) [default: 2].
+    #[arg(long, env = "TANDEM_ROUTER_KV_OVERLAP_WEIGHT")]
+    pub kv_overlap_weight: Option<f64>,
     /// Model name clients must send [default: the decode workers' model name].
     #[arg(long, env = "TANDEM_ROUTER_SERVED_MODEL_NAME")]
     pub served_model_name: Option<String>,

@@ -1,7 +1,9 @@
 //! One request's life on the decode worker (`DecodeService.Generate`).
 //!
-//! Disaggregated: reserve blocks (from the shared pool, without waiting for a forward pass),
-//! open a lease and tell the router where the KV goes, wait for the commit while watching the
+//! Disaggregated: hold the prompt's prefix that this worker's prefix cache has, reserve blocks
+//! for the rest (from the shared pool, without waiting for a forward pass), open a lease over
+//! those and tell the router where the KV goes and how much is cached (or, when the uncached
+//! suffix is shorter than the router's `local_prefill_below`, run the request here instead), wait for the commit while watching the
 //! client and the lease's idle time, stream the first token the moment the commit is verified,
 //! then hand the sequence to the engine. Aggregated: queue the whole request. A request of
 //! `n` choices streams every choice's tokens on the one stream (each event names its choice)
@@ -14,7 +16,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tandem_engine::engine::{first_token_output, validate_request};
-use tandem_engine::{SampledToken, SamplingParams, StepOutput, StopParams};
+use tandem_engine::{ReceivedKv, SampledToken, SamplingParams, StepOutput, StopParams};
 use tandem_proto::v1::*;
 use tandem_text::Guide;
 use tandem_transfer::{Commit, Lease, top_logprobs_to_proto};
@@ -61,24 +63,53 @@ pub(crate) async fn start(
     let span = tracing::info_span!("generate", request_id = %req.request_id);
     match Mode::try_from(req.mode).unwrap_or(Mode::Unspecified) {
         Mode::Disaggregated => {
+            // The prompt's prefix this worker's cache holds stays here (held now, so it
+            // cannot be evicted while the rest arrives); only the blocks after it are leased.
+            let cached = inner.engine.hold_cached_prefix(&req.prompt);
+            let cached_tokens = cached.len() * tandem_kv::BLOCK_SIZE;
+            let uncached = req.prompt.len() - cached_tokens;
+            if !cached.is_empty() && uncached < req.local_prefill_below as usize {
+                // So little is missing that moving it would cost more than computing it.
+                release(&inner, cached, false);
+                tracing::debug!(parent: &span, cached_tokens, uncached, "prefilling the uncached suffix here");
+                let event = GenerateEvent {
+                    event: Some(generate_event::Event::Local(LocalPrefill {
+                        cached_tokens: cached_tokens as u32,
+                    })),
+                };
+                let _ = out.try_send(Ok(event));
+                run_here(&inner, req.prompt, sampling, stop, out, span).await?;
+                return Ok(ReceiverStream::new(rx));
+            }
             // A sliding-window model's decode steps never read the blocks before the first
-            // step's window: the lease holds only the rest.
-            let first = inner.model.config().first_needed_block(req.prompt.len());
+            // step's window: the lease holds only the rest (such models cache nothing).
+            let first = inner
+                .model
+                .config()
+                .first_needed_block(req.prompt.len())
+                .max(cached.len());
             let needed = tandem_kv::blocks_for(req.prompt.len()) - first;
-            let claim = inner.leases.claim(&caller, needed).map_err(Status::from)?;
-            let blocks = pool
-                .reserve_blocks(needed)
-                .map_err(|e| engine_status(&e.into()))?;
-            let (lease, commit) = match inner.leases.create_claimed(
-                claim,
-                blocks.clone(),
-                req.prompt.len(),
-                &req.request_id,
-            ) {
+            let reserved = inner
+                .leases
+                .claim(&caller, needed)
+                .map_err(Status::from)
+                .and_then(|claim| {
+                    let blocks = pool
+                        .reserve_blocks(needed)
+                        .map_err(|e| engine_status(&e.into()))?;
+                    inner
+                        .leases
+                        .create_claimed(claim, blocks.clone(), req.prompt.len(), &req.request_id)
+                        .map_err(|e| {
+                            release(&inner, blocks, false);
+                            Status::from(e)
+                        })
+                });
+            let (lease, commit) = match reserved {
                 Ok(opened) => opened,
-                Err(e) => {
-                    release(&inner, blocks, false);
-                    return Err(e.into());
+                Err(status) => {
+                    release(&inner, cached, false);
+                    return Err(status);
                 }
             };
             // Whatever the caller asks, a reservation waits at most the configured maximum,
@@ -88,51 +119,80 @@ pub(crate) async fn start(
                 ms => Duration::from_millis(u64::from(ms)),
             }
             .min(inner.config.max_lease_ttl);
-            tracing::debug!(parent: &span, blocks = lease.blocks.len(), ttl_ms = ttl.as_millis(), "reserved");
+            tracing::debug!(parent: &span, blocks = lease.blocks.len(), cached_tokens, ttl_ms = ttl.as_millis(), "reserved");
             let event = GenerateEvent {
                 event: Some(generate_event::Event::Lease(tandem_proto::v1::Lease {
                     token: lease.token().as_bytes().to_vec(),
                     block_ids: lease.blocks.clone(),
                     ttl_ms: u32::try_from(ttl.as_millis()).unwrap_or(u32::MAX),
+                    cached_tokens: cached_tokens as u32,
                 })),
             };
             // The channel is fresh and has room; a failure means the client is gone already.
             let _ = out.try_send(Ok(event));
+            let held = Reserved { lease, cached, ttl };
             tokio::spawn(
-                disaggregated(inner, lease, commit, out, req.prompt, sampling, stop, ttl)
+                disaggregated(inner, held, commit, out, req.prompt, sampling, stop)
                     .instrument(span),
             );
         }
         Mode::Aggregated | Mode::Unspecified => {
-            let choices = sampling.n;
-            let (events_tx, events) = mpsc::unbounded_channel();
-            inner
-                .engine
-                .add(req.prompt, sampling, stop, None, events_tx)
-                .await
-                .map_err(|e| engine_status(&e))?;
-            let report = KvReport {
-                bytes: 0,
-                wait_seconds: 0.0,
-                transport: Transport::Unspecified,
-            };
-            tokio::spawn(forward(inner, events, out, report, choices).instrument(span));
+            run_here(&inner, req.prompt, sampling, stop, out, span).await?;
         }
     }
     Ok(ReceiverStream::new(rx))
 }
 
-#[allow(clippy::too_many_arguments)]
+/// Queues the whole request on this worker's engine (aggregated).
+async fn run_here(
+    inner: &Arc<Inner>,
+    prompt: Vec<u32>,
+    sampling: SamplingParams,
+    stop: StopParams,
+    out: Out,
+    span: tracing::Span,
+) -> Result<(), Status> {
+    let choices = sampling.n;
+    let (events_tx, events) = mpsc::unbounded_channel();
+    inner
+        .engine
+        .add(prompt, sampling, stop, None, events_tx)
+        .await
+        .map_err(|e| engine_status(&e))?;
+    let report = KvReport {
+        bytes: 0,
+        wait_seconds: 0.0,
+        transport: Transport::Unspecified,
+    };
+    tokio::spawn(forward(Arc::clone(inner), events, out, report, choices).instrument(span));
+    Ok(())
+}
+
+/// A disaggregated request's blocks until the engine takes them: the lease (the blocks the
+/// prefill worker writes) and the prefix this worker's cache already held.
+struct Reserved {
+    lease: Arc<Lease>,
+    cached: Vec<u32>,
+    ttl: Duration,
+}
+
+impl Reserved {
+    /// Every block, in logical order.
+    fn all_blocks(&self) -> Vec<u32> {
+        [self.cached.as_slice(), self.lease.blocks.as_slice()].concat()
+    }
+}
+
 async fn disaggregated(
     inner: Arc<Inner>,
-    lease: Arc<Lease>,
+    held: Reserved,
     mut commit: oneshot::Receiver<Result<Commit, String>>,
     out: Out,
     prompt: Vec<u32>,
     sampling: SamplingParams,
     stop: StopParams,
-    ttl: Duration,
 ) {
+    let (lease, ttl) = (&held.lease, held.ttl);
     let started = Instant::now();
     let check = ttl.min(Duration::from_millis(100));
     let lifetime = inner.config.max_lease_lifetime;
@@ -141,7 +201,7 @@ async fn disaggregated(
             r = &mut commit => break r,
             () = out.closed() => {
                 tracing::debug!("request went away before its KV arrived");
-                abandon(&inner, &lease);
+                abandon(&inner, &held);
                 return;
             }
             () = tokio::time::sleep(check) => {
@@ -154,7 +214,7 @@ async fn disaggregated(
                     continue;
                 };
                 tracing::warn!(bytes = progress.bytes, reason = %why, "lease expired");
-                abandon(&inner, &lease);
+                abandon(&inner, &held);
                 let _ = out.send(Err(Status::deadline_exceeded(why))).await;
                 return;
             }
@@ -164,7 +224,7 @@ async fn disaggregated(
         Ok(Ok(c)) => c,
         Ok(Err(reason)) => {
             tracing::warn!(%reason, "KV transfer failed");
-            abandon(&inner, &lease);
+            abandon(&inner, &held);
             let _ = out
                 .send(Err(Status::data_loss(format!(
                     "KV transfer failed: {reason}"
@@ -173,7 +233,7 @@ async fn disaggregated(
             return;
         }
         Err(_) => {
-            abandon(&inner, &lease);
+            abandon(&inner, &held);
             let _ = out
                 .send(Err(Status::internal("lease ended without a commit")))
                 .await;
@@ -199,7 +259,7 @@ async fn disaggregated(
     }))
     .collect();
     if firsts.len() != sampling.n {
-        release(&inner, lease.blocks.clone(), false);
+        release(&inner, held.all_blocks(), false);
         let why = format!("{} first tokens for {} choices", firsts.len(), sampling.n);
         let _ = out.send(Err(Status::data_loss(why))).await;
         return;
@@ -209,7 +269,7 @@ async fn disaggregated(
     let guide = match inner.engine.compile_guide(&sampling).await {
         Ok(guide) => guide,
         Err(e) => {
-            release(&inner, lease.blocks.clone(), false);
+            release(&inner, held.all_blocks(), false);
             let _ = out.send(Err(engine_status(&e))).await;
             return;
         }
@@ -227,7 +287,7 @@ async fn disaggregated(
         );
         first.choice = choice;
         if out.send(Ok(token_event(&inner, &first))).await.is_err() {
-            release(&inner, lease.blocks.clone(), false);
+            release(&inner, held.all_blocks(), false);
             return;
         }
         if first.finish.is_some() {
@@ -237,7 +297,7 @@ async fn disaggregated(
         }
     }
     if open == 0 {
-        release(&inner, lease.blocks.clone(), false);
+        release(&inner, held.all_blocks(), false);
         return;
     }
     let (events_tx, events) = mpsc::unbounded_channel();
@@ -246,8 +306,11 @@ async fn disaggregated(
         .add_prefilled(
             prompt,
             firsts,
-            lease.blocks.clone(),
-            tandem_transfer::kv_location(commit.transport),
+            ReceivedKv {
+                blocks: held.all_blocks(),
+                location: tandem_transfer::kv_location(commit.transport),
+                cached: held.cached.len(),
+            },
             sampling,
             stop,
             guide,
@@ -257,7 +320,7 @@ async fn disaggregated(
     match admitted {
         Ok(_) => forward(inner, events, out, report, open).await,
         Err(e) => {
-            release(&inner, lease.blocks.clone(), false);
+            release(&inner, held.all_blocks(), false);
             let _ = out.send(Err(engine_status(&e))).await;
         }
     }
@@ -339,13 +402,15 @@ fn finished_event(o: &StepOutput, kv: KvReport) -> GenerateEvent {
 
 /// Ends the lease if still open and gives its blocks back. Once a lease is no longer open
 /// (cancelled here, failed, or committed with nobody left to admit it) its blocks are ours.
-fn abandon(inner: &Inner, lease: &Lease) {
-    inner.leases.cancel(lease.token());
+/// The cached prefix was never writable by the peer: it goes back at once.
+fn abandon(inner: &Inner, held: &Reserved) {
+    inner.leases.cancel(held.lease.token());
     release(
         inner,
-        lease.blocks.clone(),
+        held.lease.blocks.clone(),
         inner.leases.has_remote_writers(),
     );
+    release(inner, held.cached.clone(), false);
 }
 
 fn release(inner: &Inner, blocks: Vec<u32>, quarantine: bool) {

@@ -252,26 +252,13 @@ impl DecodeWorker {
         &self.inner.leases
     }
 
-    fn load_report(&self) -> LoadReport {
-        use std::sync::atomic::Ordering::Relaxed;
-        let pool = self.inner.engine.pool();
-        let load = self.inner.engine.load();
-        let (prefix_query_tokens, prefix_hit_tokens, prefix_evictions, cached_blocks) =
-            self.inner.engine.prefix_counts();
-        LoadReport {
-            prefix_query_tokens,
-            prefix_hit_tokens,
-            prefix_evictions,
-            cached_blocks,
-            total_blocks: pool.total() as u32,
-            free_blocks: pool.free_count() as u32,
-            running: load.running.load(Relaxed) as u32,
-            waiting: load.waiting.load(Relaxed) as u32,
-            queued_prefill_tokens: load.queued_prefill_tokens.load(Relaxed),
-            leases: self.inner.leases.len() as u32,
-            draining: self.inner.draining.load(Ordering::Relaxed),
-            instance_id: self.inner.info.instance_id.clone(),
-        }
+    fn load_report(&self, block_events_after: Option<u64>) -> LoadReport {
+        self.inner.engine.load_report(
+            self.inner.leases.len() as u32,
+            self.inner.draining.load(Ordering::Relaxed),
+            &self.inner.info.instance_id,
+            block_events_after,
+        )
     }
 
     /// Removes the shared-memory pool and tag files now (the mappings stay valid): at
@@ -324,8 +311,10 @@ impl DecodeService for DecodeWorker {
         Ok(Response::new(info))
     }
 
-    async fn get_load(&self, _: Request<LoadRequest>) -> Result<Response<LoadReport>, Status> {
-        Ok(Response::new(self.load_report()))
+    async fn get_load(&self, req: Request<LoadRequest>) -> Result<Response<LoadReport>, Status> {
+        Ok(Response::new(
+            self.load_report(req.into_inner().block_events_after),
+        ))
     }
 
     async fn generate(
@@ -424,7 +413,7 @@ pub async fn serve(
             .await;
         let deadline = tokio::time::Instant::now() + drain_worker.inner.config.drain_timeout;
         loop {
-            let load = drain_worker.load_report();
+            let load = drain_worker.load_report(None);
             if (load.running == 0 && load.waiting == 0 && load.leases == 0)
                 || tokio::time::Instant::now() >= deadline
             {

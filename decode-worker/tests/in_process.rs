@@ -89,6 +89,7 @@ fn request(prompt: Vec<u32>, mode: Mode, max_tokens: u32, lease_ttl_ms: u32) -> 
         }),
         mode: mode as i32,
         lease_ttl_ms,
+        local_prefill_below: 0,
     }
 }
 
@@ -117,7 +118,11 @@ async fn lease_of(stream: &mut tonic::Streaming<GenerateEvent>) -> Lease {
 }
 
 async fn used_blocks(d: &mut DecodeClient) -> u32 {
-    let l = d.get_load(LoadRequest {}).await.expect("load").into_inner();
+    let l = d
+        .get_load(LoadRequest::default())
+        .await
+        .expect("load")
+        .into_inner();
     l.total_blocks - l.free_blocks
 }
 
@@ -133,8 +138,9 @@ async fn wait_free(d: &mut DecodeClient, within: Duration) {
 }
 
 /// Ships `kv` (a prompt of `tokens` tokens) into `lease` over `transport` as a prefill
-/// worker does (layers handed over from a plain thread, as from the engine's), and commits
-/// with `first`.
+/// worker does (layers handed over from a plain thread, as from the engine's; the blocks the
+/// decode worker's cache holds left out, the rest numbered from the lease's first block), and
+/// commits with `first`.
 async fn ship(
     d: &Decode,
     peers: &Peers,
@@ -149,15 +155,27 @@ async fn ship(
         lease: lease.token,
         block_ids: lease.block_ids,
         kv_layout_hash: d.info.kv_layout_hash.clone(),
+        first_block: lease.cached_tokens / 16,
     };
-    let mut sender = connect(peers, &dest, &d.model.kv_layout(), "test", tokens, 0)
-        .await
-        .unwrap_or_else(|e| panic!("{transport:?}: {e}"));
+    let skip = lease.cached_tokens / 16;
+    let mut sender = connect(
+        peers,
+        &dest,
+        &d.model.kv_layout(),
+        "test",
+        tokens,
+        skip as usize,
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{transport:?}: {e}"));
     let layers = kv.clone();
     let sender = tokio::task::spawn_blocking(move || {
         for (layer, pieces) in layers.iter().enumerate() {
-            let pieces: Vec<(u32, &[u8])> =
-                pieces.iter().map(|(lb, b)| (*lb, b.as_slice())).collect();
+            let pieces: Vec<(u32, &[u8])> = pieces
+                .iter()
+                .filter(|(lb, _)| *lb >= skip)
+                .map(|(lb, b)| (*lb - skip, b.as_slice()))
+                .collect();
             sender.send_layer(layer, &pieces).expect("send");
         }
         sender
@@ -193,6 +211,8 @@ async fn kv_pushed_into_a_lease_decodes_as_aggregated_serving_does() {
             .expect("disaggregated")
             .into_inner();
         let lease = lease_of(&mut stream).await;
+        // The aggregated run left the prompt's 2 full blocks in the decode worker's cache.
+        assert_eq!((lease.cached_tokens, lease.block_ids.len()), (32, 1));
         let stats = ship(&d, &peers, lease, transport, (&kv, prompt.len(), first)).await;
         let (got, fin) = tokens(&mut stream).await;
         assert_eq!(

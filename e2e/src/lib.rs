@@ -501,12 +501,12 @@ pub async fn blocks_in_use(endpoint: &str, decode: bool) -> anyhow::Result<u32> 
     let channel = channel(endpoint, &test_auth()).await?;
     let load = if decode {
         DecodeServiceClient::new(channel)
-            .get_load(LoadRequest {})
+            .get_load(LoadRequest::default())
             .await?
             .into_inner()
     } else {
         PrefillServiceClient::new(channel)
-            .get_load(LoadRequest {})
+            .get_load(LoadRequest::default())
             .await?
             .into_inner()
     };

@@ -49,11 +49,16 @@ fn generate(prompt_len: usize, mode: Mode, lease_ttl_ms: u32) -> GenerateRequest
         }),
         mode: mode as i32,
         lease_ttl_ms,
+        local_prefill_below: 0,
     }
 }
 
 async fn used_blocks(d: &mut DecodeClient) -> u32 {
-    let l = d.get_load(LoadRequest {}).await.unwrap().into_inner();
+    let l = d
+        .get_load(LoadRequest::default())
+        .await
+        .unwrap()
+        .into_inner();
     l.total_blocks - l.free_blocks
 }
 
@@ -101,7 +106,7 @@ async fn strangers_get_nothing_from_the_workers() {
         }
         let r = sd.get_info(InfoRequest::default()).await;
         refused("GetInfo", r);
-        let r = sd.get_load(LoadRequest {}).await;
+        let r = sd.get_load(LoadRequest::default()).await;
         refused("GetLoad", r);
         let lease = random_token();
         let r = sd
@@ -632,7 +637,7 @@ async fn internal_mutual_tls_carries_a_deployment() {
         .await;
     if let Ok(ch) = plain {
         let mut c = DecodeServiceClient::new(test_auth().channel(ch));
-        assert!(c.get_load(LoadRequest {}).await.is_err());
+        assert!(c.get_load(LoadRequest::default()).await.is_err());
     }
     // Nor does one with the right CA but no client certificate.
     let no_cert = tonic::transport::Endpoint::from_shared(endpoint.replace("http://", "https://"))
@@ -646,6 +651,6 @@ async fn internal_mutual_tls_carries_a_deployment() {
         .await;
     if let Ok(ch) = no_cert {
         let mut c = DecodeServiceClient::new(test_auth().channel(ch));
-        assert!(c.get_load(LoadRequest {}).await.is_err());
+        assert!(c.get_load(LoadRequest::default()).await.is_err());
     }
 }

@@ -1,6 +1,7 @@
 //! The two worker binaries driven directly over gRPC (as the router drives them): the
 //! disaggregated flow over every transport gives the aggregated tokens; cancellation and
-//! lease expiry return every block.
+//! lease expiry return every block; a decode worker's cached prefix is neither sent nor
+//! recomputed, and a short uncached suffix runs on the decode worker.
 
 use std::time::{Duration, Instant};
 
@@ -57,6 +58,7 @@ fn request(prompt: Vec<u32>, mode: Mode, max_tokens: u32) -> GenerateRequest {
         }),
         mode: mode as i32,
         lease_ttl_ms: 0,
+        local_prefill_below: 0,
     }
 }
 
@@ -86,6 +88,7 @@ fn destination(pair: &Pair, lease: Lease, transport: Transport) -> KvDestination
         lease: lease.token,
         block_ids: lease.block_ids,
         kv_layout_hash: pair.info.kv_layout_hash.clone(),
+        first_block: lease.cached_tokens / 16,
     }
 }
 
@@ -123,7 +126,11 @@ async fn disaggregated(
 }
 
 async fn used_blocks(d: &mut DecodeClient) -> u32 {
-    let l = d.get_load(LoadRequest {}).await.unwrap().into_inner();
+    let l = d
+        .get_load(LoadRequest::default())
+        .await
+        .unwrap()
+        .into_inner();
     l.total_blocks - l.free_blocks
 }
 
@@ -170,6 +177,187 @@ async fn disaggregated_equals_aggregated_over_every_transport() {
             assert_eq!(pre.first_token, want[0]);
         }
     }
+    wait_blocks_free(&mut pair.d, Duration::from_secs(2)).await;
+}
+
+/// A disaggregated request's first event and outcome: the lease (or the local prefill) the
+/// decode worker answered with, the tokens, the finish, and the prefill's answer if any.
+async fn disaggregated_request(
+    pair: &mut Pair,
+    req: GenerateRequest,
+    transport: Transport,
+) -> (
+    generate_event::Event,
+    Vec<u32>,
+    Finished,
+    Option<PrefillResponse>,
+) {
+    let prompt = req.prompt.clone();
+    let mut stream = pair.d.generate(req).await.unwrap().into_inner();
+    let first = stream.message().await.unwrap().unwrap().event.unwrap();
+    let prefill = match &first {
+        generate_event::Event::Lease(lease) => {
+            let dest = destination(pair, lease.clone(), transport);
+            Some(
+                pair.p
+                    .prefill(PrefillRequest {
+                        stop: None,
+                        request_id: "p".into(),
+                        prompt,
+                        sampling: Some(SamplingParams::default()),
+                        destination: Some(dest),
+                    })
+                    .await
+                    .unwrap()
+                    .into_inner(),
+            )
+        }
+        generate_event::Event::Local(_) => None,
+        other => panic!("unexpected first event {other:?}"),
+    };
+    let (toks, fin) = tokens(&mut stream).await;
+    (first, toks, fin.unwrap(), prefill)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cached_prefix_on_the_decode_worker_is_not_sent_again() {
+    let mut pair = start_pair().await;
+    let first_turn = prompt(9, 100);
+    let (want, fin) = {
+        let mut agg = pair
+            .d
+            .generate(request(first_turn.clone(), Mode::Aggregated, 12))
+            .await
+            .unwrap()
+            .into_inner();
+        tokens(&mut agg).await
+    };
+    assert_eq!(fin.unwrap().cached_tokens, 0);
+    // The decode worker computed the prompt itself: 6 of its 7 blocks are cached there, so a
+    // disaggregated run of it moves one block; the tokens are the same.
+    for transport in [Transport::Tcp, Transport::Shm, Transport::Grpc] {
+        let (first, got, fin, pre) = disaggregated_request(
+            &mut pair,
+            request(first_turn.clone(), Mode::Disaggregated, 12),
+            transport,
+        )
+        .await;
+        let generate_event::Event::Lease(lease) = first else {
+            panic!("no local prefill without local_prefill_below");
+        };
+        assert_eq!((lease.cached_tokens, lease.block_ids.len()), (96, 1));
+        assert_eq!(got, want, "{transport:?}");
+        let pre = pre.unwrap();
+        let block_bytes = pre.kv_bytes;
+        assert_eq!(fin.kv_bytes, block_bytes);
+        assert!(block_bytes > 0);
+        eprintln!("{transport:?}: one block of {block_bytes} bytes moved instead of 7");
+    }
+    // The next turn: the first turn, its answer, and a new message. The decode worker holds
+    // the first turn's blocks (and the answer's full ones): only the rest moves.
+    let mut second_turn = first_turn.clone();
+    second_turn.extend(&want);
+    second_turn.extend(prompt(10, 40));
+    let (want2, _) = {
+        let mut agg = pair
+            .d
+            .generate(request(second_turn.clone(), Mode::Aggregated, 8))
+            .await
+            .unwrap()
+            .into_inner();
+        tokens(&mut agg).await
+    };
+    let mut req = request(second_turn.clone(), Mode::Disaggregated, 8);
+    req.request_id = "turn-2".into();
+    let (first, got, _, _) = disaggregated_request(&mut pair, req, Transport::Tcp).await;
+    let generate_event::Event::Lease(lease) = first else {
+        panic!("expected a lease");
+    };
+    let blocks = second_turn.len().div_ceil(16);
+    assert_eq!(
+        lease.cached_tokens as usize,
+        (second_turn.len() - 1) / 16 * 16,
+        "the aggregated run cached every full block"
+    );
+    assert_eq!(
+        lease.block_ids.len(),
+        blocks - lease.cached_tokens as usize / 16
+    );
+    assert_eq!(got, want2);
+
+    // Below local_prefill_below uncached tokens, the decode worker runs the suffix itself.
+    let mut req = request(first_turn.clone(), Mode::Disaggregated, 12);
+    req.local_prefill_below = 8;
+    let (first, got, fin, pre) = disaggregated_request(&mut pair, req, Transport::Tcp).await;
+    assert_eq!(
+        first,
+        generate_event::Event::Local(LocalPrefill { cached_tokens: 96 })
+    );
+    assert!(pre.is_none());
+    assert_eq!(got, want);
+    assert_eq!((fin.kv_bytes, fin.cached_tokens), (0, 96));
+    // ... and above it, the suffix is prefilled elsewhere as usual.
+    let mut req = request(first_turn.clone(), Mode::Disaggregated, 12);
+    req.local_prefill_below = 4;
+    let (first, got, _, _) = disaggregated_request(&mut pair, req, Transport::Tcp).await;
+    assert!(matches!(first, generate_event::Event::Lease(_)));
+    assert_eq!(got, want);
+    wait_blocks_free(&mut pair.d, Duration::from_secs(2)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kv_received_from_a_prefill_worker_serves_the_next_request() {
+    let mut pair = start_pair().await;
+    let p = prompt(11, 70);
+    let (first, want, _, pre) = disaggregated_request(
+        &mut pair,
+        request(p.clone(), Mode::Disaggregated, 6),
+        Transport::Shm,
+    )
+    .await;
+    let generate_event::Event::Lease(lease) = first else {
+        panic!("expected a lease");
+    };
+    assert_eq!((lease.cached_tokens, lease.block_ids.len()), (0, 5));
+    let all_bytes = pre.unwrap().kv_bytes;
+    // The received blocks were cached on the decode worker: the same prompt moves one block.
+    let (first, got, _, pre) = disaggregated_request(
+        &mut pair,
+        request(p.clone(), Mode::Disaggregated, 6),
+        Transport::Shm,
+    )
+    .await;
+    let generate_event::Event::Lease(lease) = first else {
+        panic!("expected a lease");
+    };
+    assert_eq!(lease.cached_tokens, 64);
+    assert_eq!(got, want);
+    let pre = pre.unwrap();
+    assert_eq!(pre.kv_bytes * 5, all_bytes, "one block of five");
+    assert_eq!(pre.cached_tokens, 64, "the prefill worker's own cache hit");
+    // The load report lists the blocks by name for a router that asks.
+    let report = pair
+        .d
+        .get_load(LoadRequest {
+            block_events_after: Some(u64::MAX),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let events = report.block_events.expect("block events");
+    assert!(events.snapshot);
+    assert!(
+        events.stored.len() >= 4 * 16,
+        "{} bytes",
+        events.stored.len()
+    );
+    let none = pair
+        .d
+        .get_load(LoadRequest::default())
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(none.block_events.is_none());
     wait_blocks_free(&mut pair.d, Duration::from_secs(2)).await;
 }
 
@@ -322,8 +510,9 @@ async fn device_transports_are_refused_by_cpu_workers() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn half_precision_kv_crosses_every_transport_at_half_the_bytes() {
-    let mut full = start_pair().await;
-    let mut half = start_pair_with(&["--kv-dtype", "bf16"]).await;
+    // Without prefix caching, so that every run moves the whole prompt.
+    let mut full = start_pair_with(&["--no-prefix-caching"]).await;
+    let mut half = start_pair_with(&["--kv-dtype", "bf16", "--no-prefix-caching"]).await;
     assert_ne!(full.info.kv_layout_hash, half.info.kv_layout_hash);
     let p = prompt(3, 40);
     let (_, f32_fin, _) = disaggregated(&mut full, p.clone(), Transport::Tcp, 8).await;

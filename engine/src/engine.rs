@@ -44,11 +44,15 @@ use crate::model::{Model, SeqInput};
 use crate::sampling::{PromptLogprob, SampledToken, Sampler, SamplingParams, StopParams};
 use crate::sequence::Sequence;
 
-/// A prefilled sequence's KV: the reserved blocks it was written into, and where.
+/// A prefilled sequence's KV: the blocks that hold it (the first `cached` of them held from
+/// this engine's own prefix cache, the rest reserved and written by a peer), and where the
+/// written ones are.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ReceivedKv {
     pub blocks: Vec<u32>,
     pub location: KvLocation,
+    /// Leading blocks that came from [`Engine::hold_cached_prefix`], not from the peer.
+    pub cached: usize,
 }
 
 impl ReceivedKv {
@@ -57,6 +61,7 @@ impl ReceivedKv {
         Self {
             blocks,
             location: KvLocation::Host,
+            cached: 0,
         }
     }
 }
@@ -311,6 +316,26 @@ impl Engine {
         &self.model
     }
 
+    /// For a thread that reserves KV outside the engine (a decode worker's lease): the
+    /// blocks of the longest cached prefix of `prompt`, each held once for the caller (who
+    /// releases them or hands them to [`Engine::add_prefilled`] as `ReceivedKv::cached`).
+    /// Whole blocks only, and never the one with the last prompt token, whose logits are
+    /// needed.
+    pub fn hold_cached_prefix(
+        pool: &SharedPool,
+        salt: tandem_kv::BlockHash,
+        prompt: &[u32],
+    ) -> Vec<u32> {
+        let usable = prompt.len().saturating_sub(1) / BLOCK_SIZE;
+        let names = tandem_kv::prefix::hashes(salt, &prompt[..usable * BLOCK_SIZE]);
+        pool.lock().lookup(&names)
+    }
+
+    /// The salt of this engine's block names; `None` when it does not cache prefixes.
+    pub fn prefix_salt(&self) -> Option<tandem_kv::BlockHash> {
+        self.prefix_salt
+    }
+
     pub fn tokenizer(&self) -> &TextTokenizer {
         &self.tokenizer
     }
@@ -490,7 +515,11 @@ impl Engine {
         stop: StopParams,
         guide: Option<Guide>,
     ) -> Result<(SeqId, Vec<StepOutput>)> {
-        let ReceivedKv { blocks, location } = kv;
+        let ReceivedKv {
+            blocks,
+            location,
+            cached,
+        } = kv;
         self.validate_request(&prompt, &sampling, &stop)?;
         if firsts.len() != sampling.n {
             return Err(EngineError::InvalidKv(format!(
@@ -526,11 +555,17 @@ impl Engine {
                 "blocks do not cover the prompt or are not reserved".into(),
             ));
         }
+        if cached > 0 && (first_block > 0 || cached >= blocks.len()) {
+            return Err(EngineError::InvalidKv(format!(
+                "{cached} cached blocks of {} (window from block {first_block})",
+                blocks.len()
+            )));
+        }
         let mut padded = vec![FREED_BLOCK; first_block];
         padded.extend(blocks);
         let blocks = padded;
-        let kept = &blocks[first_block..];
-        self.place_received_kv(kept, location)?;
+        let received = &blocks[first_block + cached..];
+        self.place_received_kv(received, location)?;
         let id = self.allocate_id();
         let guide = self.guide_for(&sampling, guide)?;
         let sampler = Sampler::resumed(&sampling, 1);
@@ -538,9 +573,16 @@ impl Engine {
             Sequence::new(id, prompt, sampling, stop, &self.eos, sampler).with_guide(guide);
         seq.computed = seq.prompt_len;
         seq.blocks = blocks;
-        // Only KV this engine computed is offered to other requests: a peer's KV serves the
-        // request it was sent for, and the blocks that follow it are named after it.
-        seq.cacheable = false;
+        seq.cached_tokens = cached * BLOCK_SIZE;
+        if self.prefix_salt.is_some() {
+            self.stats.prefix_query_tokens += seq.prompt_len as u64;
+            self.stats.prefix_hit_tokens += seq.cached_tokens as u64;
+        }
+        // The received blocks join the prefix cache like computed ones, named from the
+        // prompt's own tokens: the peer is an authenticated member of the deployment whose KV
+        // this request already trusts, the layout hash it matched is in every name, and the
+        // next turn of a conversation then finds its history here (prefix-aware P/D).
+        Self::name_full_blocks(self.prefix_salt, &self.pool, &mut seq, 0);
         let mut firsts = firsts.into_iter();
         let own = firsts.next().ok_or(EngineError::EmptyPrompt)?;
         let mut outputs = Vec::with_capacity(seq.sampling.n);

@@ -362,6 +362,7 @@ fn bad_inputs_are_typed_errors() {
             ReceivedKv {
                 blocks: blocks.clone(),
                 location: KvLocation::Device,
+                cached: 0,
             },
             ok,
             stop,

@@ -27,7 +27,7 @@ pub use cache::{KvBlockWriter, KvCache, KvStorage, Parallel, TokenKv};
 pub use device::{CopyRun, DeviceKv, DevicePoolLayout, ExportedKv, KvLocation, plan_layer_copy};
 pub use error::{KvError, Result};
 pub use layout::{KvDtype, KvLayout};
-pub use pool::{BlockPool, SharedPool};
+pub use pool::{BlockEvents, BlockPool, SharedPool};
 pub use prefix::BlockHash;
 
 /// Token slots per block.

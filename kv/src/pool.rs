@@ -6,7 +6,7 @@
 //! needed); and [`SharedPool`], the same behind a mutex for an engine and the threads that
 //! reserve blocks for incoming KV.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use crate::blocks_for;
@@ -28,6 +28,28 @@ pub struct BlockPool {
     idle_since: Vec<u64>,
     clock: u64,
     evictions: u64,
+    /// What happened to names lately (`true`: stored, `false`: removed), for a router that
+    /// follows this cache from a cursor (see [`BlockPool::events_since`]).
+    log: VecDeque<(BlockHash, bool)>,
+    /// The sequence number of `log[0]`: events before it were dropped.
+    log_start: u64,
+}
+
+/// The most events a pool keeps for its followers (a follower further behind gets a
+/// snapshot).
+const EVENT_LOG_MIN: usize = 4096;
+
+/// What changed in a pool's names after a follower's cursor, or a snapshot of them.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct BlockEvents {
+    /// `stored` is every name the pool has (up to the page limit); forget everything else.
+    pub snapshot: bool,
+    /// Names now cached (each at most once; none of them also in `removed`).
+    pub stored: Vec<BlockHash>,
+    /// Names no longer cached.
+    pub removed: Vec<BlockHash>,
+    /// The cursor for the next call.
+    pub next: u64,
 }
 
 impl BlockPool {
@@ -42,6 +64,56 @@ impl BlockPool {
             idle_since: vec![0; num_blocks],
             clock: 0,
             evictions: 0,
+            log: VecDeque::new(),
+            log_start: 0,
+        }
+    }
+
+    fn record(&mut self, name: BlockHash, stored: bool) {
+        if self.log.len() >= EVENT_LOG_MIN.max(2 * self.refs.len()) {
+            self.log.pop_front();
+            self.log_start += 1;
+        }
+        self.log.push_back((name, stored));
+    }
+
+    /// The names stored and removed after `cursor` (a value an earlier call returned as
+    /// `next`), at most `limit` events' worth; or, when the cursor is not one of this pool's
+    /// (another process's, or too far behind), a snapshot of up to `limit` names. Changes of
+    /// one name within the page cancel out, so the two lists are disjoint.
+    pub fn events_since(&self, cursor: u64, limit: usize) -> BlockEvents {
+        let end = self.log_start + self.log.len() as u64;
+        if cursor < self.log_start || cursor > end {
+            return BlockEvents {
+                snapshot: true,
+                stored: self.by_name.keys().copied().take(limit).collect(),
+                removed: Vec::new(),
+                next: end,
+            };
+        }
+        let skip = (cursor - self.log_start) as usize;
+        let mut last: HashMap<BlockHash, bool> = HashMap::new();
+        let mut order = Vec::new();
+        let page = self.log.iter().skip(skip).take(limit);
+        let taken = page.len();
+        for &(name, stored) in page {
+            if last.insert(name, stored).is_none() {
+                order.push(name);
+            }
+        }
+        let (mut stored, mut removed) = (Vec::new(), Vec::new());
+        for name in order {
+            if last[&name] {
+                stored.push(name);
+            } else {
+                removed.push(name);
+            }
+        }
+        BlockEvents {
+            snapshot: false,
+            stored,
+            removed,
+            next: cursor + taken as u64,
         }
     }
 
@@ -113,6 +185,7 @@ impl BlockPool {
         let (_, b) = self.idle.pop_first()?;
         if let Some(name) = self.names[b as usize].take() {
             self.by_name.remove(&name);
+            self.record(name, false);
         }
         self.evictions += 1;
         Some(b)
@@ -146,6 +219,7 @@ impl BlockPool {
         if self.names[block as usize].is_none() && !self.by_name.contains_key(&name) {
             self.names[block as usize] = Some(name);
             self.by_name.insert(name, block);
+            self.record(name, true);
         }
         Ok(())
     }
@@ -265,6 +339,11 @@ impl SharedPool {
         self.lock().used_count()
     }
 
+    /// See [`BlockPool::events_since`].
+    pub fn events_since(&self, cursor: u64, limit: usize) -> BlockEvents {
+        self.lock().events_since(cursor, limit)
+    }
+
     /// The prefix cache's `(evictions so far, named blocks now)`.
     pub fn cache_counts(&self) -> (u64, usize) {
         let pool = self.lock();
@@ -342,6 +421,57 @@ mod tests {
             "released first, evicted first"
         );
         assert!(pool.is_cached(&1) && !pool.is_cached(&2));
+    }
+
+    #[test]
+    fn followers_see_names_come_and_go_or_get_a_snapshot() {
+        let mut pool = BlockPool::new(2);
+        let start = pool.events_since(u64::MAX, 100);
+        assert!(start.snapshot && start.stored.is_empty() && start.next == 0);
+        let a = pool.allocate(2).unwrap();
+        pool.name(a[0], 7).unwrap();
+        pool.name(a[1], 8).unwrap();
+        let page = pool.events_since(0, 1);
+        assert_eq!((page.stored.as_slice(), page.next), (&[7][..], 1));
+        let page = pool.events_since(page.next, 100);
+        assert_eq!((page.stored.as_slice(), page.next), (&[8][..], 2));
+        pool.release(&a).unwrap();
+        // Evicting 7 (released first) and naming its block 9 come out as two changes.
+        let b = pool.allocate_one().unwrap();
+        pool.name(b, 9).unwrap();
+        let page = pool.events_since(2, 100);
+        assert!(!page.snapshot);
+        assert_eq!(
+            (page.stored, page.removed, page.next),
+            (vec![9], vec![7], 4)
+        );
+        // A name stored and removed within one page cancels out into `removed`.
+        let c = pool.allocate_one().unwrap();
+        pool.name(c, 10).unwrap();
+        pool.release(&[b, c]).unwrap();
+        pool.allocate(2).unwrap();
+        let page = pool.events_since(4, 100);
+        assert_eq!(page.stored, Vec::<u128>::new());
+        assert_eq!(page.removed.len(), 3, "8 is evicted too: {page:?}");
+        // A cursor from the future (another process) gets a snapshot.
+        let snap = pool.events_since(1_000, 100);
+        assert!(snap.snapshot && snap.stored.is_empty());
+    }
+
+    #[test]
+    fn the_event_log_is_bounded_and_a_follower_left_behind_gets_a_snapshot() {
+        let mut pool = BlockPool::new(1);
+        for name in 0..(EVENT_LOG_MIN as u128 + 10) {
+            let b = pool.allocate_one().unwrap();
+            pool.name(b, name).unwrap();
+            pool.release(&[b]).unwrap();
+        }
+        assert!(pool.log.len() <= EVENT_LOG_MIN);
+        let snap = pool.events_since(0, 100);
+        assert!(snap.snapshot);
+        assert_eq!(snap.stored, vec![EVENT_LOG_MIN as u128 + 9]);
+        let tail = pool.events_since(snap.next, 100);
+        assert!(!tail.snapshot && tail.stored.is_empty() && tail.removed.is_empty());
     }
 
     #[test]

@@ -47,6 +47,39 @@ pub fn extend_hashes(salt: BlockHash, tokens: &[u32], hashes: &mut Vec<BlockHash
     }
 }
 
+/// Most names in one list of a load report's block events (256 KiB on the wire); a follower
+/// gets the rest in the next report.
+pub const NAMES_PER_REPORT: usize = 16 * 1024;
+
+/// Names as they travel: 16 bytes each, little-endian, concatenated.
+pub fn names_to_bytes(names: &[BlockHash]) -> Vec<u8> {
+    names.iter().flat_map(|n| n.to_le_bytes()).collect()
+}
+
+/// The names in `bytes`, or `None` when its length is not a whole number of names.
+pub fn names_from_bytes(bytes: &[u8]) -> Option<Vec<BlockHash>> {
+    if !bytes.len().is_multiple_of(16) {
+        return None;
+    }
+    Some(
+        bytes
+            .chunks_exact(16)
+            .map(|c| {
+                let mut name = [0u8; 16];
+                name.copy_from_slice(c);
+                u128::from_le_bytes(name)
+            })
+            .collect(),
+    )
+}
+
+/// The names of every full block of `tokens` under `salt`.
+pub fn hashes(salt: BlockHash, tokens: &[u32]) -> Vec<BlockHash> {
+    let mut names = Vec::with_capacity(tokens.len() / BLOCK_SIZE);
+    extend_hashes(salt, tokens, &mut names);
+    names
+}
+
 fn truncate(digest: &[u8]) -> BlockHash {
     let mut head = [0u8; 16];
     head.copy_from_slice(&digest[..16]);
@@ -76,5 +109,16 @@ mod tests {
         extend_hashes(salt("m"), &a[..20], &mut step);
         extend_hashes(salt("m"), &a, &mut step);
         assert_eq!(step, ha);
+        assert_eq!(hashes(salt("m"), &a), ha);
+    }
+
+    #[test]
+    fn names_round_trip_through_bytes_and_torn_lists_are_refused() {
+        let names = vec![1u128, u128::MAX, 0x0102_0304];
+        let bytes = names_to_bytes(&names);
+        assert_eq!(bytes.len(), 48);
+        assert_eq!(names_from_bytes(&bytes), Some(names));
+        assert_eq!(names_from_bytes(&bytes[..47]), None);
+        assert_eq!(names_from_bytes(&[]), Some(Vec::new()));
     }
 }

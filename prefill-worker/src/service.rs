@@ -18,7 +18,7 @@ use tandem_worker::convert::{
     engine_status, kv_layout_to_proto, prompt_logprobs_to_proto, sampling_from_proto,
     stop_from_proto, tokenizer_spec,
 };
-use tandem_worker::{EngineHandle, SeqEvent, spawn_engine};
+use tandem_worker::{EngineHandle, KvShipment, SeqEvent, spawn_engine};
 use tokio::net::TcpListener;
 use tokio::sync::mpsc;
 use tonic::{Request, Response, Status};
@@ -153,26 +153,13 @@ impl PrefillWorker {
         })
     }
 
-    fn load_report(&self) -> LoadReport {
-        use std::sync::atomic::Ordering::Relaxed;
-        let pool = self.inner.engine.pool();
-        let load = self.inner.engine.load();
-        let (prefix_query_tokens, prefix_hit_tokens, prefix_evictions, cached_blocks) =
-            self.inner.engine.prefix_counts();
-        LoadReport {
-            prefix_query_tokens,
-            prefix_hit_tokens,
-            prefix_evictions,
-            cached_blocks,
-            total_blocks: pool.total() as u32,
-            free_blocks: pool.free_count() as u32,
-            running: load.running.load(Relaxed) as u32,
-            waiting: load.waiting.load(Relaxed) as u32,
-            queued_prefill_tokens: load.queued_prefill_tokens.load(Relaxed),
-            leases: 0,
-            draining: self.inner.draining.load(Relaxed),
-            instance_id: self.inner.info.instance_id.clone(),
-        }
+    fn load_report(&self, block_events_after: Option<u64>) -> LoadReport {
+        self.inner.engine.load_report(
+            0,
+            self.inner.draining.load(Ordering::Relaxed),
+            &self.inner.info.instance_id,
+            block_events_after,
+        )
     }
 }
 
@@ -200,8 +187,10 @@ impl PrefillService for PrefillWorker {
         Ok(Response::new(info))
     }
 
-    async fn get_load(&self, _: Request<LoadRequest>) -> Result<Response<LoadReport>, Status> {
-        Ok(Response::new(self.load_report()))
+    async fn get_load(&self, req: Request<LoadRequest>) -> Result<Response<LoadReport>, Status> {
+        Ok(Response::new(
+            self.load_report(req.into_inner().block_events_after),
+        ))
     }
 
     async fn prefill(
@@ -250,7 +239,17 @@ async fn prefill(inner: &Inner, req: PrefillRequest) -> Result<PrefillResponse, 
         .ok_or_else(|| Status::invalid_argument("a prefill needs a KV destination"))?;
     let layout = inner.model.kv_layout();
     let started = Instant::now();
-    let first_block = inner.model.config().first_needed_block(req.prompt.len());
+    // The decode worker's lease starts at `first_block` (its prefix cache holds the blocks
+    // before it) or where a sliding window starts, whichever is later; it holds at least the
+    // block of the last prompt token.
+    let window_first = inner.model.config().first_needed_block(req.prompt.len());
+    let wanted_first = dest.first_block as usize;
+    if wanted_first >= tandem_kv::blocks_for(req.prompt.len()) {
+        return Err(Status::invalid_argument(format!(
+            "the KV destination starts at block {wanted_first}, past the prompt's last block"
+        )));
+    }
+    let first_block = window_first.max(wanted_first);
     let sender = match connect(
         &inner.peers,
         &dest,
@@ -270,7 +269,16 @@ async fn prefill(inner: &Inner, req: PrefillRequest) -> Result<PrefillResponse, 
     let (events_tx, mut events) = mpsc::unbounded_channel();
     inner
         .engine
-        .add(req.prompt, sampling, stop, Some(sender), events_tx)
+        .add(
+            req.prompt,
+            sampling,
+            stop,
+            Some(KvShipment {
+                sender,
+                first_block,
+            }),
+            events_tx,
+        )
         .await
         .map_err(|e| engine_status(&e))?;
     let Some(event) = events.recv().await else {

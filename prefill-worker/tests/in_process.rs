@@ -126,11 +126,16 @@ fn destination(
         lease: lease.token().as_bytes().to_vec(),
         block_ids: lease.blocks.clone(),
         kv_layout_hash: side.hash.clone(),
+        first_block: 0,
     }
 }
 
 async fn used_blocks(p: &mut PrefillClient) -> u32 {
-    let l = p.get_load(LoadRequest {}).await.expect("load").into_inner();
+    let l = p
+        .get_load(LoadRequest::default())
+        .await
+        .expect("load")
+        .into_inner();
     l.total_blocks - l.free_blocks
 }
 

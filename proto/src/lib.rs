@@ -11,7 +11,10 @@
 /// requests carry the stop parameters (min_tokens).
 /// 4: requests may ask for `n` choices: their first tokens travel together (another raw TCP
 /// commit header), token and finish events name their choice; and for prompt logprobs.
-pub const PROTOCOL_VERSION: u32 = 4;
+/// 5: prefix caching across the plane: load reports carry block events, a decode worker's
+/// lease skips the blocks its cache holds (`first_block`), and may run a short uncached
+/// suffix itself (`LocalPrefill`).
+pub const PROTOCOL_VERSION: u32 = 5;
 
 /// What one request may ask for. The router refuses anything outside these bounds itself,
 /// naming the field, before a worker sees it; the workers' engines hold the same bounds

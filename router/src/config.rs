@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use tandem_auth::{InternalAuth, LoadInternalAuth};
-pub use tandem_cli::{FallbackPolicy, LogFormat, RouterArgs, TransportArg};
+pub use tandem_cli::{FallbackPolicy, LogFormat, RouterArgs, RoutingPolicy, TransportArg};
 use tandem_proto::v1::Transport;
 
 use crate::auth::ApiKey;
@@ -55,6 +55,9 @@ pub struct RouterConfig {
     pub transport: Transport,
     pub agg_threshold: u32,
     pub fallback: FallbackPolicy,
+    pub routing: RoutingPolicy,
+    /// kv-aware routing's price of a missing prompt block, in free blocks.
+    pub kv_overlap_weight: f64,
     pub served_model_name: Option<String>,
     pub max_concurrent_requests: usize,
     pub max_queued_requests: usize,
@@ -88,6 +91,8 @@ impl RouterConfig {
             transport: Transport::Shm,
             agg_threshold: 0,
             fallback: FallbackPolicy::Aggregated,
+            routing: RoutingPolicy::KvAware,
+            kv_overlap_weight: 2.0,
             served_model_name: None,
             max_concurrent_requests: 256,
             max_queued_requests: 512,
@@ -132,6 +137,11 @@ impl RouterConfig {
                 .or(file.agg_threshold)
                 .unwrap_or(defaults.agg_threshold),
             fallback: args.fallback.or(file.fallback).unwrap_or(defaults.fallback),
+            routing: args.routing.or(file.routing).unwrap_or(defaults.routing),
+            kv_overlap_weight: args
+                .kv_overlap_weight
+                .or(file.kv_overlap_weight)
+                .unwrap_or(defaults.kv_overlap_weight),
             served_model_name: args.served_model_name.or(file.served_model_name),
             max_concurrent_requests: args
                 .max_concurrent_requests
@@ -223,6 +233,9 @@ impl RouterConfig {
         }
         if self.body_limit_bytes < 1024 {
             return invalid("--body-limit-bytes must be at least 1024");
+        }
+        if !(0.0..=1000.0).contains(&self.kv_overlap_weight) {
+            return invalid("--kv-overlap-weight must be in [0, 1000]");
         }
         if self.lease_ttl_ms == 0 {
             return invalid("--lease-ttl-ms must be at least 1");

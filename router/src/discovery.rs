@@ -415,7 +415,9 @@ mod tests {
         resolver.answer("decode.test", &[]);
         assert!(eventually(|| pool.worker_counts() == (0, 1)).await);
         assert!(staying.is_retired());
-        assert_eq!(pool.decode_candidates(&[]), []);
+        let prompt = [1u32; 40];
+        let mut names = crate::routing::PromptNames::new(&prompt);
+        assert_eq!(pool.decode_candidates(&[], &mut names), []);
     }
 
     #[tokio::test]

@@ -19,6 +19,7 @@
 
 use std::collections::VecDeque;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use tandem_proto::v1::generate_event::Event;
@@ -32,9 +33,9 @@ use tracing::Instrument;
 
 use crate::admission::InFlight;
 use crate::api::error::ApiError;
-use crate::config::FallbackPolicy;
+use crate::config::{FallbackPolicy, RoutingPolicy};
 use crate::metrics as m;
-use crate::routing::{self, FallbackReason, ModeDecision};
+use crate::routing::{self, FallbackReason, ModeDecision, PickRule, PromptNames};
 use crate::workers::{Worker, WorkerPool, WorkerRole, status_means_worker_down};
 
 /// Events buffered between the request task and a slow client.
@@ -47,6 +48,28 @@ pub struct FlowContext {
     pub agg_threshold: u32,
     pub fallback: FallbackPolicy,
     pub lease_ttl_ms: u32,
+    pub routing: RoutingPolicy,
+    pub kv_overlap_weight: f64,
+    /// Round robin's next turn, per role.
+    pub decode_turn: AtomicUsize,
+    pub prefill_turn: AtomicUsize,
+}
+
+impl FlowContext {
+    /// The rule of one pick for `req` (advancing the role's round-robin turn).
+    fn rule(&self, req: &FlowRequest, turn: &AtomicUsize) -> PickRule {
+        PickRule {
+            policy: self.routing,
+            weight: self.kv_overlap_weight,
+            prompt_blocks: u32::try_from(tandem_kv::blocks_for(req.prompt.len()))
+                .unwrap_or(u32::MAX),
+            prompt_tokens: req.prompt.len() as u64,
+            turn: match self.routing {
+                RoutingPolicy::RoundRobin => turn.fetch_add(1, Ordering::Relaxed),
+                _ => 0,
+            },
+        }
+    }
 }
 
 /// A validated, tokenized request.
@@ -97,6 +120,11 @@ pub struct Head {
     pub prompt_logprobs: Vec<PromptEntry>,
     /// Disaggregated: prompt tokens the prefill worker found in its prefix cache.
     pub cached_tokens: u32,
+    /// KV blocks moved from the prefill worker to the decode worker (0 aggregated).
+    pub kv_blocks: u32,
+    /// Prompt tokens whose KV the decode worker's prefix cache already held, so they were
+    /// not moved (disaggregated) or not computed (run on the decode worker).
+    pub decode_cached_tokens: u32,
 }
 
 /// One prompt token's logprob given the tokens before it (see `tandem-engine`'s
@@ -179,6 +207,10 @@ pub struct FinishOut {
     pub transport: Option<Transport>,
     /// Prompt tokens whose KV came from a prefix cache (not computed).
     pub cached_tokens: u32,
+    /// See [`Head::kv_blocks`].
+    pub kv_blocks: u32,
+    /// See [`Head::decode_cached_tokens`].
+    pub decode_cached_tokens: u32,
 }
 
 /// What the HTTP layer receives after the head.
@@ -398,10 +430,12 @@ async fn establish(
     // Workers that left the pool between the candidate list and the lookup: skipped, not
     // counted as a retry.
     let mut skipped: Vec<usize> = Vec::new();
+    let mut names = PromptNames::new(&req.prompt);
     loop {
         let exclude = [tried_decode.as_slice(), skipped.as_slice()].concat();
-        let candidates = ctx.pool.decode_candidates(&exclude);
-        let Some(id) = routing::pick_decode(&candidates) else {
+        let candidates = ctx.pool.decode_candidates(&exclude, &mut names);
+        let rule = ctx.rule(req, &ctx.decode_turn);
+        let Some(id) = routing::pick_decode(&candidates, &rule) else {
             return Err(match tried_decode.is_empty() {
                 true => ApiError::NoDecodeWorker,
                 false => ApiError::WorkerUnavailable,
@@ -411,7 +445,7 @@ async fn establish(
             skipped.push(id);
             continue;
         };
-        match establish_on(ctx, req, &decode, timing).await {
+        match establish_on(ctx, req, &decode, &mut names, timing).await {
             Ok(live) => return Ok(live),
             Err(AttemptError::DecodeDown(e)) if tried_decode.is_empty() => {
                 tracing::warn!(decode = %decode.url, "decode worker down before the first token; trying another");
@@ -428,9 +462,19 @@ async fn establish_on(
     ctx: &FlowContext,
     req: &FlowRequest,
     decode: &Arc<Worker>,
+    names: &mut PromptNames<'_>,
     timing: &mut Timing,
 ) -> Result<Live, AttemptError> {
-    let first_prefill = routing::pick_prefill(&ctx.pool.prefill_candidates_for(decode), &[]);
+    // What the request adds to the worker's blocks: its prompt less the prefix cached there.
+    let new_blocks = prompt_blocks(decode, req.prompt.len())
+        .saturating_sub(u32::try_from(decode.cached_blocks(names)).unwrap_or(u32::MAX));
+    decode.note_dispatch(new_blocks, 0);
+    decode.note_prompt(names);
+    let first_prefill = routing::pick_prefill(
+        &ctx.pool.prefill_candidates_for(decode, names),
+        &[],
+        &ctx.rule(req, &ctx.prefill_turn),
+    );
     let mut decision = routing::decide_mode(
         req.prompt.len(),
         ctx.agg_threshold,
@@ -462,7 +506,7 @@ async fn establish_on(
             ModeDecision::Disaggregated { prefill } => {
                 let attempt = match ctx.pool.worker(WorkerRole::Prefill, prefill) {
                     Some(prefill_worker) => {
-                        run_disaggregated(ctx, req, decode, &prefill_worker, timing).await
+                        run_disaggregated(ctx, req, decode, &prefill_worker, names, timing).await
                     }
                     // It left the pool since the candidate list: fail over like a failure.
                     None => Err(DisaggError::Prefill(ApiError::WorkerUnavailable)),
@@ -478,8 +522,9 @@ async fn establish_on(
                         tried_prefill.push(prefill);
                         last_prefill_error = Some(e);
                         let other = routing::pick_prefill(
-                            &ctx.pool.prefill_candidates_for(decode),
+                            &ctx.pool.prefill_candidates_for(decode, names),
                             &tried_prefill,
+                            &ctx.rule(req, &ctx.prefill_turn),
                         );
                         decision = routing::decide_after_prefill_failure(
                             tried_prefill.len() < 2,
@@ -542,10 +587,10 @@ async fn next_item(
             event: Some(Event::Finished(f)),
         })) => Ok(DecodeItem::Finished(f)),
         Ok(Some(GenerateEvent {
-            event: Some(Event::Lease(_)),
+            event: Some(Event::Lease(_) | Event::Local(_)),
         })) => Err(decode_protocol_error(
             decode,
-            "a lease after the first event",
+            "a lease or local prefill after the first event",
         )),
         Ok(Some(GenerateEvent { event: None })) => {
             Err(decode_protocol_error(decode, "an empty event"))
@@ -569,6 +614,11 @@ fn generate_request(ctx: &FlowContext, req: &FlowRequest, mode: Mode) -> Generat
             Mode::Disaggregated => ctx.lease_ttl_ms,
             _ => 0,
         },
+        // The threshold applies to what the decode worker's cache lacks, which only it knows.
+        local_prefill_below: match mode {
+            Mode::Disaggregated => ctx.agg_threshold,
+            _ => 0,
+        },
     }
 }
 
@@ -587,17 +637,28 @@ async fn run_aggregated(
     fallback: Option<FallbackReason>,
     timing: &mut Timing,
 ) -> Result<Live, AttemptError> {
-    decode.note_dispatch(prompt_blocks(decode, req.prompt.len()), 0);
     let mut client = decode.decode_client();
     let request = grpc_request(
         generate_request(ctx, req, Mode::Aggregated),
         &req.request_id,
     );
-    let mut stream = client
+    let stream = client
         .generate(request)
         .await
         .map_err(|s| decode_failure(decode, &s))?
         .into_inner();
+    run_here(req, decode, stream, fallback, 0, timing).await
+}
+
+/// The rest of a request the decode worker runs itself: its first token and the head.
+async fn run_here(
+    req: &FlowRequest,
+    decode: &Arc<Worker>,
+    mut stream: Streaming<GenerateEvent>,
+    fallback: Option<FallbackReason>,
+    decode_cached_tokens: u32,
+    timing: &mut Timing,
+) -> Result<Live, AttemptError> {
     let mut first = next_item(&mut stream, decode).await?;
     timing.on_token(RunMode::Aggregated);
     let prompt_logprobs = match &mut first {
@@ -612,6 +673,8 @@ async fn run_aggregated(
             fallback,
             prompt_logprobs,
             cached_tokens: 0,
+            kv_blocks: 0,
+            decode_cached_tokens,
         },
         stream,
         decode: Arc::clone(decode),
@@ -624,6 +687,7 @@ async fn run_disaggregated(
     req: &FlowRequest,
     decode: &Arc<Worker>,
     prefill: &Arc<Worker>,
+    names: &mut PromptNames<'_>,
     timing: &mut Timing,
 ) -> Result<Live, DisaggError> {
     let decode_info = decode
@@ -631,7 +695,6 @@ async fn run_disaggregated(
         .ok_or(DisaggError::Decode(AttemptError::DecodeDown(
             ApiError::WorkerUnavailable,
         )))?;
-    decode.note_dispatch(prompt_blocks(decode, req.prompt.len()), 0);
     let mut client = decode.decode_client();
     let request = grpc_request(
         generate_request(ctx, req, Mode::Disaggregated),
@@ -646,6 +709,17 @@ async fn run_disaggregated(
         Ok(Some(GenerateEvent {
             event: Some(Event::Lease(lease)),
         })) => lease,
+        Ok(Some(GenerateEvent {
+            event: Some(Event::Local(local)),
+        })) => {
+            // Its cache holds all but a short suffix: it prefills that itself.
+            let cached = local.cached_tokens.min(req.prompt.len() as u32);
+            tracing::debug!(decode = %decode.url, cached_tokens = cached, "the decode worker runs the uncached suffix itself");
+            metrics::counter!(m::LOCAL_PREFILLS_TOTAL).increment(1);
+            return run_here(req, decode, stream, None, cached, timing)
+                .await
+                .map_err(DisaggError::Decode);
+        }
         Ok(_) => {
             return Err(DisaggError::Decode(decode_protocol_error(
                 decode,
@@ -654,10 +728,19 @@ async fn run_disaggregated(
         }
         Err(status) => return Err(DisaggError::Decode(decode_failure(decode, &status))),
     };
+    // The decode worker's cache holds the prompt's first blocks: they are not sent, and the
+    // lease's blocks start after them.
+    let block_size = decode_info
+        .kv_layout
+        .as_ref()
+        .map_or(tandem_kv::BLOCK_SIZE as u32, |l| l.block_size.max(1));
+    let decode_cached_tokens = lease.cached_tokens.min(req.prompt.len() as u32);
+    let first_block = decode_cached_tokens / block_size;
     tracing::debug!(
         decode = %decode.url,
         prefill = %prefill.url,
         blocks = lease.block_ids.len(),
+        first_block,
         "lease granted"
     );
     // The prefill worker gets the decode worker (its endpoint and the instance we verified),
@@ -675,8 +758,11 @@ async fn run_disaggregated(
         lease: lease_token.clone(),
         block_ids: lease.block_ids,
         kv_layout_hash: decode_info.kv_layout_hash.clone(),
+        first_block,
     };
+    let kv_blocks = u32::try_from(destination.block_ids.len()).unwrap_or(u32::MAX);
     prefill.note_dispatch(0, req.prompt.len() as u64);
+    prefill.note_prompt(names);
     let mut prefill_client = prefill.prefill_client();
     let prefill_call = prefill_client.prefill(grpc_request(
         PrefillRequest {
@@ -754,6 +840,8 @@ async fn run_disaggregated(
             fallback: None,
             prompt_logprobs,
             cached_tokens: answer.cached_tokens.min(req.prompt.len() as u32),
+            kv_blocks,
+            decode_cached_tokens,
         },
         stream,
         decode: Arc::clone(decode),
@@ -907,6 +995,11 @@ fn finish_out(head: &Head, f: &Finished) -> FinishOut {
         transport: head.transport,
         cached_tokens: match head.mode {
             RunMode::Disaggregated => head.cached_tokens,
+            RunMode::Aggregated => f.cached_tokens.min(f.prompt_tokens),
+        },
+        kv_blocks: head.kv_blocks,
+        decode_cached_tokens: match head.mode {
+            RunMode::Disaggregated => head.decode_cached_tokens,
             RunMode::Aggregated => f.cached_tokens.min(f.prompt_tokens),
         },
     }

@@ -30,7 +30,7 @@ use std::time::{Duration, Instant};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
-pub use config::{ConfigError, FallbackPolicy, RouterArgs, RouterConfig};
+pub use config::{ConfigError, FallbackPolicy, RouterArgs, RouterConfig, RoutingPolicy};
 pub use discovery::{Resolve, ResolveError, SystemResolver};
 
 /// Why the router stopped with an error.

@@ -19,8 +19,8 @@ use tandem_engine::{
     Engine, EngineError, ReceivedKv, SampledToken, SamplingParams, SeqId, StepOutput, StopParams,
     compile_guide,
 };
-use tandem_kv::KvCache;
-use tandem_kv::{KvLocation, SharedPool};
+use tandem_kv::{KvCache, SharedPool, prefix};
+use tandem_proto::v1::{BlockEvents, LoadReport};
 use tandem_text::{Guide, GuideFactory};
 use tandem_transfer::KvSender;
 use tokio::sync::{mpsc as tmpsc, oneshot};
@@ -62,21 +62,28 @@ impl std::fmt::Debug for SeqEvent {
     }
 }
 
+/// Where a prefill's KV goes: the sender, and the first logical block the decode side wants
+/// (its lease's block 0; the blocks before it are not shipped: the decode worker's prefix
+/// cache holds them, or a sliding window has left them behind).
+pub struct KvShipment {
+    pub sender: Box<dyn KvSender>,
+    pub first_block: usize,
+}
+
 enum Command {
     Add {
         prompt: Vec<u32>,
         sampling: SamplingParams,
         stop: StopParams,
         guide: Option<Guide>,
-        kv: Option<Box<dyn KvSender>>,
+        kv: Option<KvShipment>,
         events: tmpsc::UnboundedSender<SeqEvent>,
         reply: oneshot::Sender<Result<SeqId, EngineError>>,
     },
     AddPrefilled {
         prompt: Vec<u32>,
         firsts: Vec<SampledToken>,
-        blocks: Vec<u32>,
-        kv: KvLocation,
+        kv: ReceivedKv,
         sampling: SamplingParams,
         stop: StopParams,
         guide: Option<Guide>,
@@ -102,6 +109,8 @@ pub struct LoadSnapshot {
 #[derive(Clone)]
 pub struct EngineHandle {
     tx: mpsc::Sender<Command>,
+    /// The salt of the engine's block names (`None`: no prefix caching).
+    prefix_salt: Option<tandem_kv::BlockHash>,
     pool: SharedPool,
     load: Arc<LoadSnapshot>,
     guides: GuideFactory,
@@ -139,7 +148,7 @@ impl EngineHandle {
         prompt: Vec<u32>,
         sampling: SamplingParams,
         stop: StopParams,
-        kv: Option<Box<dyn KvSender>>,
+        kv: Option<KvShipment>,
         events: tmpsc::UnboundedSender<SeqEvent>,
     ) -> Result<SeqId, EngineError> {
         let guide = self.compile_guide(&sampling).await?;
@@ -158,16 +167,15 @@ impl EngineHandle {
         rx.await.map_err(|_| gone())?
     }
 
-    /// Admits a request whose prompt KV is already in `blocks`, with each choice's first
-    /// token. The caller streamed those already; events start with the second tokens.
+    /// Admits a request whose prompt KV is already in `kv`'s blocks, with each choice's
+    /// first token. The caller streamed those already; events start with the second tokens.
     /// `guide`: the request's grammar from [`EngineHandle::compile_guide`], not yet advanced.
     #[allow(clippy::too_many_arguments)]
     pub async fn add_prefilled(
         &self,
         prompt: Vec<u32>,
         firsts: Vec<SampledToken>,
-        blocks: Vec<u32>,
-        kv: KvLocation,
+        kv: ReceivedKv,
         sampling: SamplingParams,
         stop: StopParams,
         guide: Option<Guide>,
@@ -178,7 +186,6 @@ impl EngineHandle {
             .send(Command::AddPrefilled {
                 prompt,
                 firsts,
-                blocks,
                 kv,
                 sampling,
                 stop,
@@ -188,6 +195,54 @@ impl EngineHandle {
             })
             .map_err(|_| gone())?;
         rx.await.map_err(|_| gone())?
+    }
+
+    /// The blocks of `prompt`'s longest cached prefix, held for the caller (see
+    /// `Engine::hold_cached_prefix`); none when this engine does not cache prefixes.
+    pub fn hold_cached_prefix(&self, prompt: &[u32]) -> Vec<u32> {
+        match self.prefix_salt {
+            Some(salt) => Engine::hold_cached_prefix(&self.pool, salt, prompt),
+            None => Vec::new(),
+        }
+    }
+
+    /// The load report a worker answers `GetLoad` with: the engine's load and prefix cache,
+    /// with the cache's block events after `block_events_after` when asked.
+    pub fn load_report(
+        &self,
+        leases: u32,
+        draining: bool,
+        instance_id: &[u8],
+        block_events_after: Option<u64>,
+    ) -> LoadReport {
+        let (prefix_query_tokens, prefix_hit_tokens, prefix_evictions, cached_blocks) =
+            self.prefix_counts();
+        let block_events = block_events_after
+            .filter(|_| self.prefix_salt.is_some())
+            .map(|cursor| {
+                let page = self.pool.events_since(cursor, prefix::NAMES_PER_REPORT);
+                BlockEvents {
+                    snapshot: page.snapshot,
+                    stored: prefix::names_to_bytes(&page.stored),
+                    removed: prefix::names_to_bytes(&page.removed),
+                    next: page.next,
+                }
+            });
+        LoadReport {
+            prefix_query_tokens,
+            prefix_hit_tokens,
+            prefix_evictions,
+            cached_blocks,
+            total_blocks: self.pool.total() as u32,
+            free_blocks: self.pool.free_count() as u32,
+            running: self.load.running.load(Ordering::Relaxed) as u32,
+            waiting: self.load.waiting.load(Ordering::Relaxed) as u32,
+            queued_prefill_tokens: self.load.queued_prefill_tokens.load(Ordering::Relaxed),
+            leases,
+            draining,
+            instance_id: instance_id.to_vec(),
+            block_events,
+        }
     }
 
     /// The block pool, for reservations that must not wait for a forward pass.
@@ -236,6 +291,7 @@ pub fn spawn_engine(engine: Engine) -> std::io::Result<EngineHandle> {
     let load = Arc::new(LoadSnapshot::default());
     let handle = EngineHandle {
         tx,
+        prefix_salt: engine.prefix_salt(),
         pool: engine.shared_pool(),
         load: load.clone(),
         guides: engine.guides(),
@@ -391,7 +447,11 @@ fn handle_command(engine: &mut Engine, entries: &mut HashMap<SeqId, Entry>, cmd:
             events,
             reply,
         } => {
-            let kv_first = engine.model().config().first_needed_block(prompt.len());
+            let window_first = engine.model().config().first_needed_block(prompt.len());
+            let (kv, kv_first) = match kv {
+                Some(s) => (Some(s.sender), s.first_block.max(window_first)),
+                None => (None, window_first),
+            };
             let open = sampling.n;
             let result = engine.add_request_guided(prompt, sampling, stop, guide);
             if let Ok(id) = result {
@@ -415,7 +475,6 @@ fn handle_command(engine: &mut Engine, entries: &mut HashMap<SeqId, Entry>, cmd:
         Command::AddPrefilled {
             prompt,
             firsts,
-            blocks,
             kv,
             sampling,
             stop,
@@ -423,17 +482,7 @@ fn handle_command(engine: &mut Engine, entries: &mut HashMap<SeqId, Entry>, cmd:
             events,
             reply,
         } => {
-            let result = engine.add_prefilled(
-                prompt,
-                firsts,
-                ReceivedKv {
-                    blocks,
-                    location: kv,
-                },
-                sampling,
-                stop,
-                guide,
-            );
+            let result = engine.add_prefilled(prompt, firsts, kv, sampling, stop, guide);
             let result = result.map(|(id, firsts)| {
                 // The caller streamed the first tokens already; only choices still running
                 // need an entry.
@@ -591,7 +640,10 @@ mod tests {
                 vec![5; 40],
                 SamplingParams::greedy(),
                 stop,
-                Some(Box::new(DeviceOnly)),
+                Some(KvShipment {
+                    sender: Box::new(DeviceOnly),
+                    first_block: 0,
+                }),
                 events,
             )
             .await

@@ -9,7 +9,7 @@ pub mod args;
 pub mod convert;
 pub mod telemetry;
 
-pub use actor::{EngineHandle, LoadSnapshot, SeqEvent, spawn_engine};
+pub use actor::{EngineHandle, KvShipment, LoadSnapshot, SeqEvent, spawn_engine};
 pub use args::{
     EngineArgs, ModelArgs, ServerArgs, engine_config, init_compute, internal_auth, load_model,
     load_model_until, shm_dir,

@@ -71,6 +71,7 @@ fn endless_generate(request_id: &str, prompt_tokens: u32) -> GenerateRequest {
         }),
         mode: Mode::Disaggregated as i32,
         lease_ttl_ms: u32::MAX,
+        local_prefill_below: 0,
     }
 }
 
@@ -114,13 +115,13 @@ async fn strangers(dep: &Deployment) -> anyhow::Result<Attack> {
         let answers = [
             unauthenticated("Generate", d.generate(endless_generate("stranger", 16_000))).await?,
             unauthenticated("GetInfo", d.get_info(InfoRequest::default())).await?,
-            unauthenticated("GetLoad", d.get_load(LoadRequest {})).await?,
+            unauthenticated("GetLoad", d.get_load(LoadRequest::default())).await?,
             unauthenticated("PushKv", d.push_kv(futures::stream::iter([header]))).await?,
             unauthenticated("CommitKv", d.commit_kv(commit)).await?,
             unauthenticated("RenewLease", d.renew_lease(RenewLeaseRequest { lease })).await?,
             unauthenticated("Prefill", p.prefill(prefill)).await?,
             unauthenticated("prefill GetInfo", p.get_info(InfoRequest::default())).await?,
-            unauthenticated("prefill GetLoad", p.get_load(LoadRequest {})).await?,
+            unauthenticated("prefill GetLoad", p.get_load(LoadRequest::default())).await?,
         ];
         tried += answers.len();
         served.extend(

@@ -411,15 +411,19 @@ impl Deployment {
     async fn loads(&self) -> (anyhow::Result<LoadReport>, anyhow::Result<LoadReport>) {
         let prefill = async {
             let mut p = self.prefill().await?;
-            Ok(within(5, "prefill GetLoad", p.get_load(LoadRequest {}))
-                .await??
-                .into_inner())
+            Ok(
+                within(5, "prefill GetLoad", p.get_load(LoadRequest::default()))
+                    .await??
+                    .into_inner(),
+            )
         };
         let decode = async {
             let mut d = self.decode().await?;
-            Ok(within(5, "decode GetLoad", d.get_load(LoadRequest {}))
-                .await??
-                .into_inner())
+            Ok(
+                within(5, "decode GetLoad", d.get_load(LoadRequest::default()))
+                    .await??
+                    .into_inner(),
+            )
         };
         (prefill.await, decode.await)
     }

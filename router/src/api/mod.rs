@@ -69,6 +69,10 @@ impl AppState {
             agg_threshold: config.agg_threshold,
             fallback: config.fallback,
             lease_ttl_ms: config.lease_ttl_ms,
+            routing: config.routing,
+            kv_overlap_weight: config.kv_overlap_weight,
+            decode_turn: Default::default(),
+            prefill_turn: Default::default(),
         });
         let admission = Admission::new(config.max_concurrent_requests, config.max_queued_requests);
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());

@@ -28,6 +28,11 @@ pub struct TandemUsage {
     pub fallback_reason: Option<&'static str>,
     /// Prompt tokens whose KV came from a worker's prefix cache.
     pub cached_tokens: u32,
+    /// KV blocks moved from the prefill worker to the decode worker.
+    pub kv_blocks: u32,
+    /// Prompt tokens whose KV the decode worker's cache already held (not moved, or not
+    /// computed when it ran the prompt itself).
+    pub decode_cached_tokens: u32,
 }
 
 #[derive(Debug, Serialize)]
@@ -171,6 +176,8 @@ impl OpenAiFormatter {
                 .and_then(|h| h.fallback)
                 .map(|r| r.as_str()),
             cached_tokens: f.cached_tokens,
+            kv_blocks: f.kv_blocks,
+            decode_cached_tokens: f.decode_cached_tokens,
         }
     }
 

@@ -645,6 +645,8 @@ mod tests {
             kv_bytes: 0,
             transport: Some(Transport::Shm),
             cached_tokens: 0,
+            kv_blocks: 0,
+            decode_cached_tokens: 0,
         }
     }
 

@@ -1,11 +1,14 @@
 //! Routing policy: which workers serve a request and in which mode. Pure functions over
 //! snapshots of worker load, with no I/O, so they are unit-tested here and could move to a
 //! crate of their own (as Dynamo's `kv-router` did). `workers.rs` builds the snapshots;
-//! `flow.rs` acts on the decisions.
+//! `flow.rs` acts on the decisions. `prefix_index` follows what each worker's prefix cache
+//! holds, from the block events on its load reports.
 
 pub mod policy;
+pub mod prefix_index;
 
 pub use policy::{
-    DecodeCandidate, FallbackReason, ModeDecision, PrefillCandidate, blocks_for_tokens,
+    DecodeCandidate, FallbackReason, ModeDecision, PickRule, PrefillCandidate, blocks_for_tokens,
     decide_after_prefill_failure, decide_mode, pick_decode, pick_prefill,
 };
+pub use prefix_index::{PrefixIndex, PromptNames};

@@ -1,11 +1,24 @@
-//! The decisions themselves: pick a decode worker by free KV blocks, a prefill worker by
-//! queued prefill work, and the mode of a request (disaggregated, aggregated, or refused).
+//! The decisions themselves: pick a decode worker and a prefill worker (by the prompt's
+//! cached prefix and load, by load alone, or in turn: `--routing`), and the mode of a request
+//! (disaggregated, aggregated, or refused).
 //!
-//! Load reports are polled (every `--health-interval-ms`), so between two reports every
-//! request would otherwise go to the same "best" worker. The router therefore adds what it
-//! has itself dispatched since the last report (`pending_*`) to the reported load.
+//! kv-aware, the formulas (both logged at debug for every candidate):
+//! - decode: the highest `free − w × missing`, where `free` is the worker's free KV blocks,
+//!   `missing` the prompt's blocks beyond the longest prefix its cache holds, and `w`
+//!   (`--kv-overlap-weight`, default 2) the price of one missing block: the block it will
+//!   occupy, and the KV that must be moved into it or computed there. With w = 1 this is the
+//!   free blocks the worker has left once the request is in.
+//! - prefill: the lowest `queued + missing_tokens`: the prompt tokens the worker must compute
+//!   before this prompt's first token (what is queued, plus this prompt less the prefix its
+//!   cache holds).
+//!
+//! A conversation's next turn therefore stays where its history is cached unless that worker
+//! is much busier (stickiness falls out of the overlap). Load reports are polled (every
+//! `--health-interval-ms`), so between two reports every request would otherwise go to the
+//! same "best" worker: the router adds what it has itself dispatched since the last report
+//! (`pending_*`) to the reported load, and the prompts it sent to the worker's cache.
 
-use crate::config::FallbackPolicy;
+use crate::config::{FallbackPolicy, RoutingPolicy};
 
 /// A healthy, compatible decode worker as routing sees it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -20,6 +33,8 @@ pub struct DecodeCandidate {
     pub pending_blocks: u32,
     /// Requests the router sent it since that report.
     pub pending_requests: u32,
+    /// Blocks of the prompt its prefix cache holds (as far as the router knows).
+    pub cached_blocks: u32,
 }
 
 impl DecodeCandidate {
@@ -41,6 +56,8 @@ pub struct PrefillCandidate {
     pub queued_prefill_tokens: u64,
     /// Prompt tokens the router sent it since that report.
     pub pending_tokens: u64,
+    /// Tokens of the prompt its prefix cache holds (as far as the router knows).
+    pub cached_tokens: u64,
 }
 
 impl PrefillCandidate {
@@ -50,29 +67,116 @@ impl PrefillCandidate {
     }
 }
 
-/// The decode worker with the most free KV blocks; ties go to the fewest running sequences,
-/// then to the lowest id, the oldest worker (deterministic, so tests can rely on it).
-pub fn pick_decode(candidates: &[DecodeCandidate]) -> Option<usize> {
-    candidates
-        .iter()
-        .min_by_key(|c| {
-            (
-                std::cmp::Reverse(c.effective_free()),
-                c.effective_running(),
-                c.id,
-            )
-        })
-        .map(|c| c.id)
+/// What a pick weighs besides the candidates.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct PickRule {
+    pub policy: RoutingPolicy,
+    /// kv-aware: the price of a missing prompt block, in free blocks.
+    pub weight: f64,
+    /// The prompt's KV blocks and tokens.
+    pub prompt_blocks: u32,
+    pub prompt_tokens: u64,
+    /// Round robin: this pick's turn (a counter the caller advances).
+    pub turn: usize,
 }
 
-/// The prefill worker with the fewest queued prefill tokens, skipping `exclude` (workers
-/// that already failed this request); ties go to the lowest id.
-pub fn pick_prefill(candidates: &[PrefillCandidate], exclude: &[usize]) -> Option<usize> {
-    candidates
-        .iter()
-        .filter(|c| !exclude.contains(&c.id))
-        .min_by_key(|c| (c.effective_queued(), c.id))
-        .map(|c| c.id)
+impl PickRule {
+    /// The load-only rule (what routing did before prefix caching; tests and fallbacks).
+    pub fn load() -> Self {
+        Self {
+            policy: RoutingPolicy::Load,
+            weight: 0.0,
+            prompt_blocks: 0,
+            prompt_tokens: 0,
+            turn: 0,
+        }
+    }
+}
+
+/// The id that comes `turn`-th (cyclically) in id order.
+fn in_turn(ids: impl Iterator<Item = usize>, turn: usize) -> Option<usize> {
+    let mut ids: Vec<usize> = ids.collect();
+    ids.sort_unstable();
+    (!ids.is_empty()).then(|| ids[turn % ids.len()])
+}
+
+/// The decode worker for a request, by `rule` (see the module doc). Ties go to the fewest
+/// running sequences, then to the lowest id, the oldest worker (deterministic, so tests can
+/// rely on it).
+pub fn pick_decode(candidates: &[DecodeCandidate], rule: &PickRule) -> Option<usize> {
+    match rule.policy {
+        RoutingPolicy::RoundRobin => in_turn(candidates.iter().map(|c| c.id), rule.turn),
+        RoutingPolicy::Load => candidates
+            .iter()
+            .min_by_key(|c| {
+                (
+                    std::cmp::Reverse(c.effective_free()),
+                    c.effective_running(),
+                    c.id,
+                )
+            })
+            .map(|c| c.id),
+        RoutingPolicy::KvAware => {
+            let score = |c: &DecodeCandidate| {
+                let missing = rule.prompt_blocks.saturating_sub(c.cached_blocks);
+                f64::from(c.effective_free()) - rule.weight * f64::from(missing)
+            };
+            for c in candidates {
+                tracing::debug!(
+                    worker = c.id,
+                    free = c.effective_free(),
+                    cached_blocks = c.cached_blocks,
+                    prompt_blocks = rule.prompt_blocks,
+                    weight = rule.weight,
+                    score = score(c),
+                    "decode candidate: score = free - weight * (prompt_blocks - cached_blocks)"
+                );
+            }
+            candidates
+                .iter()
+                .max_by(|a, b| {
+                    score(a)
+                        .total_cmp(&score(b))
+                        .then(b.effective_running().cmp(&a.effective_running()))
+                        .then(b.id.cmp(&a.id))
+                })
+                .map(|c| c.id)
+        }
+    }
+}
+
+/// The prefill worker for a request by `rule` (see the module doc), skipping `exclude`
+/// (workers that already failed this request); ties go to the lowest id.
+pub fn pick_prefill(
+    candidates: &[PrefillCandidate],
+    exclude: &[usize],
+    rule: &PickRule,
+) -> Option<usize> {
+    let open = candidates.iter().filter(|c| !exclude.contains(&c.id));
+    match rule.policy {
+        RoutingPolicy::RoundRobin => in_turn(open.map(|c| c.id), rule.turn),
+        RoutingPolicy::Load => open
+            .min_by_key(|c| (c.effective_queued(), c.id))
+            .map(|c| c.id),
+        RoutingPolicy::KvAware => {
+            let cost = |c: &PrefillCandidate| {
+                c.effective_queued()
+                    .saturating_add(rule.prompt_tokens.saturating_sub(c.cached_tokens))
+            };
+            open.inspect(|c| {
+                tracing::debug!(
+                    worker = c.id,
+                    queued = c.effective_queued(),
+                    cached_tokens = c.cached_tokens,
+                    prompt_tokens = rule.prompt_tokens,
+                    cost = cost(c),
+                    "prefill candidate: cost = queued + (prompt_tokens - cached_tokens)"
+                );
+            })
+            .min_by_key(|c| (cost(c), c.id))
+            .map(|c| c.id)
+        }
+    }
 }
 
 /// Why a request that wanted disaggregation ran aggregated.
@@ -161,6 +265,7 @@ mod tests {
             running,
             pending_blocks: 0,
             pending_requests: 0,
+            cached_blocks: 0,
         }
     }
 
@@ -169,7 +274,87 @@ mod tests {
             id,
             queued_prefill_tokens: queued,
             pending_tokens: 0,
+            cached_tokens: 0,
         }
+    }
+
+    fn pick_decode(c: &[DecodeCandidate]) -> Option<usize> {
+        super::pick_decode(c, &PickRule::load())
+    }
+
+    fn pick_prefill(c: &[PrefillCandidate], exclude: &[usize]) -> Option<usize> {
+        super::pick_prefill(c, exclude, &PickRule::load())
+    }
+
+    fn kv_rule(prompt_blocks: u32, weight: f64) -> PickRule {
+        PickRule {
+            policy: RoutingPolicy::KvAware,
+            weight,
+            prompt_blocks,
+            prompt_tokens: u64::from(prompt_blocks) * 16,
+            turn: 0,
+        }
+    }
+
+    #[test]
+    fn kv_aware_decode_weighs_the_cached_prefix_against_free_blocks() {
+        let mut a = d(0, 1_000, 0);
+        let mut b = d(1, 900, 0);
+        // Nothing cached: the freer worker, as by load.
+        assert_eq!(super::pick_decode(&[a, b], &kv_rule(100, 2.0)), Some(0));
+        // b holds 80 of the prompt's 100 blocks: 900 - 2×20 = 860 beats 1000 - 2×100 = 800.
+        b.cached_blocks = 80;
+        assert_eq!(super::pick_decode(&[a, b], &kv_rule(100, 2.0)), Some(1));
+        // ... unless it is much busier.
+        b.pending_blocks = 100;
+        assert_eq!(super::pick_decode(&[a, b], &kv_rule(100, 2.0)), Some(0));
+        // Weight 0 is load alone; equal scores go to the fewest running, then the lowest id.
+        b.pending_blocks = 0;
+        assert_eq!(super::pick_decode(&[a, b], &kv_rule(100, 0.0)), Some(0));
+        a.free_blocks = 900;
+        a.running = 2;
+        b.cached_blocks = 0;
+        assert_eq!(super::pick_decode(&[a, b], &kv_rule(100, 2.0)), Some(1));
+        b.running = 2;
+        assert_eq!(super::pick_decode(&[b, a], &kv_rule(100, 2.0)), Some(0));
+    }
+
+    #[test]
+    fn kv_aware_prefill_counts_the_tokens_each_worker_must_compute() {
+        let mut a = p(0, 100);
+        let b = p(1, 0);
+        assert_eq!(
+            super::pick_prefill(&[a, b], &[], &kv_rule(10, 1.0)),
+            Some(1)
+        );
+        // a holds the whole 160-token prompt but one block: 100 + 16 < 0 + 160.
+        a.cached_tokens = 144;
+        assert_eq!(
+            super::pick_prefill(&[a, b], &[], &kv_rule(10, 1.0)),
+            Some(0)
+        );
+        assert_eq!(
+            super::pick_prefill(&[a, b], &[0], &kv_rule(10, 1.0)),
+            Some(1)
+        );
+    }
+
+    #[test]
+    fn round_robin_takes_turns_in_id_order() {
+        let rule = |turn| PickRule {
+            policy: RoutingPolicy::RoundRobin,
+            turn,
+            ..PickRule::load()
+        };
+        let cands = [d(5, 0, 9), d(2, 100, 0)];
+        let picks: Vec<_> = (0..4)
+            .map(|t| super::pick_decode(&cands, &rule(t)))
+            .collect();
+        assert_eq!(picks, [Some(2), Some(5), Some(2), Some(5)]);
+        let pre = [p(3, 0), p(1, 0), p(2, 0)];
+        assert_eq!(super::pick_prefill(&pre, &[1], &rule(0)), Some(2));
+        assert_eq!(super::pick_prefill(&pre, &[1], &rule(1)), Some(3));
+        assert_eq!(super::pick_decode(&[], &rule(3)), None);
     }
 
     #[test]

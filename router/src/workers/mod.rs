@@ -28,7 +28,7 @@ use tandem_proto::v1::prefill_service_client::PrefillServiceClient;
 use tandem_proto::v1::{LoadReport, Role, Transport, WorkerInfo};
 
 use crate::metrics as m;
-use crate::routing::{DecodeCandidate, PrefillCandidate};
+use crate::routing::{DecodeCandidate, PrefillCandidate, PrefixIndex, PromptNames};
 
 /// Largest gRPC message the router accepts (a `tokenizer.json` can be several MiB).
 const MAX_MESSAGE_BYTES: usize = 64 << 20;
@@ -98,6 +98,8 @@ pub struct Worker {
     pending_tokens: AtomicU64,
     /// Wakes the poll task early, after a request saw this worker fail.
     probe: tokio::sync::Notify,
+    /// What its prefix cache holds, as far as this router knows.
+    prefix: Mutex<PrefixIndex>,
 }
 
 impl Worker {
@@ -120,6 +122,7 @@ impl Worker {
             pending_blocks: AtomicU32::new(0),
             pending_requests: AtomicU32::new(0),
             pending_tokens: AtomicU64::new(0),
+            prefix: Mutex::new(PrefixIndex::default()),
             probe: tokio::sync::Notify::new(),
         })
     }
@@ -235,7 +238,50 @@ impl Worker {
         })
     }
 
+    /// The cursor of the block events to ask its next load report for.
+    pub(crate) fn prefix_cursor(&self) -> u64 {
+        self.prefix_index().cursor()
+    }
+
+    fn prefix_index(&self) -> MutexGuard<'_, PrefixIndex> {
+        // Every update is one call: a panic elsewhere cannot leave it half-done.
+        self.prefix.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The salt of its block names (from its layout hash), once its info is known.
+    fn prefix_salt(&self) -> Option<tandem_kv::BlockHash> {
+        self.info()
+            .map(|i| tandem_kv::prefix::salt(&i.kv_layout_hash))
+    }
+
+    /// Blocks of `prompt` (from the first on) its prefix cache holds, as far as we know.
+    pub fn cached_blocks(&self, prompt: &mut PromptNames) -> usize {
+        match self.prefix_salt() {
+            Some(salt) => self.prefix_index().overlap(prompt.under(salt)),
+            None => 0,
+        }
+    }
+
+    /// Notes that `prompt` was sent here: its blocks count as cached until the worker's own
+    /// reports take over.
+    pub fn note_prompt(&self, prompt: &mut PromptNames) {
+        if let Some(salt) = self.prefix_salt() {
+            let names = prompt.under(salt);
+            self.prefix_index()
+                .note_dispatched(names, std::time::Instant::now());
+        }
+    }
+
     fn set_load(&self, load: LoadReport) {
+        let applied = self.prefix_index().apply(
+            &load.instance_id,
+            load.total_blocks,
+            load.block_events.as_ref(),
+            std::time::Instant::now(),
+        );
+        if let Err(e) = applied {
+            tracing::warn!(worker = %self.url, error = %e, "block events ignored");
+        }
         let was = {
             let mut s = self.state();
             if s.retired {
@@ -260,7 +306,7 @@ impl Worker {
         s.healthy = false;
     }
 
-    fn decode_candidate(&self) -> Option<DecodeCandidate> {
+    fn decode_candidate(&self, prompt: &mut PromptNames) -> Option<DecodeCandidate> {
         let load = {
             let s = self.state();
             if !s.routable() {
@@ -274,10 +320,11 @@ impl Worker {
             running: load.running.saturating_add(load.waiting),
             pending_blocks: self.pending_blocks.load(Ordering::Relaxed),
             pending_requests: self.pending_requests.load(Ordering::Relaxed),
+            cached_blocks: u32::try_from(self.cached_blocks(prompt)).unwrap_or(u32::MAX),
         })
     }
 
-    fn prefill_candidate(&self) -> Option<PrefillCandidate> {
+    fn prefill_candidate(&self, prompt: &mut PromptNames) -> Option<PrefillCandidate> {
         let load = {
             let s = self.state();
             if !s.routable() {
@@ -289,6 +336,7 @@ impl Worker {
             id: self.id,
             queued_prefill_tokens: load.queued_prefill_tokens,
             pending_tokens: self.pending_tokens.load(Ordering::Relaxed),
+            cached_tokens: (self.cached_blocks(prompt) * tandem_kv::BLOCK_SIZE) as u64,
         })
     }
 }

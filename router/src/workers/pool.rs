@@ -19,7 +19,7 @@ use super::{INFO_TIMEOUT, Worker, WorkerRole, info_refusal, pair_incompatibility
 use crate::discovery::{DnsName, WorkerEntry};
 use crate::metrics as m;
 use crate::model::ServedModel;
-use crate::routing::{DecodeCandidate, PrefillCandidate};
+use crate::routing::{DecodeCandidate, PrefillCandidate, PromptNames};
 
 /// Where a worker of the pool comes from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -218,16 +218,24 @@ impl WorkerPool {
     }
 
     /// Routable decode workers, minus `exclude` (ids).
-    pub fn decode_candidates(&self, exclude: &[usize]) -> Vec<DecodeCandidate> {
+    pub fn decode_candidates(
+        &self,
+        exclude: &[usize],
+        prompt: &mut PromptNames,
+    ) -> Vec<DecodeCandidate> {
         self.workers(WorkerRole::Decode)
             .iter()
             .filter(|w| !exclude.contains(&w.id))
-            .filter_map(|w| w.decode_candidate())
+            .filter_map(|w| w.decode_candidate(prompt))
             .collect()
     }
 
     /// Routable prefill workers that can send KV to `decode`.
-    pub fn prefill_candidates_for(&self, decode: &Worker) -> Vec<PrefillCandidate> {
+    pub fn prefill_candidates_for(
+        &self,
+        decode: &Worker,
+        prompt: &mut PromptNames,
+    ) -> Vec<PrefillCandidate> {
         let Some(decode_info) = decode.info() else {
             return Vec::new();
         };
@@ -238,7 +246,7 @@ impl WorkerPool {
                     pair_incompatibility(&pi, &decode_info, self.transport).is_none()
                 })
             })
-            .filter_map(|p| p.prefill_candidate())
+            .filter_map(|p| p.prefill_candidate(prompt))
             .collect()
     }
 
@@ -470,14 +478,17 @@ impl WorkerPool {
         // Long enough for a busy worker, short enough that a dead one is noticed within about
         // two intervals.
         let load_timeout = (interval * 2).clamp(Duration::from_millis(250), Duration::from_secs(5));
+        let load_request = LoadRequest {
+            block_events_after: Some(worker.prefix_cursor()),
+        };
         let answer = match worker.role {
             WorkerRole::Decode => {
                 let mut c = worker.decode_client();
-                tokio::time::timeout(load_timeout, c.get_load(LoadRequest {})).await
+                tokio::time::timeout(load_timeout, c.get_load(load_request)).await
             }
             WorkerRole::Prefill => {
                 let mut c = worker.prefill_client();
-                tokio::time::timeout(load_timeout, c.get_load(LoadRequest {})).await
+                tokio::time::timeout(load_timeout, c.get_load(load_request)).await
             }
         };
         match answer {

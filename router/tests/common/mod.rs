@@ -62,6 +62,9 @@ pub struct DecodeScript {
     /// Grant leases at most this long a wait without progress (as a worker's
     /// `--max-lease-ttl-ms` does), whatever the router asks.
     pub lease_ttl_cap_ms: Option<u32>,
+    /// Prompt tokens its prefix cache holds (whole blocks, never the last token's): a lease
+    /// skips them, or the request runs here when the rest is below `local_prefill_below`.
+    pub cached_tokens: u32,
 }
 
 impl Default for DecodeScript {
@@ -74,6 +77,7 @@ impl Default for DecodeScript {
             fail_after: None,
             generate_error: None,
             lease_ttl_cap_ms: None,
+            cached_tokens: 0,
         }
     }
 }
@@ -265,13 +269,24 @@ async fn run_generate(
     script: &DecodeScript,
     tx: &mpsc::Sender<Result<GenerateEvent, Status>>,
 ) {
-    let disaggregated = req.mode == Mode::Disaggregated as i32;
+    let len = req.prompt.len() as u32;
+    let cached = script.cached_tokens.min(len.saturating_sub(1) / 16 * 16);
+    let mut disaggregated = req.mode == Mode::Disaggregated as i32;
+    if disaggregated && cached > 0 && len - cached < req.local_prefill_below {
+        let local = Event::Local(LocalPrefill {
+            cached_tokens: cached,
+        });
+        if tx.send(event(local)).await.is_err() {
+            return;
+        }
+        disaggregated = false;
+    }
     let mut kv_bytes = 0;
     if disaggregated {
         let token = u128::from(state.next_lease.fetch_add(1, Ordering::SeqCst))
             .to_le_bytes()
             .to_vec();
-        let blocks = req.prompt.len().div_ceil(16) as u32;
+        let blocks = req.prompt.len().div_ceil(16) as u32 - cached / 16;
         let ttl_ms = req
             .lease_ttl_ms
             .max(1)
@@ -280,6 +295,7 @@ async fn run_generate(
             token: token.clone(),
             block_ids: (10..10 + blocks).collect(),
             ttl_ms,
+            cached_tokens: cached,
         };
         let (commit_tx, mut commit_rx) = oneshot::channel();
         lock(&state.waiting).insert(token.clone(), commit_tx);
