@@ -4,7 +4,7 @@
 //! `--max-seconds` or on Ctrl-C/SIGTERM. Listens on 127.0.0.1 only.
 //!
 //! Usage: `fake_server [--port 0] [--ttft-ms 0] [--itl-ms 0] [--events-per-write 1]
-//!         [--write-tokenizer PATH] [--max-seconds 600]`; the first stdout line is
+//!         [--write-tokenizer PATH] [--tandem-usage] [--max-seconds 600]`; the first stdout line is
 //! `listening on http://127.0.0.1:PORT`.
 
 use std::io::Write;
@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::Parser;
-use tandem_bench::fake_server::{FakeServer, SyntheticTiming, synthetic};
+use tandem_bench::fake_server::{FakeServer, SyntheticTiming, synthetic, synthetic_tandem};
 
 #[derive(Debug, Parser)]
 struct FakeServerArgs {
@@ -31,6 +31,10 @@ struct FakeServerArgs {
     /// Also write the matching word-level tokenizer.json here.
     #[arg(long)]
     write_tokenizer: Option<std::path::PathBuf>,
+    /// Report tandem's usage accounting (cached tokens from a simulated prefix cache, KV
+    /// bytes and blocks), as tandem's router does.
+    #[arg(long)]
+    tandem_usage: bool,
     /// Stop by itself after this many seconds.
     #[arg(long, default_value_t = 600)]
     max_seconds: u64,
@@ -59,7 +63,12 @@ fn main() -> anyhow::Result<()> {
             itl: Duration::from_millis(args.itl_ms),
             events_per_write: args.events_per_write,
         };
-        let server = FakeServer::start_on(listener, synthetic(timing))?;
+        let responder = if args.tandem_usage {
+            synthetic_tandem(timing)
+        } else {
+            synthetic(timing)
+        };
+        let server = FakeServer::start_on(listener, responder)?;
         let mut stdout = std::io::stdout();
         writeln!(stdout, "listening on {}", server.base_url())?;
         stdout.flush()?;

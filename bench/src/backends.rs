@@ -12,6 +12,7 @@ use futures::StreamExt;
 use serde::Deserialize;
 use serde_json::{Map, Value, json};
 
+use crate::accounting::{Accounting, UsageExtras};
 use crate::metrics::RequestOutput;
 
 /// The error vLLM records when a 200 stream carried no token event.
@@ -89,6 +90,42 @@ pub struct RequestInput {
     pub extra_body: Option<Map<String, Value>>,
     /// Sent as `x-request-id` when set.
     pub request_id: Option<String>,
+    /// Multi-turn: the whole conversation, sent as `messages` by the chat backend (the other
+    /// backends send `prompt`, which then holds the same conversation as plain text).
+    pub messages: Option<Vec<ChatMessage>>,
+}
+
+/// Who said a message of a multi-turn conversation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ChatRole {
+    User,
+    Assistant,
+}
+
+/// One message of a multi-turn conversation.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ChatMessage {
+    pub role: ChatRole,
+    pub content: String,
+}
+
+/// The chat `messages` array: user turns as text parts (as vLLM sends its one prompt),
+/// assistant turns as plain strings, which every OpenAI-compatible server accepts.
+fn chat_messages(input: &RequestInput) -> Value {
+    match &input.messages {
+        None => json!([{"role": "user", "content": [{"type": "text", "text": input.prompt}]}]),
+        Some(messages) => Value::Array(
+            messages
+                .iter()
+                .map(|m| match m.role {
+                    ChatRole::User => {
+                        json!({"role": "user", "content": [{"type": "text", "text": m.content}]})
+                    }
+                    ChatRole::Assistant => json!({"role": "assistant", "content": m.content}),
+                })
+                .collect(),
+        ),
+    }
 }
 
 /// The JSON body vLLM sends for `input`.
@@ -110,10 +147,7 @@ pub fn request_body(backend: Backend, input: &RequestInput) -> Value {
         }
         Backend::OpenaiChat => {
             body.insert("model".into(), json!(input.model));
-            body.insert(
-                "messages".into(),
-                json!([{"role": "user", "content": [{"type": "text", "text": input.prompt}]}]),
-            );
+            body.insert("messages".into(), chat_messages(input));
             body.insert(
                 "temperature".into(),
                 json!(input.temperature.unwrap_or(0.0)),
@@ -235,6 +269,9 @@ struct OpenAiChunk {
     choices: Option<Vec<OpenAiChoice>>,
     #[serde(default)]
     usage: Option<OpenAiUsage>,
+    /// tandem's router puts its object here on a finish chunk when usage is not streamed.
+    #[serde(default)]
+    tandem: Option<Value>,
 }
 
 #[derive(Deserialize)]
@@ -255,6 +292,8 @@ struct OpenAiDelta {
 struct OpenAiUsage {
     #[serde(default)]
     completion_tokens: Option<u64>,
+    #[serde(flatten)]
+    extras: UsageExtras,
 }
 
 /// What a message did to the stream.
@@ -274,6 +313,7 @@ pub struct StreamState {
     itl: Vec<f64>,
     text: String,
     output_tokens: Option<usize>,
+    accounting: Accounting,
     /// TGI: the `generated_text` of the latest event (`None` inside: JSON null).
     tgi_final_text: Option<Option<String>>,
     tgi_events: usize,
@@ -289,6 +329,7 @@ impl StreamState {
             itl: Vec::new(),
             text: String::new(),
             output_tokens: None,
+            accounting: Accounting::default(),
             tgi_final_text: None,
             tgi_events: 0,
         }
@@ -322,6 +363,12 @@ impl StreamState {
         }
         let chunk: OpenAiChunk = serde_json::from_str(data)
             .map_err(|e| format!("JSONDecodeError: {e}: {}", truncate(data)))?;
+        if let Some(usage) = &chunk.usage {
+            self.accounting.read_usage(&usage.extras);
+        }
+        if let Some(tandem) = &chunk.tandem {
+            self.accounting.read_tandem(tandem);
+        }
         let choices = chunk.choices.unwrap_or_default();
         if let Some(choice) = choices.first() {
             // Any non-empty `choices` is a token event, even with empty text.
@@ -399,6 +446,7 @@ impl StreamState {
                 }
             }
         }
+        self.accounting.write_to(output);
         output.ttft = self.ttft.unwrap_or(0.0);
         output.itl = self.itl;
         output.latency = latency;
@@ -579,6 +627,7 @@ mod tests {
             temperature: None,
             extra_body: serde_json::from_str("{\"top_k\": 1}").ok(),
             request_id: None,
+            messages: None,
         }
     }
 

@@ -1,6 +1,6 @@
 //! Command-line options, named and defaulted as vLLM's `vllm bench serve` (0.13.0), plus the
 //! tandem additions (`--layout`, `--preset`, list-valued sweep options, `book` options,
-//! plotting), and their validation into a [`BenchConfig`].
+//! plotting, multi-turn conversations), and their validation into a [`BenchConfig`].
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -17,6 +17,9 @@ use crate::report::Layout;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum DatasetName {
     Random,
+    /// vLLM's `prefix_repetition`: shared random prefixes plus per-request random suffixes.
+    #[value(name = "prefix_repetition", alias = "prefix-repetition")]
+    PrefixRepetition,
     Sharegpt,
     Sonnet,
     Book,
@@ -110,6 +113,18 @@ pub struct BenchArgs {
     pub random_range_ratio: f64,
     #[arg(long, default_value_t = 0)]
     pub random_prefix_len: usize,
+    /// Tokens of each shared prefix (prefix_repetition).
+    #[arg(long, default_value_t = 256)]
+    pub prefix_repetition_prefix_len: usize,
+    /// Tokens of each request's own suffix after its prefix (prefix_repetition).
+    #[arg(long, default_value_t = 256)]
+    pub prefix_repetition_suffix_len: usize,
+    /// Distinct prefixes; --num-prompts is spread evenly over them (prefix_repetition).
+    #[arg(long, default_value_t = 10)]
+    pub prefix_repetition_num_prefixes: usize,
+    /// max_tokens of every request (prefix_repetition).
+    #[arg(long, default_value_t = 128)]
+    pub prefix_repetition_output_len: usize,
     #[arg(long)]
     pub sharegpt_output_len: Option<usize>,
     #[arg(long, default_value_t = 550)]
@@ -167,6 +182,14 @@ pub struct BenchArgs {
     /// POST {base}/start_profile and /stop_profile around the run.
     #[arg(long)]
     pub profile: bool,
+    /// Multi-turn chat: each sampled prompt opens a conversation of this many turns, run in
+    /// sequence; every later turn resends the whole conversation (user messages and the
+    /// generated answers) plus a new user message. 0 = off.
+    #[arg(long, default_value_t = 0)]
+    pub multi_turn_turns: usize,
+    /// Tokens of each later user message (random tokens, fixed by --seed) in multi-turn mode.
+    #[arg(long, default_value_t = 64)]
+    pub multi_turn_user_len: usize,
 
     /// Sections printed: comma subset of ttft,tpot,itl,e2el.
     #[arg(long, default_value = "ttft,tpot,itl")]
@@ -239,6 +262,10 @@ pub struct BenchConfig {
     pub ready_check_timeout: Duration,
     pub num_warmups: usize,
     pub profile: bool,
+    /// `--multi-turn-turns`; 0 is the usual one-request-per-prompt run.
+    pub multi_turn_turns: usize,
+    /// `--multi-turn-user-len`.
+    pub multi_turn_user_len: usize,
     pub percentile_metrics: Vec<MetricKind>,
     pub metric_percentiles: Vec<f64>,
     pub goodput: GoodputSlos,
@@ -384,8 +411,10 @@ impl BenchArgs {
             },
         };
 
-        if self.dataset_name != DatasetName::Random
-            && self.preset.is_none()
+        if !matches!(
+            self.dataset_name,
+            DatasetName::Random | DatasetName::PrefixRepetition
+        ) && self.preset.is_none()
             && self.dataset_path.is_none()
         {
             return Err(ConfigError(
@@ -416,6 +445,16 @@ impl BenchArgs {
         if swept > 1 {
             return Err(ConfigError(
                 "only one of --num-prompts, --request-rate, --max-concurrency may be a list".into(),
+            ));
+        }
+        if self.multi_turn_turns > 0 && self.preset.is_some() {
+            return Err(ConfigError(
+                "--multi-turn-turns cannot be combined with --preset".into(),
+            ));
+        }
+        if self.multi_turn_turns > 1 && self.multi_turn_user_len == 0 {
+            return Err(ConfigError(
+                "--multi-turn-user-len must be at least 1 with more than one turn".into(),
             ));
         }
         if self.burstiness.is_nan() || self.burstiness <= 0.0 {
@@ -473,6 +512,8 @@ impl BenchArgs {
             ready_check_timeout: Duration::from_secs(self.ready_check_timeout_sec),
             num_warmups: self.num_warmups,
             profile: self.profile,
+            multi_turn_turns: self.multi_turn_turns,
+            multi_turn_user_len: self.multi_turn_user_len,
             percentile_metrics,
             metric_percentiles,
             goodput,
@@ -582,5 +623,44 @@ mod tests {
             .unwrap();
         assert_eq!(config.num_prompts, vec![1, 2, 4, 8]);
         assert_eq!(config.goodput.len(), 2);
+    }
+
+    #[test]
+    fn prefix_repetition_and_multi_turn_options() {
+        let config = args(&["--dataset-name", "prefix_repetition"])
+            .into_config()
+            .unwrap();
+        assert_eq!(config.dataset_name, DatasetName::PrefixRepetition);
+        assert_eq!(config.args.prefix_repetition_prefix_len, 256);
+        assert_eq!(config.args.prefix_repetition_suffix_len, 256);
+        assert_eq!(config.args.prefix_repetition_num_prefixes, 10);
+        assert_eq!(config.args.prefix_repetition_output_len, 128);
+        assert_eq!(config.multi_turn_turns, 0);
+        assert_eq!(config.multi_turn_user_len, 64);
+        let config = args(&[
+            "--dataset-name",
+            "prefix-repetition",
+            "--multi-turn-turns",
+            "3",
+            "--multi-turn-user-len",
+            "8",
+        ])
+        .into_config()
+        .unwrap();
+        assert_eq!(config.dataset_name, DatasetName::PrefixRepetition);
+        assert_eq!(
+            (config.multi_turn_turns, config.multi_turn_user_len),
+            (3, 8)
+        );
+        assert!(
+            args(&["--multi-turn-turns", "2", "--preset", "pd"])
+                .into_config()
+                .is_err()
+        );
+        assert!(
+            args(&["--multi-turn-turns", "2", "--multi-turn-user-len", "0"])
+                .into_config()
+                .is_err()
+        );
     }
 }

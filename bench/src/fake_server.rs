@@ -1,9 +1,12 @@
 //! A scriptable streaming server for the bench's own tests and client benchmark: it answers
 //! POSTs on any path with scripted chunks at scripted times, records what it received, and
-//! counts open streams. Not a model server: it never looks at prompts beyond their length.
+//! counts open streams. Not a model server: it never looks at prompts beyond counting their
+//! words.
 //!
 //! [`synthetic`] builds the usual shapes (OpenAI completions/chat SSE with usage and
-//! `[DONE]`, TGI `generate_stream` events) from the request's `max_tokens`.
+//! `[DONE]`, TGI `generate_stream` events) from the request's `max_tokens`;
+//! [`synthetic_tandem`] adds the accounting tandem's router reports in its usage (cached
+//! prompt tokens from a simulated prefix cache, KV bytes and blocks "transferred").
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -306,6 +309,25 @@ pub fn usage_chunk(prompt_tokens: u64, completion_tokens: u64) -> String {
     format!("data: {chunk}\n\n")
 }
 
+/// The usage chunk as tandem's router sends it: OpenAI's `prompt_tokens_details` plus the
+/// `tandem` object.
+pub fn tandem_usage_chunk(
+    prompt_tokens: u64,
+    completion_tokens: u64,
+    cached_tokens: u64,
+    kv_bytes: u64,
+    kv_blocks: u64,
+) -> String {
+    let chunk = json!({"id": "cmpl-0", "object": "text_completion", "model": "fake-model", "choices": [],
+        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                  "total_tokens": prompt_tokens + completion_tokens,
+                  "prompt_tokens_details": {"cached_tokens": cached_tokens},
+                  "tandem": {"mode": "disaggregated", "kv_bytes": kv_bytes, "transport": "shm",
+                             "fallback_reason": null, "cached_tokens": cached_tokens,
+                             "kv_blocks": kv_blocks}}});
+    format!("data: {chunk}\n\n")
+}
+
 /// `data: [DONE]\n\n`.
 pub fn done_chunk() -> String {
     "data: [DONE]\n\n".to_string()
@@ -334,6 +356,73 @@ pub struct SyntheticTiming {
 /// (`/generate_stream`: TGI; `…/chat/completions`: chat; anything else: completions), each
 /// token the word `w{k}`, then usage and `[DONE]` for OpenAI paths.
 pub fn synthetic(timing: SyntheticTiming) -> Responder {
+    synthetic_responder(timing, None)
+}
+
+/// KV bytes per prompt token [`synthetic_tandem`] reports as transferred.
+pub const FAKE_KV_BYTES_PER_TOKEN: u64 = 64;
+/// Tokens per KV block [`synthetic_tandem`] reports.
+pub const FAKE_KV_BLOCK_TOKENS: u64 = 16;
+/// Prompts the simulated prefix cache remembers.
+const PREFIX_CACHE_PROMPTS: usize = 1024;
+
+/// [`synthetic`], with usage as tandem's router reports it. Prompt tokens are the prompt's
+/// whitespace-separated words (all message contents for chat); cached tokens are the longest
+/// word prefix shared with an earlier prompt, as a prefix cache would find; the uncached rest
+/// is "transferred" at [`FAKE_KV_BYTES_PER_TOKEN`] bytes, in [`FAKE_KV_BLOCK_TOKENS`]-token
+/// blocks.
+pub fn synthetic_tandem(timing: SyntheticTiming) -> Responder {
+    synthetic_responder(timing, Some(Arc::new(Mutex::new(Vec::new()))))
+}
+
+/// The words of a request's prompt: `prompt`, or every message's text for chat.
+fn prompt_words(body: &Value) -> Vec<String> {
+    let mut text = String::new();
+    if let Some(prompt) = body.get("prompt").and_then(Value::as_str) {
+        text.push_str(prompt);
+    }
+    for message in body
+        .get("messages")
+        .and_then(Value::as_array)
+        .into_iter()
+        .flatten()
+    {
+        match message.get("content") {
+            Some(Value::String(content)) => text.push_str(content),
+            Some(Value::Array(parts)) => {
+                for part in parts {
+                    text.push_str(part.get("text").and_then(Value::as_str).unwrap_or(""));
+                }
+            }
+            _ => {}
+        }
+        // Message boundaries separate words, as a chat template would.
+        text.push(' ');
+    }
+    text.split_whitespace().map(str::to_string).collect()
+}
+
+/// Looks `words` up in, then adds it to, the simulated prefix cache; returns the cached count.
+fn cached_prefix(cache: &Mutex<Vec<Vec<String>>>, words: Vec<String>) -> u64 {
+    let Ok(mut seen) = cache.lock() else {
+        return 0;
+    };
+    let cached = seen
+        .iter()
+        .map(|old| old.iter().zip(&words).take_while(|(a, b)| a == b).count())
+        .max()
+        .unwrap_or(0);
+    if seen.len() >= PREFIX_CACHE_PROMPTS {
+        seen.remove(0);
+    }
+    seen.push(words);
+    cached as u64
+}
+
+fn synthetic_responder(
+    timing: SyntheticTiming,
+    prefix_cache: Option<Arc<Mutex<Vec<Vec<String>>>>>,
+) -> Responder {
     // Chunks repeat every 100 tokens: render them once, so the server stays far cheaper than
     // the client it is measuring.
     let words: Vec<String> = (0..100).map(|k| format!("w{k} ")).collect();
@@ -379,7 +468,23 @@ pub fn synthetic(timing: SyntheticTiming) -> Responder {
             }
         }
         if !is_tgi {
-            let tail = format!("{}{}", usage_chunk(1, n), done_chunk());
+            let usage = match &prefix_cache {
+                None => usage_chunk(1, n),
+                Some(cache) => {
+                    let words = prompt_words(&request.body);
+                    let prompt = words.len() as u64;
+                    let cached = cached_prefix(cache, words).min(prompt);
+                    let moved = prompt - cached;
+                    tandem_usage_chunk(
+                        prompt,
+                        n,
+                        cached,
+                        moved * FAKE_KV_BYTES_PER_TOKEN,
+                        moved.div_ceil(FAKE_KV_BLOCK_TOKENS),
+                    )
+                }
+            };
+            let tail = format!("{usage}{}", done_chunk());
             events.push(ScriptedEvent::new(Duration::ZERO, tail, 0));
         }
         ScriptedResponse {

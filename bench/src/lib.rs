@@ -3,18 +3,22 @@
 //!
 //! It owns the whole client side: datasets, arrival times, streamed requests to any server
 //! speaking the OpenAI completions/chat or TGI `generate_stream` APIs, vLLM's metric math,
-//! the byte-exact "Serving Benchmark Result" block, result JSON, sweeps and plots. It speaks
+//! the byte-exact "Serving Benchmark Result" block, result JSON, sweeps and plots, and two
+//! tandem additions: the server's cache/KV-transfer accounting in the result JSON and a
+//! multi-turn chat mode. It speaks
 //! HTTP only and links no serving code (of tandem it uses `tandem-text` for tokenizers and
 //! `tandem-cli` for the shared logging flag), so it can measure vLLM, TGI or llama.cpp.
 //!
 //! Output discipline: stdout carries headings, blocks and sweep summaries only; the progress
 //! bar and vLLM's informational lines go to stderr, logs go through `tracing` (stderr).
 
+pub mod accounting;
 pub mod backends;
 pub mod cli;
 pub mod datasets;
 pub mod fake_server;
 pub mod metrics;
+pub mod multi_turn;
 pub mod progress;
 pub mod report;
 pub mod runner;
@@ -26,7 +30,9 @@ use std::path::PathBuf;
 
 use crate::backends::{Backend, RequestInput, Target};
 use crate::cli::{BenchConfig, ConfigError, DatasetName, Preset};
-use crate::datasets::{BookConfig, DatasetConfig, DatasetError, RandomConfig, SamplingOptions};
+use crate::datasets::{
+    BookConfig, DatasetConfig, DatasetError, PrefixRepetitionConfig, RandomConfig, SamplingOptions,
+};
 use crate::metrics::{BenchmarkMetrics, MetricsOptions, calculate_metrics};
 use crate::report::{BlockOptions, ResultHeader};
 use crate::runner::{RunError, TrafficSettings};
@@ -69,6 +75,8 @@ pub struct BlockResult {
     pub metrics: BenchmarkMetrics,
     /// The block text exactly as printed.
     pub block: String,
+    /// Multi-turn mode: the per-turn means printed after the block.
+    pub multi_turn: Option<multi_turn::TurnSummary>,
     /// The result JSON file written for this block, if any.
     pub result_file: Option<PathBuf>,
 }
@@ -115,6 +123,11 @@ pub async fn run(
         headers: config.headers.clone(),
     };
     let phases = phases(config, &tokenizer)?;
+    let turns = config.multi_turn_turns;
+    let count_tokens: multi_turn::TokenCounter = {
+        let tokenizer = tokenizer.clone();
+        std::sync::Arc::new(move |text: &str| tokenizer.count(text, false).unwrap_or(0))
+    };
     let (axis, values) = sweep_values(config);
     let date = report::timestamp(std::time::SystemTime::now());
     let mut summary = RunSummary::default();
@@ -149,7 +162,27 @@ pub async fn run(
                 num_warmups: config.num_warmups,
                 profile_base_url: config.profile.then(|| config.base_url.clone()),
             };
-            let outcome = runner::run_block(&client, &target, inputs, &settings, log).await?;
+            let outcome = if turns > 0 {
+                let conversations = multi_turn::plan(
+                    inputs,
+                    &tokenizer,
+                    turns,
+                    config.multi_turn_user_len,
+                    config.seed,
+                )?;
+                multi_turn::run_conversations(
+                    &client,
+                    &target,
+                    conversations,
+                    turns,
+                    count_tokens.clone(),
+                    &settings,
+                    log,
+                )
+                .await?
+            } else {
+                runner::run_block(&client, &target, inputs, &settings, log).await?
+            };
             let count_tokens = |text: &str| tokenizer.count(text, false).unwrap_or(0);
             let (metrics, output_lens) = calculate_metrics(
                 &outcome.outputs,
@@ -175,6 +208,11 @@ pub async fn run(
             let separator = if first_output { "" } else { "\n" };
             write_out(out, &format!("{separator}{block}"))?;
             first_output = false;
+            let turn_summary =
+                (turns > 0).then(|| multi_turn::TurnSummary::new(&outcome.outputs, turns));
+            if let Some(summary) = &turn_summary {
+                write_out(out, &format!("\n{}", summary.table()))?;
+            }
             let result_file = if config.save_result {
                 let header = ResultHeader {
                     date: date.clone(),
@@ -188,7 +226,7 @@ pub async fn run(
                     burstiness: config.burstiness,
                     max_concurrency,
                 };
-                let json = report::result_json(
+                let mut json = report::result_json(
                     &header,
                     &metrics,
                     outcome.duration,
@@ -197,6 +235,9 @@ pub async fn run(
                     &config.percentile_metrics,
                     config.save_detailed,
                 );
+                if let (Some(summary), Some(map)) = (&turn_summary, json.as_object_mut()) {
+                    map.insert("multi_turn".into(), summary.to_json());
+                }
                 let suffix = block_suffix(phase.heading, axis, value, phases.len(), values.len());
                 let append =
                     config.append_result || summary.blocks.iter().any(|b| b.result_file.is_some());
@@ -222,6 +263,7 @@ pub async fn run(
                 duration: outcome.duration,
                 metrics,
                 block,
+                multi_turn: turn_summary,
                 result_file,
             });
         }
@@ -345,6 +387,12 @@ fn dataset_config(config: &BenchConfig, random: RandomConfig) -> Result<DatasetC
     };
     Ok(match config.dataset_name {
         DatasetName::Random => DatasetConfig::Random(random),
+        DatasetName::PrefixRepetition => DatasetConfig::PrefixRepetition(PrefixRepetitionConfig {
+            prefix_len: args.prefix_repetition_prefix_len,
+            suffix_len: args.prefix_repetition_suffix_len,
+            num_prefixes: args.prefix_repetition_num_prefixes,
+            output_len: args.prefix_repetition_output_len,
+        }),
         DatasetName::Sharegpt => DatasetConfig::ShareGpt {
             path: path()?,
             output_len: args.sharegpt_output_len,
@@ -394,6 +442,7 @@ fn request_inputs(
             temperature: config.temperature,
             extra_body: config.extra_body.clone(),
             request_id: Some(format!("{}{index}", config.request_id_prefix)),
+            messages: None,
         })
         .collect()
 }

@@ -29,6 +29,30 @@ pub struct RequestOutput {
     pub error: String,
     /// When the POST was about to be sent, in seconds on the benchmark's monotonic clock.
     pub start_time: f64,
+    /// `usage.prompt_tokens` when the server reported it (the block keeps vLLM's client-side
+    /// `prompt_len`; multi-turn uses this for later turns).
+    pub server_prompt_tokens: Option<usize>,
+    /// Prompt tokens the server took from its prefix cache:
+    /// `usage.prompt_tokens_details.cached_tokens`, else tandem's `usage.tandem.cached_tokens`.
+    pub cached_tokens: Option<usize>,
+    /// tandem: bytes of KV moved from the prefill to the decode worker (`usage.tandem.kv_bytes`).
+    pub kv_bytes: Option<u64>,
+    /// tandem: KV blocks moved from the prefill to the decode worker (`usage.tandem.kv_blocks`).
+    pub kv_blocks: Option<u64>,
+    /// tandem's description of how the request ran, when the server sent a `tandem` object.
+    pub tandem: Option<TandemRun>,
+}
+
+/// The descriptive part of tandem's `usage.tandem` object; every field is optional because
+/// servers other than tandem's router send none of it.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct TandemRun {
+    /// `disaggregated` or `aggregated`.
+    pub mode: Option<String>,
+    /// How KV travelled (e.g. `shm`), when it did.
+    pub transport: Option<String>,
+    /// Why a disaggregated request fell back to aggregated serving.
+    pub fallback_reason: Option<String>,
 }
 
 /// Which latency a section or an SLO is about.

@@ -228,6 +228,7 @@ pub fn result_json(
         map.insert("generated_texts".into(), json!(texts));
         map.insert("errors".into(), json!(errors));
     }
+    insert_server_accounting(&mut map, outputs);
     map.insert(
         "max_output_tokens_per_s".into(),
         json!(metrics.max_output_tokens_per_s),
@@ -250,6 +251,40 @@ pub fn result_json(
         }
     }
     Value::Object(map)
+}
+
+/// tandem's additions, present only when at least one response carried server accounting
+/// (so results against vLLM or TGI keep vLLM's exact keys): totals over the requests that
+/// reported each count (null when none did) and per-request lists in dataset order (null
+/// where a request reported nothing).
+fn insert_server_accounting(map: &mut Map<String, Value>, outputs: &[RequestOutput]) {
+    let reported = outputs
+        .iter()
+        .any(|o| o.cached_tokens.is_some() || o.kv_bytes.is_some() || o.kv_blocks.is_some());
+    if !reported {
+        return;
+    }
+    fn total(values: impl Iterator<Item = Option<u64>>) -> Value {
+        values
+            .flatten()
+            .fold(None, |sum: Option<u64>, n| {
+                Some(sum.unwrap_or(0).saturating_add(n))
+            })
+            .map_or(Value::Null, |n| json!(n))
+    }
+    let cached = || outputs.iter().map(|o| o.cached_tokens.map(|n| n as u64));
+    map.insert("total_cached_tokens".into(), total(cached()));
+    map.insert(
+        "total_kv_bytes".into(),
+        total(outputs.iter().map(|o| o.kv_bytes)),
+    );
+    map.insert(
+        "total_kv_blocks".into(),
+        total(outputs.iter().map(|o| o.kv_blocks)),
+    );
+    map.insert("cached_tokens".into(), json!(cached().collect::<Vec<_>>()));
+    let kv_bytes: Vec<Option<u64>> = outputs.iter().map(|o| o.kv_bytes).collect();
+    map.insert("kv_bytes".into(), json!(kv_bytes));
 }
 
 /// vLLM's default result file name:
@@ -396,6 +431,52 @@ mod tests {
             brief.get("p99_ttft_ms").is_none(),
             "no percentiles were computed"
         );
+        assert!(
+            brief.get("total_cached_tokens").is_none() && brief.get("kv_bytes").is_none(),
+            "no server accounting, no tandem keys"
+        );
+    }
+
+    #[test]
+    fn server_accounting_is_totalled_and_listed_when_reported() {
+        let header = ResultHeader {
+            date: "20250101-000000".into(),
+            backend: "openai".into(),
+            label: None,
+            model_id: "m".into(),
+            tokenizer_id: "t".into(),
+            num_prompts: 3,
+            metadata: vec![],
+            request_rate: f64::INFINITY,
+            burstiness: 1.0,
+            max_concurrency: None,
+        };
+        let outputs = vec![
+            RequestOutput {
+                success: true,
+                cached_tokens: Some(3),
+                kv_bytes: Some(4096),
+                ..Default::default()
+            },
+            RequestOutput {
+                success: true,
+                cached_tokens: Some(5),
+                kv_bytes: Some(1024),
+                ..Default::default()
+            },
+            RequestOutput::default(),
+        ];
+        let metrics = BenchmarkMetrics::default();
+        let json = result_json(&header, &metrics, 1.0, &outputs, &[1, 1, 0], &[], false);
+        assert_eq!(json["total_cached_tokens"], 8);
+        assert_eq!(json["total_kv_bytes"], 5120);
+        assert_eq!(json["total_kv_blocks"], Value::Null);
+        assert_eq!(json["cached_tokens"], json!([3, 5, null]));
+        assert_eq!(json["kv_bytes"], json!([4096, 1024, null]));
+        let keys: Vec<&String> = json.as_object().unwrap().keys().collect();
+        let at = |k: &str| keys.iter().position(|x| *x == k).unwrap();
+        assert!(at("total_token_throughput") < at("total_cached_tokens"));
+        assert!(at("kv_bytes") < at("max_output_tokens_per_s"));
     }
 
     #[test]

@@ -109,6 +109,35 @@ pub async fn run_block(
     let Some(test_input) = inputs.first().cloned() else {
         return Err(RunError::NoRequests);
     };
+    let semaphore = start_run(client, target, &test_input, settings, log).await?;
+    let offsets = arrival_offsets(
+        inputs.len(),
+        settings.request_rate,
+        settings.burstiness,
+        settings.seed,
+    )?;
+    let progress = Progress::new(inputs.len(), settings.show_progress);
+    let start = Instant::now();
+    let outputs = dispatch(
+        client, target, inputs, &offsets, semaphore, &progress, start,
+    )
+    .await;
+    progress.close();
+    let duration = start.elapsed().as_secs_f64();
+    stop_run(client, target, &test_input, settings, log).await;
+    Ok(RunOutcome { outputs, duration })
+}
+
+/// Everything before the timed run: the ready check with `test_input`, warmups, the
+/// profiler start and vLLM's informational lines. Returns the `--max-concurrency`
+/// semaphore the timed run must use.
+pub(crate) async fn start_run(
+    client: &reqwest::Client,
+    target: &Target,
+    test_input: &RequestInput,
+    settings: &TrafficSettings,
+    log: &mut (dyn Write + Send),
+) -> Result<Option<Arc<Semaphore>>, RunError> {
     let epoch = Instant::now();
     if settings.ready_check_timeout.is_zero() {
         let _ = writeln!(log, "Skipping endpoint ready check.");
@@ -117,7 +146,7 @@ pub async fn run_block(
         let output = wait_for_endpoint(
             client,
             target,
-            &test_input,
+            test_input,
             settings.ready_check_timeout,
             log,
         )
@@ -150,13 +179,7 @@ pub async fn run_block(
     }
     if let Some(base) = &settings.profile_base_url {
         let _ = writeln!(log, "Starting profiler...");
-        post_profile(
-            client,
-            target,
-            &test_input,
-            &format!("{base}/start_profile"),
-        )
-        .await;
+        post_profile(client, target, test_input, &format!("{base}/start_profile")).await;
     }
     let _ = writeln!(log, "Starting main benchmark run...");
     let rate = crate::report::python_float(settings.request_rate);
@@ -176,26 +199,21 @@ pub async fn run_block(
         .map_or_else(|| "None".to_string(), |n| n.to_string());
     let _ = writeln!(log, "Maximum request concurrency: {concurrency}");
     let _ = log.flush();
+    Ok(semaphore)
+}
 
-    let offsets = arrival_offsets(
-        inputs.len(),
-        settings.request_rate,
-        settings.burstiness,
-        settings.seed,
-    )?;
-    let progress = Progress::new(inputs.len(), settings.show_progress);
-    let start = Instant::now();
-    let outputs = dispatch(
-        client, target, inputs, &offsets, semaphore, &progress, start,
-    )
-    .await;
-    progress.close();
-    let duration = start.elapsed().as_secs_f64();
+/// Everything after the timed run: the profiler stop.
+pub(crate) async fn stop_run(
+    client: &reqwest::Client,
+    target: &Target,
+    test_input: &RequestInput,
+    settings: &TrafficSettings,
+    log: &mut (dyn Write + Send),
+) {
     if let Some(base) = &settings.profile_base_url {
         let _ = writeln!(log, "Stopping profiler...");
-        post_profile(client, target, &test_input, &format!("{base}/stop_profile")).await;
+        post_profile(client, target, test_input, &format!("{base}/stop_profile")).await;
     }
-    Ok(RunOutcome { outputs, duration })
 }
 
 /// Sends `inputs[i]` at `start + offsets[i]`, each as its own task behind the semaphore, and

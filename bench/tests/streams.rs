@@ -52,6 +52,7 @@ fn input() -> RequestInput {
         temperature: None,
         extra_body: None,
         request_id: Some("benchmark-serving0".into()),
+        messages: None,
     }
 }
 

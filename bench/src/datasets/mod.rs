@@ -1,11 +1,12 @@
-//! Request workloads: vLLM's `random`, `sharegpt`, `sonnet` and `custom` datasets
-//! (`vllm/benchmarks/datasets.py`, 0.13.0), plus the `book` dataset the seeds used.
+//! Request workloads: vLLM's `random`, `prefix_repetition`, `sharegpt`, `sonnet` and `custom`
+//! datasets (`vllm/benchmarks/datasets.py`, 0.13.0), plus the `book` dataset the seeds used.
 //!
 //! Every generator is deterministic for a given `--seed`. Byte-exact copies of Python's and
 //! numpy's random streams are not a goal (bench-spec §3.1); the distributions are the same.
 //! `sonnet` and `custom` apply the tokenizer's chat template when it has one (an HF folder
 //! with `tokenizer_config.json`); without one they use the raw prompt.
 
+mod prefix_repetition;
 mod random;
 mod text;
 
@@ -14,7 +15,9 @@ use std::path::PathBuf;
 use rand::SeedableRng;
 use rand::rngs::StdRng;
 
+pub use prefix_repetition::{PrefixRepetitionConfig, sample_prefix_repetition};
 pub use random::{RandomConfig, sample_random};
+pub(crate) use random::{allowed_ids, random_token_ids};
 pub use text::{BookConfig, BookOverflow, BookSplit, sample_book, split_book};
 
 use crate::tokenizer::{BenchTokenizer, TokenizerError};
@@ -49,6 +52,7 @@ pub enum DatasetError {
 #[derive(Debug, Clone, PartialEq)]
 pub enum DatasetConfig {
     Random(RandomConfig),
+    PrefixRepetition(PrefixRepetitionConfig),
     ShareGpt {
         path: PathBuf,
         /// `--sharegpt-output-len`; `None` takes the length of the second turn.
@@ -75,7 +79,8 @@ pub enum DatasetConfig {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SamplingOptions {
     pub seed: u64,
-    /// `--disable-shuffle`: keep file order for sharegpt and custom.
+    /// `--disable-shuffle`: keep file order for sharegpt and custom, and prefix order for
+    /// prefix_repetition.
     pub shuffle: bool,
     /// `--no-oversample`: return fewer requests rather than repeating some.
     pub oversample: bool,
@@ -92,6 +97,13 @@ pub fn sample(
         DatasetConfig::Random(config) => {
             sample_random(config, tokenizer, num_requests, options.seed)
         }
+        DatasetConfig::PrefixRepetition(config) => sample_prefix_repetition(
+            config,
+            tokenizer,
+            num_requests,
+            options.seed,
+            options.shuffle,
+        ),
         DatasetConfig::ShareGpt { path, output_len } => {
             text::sample_sharegpt(path, *output_len, tokenizer, num_requests, options)
         }

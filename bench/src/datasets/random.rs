@@ -57,14 +57,7 @@ pub fn sample_random(
         )));
     }
     let vocab_size = tokenizer.vocab_size();
-    let allowed: Vec<u32> = (0..vocab_size as u32)
-        .filter(|id| tokenizer.special_ids().binary_search(id).is_err())
-        .collect();
-    if allowed.is_empty() {
-        return Err(DatasetError::Invalid(
-            "tokenizer has no non-special tokens".into(),
-        ));
-    }
+    let allowed = allowed_ids(tokenizer)?;
     tracing::info!(
         "Sampling input_len from [{input_low}, {input_high}] and output_len from [{output_low}, {output_high}]"
     );
@@ -102,6 +95,40 @@ pub fn sample_random(
         );
     }
     Ok(requests)
+}
+
+/// The vocabulary minus the special ids: random prompts never contain a BOS or EOS, which a
+/// server would otherwise re-encode as a control token.
+pub(crate) fn allowed_ids(tokenizer: &BenchTokenizer) -> Result<Vec<u32>, DatasetError> {
+    let allowed: Vec<u32> = (0..tokenizer.vocab_size() as u32)
+        .filter(|id| tokenizer.special_ids().binary_search(id).is_err())
+        .collect();
+    if allowed.is_empty() {
+        return Err(DatasetError::Invalid(
+            "tokenizer has no non-special tokens".into(),
+        ));
+    }
+    Ok(allowed)
+}
+
+/// Random ids drawn from `allowed`, adjusted so that their text re-encodes to `len` tokens.
+/// Returns the ids after the adjustment and how far off the length stayed (0 when exact).
+pub(crate) fn random_token_ids(
+    tokenizer: &BenchTokenizer,
+    allowed: &[u32],
+    len: usize,
+    rng: &mut StdRng,
+) -> Result<(Vec<u32>, i64), DatasetError> {
+    if allowed.is_empty() {
+        return Err(DatasetError::Invalid(
+            "tokenizer has no non-special tokens".into(),
+        ));
+    }
+    let ids: Vec<u32> = (0..len)
+        .map(|_| allowed[rng.random_range(0..allowed.len())])
+        .collect();
+    let (_, ids, mismatch) = decode_to_target_len(tokenizer, ids, len, rng)?;
+    Ok((ids, mismatch))
 }
 
 /// vLLM's `gen_prompt_decode_to_target_len`: decode, re-encode, then truncate or extend with
