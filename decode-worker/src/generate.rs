@@ -3,9 +3,9 @@
 //! Disaggregated: hold the prompt's prefix that this worker's prefix cache has, reserve blocks
 //! for the rest (from the shared pool, without waiting for a forward pass), open a lease over
 //! those and tell the router where the KV goes and how much is cached (or, when the uncached
-//! suffix is shorter than the router's `local_prefill_below`, run the request here instead), wait for the commit while watching the
-//! client and the lease's idle time, stream the first token the moment the commit is verified,
-//! then hand the sequence to the engine. Aggregated: queue the whole request. A request of
+//! suffix is shorter than the router's `local_prefill_below`, run the request here instead),
+//! wait for the commit while watching the client and the lease's idle time, stream the first
+//! token the moment the commit is verified, then hand the sequence to the engine. Aggregated: queue the whole request. A request of
 //! `n` choices streams every choice's tokens on the one stream (each event names its choice)
 //! and ends after the n-th Finished event.
 //! Whatever happens, the blocks go back: on cancel, expiry or a failed transfer they are

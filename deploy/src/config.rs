@@ -91,6 +91,9 @@ pub struct RouterSection {
     /// whole deployment aggregated, for A/B runs).
     #[serde(default)]
     pub agg_threshold: u64,
+    /// How the router picks workers: kv-aware (default), load or round-robin.
+    #[serde(default)]
+    pub routing: Option<String>,
     /// CPU cores for the router process.
     #[serde(default)]
     pub cpus: Vec<usize>,
@@ -119,6 +122,7 @@ impl Default for RouterSection {
             port: default_router_port(),
             transport: default_transport(),
             agg_threshold: 0,
+            routing: None,
             cpus: Vec::new(),
             extra_args: Vec::new(),
             env: BTreeMap::new(),
@@ -284,10 +288,9 @@ fn default_startup_timeout() -> u64 {
     600
 }
 
-/// The transports the router accepts, by the names its flag takes.
-fn transports() -> Vec<String> {
-    use clap::ValueEnum;
-    tandem_cli::TransportArg::value_variants()
+/// The values a router flag of type `T` accepts, by name.
+fn flag_values<T: clap::ValueEnum>() -> Vec<String> {
+    T::value_variants()
         .iter()
         .filter_map(|t| t.to_possible_value())
         .map(|v| v.get_name().to_string())
@@ -355,12 +358,18 @@ impl DeployConfig {
         if self.decode.is_empty() {
             return bad("a deployment needs at least one [[decode]] worker".into());
         }
-        let known = transports();
+        let known = flag_values::<tandem_cli::TransportArg>();
         if !known.contains(&self.router.transport) {
             return bad(format!(
                 "router.transport `{}`: use one of {known:?}",
                 self.router.transport
             ));
+        }
+        if let Some(routing) = &self.router.routing {
+            let known = flag_values::<tandem_cli::RoutingPolicy>();
+            if !known.contains(routing) {
+                return bad(format!("router.routing `{routing}`: use one of {known:?}"));
+            }
         }
         let transport = self.router.transport.as_str();
         if transport == "cuda-ipc" || transport == "nccl" {
@@ -605,6 +614,10 @@ mod tests {
             (
                 "[router]\ntransport = \"rdma\"\n[[decode]]\nport = 7201\n",
                 "router.transport",
+            ),
+            (
+                "[router]\nrouting = \"random\"\n[[decode]]\nport = 7201\n",
+                "router.routing",
             ),
             ("[[decode]]\nport = 8000\n", "used twice"),
             (

@@ -10,8 +10,8 @@ use std::path::PathBuf;
 
 use clap::ValueEnum;
 use tandem_cli::{
-    DecodeArgs, EngineArgs, ModelArgs, PrefillArgs, RouterArgs, ServerArgs, TransportArg, defaults,
-    to_args,
+    DecodeArgs, EngineArgs, ModelArgs, PrefillArgs, RouterArgs, RoutingPolicy, ServerArgs,
+    TransportArg, defaults, to_args,
 };
 
 use crate::config::{DeployConfig, WorkerSpec};
@@ -162,6 +162,10 @@ pub fn plan_with(cfg: &DeployConfig, security: &InternalSecurity) -> Plan {
     // `validate` checked the name; an unknown one would be left to the router's default.
     router.transport = TransportArg::from_str(&r.transport, true).ok();
     router.agg_threshold = Some(u32::try_from(r.agg_threshold).unwrap_or(u32::MAX));
+    router.routing = r
+        .routing
+        .as_deref()
+        .and_then(|name| RoutingPolicy::from_str(name, true).ok());
     router.decode = cfg.decode.iter().map(url).collect();
     router.prefill = cfg.prefill.iter().map(url).collect();
     router.log.log_format = cfg.log_format;
@@ -226,9 +230,15 @@ mod tests {
         let router = p.processes[2].args.join(" ");
         assert!(
             router.contains("--prefill http://127.0.0.1:7101")
-                && router.contains("--decode http://127.0.0.1:7201"),
+                && router.contains("--decode http://127.0.0.1:7201")
+                && !router.contains("--routing"),
             "{router}"
         );
+        let mut rr = DeployConfig::default_local(2);
+        rr.router.routing = Some("round-robin".into());
+        let p = plan(&rr).unwrap();
+        let router = p.processes[2].args.join(" ");
+        assert!(router.contains("--routing round-robin"), "{router}");
     }
 
     #[test]

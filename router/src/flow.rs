@@ -761,7 +761,12 @@ async fn run_disaggregated(
         first_block,
     };
     let kv_blocks = u32::try_from(destination.block_ids.len()).unwrap_or(u32::MAX);
-    prefill.note_dispatch(0, req.prompt.len() as u64);
+    // The prefill worker computes what its own cache lacks.
+    let uncached = req
+        .prompt
+        .len()
+        .saturating_sub(prefill.cached_blocks(names) * tandem_kv::BLOCK_SIZE);
+    prefill.note_dispatch(0, uncached as u64);
     prefill.note_prompt(names);
     let mut prefill_client = prefill.prefill_client();
     let prefill_call = prefill_client.prefill(grpc_request(

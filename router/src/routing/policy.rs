@@ -35,6 +35,9 @@ pub struct DecodeCandidate {
     pub pending_requests: u32,
     /// Blocks of the prompt its prefix cache holds (as far as the router knows).
     pub cached_blocks: u32,
+    /// Blocks its prefix cache holds in all (last report): between equals, a new prefix
+    /// goes where the cache is emptier, which spreads prefixes over the workers.
+    pub cache_fill: u32,
 }
 
 impl DecodeCandidate {
@@ -58,6 +61,8 @@ pub struct PrefillCandidate {
     pub pending_tokens: u64,
     /// Tokens of the prompt its prefix cache holds (as far as the router knows).
     pub cached_tokens: u64,
+    /// Blocks its prefix cache holds in all (see [`DecodeCandidate::cache_fill`]).
+    pub cache_fill: u32,
 }
 
 impl PrefillCandidate {
@@ -101,8 +106,8 @@ fn in_turn(ids: impl Iterator<Item = usize>, turn: usize) -> Option<usize> {
 }
 
 /// The decode worker for a request, by `rule` (see the module doc). Ties go to the fewest
-/// running sequences, then to the lowest id, the oldest worker (deterministic, so tests can
-/// rely on it).
+/// running sequences, then (kv-aware) to the emptier cache, then to the lowest id, the oldest
+/// worker (deterministic, so tests can rely on it).
 pub fn pick_decode(candidates: &[DecodeCandidate], rule: &PickRule) -> Option<usize> {
     match rule.policy {
         RoutingPolicy::RoundRobin => in_turn(candidates.iter().map(|c| c.id), rule.turn),
@@ -138,6 +143,7 @@ pub fn pick_decode(candidates: &[DecodeCandidate], rule: &PickRule) -> Option<us
                     score(a)
                         .total_cmp(&score(b))
                         .then(b.effective_running().cmp(&a.effective_running()))
+                        .then(b.cache_fill.cmp(&a.cache_fill))
                         .then(b.id.cmp(&a.id))
                 })
                 .map(|c| c.id)
@@ -146,7 +152,8 @@ pub fn pick_decode(candidates: &[DecodeCandidate], rule: &PickRule) -> Option<us
 }
 
 /// The prefill worker for a request by `rule` (see the module doc), skipping `exclude`
-/// (workers that already failed this request); ties go to the lowest id.
+/// (workers that already failed this request); ties go (kv-aware) to the emptier cache, then
+/// to the lowest id.
 pub fn pick_prefill(
     candidates: &[PrefillCandidate],
     exclude: &[usize],
@@ -173,7 +180,7 @@ pub fn pick_prefill(
                     "prefill candidate: cost = queued + (prompt_tokens - cached_tokens)"
                 );
             })
-            .min_by_key(|c| (cost(c), c.id))
+            .min_by_key(|c| (cost(c), c.cache_fill, c.id))
             .map(|c| c.id)
         }
     }
@@ -266,6 +273,7 @@ mod tests {
             pending_blocks: 0,
             pending_requests: 0,
             cached_blocks: 0,
+            cache_fill: 0,
         }
     }
 
@@ -275,6 +283,7 @@ mod tests {
             queued_prefill_tokens: queued,
             pending_tokens: 0,
             cached_tokens: 0,
+            cache_fill: 0,
         }
     }
 
@@ -337,6 +346,16 @@ mod tests {
             super::pick_prefill(&[a, b], &[0], &kv_rule(10, 1.0)),
             Some(1)
         );
+        // Between equals, a new prompt goes where the cache holds less.
+        let (mut a, b) = (p(0, 0), p(1, 0));
+        a.cache_fill = 40;
+        assert_eq!(
+            super::pick_prefill(&[a, b], &[], &kv_rule(10, 1.0)),
+            Some(1)
+        );
+        let (mut a, b) = (d(0, 50, 0), d(1, 50, 0));
+        a.cache_fill = 40;
+        assert_eq!(super::pick_decode(&[a, b], &kv_rule(10, 2.0)), Some(1));
     }
 
     #[test]

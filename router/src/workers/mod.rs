@@ -321,6 +321,7 @@ impl Worker {
             pending_blocks: self.pending_blocks.load(Ordering::Relaxed),
             pending_requests: self.pending_requests.load(Ordering::Relaxed),
             cached_blocks: u32::try_from(self.cached_blocks(prompt)).unwrap_or(u32::MAX),
+            cache_fill: load.cached_blocks,
         })
     }
 
@@ -337,6 +338,7 @@ impl Worker {
             queued_prefill_tokens: load.queued_prefill_tokens,
             pending_tokens: self.pending_tokens.load(Ordering::Relaxed),
             cached_tokens: (self.cached_blocks(prompt) * tandem_kv::BLOCK_SIZE) as u64,
+            cache_fill: load.cached_blocks,
         })
     }
 }
