@@ -403,3 +403,70 @@ async fn reservations_survive_a_long_prefill_queue() {
     );
     wait_baseline(&dep, Duration::from_secs(2)).await;
 }
+
+/// Conversations whose turns extend each other, through a deployment with prefix caching and
+/// one without, each aggregated and disaggregated: every turn's greedy text and logprobs are
+/// the same four times over, and with caching the later turns move only the blocks the
+/// decode worker lacks and compute only what the prefill worker lacks.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn caching_on_and_off_give_the_same_turns_and_caching_moves_less() {
+    let cached = Deployment::start(&DeploymentSpec::default()).await.unwrap();
+    let uncached = Deployment::start(&DeploymentSpec {
+        worker_args: vec!["--no-prefix-caching".into()],
+        ..DeploymentSpec::default()
+    })
+    .await
+    .unwrap();
+    let agg_cached = cached.aggregated_router().await.unwrap();
+    let agg_uncached = uncached.aggregated_router().await.unwrap();
+    let bases = [
+        cached.url(""),
+        format!("http://127.0.0.1:{}", agg_cached.port),
+        uncached.url(""),
+        format!("http://127.0.0.1:{}", agg_uncached.port),
+    ];
+    let client = reqwest::Client::new();
+    for conversation in 0..2u32 {
+        let mut prompt: Vec<u32> = (0..70)
+            .map(|j| 3 + (conversation * 57 + j * 13) % 250)
+            .collect();
+        for turn in 0..4u32 {
+            let mut answers = Vec::new();
+            for base in &bases {
+                answers.push(greedy_completion(&client, base, &prompt, 12).await.unwrap());
+            }
+            for (i, a) in answers.iter().enumerate().skip(1) {
+                let what = format!("conversation {conversation} turn {turn}, deployment {i}");
+                assert_eq!(a.text, answers[0].text, "{what}");
+                assert_eq!(a.logprobs, answers[0].logprobs, "{what}");
+            }
+            let (with, without) = (&answers[0], &answers[2]);
+            assert_eq!(with.mode, "disaggregated");
+            let blocks = prompt.len().div_ceil(16) as u64;
+            assert_eq!(without.usage["tandem"]["kv_blocks"], blocks);
+            assert_eq!(without.usage["tandem"]["cached_tokens"], 0);
+            let moved = with.usage["tandem"]["kv_blocks"].as_u64().unwrap();
+            let held = with.usage["tandem"]["decode_cached_tokens"]
+                .as_u64()
+                .unwrap();
+            // The decode worker holds the previous turn's prompt (received, and computed
+            // again by the aggregated run): the blocks after it move.
+            let expected = match turn {
+                0 => 0,
+                _ => (prompt.len() as u64 - 30) / 16 * 16,
+            };
+            assert_eq!(held, expected, "turn {turn}");
+            assert_eq!(moved, blocks - held / 16);
+            assert_eq!(with.kv_bytes * blocks, without.kv_bytes * moved);
+            if turn > 0 {
+                // The prefill worker computed the previous turn's prompt.
+                let hit = with.usage["prompt_tokens_details"]["cached_tokens"]
+                    .as_u64()
+                    .unwrap();
+                assert!(hit >= 64, "turn {turn}: {hit} cached tokens");
+            }
+            // The next turn: this prompt, 8 more tokens of "answer" and a new message.
+            prompt.extend((0..30).map(|j| 3 + (turn * 7 + j * 11) % 250));
+        }
+    }
+}
