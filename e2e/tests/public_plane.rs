@@ -146,11 +146,11 @@ async fn connections_beyond_the_cap_are_closed_at_once() {
 }
 
 /// Streams one completion to its end; returns the raw SSE text.
-async fn stream(client: &reqwest::Client, url: &str, max_tokens: u32) -> String {
+async fn stream(client: &reqwest::Client, url: &str, prompt: &str, max_tokens: u32) -> String {
     let r = client
         .post(url)
         .json(&json!({
-            "prompt": "Once", "max_tokens": max_tokens, "stream": true, "ignore_eos": true,
+            "prompt": prompt, "max_tokens": max_tokens, "stream": true, "ignore_eos": true,
             "temperature": 0.0, "stream_options": {"include_usage": true},
         }))
         .send()
@@ -163,7 +163,9 @@ async fn stream(client: &reqwest::Client, url: &str, max_tokens: u32) -> String 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_preempted_stream_gets_keepalives_and_finishes() {
     // 1 MiB of KV holds 128 blocks of the tiny model (2048 tokens); 8 streams of 1500 tokens
-    // need six times that, so the decode worker preempts, and preempted streams wait.
+    // need six times that, so the decode worker preempts, and preempted streams wait. Each
+    // stream has a prompt of its own: identical greedy streams would share their blocks
+    // through the prefix cache and never run out.
     let dep = Deployment::start(&DeploymentSpec {
         kv_budget_mb: 1,
         router_args: vec!["--sse-keepalive-ms".into(), "100".into()],
@@ -174,9 +176,9 @@ async fn a_preempted_stream_gets_keepalives_and_finishes() {
     let client = reqwest::Client::new();
     let url = dep.url("/v1/completions");
     let streams: Vec<_> = (0..8)
-        .map(|_| {
+        .map(|i| {
             let (client, url) = (client.clone(), url.clone());
-            tokio::spawn(async move { stream(&client, &url, 1500).await })
+            tokio::spawn(async move { stream(&client, &url, &format!("{i} Once"), 1500).await })
         })
         .collect();
     let mut keepalives = 0;
