@@ -374,12 +374,29 @@ impl Engine {
 
     /// Prompt tokens not yet run (queued prefill work, for load balancing): every sequence
     /// still in its prompt counts what is left of it.
+    /// Prompt tokens still to compute: the rest of every prompt under way, and every waiting
+    /// one less the prefix the cache holds for it now (which it takes when admitted).
     pub fn pending_prefill_tokens(&self) -> usize {
+        let pool = self.pool.lock();
         self.seqs
             .values()
             .filter(|s| s.pending() > 1 || s.computed == 0)
-            .map(|s| s.pending())
+            .map(|s| s.pending() - self.cached_now(&pool, s))
             .sum()
+    }
+
+    /// Tokens of a waiting sequence's prefix that the cache holds (what
+    /// [`Self::reuse_cached_prefix`] would find), without holding them.
+    fn cached_now(&self, pool: &BlockPool, seq: &Sequence) -> usize {
+        if self.prefix_salt.is_none()
+            || seq.computed > 0
+            || !seq.blocks.is_empty()
+            || seq.wants_prompt_logprobs()
+        {
+            return 0;
+        }
+        let usable = ((seq.tokens.len() - 1) / BLOCK_SIZE).min(seq.block_names.len());
+        pool.cached_run(&seq.block_names[..usable]) * BLOCK_SIZE
     }
 
     pub fn has_work(&self) -> bool {
@@ -429,7 +446,12 @@ impl Engine {
         let guide = self.guide_for(&sampling, guide)?;
         let id = self.allocate_id();
         let sampler = Sampler::new(&sampling);
-        let seq = Sequence::new(id, prompt, sampling, stop, &self.eos, sampler).with_guide(guide);
+        let mut seq =
+            Sequence::new(id, prompt, sampling, stop, &self.eos, sampler).with_guide(guide);
+        if let Some(salt) = self.prefix_salt {
+            // Named now, so the queue's load can leave out what the cache holds.
+            tandem_kv::prefix::extend_hashes(salt, &seq.tokens, &mut seq.block_names);
+        }
         self.seqs.insert(id, seq);
         self.waiting.push_back(id);
         Ok(id)

@@ -170,6 +170,24 @@ fn the_last_prompt_token_always_runs() {
 }
 
 #[test]
+fn the_queued_prefill_work_leaves_out_what_the_cache_holds() {
+    let model = model();
+    let mut e = engine(&model, 64, true);
+    run_all(&mut e, &[(prompt(0, 80, 20), SamplingParams::greedy())], 2);
+    assert_eq!(e.pending_prefill_tokens(), 0);
+    // Waiting: one prompt sharing the 80-token prefix (5 blocks cached), one new prompt.
+    e.add_request(prompt(1, 80, 20), SamplingParams::greedy(), stop(2))
+        .unwrap();
+    e.add_request(prompt(2, 0, 50), SamplingParams::greedy(), stop(2))
+        .unwrap();
+    assert_eq!(e.pending_prefill_tokens(), (100 - 80) + 50);
+    let mut off = engine(&model, 64, false);
+    off.add_request(prompt(1, 80, 20), SamplingParams::greedy(), stop(2))
+        .unwrap();
+    assert_eq!(off.pending_prefill_tokens(), 100);
+}
+
+#[test]
 fn prompt_logprobs_are_computed_whatever_the_cache_holds() {
     let model = model();
     let p = prompt(0, 60, 4);

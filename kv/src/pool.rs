@@ -208,6 +208,14 @@ impl BlockPool {
         found
     }
 
+    /// How many of `names` (in order, from the first) are cached, without holding them.
+    pub fn cached_run(&self, names: &[BlockHash]) -> usize {
+        names
+            .iter()
+            .take_while(|n| self.by_name.contains_key(n))
+            .count()
+    }
+
     /// Names a held block whose KV is now complete and will not change (a full block of a
     /// sequence). A name another block already has, or a block already named, stays as it is.
     pub fn name(&mut self, block: u32, name: BlockHash) -> Result<()> {
@@ -397,6 +405,9 @@ mod tests {
         pool.release(&[a[2]]).unwrap();
         assert_eq!((pool.free_count(), pool.cached_idle_count()), (4, 2));
         // A lookup holds the cached run and stops at the first miss.
+        assert_eq!(pool.cached_run(&[10, 11, 12]), 2);
+        assert_eq!(pool.cached_run(&[11, 10]), 2);
+        assert_eq!(pool.cached_run(&[12, 10]), 0);
         assert_eq!(pool.lookup(&[10, 11, 12]), vec![a[0], a[1]]);
         assert_eq!(pool.lookup(&[11]), vec![a[1]], "held twice now");
         assert_eq!(pool.free_count(), 2);
