@@ -22,6 +22,7 @@ pub mod multi_turn;
 pub mod progress;
 pub mod report;
 pub mod runner;
+pub mod sse;
 pub mod sweep;
 pub mod tokenizer;
 

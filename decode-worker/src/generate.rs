@@ -89,9 +89,11 @@ pub(crate) async fn start(
                 .first_needed_block(req.prompt.len())
                 .max(cached.len());
             let needed = tandem_kv::blocks_for(req.prompt.len()) - first;
+            // The cached prefix cannot be evicted while the lease holds it, so it counts
+            // against the caller's share like the blocks reserved for the rest.
             let reserved = inner
                 .leases
-                .claim(&caller, needed)
+                .claim(&caller, needed + cached.len())
                 .map_err(Status::from)
                 .and_then(|claim| {
                     let blocks = pool
