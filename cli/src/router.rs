@@ -74,8 +74,9 @@ pub struct RouterArgs {
     /// KV transport prefill workers are asked to use [default: shm].
     #[arg(long, env = "TANDEM_ROUTER_TRANSPORT", value_enum)]
     pub transport: Option<TransportArg>,
-    /// Prompts shorter than this many tokens run aggregated; 0 always disaggregates
-    /// [default: 0].
+    /// Prompts shorter than this many tokens run aggregated, and so does a longer one whose
+    /// decode worker's prefix cache holds all but fewer than this many of its tokens; 0
+    /// always disaggregates [default: 0].
     #[arg(long, env = "TANDEM_ROUTER_AGG_THRESHOLD")]
     pub agg_threshold: Option<u32>,
     /// When no prefill worker is healthy: run aggregated, or answer 503 [default: aggregated].

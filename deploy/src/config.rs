@@ -87,7 +87,8 @@ pub struct RouterSection {
     /// node) or nccl (GPU workers anywhere).
     #[serde(default = "default_transport")]
     pub transport: String,
-    /// Prompts shorter than this run aggregated on a decode worker (a huge value makes the
+    /// Prompts shorter than this run aggregated on a decode worker, as do prompts whose
+    /// decode worker has all but fewer than this many tokens cached (a huge value makes the
     /// whole deployment aggregated, for A/B runs).
     #[serde(default)]
     pub agg_threshold: u64,
