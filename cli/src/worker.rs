@@ -71,8 +71,7 @@ pub struct EngineArgs {
     #[arg(long, env = "TANDEM_MAX_RUNNING", default_value_t = 256)]
     pub max_running: usize,
     /// Compute every prompt in full: no reuse of the KV of prefixes computed before (prefix
-    /// caching is on by default on the CPU engine; a GPU engine and sliding-window models run
-    /// without it).
+    /// caching is on by default; sliding-window models run without it).
     #[arg(long, env = "TANDEM_NO_PREFIX_CACHING")]
     #[serde(default)]
     pub no_prefix_caching: bool,

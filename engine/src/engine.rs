@@ -17,12 +17,15 @@
 //! there). A backend that cannot copy blocks recomputes that block's few tokens instead.
 //!
 //! Prefix caching (on unless [`EngineConfig::prefix_caching`] is off; not for sliding-window
-//! models, nor on a GPU yet): every full block a sequence computes is named by its hash chain
+//! models): every full block a sequence computes or receives is named by its hash chain
 //! (`tandem_kv::prefix`); when its last holder lets go it stays cached in the pool and is
 //! evicted least recently used only when blocks are needed. A sequence being admitted looks
 //! its tokens up and starts computing at the first block not found (at least its last token
 //! always runs, for its logits); chunked prefill is unchanged. Batch invariance makes a
-//! cached block bit-identical to a recomputed one, so caching never changes the output.
+//! cached block bit-identical to a recomputed one, so caching never changes the output. On a
+//! device the cache is the device pool; a prompt whose KV leaves over a host transport is
+//! computed whole there ([`Engine::compute_whole_prompt`]): the host holds only the blocks a
+//! pass brings down.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
@@ -252,14 +255,27 @@ impl Engine {
                 cache.layout().dtype.name()
             )));
         }
+        let backend = backend::for_device(&config.device, &model, cache.num_blocks())?;
+        Self::with_backend(model, tokenizer, config, cache, backend)
+    }
+
+    /// An engine over a given cache and backend (tests drive the device backend on an
+    /// emulated device this way).
+    pub fn with_backend(
+        model: Arc<Model>,
+        tokenizer: TextTokenizer,
+        config: EngineConfig,
+        cache: KvCache,
+        backend: Box<dyn ComputeBackend>,
+    ) -> Result<Self> {
+        config.validate()?;
+        if let Some(why) = cache.layout().mismatch(&model.kv_layout()) {
+            return Err(EngineError::LayoutMismatch(why));
+        }
         let eos = tokenizer.info().eos_token_ids.clone();
         let guides = GuideFactory::new(&tokenizer);
-        let backend = backend::for_device(&config.device, &model, cache.num_blocks())?;
-        // A sliding window frees blocks as it moves, and a GPU engine's host cache holds only
-        // the blocks a pass wrote (a prefill worker could not ship cached ones): no caching.
-        let prefix_salt = (config.prefix_caching
-            && model.config().kv_window().is_none()
-            && config.device == Device::Cpu)
+        // A sliding window frees blocks as it moves: no caching.
+        let prefix_salt = (config.prefix_caching && model.config().kv_window().is_none())
             .then(|| tandem_kv::prefix::salt(&cache.layout().hash()));
         Ok(Self {
             prefix_salt,
@@ -331,6 +347,15 @@ impl Engine {
         pool.lock().lookup(&names)
     }
 
+    /// Makes request `id` compute its whole prompt even where the cache holds a prefix of it
+    /// (every choice; on a device engine whose prefill ships KV over a host transport, which
+    /// can send only what a pass brought down).
+    pub fn compute_whole_prompt(&mut self, id: SeqId) {
+        for seq in self.seqs.values_mut().filter(|s| s.request == id) {
+            seq.may_reuse_prefix = false;
+        }
+    }
+
     /// The salt of this engine's block names; `None` when it does not cache prefixes.
     pub fn prefix_salt(&self) -> Option<tandem_kv::BlockHash> {
         self.prefix_salt
@@ -392,6 +417,7 @@ impl Engine {
             || seq.computed > 0
             || !seq.blocks.is_empty()
             || seq.wants_prompt_logprobs()
+            || !seq.may_reuse_prefix
         {
             return 0;
         }
@@ -963,7 +989,11 @@ impl Engine {
             return;
         };
         // Prompt logprobs need every prompt row computed.
-        if !seq.blocks.is_empty() || seq.computed > 0 || seq.wants_prompt_logprobs() {
+        if !seq.blocks.is_empty()
+            || seq.computed > 0
+            || seq.wants_prompt_logprobs()
+            || !seq.may_reuse_prefix
+        {
             return;
         }
         tandem_kv::prefix::extend_hashes(salt, &seq.tokens, &mut seq.block_names);
@@ -999,7 +1029,7 @@ impl Engine {
         seq: &mut Sequence,
         from: usize,
     ) {
-        let Some(salt) = salt.filter(|_| seq.cacheable) else {
+        let Some(salt) = salt else {
             return;
         };
         let full = seq.computed / BLOCK_SIZE;

@@ -41,9 +41,10 @@ pub(crate) struct Sequence {
     pub block_names: Vec<tandem_kv::BlockHash>,
     /// Prompt tokens whose KV came from the prefix cache at admission.
     pub cached_tokens: usize,
-    /// Whether its computed blocks join the prefix cache (not when its prompt's KV came
-    /// from a peer).
-    pub cacheable: bool,
+    /// Whether it may take a cached prefix at admission instead of computing it (not when a
+    /// device engine ships its KV over a host transport: the host then holds only what a
+    /// pass writes).
+    pub may_reuse_prefix: bool,
 }
 
 impl Sequence {
@@ -81,7 +82,7 @@ impl Sequence {
             prompt_logprobs_sent: false,
             block_names: Vec::new(),
             cached_tokens: 0,
-            cacheable: true,
+            may_reuse_prefix: true,
         }
     }
 
@@ -107,7 +108,7 @@ impl Sequence {
         child.request = self.request;
         child.choice = choice;
         child.prompt_logprobs_sent = true;
-        child.cacheable = self.cacheable;
+        child.may_reuse_prefix = self.may_reuse_prefix;
         child
     }
 

@@ -9,7 +9,8 @@
 //! The host staging a GPU engine does for the KV transports (`backend::cuda::staging`: gather,
 //! download, layout conversion; conversion, upload, scatter) runs here too, between the
 //! emulated pass and CPU caches, and so does the whole device backend as the engine drives it
-//! (each layer handed over during the pass, host staging released, received KV imported).
+//! (each layer handed over during the pass, host staging released, received KV imported),
+//! and a whole engine over it with prefix caching.
 //!
 //! This checks the pass's batch layout, buffer sizes, argument order, launch shapes and GEMM
 //! mapping; what only a GPU can check (cuBLAS itself, streams, the device's rounding) stays
@@ -24,9 +25,12 @@ use tandem_engine::backend::{Batch, ComputeBackend};
 use tandem_engine::config::{ModelConfig, WeightFormat};
 use tandem_engine::engine::ChunkInfo;
 use tandem_engine::model::dummy_model;
-use tandem_engine::{EngineError, Model, SeqInput};
+use tandem_engine::{
+    Engine, EngineConfig, EngineError, Model, SamplingParams, SeqInput, StopParams,
+};
 use tandem_kv::DevicePoolLayout;
 use tandem_kv::{BlockPool, KvCache, KvLocation, blocks_for};
+use tandem_text::TextTokenizer;
 
 use cuda_on_cpu::device::{Bytes, EmulatedDevice, launches_on_this_thread};
 
@@ -510,4 +514,70 @@ fn families_the_device_kernels_lack_are_refused_by_name() {
             Ok(_) => panic!("{preset} must be refused on the GPU engine"),
         }
     }
+}
+
+/// Prefix caching on the device backend as the engine drives it: a prompt whose prefix an
+/// earlier request computed takes those blocks of the device pool and computes only the rest,
+/// and every token and logprob is what the same engine without caching gives (the blocks a
+/// pass wrote on the device are the ones a later pass reads).
+#[test]
+fn a_cached_prefix_on_the_device_backend_changes_only_the_work() {
+    let cfg = ModelConfig::preset("tiny").expect("preset");
+    let model =
+        std::sync::Arc::new(dummy_model(cfg, WeightFormat::Bf16, 5, "tiny").expect("model"));
+    let engine = |prefix_caching: bool| {
+        let blocks = 32;
+        let layout = model.kv_layout();
+        let cache =
+            KvCache::with_budget(layout.clone(), blocks * layout.block_bytes()).expect("cache");
+        let backend = DeviceBackend::new(EmulatedDevice, "emulated", &model, cache.num_blocks())
+            .expect("backend");
+        let config = EngineConfig {
+            kv_budget_bytes: blocks * layout.block_bytes(),
+            max_batch_tokens: 256,
+            prefix_caching,
+            ..EngineConfig::default()
+        };
+        Engine::with_backend(
+            model.clone(),
+            TextTokenizer::byte_level(),
+            config,
+            cache,
+            Box::new(backend),
+        )
+        .expect("engine")
+    };
+    let first: Vec<u32> = (0..36u32).map(|i| 3 + (i * 31 + 5) % 250).collect();
+    let mut second = first.clone();
+    second.extend((0..12u32).map(|i| 3 + (i * 17 + 2) % 250));
+    let sampling = SamplingParams {
+        top_logprobs: 2,
+        ..SamplingParams::greedy()
+    };
+    let stop = StopParams {
+        max_tokens: 3,
+        ignore_eos: true,
+        ..StopParams::default()
+    };
+    let run = |e: &mut Engine, prompt: &[u32]| {
+        e.add_request(prompt.to_vec(), sampling.clone(), stop.clone())
+            .expect("add");
+        let mut out = Vec::new();
+        for _ in 0..100 {
+            if !e.has_work() {
+                break;
+            }
+            for o in e.step().expect("step") {
+                out.push((o.token, o.logprob.to_bits(), o.top_logprobs.clone()));
+            }
+        }
+        out
+    };
+    let (mut cached, mut plain) = (engine(true), engine(false));
+    assert_eq!(run(&mut cached, &first), run(&mut plain, &first));
+    let before = cached.stats().prefill_tokens;
+    assert_eq!(run(&mut cached, &second), run(&mut plain, &second));
+    // The 36-token prompt left 2 full blocks: the second prompt computed 48 - 32 tokens.
+    assert_eq!(cached.stats().prefill_tokens - before, 16);
+    assert_eq!(cached.stats().prefix_hit_tokens, 32);
 }

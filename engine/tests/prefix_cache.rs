@@ -188,6 +188,27 @@ fn the_queued_prefill_work_leaves_out_what_the_cache_holds() {
 }
 
 #[test]
+fn a_request_told_to_compute_its_whole_prompt_ignores_the_cache() {
+    let model = model();
+    let mut e = engine(&model, 64, true);
+    let p = prompt(0, 80, 20);
+    let first = run_all(&mut e, &[(p.clone(), SamplingParams::greedy())], 3);
+    let id = e
+        .add_request(p.clone(), SamplingParams::greedy(), stop(3))
+        .unwrap();
+    e.compute_whole_prompt(id);
+    assert_eq!(e.pending_prefill_tokens(), 100);
+    let before = e.stats().prefill_tokens;
+    let mut again = Vec::new();
+    while e.has_work() {
+        again.extend(e.step().unwrap().into_iter().map(|o| o.token));
+    }
+    assert_eq!(e.stats().prefill_tokens - before, 100, "nothing reused");
+    let want: Vec<u32> = first.values().next().unwrap().iter().map(|t| t.0).collect();
+    assert_eq!(again, want);
+}
+
+#[test]
 fn prompt_logprobs_are_computed_whatever_the_cache_holds() {
     let model = model();
     let p = prompt(0, 60, 4);

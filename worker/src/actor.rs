@@ -453,8 +453,16 @@ fn handle_command(engine: &mut Engine, entries: &mut HashMap<SeqId, Entry>, cmd:
                 None => (None, window_first),
             };
             let open = sampling.n;
+            // A device engine's host cache holds only the blocks a pass brings down: a
+            // transport that sends host bytes could not send a cached prefix, so such a
+            // prompt is computed whole (device transports copy from the device pool).
+            let host_copy_of_device_kv = engine.backend_name() != "cpu"
+                && kv.as_ref().is_some_and(|sender| !sender.reads_device());
             let result = engine.add_request_guided(prompt, sampling, stop, guide);
             if let Ok(id) = result {
+                if host_copy_of_device_kv {
+                    engine.compute_whole_prompt(id);
+                }
                 entries.insert(
                     id,
                     Entry {
