@@ -92,37 +92,20 @@ fn destination(pair: &Pair, lease: Lease, transport: Transport) -> KvDestination
     }
 }
 
+/// A disaggregated request that must get a lease: its tokens, finish and prefill answer.
 async fn disaggregated(
     pair: &mut Pair,
     prompt: Vec<u32>,
     transport: Transport,
     max_tokens: u32,
 ) -> (Vec<u32>, Finished, PrefillResponse) {
-    let mut stream = pair
-        .d
-        .generate(request(prompt.clone(), Mode::Disaggregated, max_tokens))
-        .await
-        .unwrap()
-        .into_inner();
-    let Some(generate_event::Event::Lease(lease)) = stream.message().await.unwrap().unwrap().event
-    else {
-        panic!("first event must be the lease");
-    };
-    let dest = destination(pair, lease, transport);
-    let prefill = pair
-        .p
-        .prefill(PrefillRequest {
-            stop: None,
-            request_id: "p".into(),
-            prompt,
-            sampling: Some(SamplingParams::default()),
-            destination: Some(dest),
-        })
-        .await
-        .unwrap()
-        .into_inner();
-    let (toks, fin) = tokens(&mut stream).await;
-    (toks, fin.unwrap(), prefill)
+    let req = request(prompt, Mode::Disaggregated, max_tokens);
+    let (first, toks, fin, prefill) = disaggregated_request(pair, req, transport).await;
+    assert!(
+        matches!(first, generate_event::Event::Lease(_)),
+        "first event must be the lease"
+    );
+    (toks, fin, prefill.expect("a prefill answer"))
 }
 
 async fn used_blocks(d: &mut DecodeClient) -> u32 {
