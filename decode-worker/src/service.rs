@@ -252,12 +252,13 @@ impl DecodeWorker {
         &self.inner.leases
     }
 
-    fn load_report(&self, block_events_after: Option<u64>) -> LoadReport {
+    fn load_report(&self, asked: &LoadRequest) -> LoadReport {
         self.inner.engine.load_report(
             self.inner.leases.len() as u32,
             self.inner.draining.load(Ordering::Relaxed),
             &self.inner.info.instance_id,
-            block_events_after,
+            asked.block_events_after,
+            asked.snapshot_from_block,
         )
     }
 
@@ -312,9 +313,7 @@ impl DecodeService for DecodeWorker {
     }
 
     async fn get_load(&self, req: Request<LoadRequest>) -> Result<Response<LoadReport>, Status> {
-        Ok(Response::new(
-            self.load_report(req.into_inner().block_events_after),
-        ))
+        Ok(Response::new(self.load_report(&req.into_inner())))
     }
 
     async fn generate(
@@ -413,7 +412,7 @@ pub async fn serve(
             .await;
         let deadline = tokio::time::Instant::now() + drain_worker.inner.config.drain_timeout;
         loop {
-            let load = drain_worker.load_report(None);
+            let load = drain_worker.load_report(&LoadRequest::default());
             if (load.running == 0 && load.waiting == 0 && load.leases == 0)
                 || tokio::time::Instant::now() >= deadline
             {

@@ -323,6 +323,7 @@ async fn kv_received_from_a_prefill_worker_serves_the_next_request() {
         .d
         .get_load(LoadRequest {
             block_events_after: Some(u64::MAX),
+            snapshot_from_block: 0,
         })
         .await
         .unwrap()

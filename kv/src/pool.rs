@@ -39,10 +39,10 @@ pub struct BlockPool {
 /// snapshot).
 const EVENT_LOG_MIN: usize = 4096;
 
-/// What changed in a pool's names after a follower's cursor, or a snapshot of them.
+/// What changed in a pool's names after a follower's cursor, or a page of a snapshot of them.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct BlockEvents {
-    /// `stored` is every name the pool has (up to the page limit); forget everything else.
+    /// This is a snapshot's first page: forget everything known before, then take `stored`.
     pub snapshot: bool,
     /// Names now cached (each at most once; none of them also in `removed`).
     pub stored: Vec<BlockHash>,
@@ -50,6 +50,8 @@ pub struct BlockEvents {
     pub removed: Vec<BlockHash>,
     /// The cursor for the next call.
     pub next: u64,
+    /// A snapshot goes on from this block id in the next call (0: it is complete).
+    pub next_block: u32,
 }
 
 impl BlockPool {
@@ -77,18 +79,34 @@ impl BlockPool {
         self.log.push_back((name, stored));
     }
 
-    /// The names stored and removed after `cursor` (a value an earlier call returned as
-    /// `next`), at most `limit` events' worth; or, when the cursor is not one of this pool's
-    /// (another process's, or too far behind), a snapshot of up to `limit` names. Changes of
-    /// one name within the page cancel out, so the two lists are disjoint.
-    pub fn events_since(&self, cursor: u64, limit: usize) -> BlockEvents {
+    /// What a follower at `cursor` (a value an earlier call returned as `next`) reads next:
+    /// the names stored and removed since, at most `limit` events' worth; or, when the
+    /// cursor is not one of this pool's (another process's, or too far behind), a snapshot,
+    /// in pages of at most `limit` names by block id (`next_block` says where the next page
+    /// starts; pass it back as `from_block`). A snapshot's pages keep the cursor of its
+    /// start, so the events during it follow once it is complete. Changes of one name within
+    /// a page of events cancel out, so the two lists are disjoint.
+    pub fn events_since(&self, cursor: u64, from_block: u32, limit: usize) -> BlockEvents {
         let end = self.log_start + self.log.len() as u64;
-        if cursor < self.log_start || cursor > end {
+        let fresh = cursor < self.log_start || cursor > end;
+        if fresh || from_block > 0 {
+            let start = if fresh { 0 } else { from_block as usize };
+            let mut stored = Vec::new();
+            let mut next_block = 0;
+            for (b, name) in self.names.iter().enumerate().skip(start) {
+                let Some(name) = name else { continue };
+                if stored.len() == limit.max(1) {
+                    next_block = b as u32;
+                    break;
+                }
+                stored.push(*name);
+            }
             return BlockEvents {
-                snapshot: true,
-                stored: self.by_name.keys().copied().take(limit).collect(),
+                snapshot: fresh,
+                stored,
                 removed: Vec::new(),
-                next: end,
+                next: if fresh { end } else { cursor },
+                next_block,
             };
         }
         let skip = (cursor - self.log_start) as usize;
@@ -114,6 +132,7 @@ impl BlockPool {
             stored,
             removed,
             next: cursor + taken as u64,
+            next_block: 0,
         }
     }
 
@@ -348,8 +367,8 @@ impl SharedPool {
     }
 
     /// See [`BlockPool::events_since`].
-    pub fn events_since(&self, cursor: u64, limit: usize) -> BlockEvents {
-        self.lock().events_since(cursor, limit)
+    pub fn events_since(&self, cursor: u64, from_block: u32, limit: usize) -> BlockEvents {
+        self.lock().events_since(cursor, from_block, limit)
     }
 
     /// The prefix cache's `(evictions so far, named blocks now)`.
@@ -437,20 +456,20 @@ mod tests {
     #[test]
     fn followers_see_names_come_and_go_or_get_a_snapshot() {
         let mut pool = BlockPool::new(2);
-        let start = pool.events_since(u64::MAX, 100);
+        let start = pool.events_since(u64::MAX, 0, 100);
         assert!(start.snapshot && start.stored.is_empty() && start.next == 0);
         let a = pool.allocate(2).unwrap();
         pool.name(a[0], 7).unwrap();
         pool.name(a[1], 8).unwrap();
-        let page = pool.events_since(0, 1);
+        let page = pool.events_since(0, 0, 1);
         assert_eq!((page.stored.as_slice(), page.next), (&[7][..], 1));
-        let page = pool.events_since(page.next, 100);
+        let page = pool.events_since(page.next, 0, 100);
         assert_eq!((page.stored.as_slice(), page.next), (&[8][..], 2));
         pool.release(&a).unwrap();
         // Evicting 7 (released first) and naming its block 9 come out as two changes.
         let b = pool.allocate_one().unwrap();
         pool.name(b, 9).unwrap();
-        let page = pool.events_since(2, 100);
+        let page = pool.events_since(2, 0, 100);
         assert!(!page.snapshot);
         assert_eq!(
             (page.stored, page.removed, page.next),
@@ -461,12 +480,47 @@ mod tests {
         pool.name(c, 10).unwrap();
         pool.release(&[b, c]).unwrap();
         pool.allocate(2).unwrap();
-        let page = pool.events_since(4, 100);
+        let page = pool.events_since(4, 0, 100);
         assert_eq!(page.stored, Vec::<u128>::new());
         assert_eq!(page.removed.len(), 3, "8 is evicted too: {page:?}");
         // A cursor from the future (another process) gets a snapshot.
-        let snap = pool.events_since(1_000, 100);
+        let snap = pool.events_since(1_000, 0, 100);
         assert!(snap.snapshot && snap.stored.is_empty());
+    }
+
+    #[test]
+    fn a_snapshot_comes_in_pages_by_block_and_the_events_during_it_follow() {
+        let mut pool = BlockPool::new(8);
+        let blocks = pool.allocate(7).unwrap();
+        for (i, &b) in blocks.iter().enumerate() {
+            pool.name(b, 100 + i as u128).unwrap();
+        }
+        let first = pool.events_since(u64::MAX, 0, 3);
+        assert!(first.snapshot);
+        assert_eq!((first.stored.len(), first.next), (3, 7));
+        assert_ne!(first.next_block, 0);
+        // Meanwhile a name comes and one goes.
+        pool.release(&blocks[..1]).unwrap();
+        let extra = pool.allocate(1).unwrap()[0];
+        pool.name(extra, 200).unwrap();
+        let mut all = first.stored.clone();
+        let mut page = first;
+        while page.next_block != 0 {
+            page = pool.events_since(page.next, page.next_block, 3);
+            assert!(
+                !page.snapshot && page.next == 7,
+                "pages keep the start's cursor"
+            );
+            all.extend(&page.stored);
+        }
+        let mut got: Vec<u128> = all.clone();
+        got.sort_unstable();
+        got.dedup();
+        assert_eq!(got.len(), all.len(), "each name once");
+        assert!(got.len() >= 7);
+        // Then the events since the snapshot began: the new name.
+        let tail = pool.events_since(page.next, 0, 100);
+        assert!(tail.stored.contains(&200));
     }
 
     #[test]
@@ -478,10 +532,10 @@ mod tests {
             pool.release(&[b]).unwrap();
         }
         assert!(pool.log.len() <= EVENT_LOG_MIN);
-        let snap = pool.events_since(0, 100);
+        let snap = pool.events_since(0, 0, 100);
         assert!(snap.snapshot);
         assert_eq!(snap.stored, vec![EVENT_LOG_MIN as u128 + 9]);
-        let tail = pool.events_since(snap.next, 100);
+        let tail = pool.events_since(snap.next, 0, 100);
         assert!(!tail.snapshot && tail.stored.is_empty() && tail.removed.is_empty());
     }
 

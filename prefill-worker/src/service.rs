@@ -153,12 +153,13 @@ impl PrefillWorker {
         })
     }
 
-    fn load_report(&self, block_events_after: Option<u64>) -> LoadReport {
+    fn load_report(&self, asked: &LoadRequest) -> LoadReport {
         self.inner.engine.load_report(
             0,
             self.inner.draining.load(Ordering::Relaxed),
             &self.inner.info.instance_id,
-            block_events_after,
+            asked.block_events_after,
+            asked.snapshot_from_block,
         )
     }
 }
@@ -188,9 +189,7 @@ impl PrefillService for PrefillWorker {
     }
 
     async fn get_load(&self, req: Request<LoadRequest>) -> Result<Response<LoadReport>, Status> {
-        Ok(Response::new(
-            self.load_report(req.into_inner().block_events_after),
-        ))
+        Ok(Response::new(self.load_report(&req.into_inner())))
     }
 
     async fn prefill(

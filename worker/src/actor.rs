@@ -207,25 +207,30 @@ impl EngineHandle {
     }
 
     /// The load report a worker answers `GetLoad` with: the engine's load and prefix cache,
-    /// with the cache's block events after `block_events_after` when asked.
+    /// with the cache's block events after `block_events_after` (or a snapshot's page from
+    /// block `snapshot_from_block`) when asked.
     pub fn load_report(
         &self,
         leases: u32,
         draining: bool,
         instance_id: &[u8],
         block_events_after: Option<u64>,
+        snapshot_from_block: u32,
     ) -> LoadReport {
         let (prefix_query_tokens, prefix_hit_tokens, prefix_evictions, cached_blocks) =
             self.prefix_counts();
         let block_events = block_events_after
             .filter(|_| self.prefix_salt.is_some())
             .map(|cursor| {
-                let page = self.pool.events_since(cursor, prefix::NAMES_PER_REPORT);
+                let page =
+                    self.pool
+                        .events_since(cursor, snapshot_from_block, prefix::NAMES_PER_REPORT);
                 BlockEvents {
                     snapshot: page.snapshot,
                     stored: prefix::names_to_bytes(&page.stored),
                     removed: prefix::names_to_bytes(&page.removed),
                     next: page.next,
+                    next_block: page.next_block,
                 }
             });
         LoadReport {

@@ -64,6 +64,8 @@ pub struct PrefixIndex {
     /// The instance whose events were applied, and the cursor for its next report.
     instance: Vec<u8>,
     cursor: Option<u64>,
+    /// A snapshot under way goes on from this block (0: none).
+    snapshot_block: u32,
     /// Names of prompts dispatched to the worker, by when.
     recent: HashMap<BlockHash, Instant>,
 }
@@ -73,6 +75,11 @@ impl PrefixIndex {
     /// reached, asks for a snapshot).
     pub fn cursor(&self) -> u64 {
         self.cursor.unwrap_or(u64::MAX)
+    }
+
+    /// Where the snapshot under way goes on (0: none).
+    pub fn snapshot_block(&self) -> u32 {
+        self.snapshot_block
     }
 
     /// Names known cached (the worker's own, not the recent dispatches).
@@ -99,6 +106,7 @@ impl PrefixIndex {
             self.names.clear();
             self.recent.clear();
             self.cursor = None;
+            self.snapshot_block = 0;
             self.instance = instance.to_vec();
         }
         let Some(events) = events else {
@@ -124,6 +132,7 @@ impl PrefixIndex {
             self.names.insert(name);
         }
         self.cursor = Some(events.next);
+        self.snapshot_block = events.next_block;
         Ok(())
     }
 
@@ -161,7 +170,23 @@ mod tests {
             stored: names_to_bytes(stored),
             removed: names_to_bytes(removed),
             next,
+            next_block: 0,
         }
+    }
+
+    #[test]
+    fn a_snapshot_in_pages_adds_up_and_is_asked_for_page_by_page() {
+        let now = Instant::now();
+        let mut index = PrefixIndex::default();
+        let mut first = events(true, &[1, 2], &[], 9);
+        first.next_block = 5;
+        index.apply(b"a", 100, Some(&first), now).unwrap();
+        assert_eq!((index.cursor(), index.snapshot_block()), (9, 5));
+        let mut second = events(false, &[3], &[], 9);
+        second.next_block = 0;
+        index.apply(b"a", 100, Some(&second), now).unwrap();
+        assert_eq!((index.len(), index.snapshot_block()), (3, 0));
+        assert_eq!(index.overlap(&[1, 2, 3]), 3);
     }
 
     #[test]

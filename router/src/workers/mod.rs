@@ -238,9 +238,11 @@ impl Worker {
         })
     }
 
-    /// The cursor of the block events to ask its next load report for.
-    pub(crate) fn prefix_cursor(&self) -> u64 {
-        self.prefix_index().cursor()
+    /// The cursor of the block events to ask its next load report for, and the block a
+    /// snapshot under way goes on from.
+    pub(crate) fn prefix_cursor(&self) -> (u64, u32) {
+        let index = self.prefix_index();
+        (index.cursor(), index.snapshot_block())
     }
 
     fn prefix_index(&self) -> MutexGuard<'_, PrefixIndex> {

@@ -478,8 +478,10 @@ impl WorkerPool {
         // Long enough for a busy worker, short enough that a dead one is noticed within about
         // two intervals.
         let load_timeout = (interval * 2).clamp(Duration::from_millis(250), Duration::from_secs(5));
+        let (cursor, snapshot_from_block) = worker.prefix_cursor();
         let load_request = LoadRequest {
-            block_events_after: Some(worker.prefix_cursor()),
+            block_events_after: Some(cursor),
+            snapshot_from_block,
         };
         let answer = match worker.role {
             WorkerRole::Decode => {

@@ -24,6 +24,7 @@ fn report_cached(decode: &FakeDecode, tokens: &[u32], free: u32) {
             stored: names_to_bytes(&names),
             removed: Vec::new(),
             next: names.len() as u64,
+            next_block: 0,
         }),
         ..Default::default()
     };
