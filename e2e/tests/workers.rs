@@ -92,6 +92,21 @@ fn destination(pair: &Pair, lease: Lease, transport: Transport) -> KvDestination
     }
 }
 
+/// An aggregated request on the pair's decode worker: its tokens and finish.
+async fn aggregated(
+    pair: &mut Pair,
+    prompt: Vec<u32>,
+    max_tokens: u32,
+) -> (Vec<u32>, Option<Finished>) {
+    let mut stream = pair
+        .d
+        .generate(request(prompt, Mode::Aggregated, max_tokens))
+        .await
+        .unwrap()
+        .into_inner();
+    tokens(&mut stream).await
+}
+
 /// A disaggregated request that must get a lease: its tokens, finish and prefill answer.
 async fn disaggregated(
     pair: &mut Pair,
@@ -138,13 +153,7 @@ async fn disaggregated_equals_aggregated_over_every_transport() {
     assert!(pair.info.tokenizer.is_some());
     for (i, len) in [1u32, 15, 16, 17, 64, 200].into_iter().enumerate() {
         let p = prompt(i as u32, len);
-        let mut agg = pair
-            .d
-            .generate(request(p.clone(), Mode::Aggregated, 12))
-            .await
-            .unwrap()
-            .into_inner();
-        let (want, fin) = tokens(&mut agg).await;
+        let (want, fin) = aggregated(&mut pair, p.clone(), 12).await;
         assert_eq!(want.len(), 12);
         assert_eq!(fin.unwrap().kv_bytes, 0);
         for transport in [Transport::Grpc, Transport::Tcp, Transport::Shm] {
@@ -206,15 +215,7 @@ async fn disaggregated_request(
 async fn a_cached_prefix_on_the_decode_worker_is_not_sent_again() {
     let mut pair = start_pair().await;
     let first_turn = prompt(9, 100);
-    let (want, fin) = {
-        let mut agg = pair
-            .d
-            .generate(request(first_turn.clone(), Mode::Aggregated, 12))
-            .await
-            .unwrap()
-            .into_inner();
-        tokens(&mut agg).await
-    };
+    let (want, fin) = aggregated(&mut pair, first_turn.clone(), 12).await;
     assert_eq!(fin.unwrap().cached_tokens, 0);
     // The decode worker computed the prompt itself: 6 of its 7 blocks are cached there, so a
     // disaggregated run of it moves one block; the tokens are the same.
@@ -241,15 +242,7 @@ async fn a_cached_prefix_on_the_decode_worker_is_not_sent_again() {
     let mut second_turn = first_turn.clone();
     second_turn.extend(&want);
     second_turn.extend(prompt(10, 40));
-    let (want2, _) = {
-        let mut agg = pair
-            .d
-            .generate(request(second_turn.clone(), Mode::Aggregated, 8))
-            .await
-            .unwrap()
-            .into_inner();
-        tokens(&mut agg).await
-    };
+    let (want2, _) = aggregated(&mut pair, second_turn.clone(), 8).await;
     let mut req = request(second_turn.clone(), Mode::Disaggregated, 8);
     req.request_id = "turn-2".into();
     let (first, got, _, _) = disaggregated_request(&mut pair, req, Transport::Tcp).await;
@@ -500,13 +493,7 @@ async fn half_precision_kv_crosses_every_transport_at_half_the_bytes() {
     assert_ne!(full.info.kv_layout_hash, half.info.kv_layout_hash);
     let p = prompt(3, 40);
     let (_, f32_fin, _) = disaggregated(&mut full, p.clone(), Transport::Tcp, 8).await;
-    let mut agg = half
-        .d
-        .generate(request(p.clone(), Mode::Aggregated, 8))
-        .await
-        .unwrap()
-        .into_inner();
-    let (want, _) = tokens(&mut agg).await;
+    let (want, _) = aggregated(&mut half, p.clone(), 8).await;
     for transport in [Transport::Grpc, Transport::Tcp, Transport::Shm] {
         let (got, fin, _) = disaggregated(&mut half, p.clone(), transport, 8).await;
         assert_eq!(got, want, "bf16 KV over {transport:?}");

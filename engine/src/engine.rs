@@ -69,6 +69,12 @@ impl ReceivedKv {
     }
 }
 
+/// The most leading full blocks of a `tokens`-long sequence that may come from the prefix
+/// cache: never the block with the last token, which must run for its logits.
+fn reusable_blocks(tokens: usize) -> usize {
+    tokens.saturating_sub(1) / BLOCK_SIZE
+}
+
 /// Identifies a sequence inside one engine.
 pub type SeqId = u64;
 
@@ -342,7 +348,7 @@ impl Engine {
         salt: tandem_kv::BlockHash,
         prompt: &[u32],
     ) -> Vec<u32> {
-        let usable = prompt.len().saturating_sub(1) / BLOCK_SIZE;
+        let usable = reusable_blocks(prompt.len());
         let names = tandem_kv::prefix::hashes(salt, &prompt[..usable * BLOCK_SIZE]);
         pool.lock().lookup(&names)
     }
@@ -421,7 +427,7 @@ impl Engine {
         {
             return 0;
         }
-        let usable = ((seq.tokens.len() - 1) / BLOCK_SIZE).min(seq.block_names.len());
+        let usable = reusable_blocks(seq.tokens.len()).min(seq.block_names.len());
         pool.cached_run(&seq.block_names[..usable]) * BLOCK_SIZE
     }
 
@@ -997,7 +1003,7 @@ impl Engine {
             return;
         }
         tandem_kv::prefix::extend_hashes(salt, &seq.tokens, &mut seq.block_names);
-        let usable = (seq.tokens.len() - 1) / BLOCK_SIZE;
+        let usable = reusable_blocks(seq.tokens.len());
         let found = self
             .pool
             .lock()
