@@ -130,6 +130,10 @@ pub struct PrefillArgs {
     /// How long shutdown waits for running prefills (s).
     #[arg(long, env = "TANDEM_DRAIN_TIMEOUT_S", default_value_t = 30)]
     pub drain_timeout_s: u64,
+    /// Compute the part of a decode worker's cached prefix that this worker's cache lacks,
+    /// instead of reading it back from the decode worker (for links slower than the compute).
+    #[arg(long, env = "TANDEM_NO_PREFIX_PULL")]
+    pub no_prefix_pull: bool,
 }
 
 /// tandem's decode worker: receives KV from prefill workers and streams tokens.

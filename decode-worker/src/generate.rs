@@ -101,7 +101,13 @@ pub(crate) async fn start(
                         .map_err(|e| engine_status(&e.into()))?;
                     inner
                         .leases
-                        .create_claimed(claim, blocks.clone(), req.prompt.len(), &req.request_id)
+                        .create_claimed(
+                            Some(claim),
+                            blocks.clone(),
+                            cached.clone(),
+                            req.prompt.len(),
+                            &req.request_id,
+                        )
                         .map_err(|e| {
                             release(&inner, blocks, false);
                             Status::from(e)

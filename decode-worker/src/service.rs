@@ -298,6 +298,7 @@ fn sanitize(s: &str) -> String {
 #[tonic::async_trait]
 impl DecodeService for DecodeWorker {
     type GenerateStream = tokio_stream::wrappers::ReceiverStream<Result<GenerateEvent, Status>>;
+    type PullKvStream = tandem_transfer::PullStream;
 
     async fn get_info(&self, req: Request<InfoRequest>) -> Result<Response<WorkerInfo>, Status> {
         let req = req.into_inner();
@@ -372,6 +373,13 @@ impl DecodeService for DecodeWorker {
         req: Request<RenewLeaseRequest>,
     ) -> Result<Response<RenewLeaseResponse>, Status> {
         Ok(kv_rpcs::renew_lease(&self.inner.leases, req))
+    }
+
+    async fn pull_kv(
+        &self,
+        req: Request<PullKvRequest>,
+    ) -> Result<Response<Self::PullKvStream>, Status> {
+        kv_rpcs::pull_kv(&self.inner.leases, req)
     }
 }
 

@@ -133,6 +133,14 @@ async fn strangers_get_nothing_from_the_workers() {
         refused("PushKv", r);
         let r = sd.open_nccl(OpenNcclRequest::default()).await;
         refused("OpenNccl", r);
+        let r = sd
+            .pull_kv(PullKvRequest {
+                lease: random_token(),
+                to_block: 1,
+                ..Default::default()
+            })
+            .await;
+        refused("PullKv", r);
         let mut sp = prefill_as(&prefill.endpoint(), &stranger).await;
         let r = sp
             .prefill(PrefillRequest {
@@ -249,6 +257,16 @@ async fn guessed_commits_and_pushes_fail_and_every_victim_finishes() {
             };
             from_insider.push(insider.commit_kv(commit.clone()).await.unwrap_err());
             from_stranger.push(stranger.commit_kv(commit).await.unwrap_err());
+            // Reading a victim's cached prefix back takes its capability too.
+            let pull = PullKvRequest {
+                lease: random_token(),
+                kv_layout_hash: layout_hash.clone(),
+                request_id: "attack".into(),
+                from_block: 0,
+                to_block: 1 + i % 4,
+            };
+            from_insider.push(insider.pull_kv(pull.clone()).await.unwrap_err());
+            from_stranger.push(stranger.pull_kv(pull).await.unwrap_err());
             let payload = vec![0u8; 64];
             let push = [
                 KvMessage {

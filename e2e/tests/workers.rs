@@ -1,7 +1,8 @@
 //! The two worker binaries driven directly over gRPC (as the router drives them): the
 //! disaggregated flow over every transport gives the aggregated tokens; cancellation and
 //! lease expiry return every block; a decode worker's cached prefix is neither sent nor
-//! recomputed, and a short uncached suffix runs on the decode worker.
+//! recomputed (a prefill worker that lacks it reads it back), and a short uncached suffix runs
+//! on the decode worker.
 
 use std::time::{Duration, Instant};
 
@@ -24,9 +25,15 @@ async fn start_pair() -> Pair {
 
 /// Both workers with the common flags and `extra`.
 async fn start_pair_with(extra: &[&str]) -> Pair {
+    start_pair_each(extra, &[]).await
+}
+
+/// Both workers with the common flags and `extra`, the prefill worker with `prefill_extra`.
+async fn start_pair_each(extra: &[&str], prefill_extra: &[&str]) -> Pair {
     let args: Vec<&str> = COMMON.iter().chain(extra).copied().collect();
     let decode = Proc::start("tandem-decode", &args).unwrap();
-    let prefill = Proc::start("tandem-prefill", &args).unwrap();
+    let prefill_args: Vec<&str> = args.iter().chain(prefill_extra).copied().collect();
+    let prefill = Proc::start("tandem-prefill", &prefill_args).unwrap();
     let (d, info) = decode_client(&decode.endpoint(), Duration::from_secs(60))
         .await
         .unwrap();
@@ -218,8 +225,13 @@ async fn a_cached_prefix_on_the_decode_worker_is_not_sent_again() {
     let (want, fin) = aggregated(&mut pair, first_turn.clone(), 12).await;
     assert_eq!(fin.unwrap().cached_tokens, 0);
     // The decode worker computed the prompt itself: 6 of its 7 blocks are cached there, so a
-    // disaggregated run of it moves one block; the tokens are the same.
-    for transport in [Transport::Tcp, Transport::Shm, Transport::Grpc] {
+    // disaggregated run of it moves one block; the tokens are the same. The prefill worker
+    // lacks those 6 blocks the first time: it reads them back from the decode worker
+    // (PullKv) instead of computing them, and has them cached from then on.
+    for (i, transport) in [Transport::Tcp, Transport::Shm, Transport::Grpc]
+        .into_iter()
+        .enumerate()
+    {
         let (first, got, fin, pre) = disaggregated_request(
             &mut pair,
             request(first_turn.clone(), Mode::Disaggregated, 12),
@@ -235,6 +247,13 @@ async fn a_cached_prefix_on_the_decode_worker_is_not_sent_again() {
         let block_bytes = pre.kv_bytes;
         assert_eq!(fin.kv_bytes, block_bytes);
         assert!(block_bytes > 0);
+        assert_eq!(pre.cached_tokens, 96, "{transport:?}");
+        let pulled = if i == 0 { 6 } else { 0 };
+        assert_eq!(
+            (pre.pulled_tokens, pre.pulled_bytes),
+            (pulled * 16, pulled as u64 * block_bytes),
+            "{transport:?}"
+        );
         eprintln!("{transport:?}: one block of {block_bytes} bytes moved instead of 7");
     }
     // The next turn: the first turn, its answer, and a new message. The decode worker holds
@@ -245,10 +264,14 @@ async fn a_cached_prefix_on_the_decode_worker_is_not_sent_again() {
     let (want2, _) = aggregated(&mut pair, second_turn.clone(), 8).await;
     let mut req = request(second_turn.clone(), Mode::Disaggregated, 8);
     req.request_id = "turn-2".into();
-    let (first, got, _, _) = disaggregated_request(&mut pair, req, Transport::Tcp).await;
+    let (first, got, _, pre) = disaggregated_request(&mut pair, req, Transport::Tcp).await;
     let generate_event::Event::Lease(lease) = first else {
         panic!("expected a lease");
     };
+    // The prefill worker held the first turn's 6 blocks and reads the rest of the prefix.
+    let pre = pre.unwrap();
+    assert_eq!(pre.cached_tokens, lease.cached_tokens);
+    assert_eq!(pre.pulled_tokens, lease.cached_tokens - 96);
     let blocks = second_turn.len().div_ceil(16);
     assert_eq!(
         lease.cached_tokens as usize,
@@ -278,6 +301,25 @@ async fn a_cached_prefix_on_the_decode_worker_is_not_sent_again() {
     let (first, got, _, _) = disaggregated_request(&mut pair, req, Transport::Tcp).await;
     assert!(matches!(first, generate_event::Event::Lease(_)));
     assert_eq!(got, want);
+    wait_blocks_free(&mut pair.d, Duration::from_secs(2)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefill_worker_told_not_to_pull_computes_the_prefix_it_lacks() {
+    let mut pair = start_pair_each(&[], &["--no-prefix-pull"]).await;
+    let p = prompt(12, 100);
+    let (want, _) = aggregated(&mut pair, p.clone(), 6).await;
+    let (got, _, pre) = disaggregated(&mut pair, p.clone(), Transport::Tcp, 6).await;
+    assert_eq!(got, want);
+    assert_eq!(
+        (pre.cached_tokens, pre.pulled_tokens, pre.pulled_bytes),
+        (0, 0, 0),
+        "computed, not read back"
+    );
+    // It cached what it computed: the next run finds it there.
+    let (got, _, pre) = disaggregated(&mut pair, p, Transport::Tcp, 6).await;
+    assert_eq!(got, want);
+    assert_eq!((pre.cached_tokens, pre.pulled_tokens), (96, 0));
     wait_blocks_free(&mut pair.d, Duration::from_secs(2)).await;
 }
 

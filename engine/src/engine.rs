@@ -353,6 +353,97 @@ impl Engine {
         pool.lock().lookup(&names)
     }
 
+    /// How many leading blocks of `prompt` the cache holds now (whole blocks, never the one
+    /// with the last prompt token), without holding them.
+    pub fn cached_prefix_blocks(
+        pool: &SharedPool,
+        salt: tandem_kv::BlockHash,
+        prompt: &[u32],
+    ) -> usize {
+        let usable = reusable_blocks(prompt.len());
+        let names = tandem_kv::prefix::hashes(salt, &prompt[..usable * BLOCK_SIZE]);
+        pool.lock().cached_run(&names)
+    }
+
+    /// Whether KV read from another worker can join this engine's prefix cache
+    /// ([`Self::import_cached_prefix`]): it caches prefixes, and its host cache is its KV.
+    pub fn imports_prefix_kv(&self) -> bool {
+        self.prefix_salt.is_some() && self.backend.name() == "cpu"
+    }
+
+    /// Puts KV read from another worker (a decode worker's cached prefix, pulled by a prefill
+    /// worker) into the prefix cache: `data` holds logical blocks `first..` of `prompt`,
+    /// block-major (each block's layers in order), and they are named from the prompt's own
+    /// tokens and left idle, so the prompt's admission finds them like blocks it computed.
+    /// The peer is as trusted as for the KV it is about to receive for this very prompt (an
+    /// authenticated member of the deployment; layout hash and per-piece checksums matched),
+    /// and batch invariance makes its KV the bytes this engine would compute. Returns the
+    /// blocks added: 0 when the cache no longer holds the prefix before `first` (they could
+    /// never be reached), when no block is free, or when this engine cannot import.
+    pub fn import_cached_prefix(
+        &mut self,
+        prompt: &[u32],
+        first: usize,
+        data: &[u8],
+    ) -> Result<usize> {
+        let Some(salt) = self.prefix_salt.filter(|_| self.imports_prefix_kv()) else {
+            return Ok(0);
+        };
+        let layout = self.cache.layout().clone();
+        let piece = layout.block_layer_bytes();
+        let per_block = piece * layout.num_layers;
+        let end = first + data.len() / per_block;
+        if data.is_empty()
+            || !data.len().is_multiple_of(per_block)
+            || end > reusable_blocks(prompt.len())
+        {
+            return Err(EngineError::InvalidKv(format!(
+                "{} bytes of prefix KV from block {first} for a prompt of {} tokens",
+                data.len(),
+                prompt.len()
+            )));
+        }
+        let names = tandem_kv::prefix::hashes(salt, &prompt[..end * BLOCK_SIZE]);
+        // Hold what is cached already, so that the blocks taken below cannot evict it.
+        let (held, fresh) = {
+            let mut pool = self.pool();
+            let held = pool.lookup(&names);
+            let fresh = match held.len() {
+                n if n < first => None,
+                n => pool.allocate(end - n).ok(),
+            };
+            (held, fresh)
+        };
+        let Some(fresh) = fresh else {
+            self.free_blocks_of(held);
+            return Ok(0);
+        };
+        let start = held.len();
+        let written = (start..end).zip(&fresh).try_for_each(|(i, &block)| {
+            let at = (i - first) * per_block;
+            (0..layout.num_layers).try_for_each(|layer| {
+                let bytes = &data[at + layer * piece..at + (layer + 1) * piece];
+                self.cache.write_block_layer_bytes(layer, block, bytes)
+            })
+        });
+        if written.is_ok() {
+            let mut pool = self.pool();
+            for (i, &block) in (start..end).zip(&fresh) {
+                if let Err(e) = pool.name(block, names[i]) {
+                    tracing::error!(error = %e, "naming an imported block failed");
+                }
+            }
+        }
+        // Released last block first: under pressure the tail of a prefix goes before its head.
+        let imported = fresh.len();
+        let mut all = held;
+        all.extend(fresh);
+        all.reverse();
+        self.free_blocks_of(all);
+        written?;
+        Ok(imported)
+    }
+
     /// Makes request `id` compute its whole prompt even where the cache holds a prefix of it
     /// (every choice; on a device engine whose prefill ships KV over a host transport, which
     /// can send only what a pass brought down).

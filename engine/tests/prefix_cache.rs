@@ -1,7 +1,8 @@
 //! Prefix caching on the tiny built-in model: a prompt whose prefix was computed before runs
 //! only the rest, the output is bit for bit what an engine without caching gives (greedy and
 //! seeded, one request or many at once), cached blocks are evicted least recently used only
-//! when space is needed, and the last prompt token always runs.
+//! when space is needed, the last prompt token always runs, and KV imported from another
+//! engine serves like KV computed here.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -221,4 +222,69 @@ fn prompt_logprobs_are_computed_whatever_the_cache_holds() {
     let id = e.add_request(p.clone(), asking, stop(2)).unwrap();
     let outputs = e.run_to_completion(id).unwrap();
     assert_eq!(outputs[0].prompt_logprobs.len(), p.len() - 1);
+}
+
+/// Blocks `from..to` of `prompt` as `engine` caches them, block-major (each block's layers in
+/// order): what a prefill worker pulls from a decode worker.
+fn cached_kv(engine: &Engine, prompt: &[u32], from: usize, to: usize) -> Vec<u8> {
+    let pool = engine.shared_pool();
+    let salt = engine.prefix_salt().unwrap();
+    let held = Engine::hold_cached_prefix(&pool, salt, prompt);
+    assert!(held.len() >= to, "{} blocks cached", held.len());
+    let cache = engine.cache();
+    let mut data = Vec::new();
+    for &block in &held[from..to] {
+        for layer in 0..cache.layout().num_layers {
+            data.extend_from_slice(cache.block_layer_bytes(layer, block).unwrap());
+        }
+    }
+    pool.release(&held).unwrap();
+    data
+}
+
+#[test]
+fn a_prefix_imported_from_another_engine_is_not_computed_and_changes_nothing() {
+    let model = model();
+    let p = prompt(0, 90, 10);
+    // The engine that holds the whole prefix (a decode worker's).
+    let mut holder = engine(&model, 64, true);
+    run_all(&mut holder, &[(p.clone(), SamplingParams::greedy())], 2);
+    // One that holds only its first two blocks (a prefill worker that saw an earlier turn).
+    let mut e = engine(&model, 64, true);
+    run_all(&mut e, &[(p[..40].to_vec(), SamplingParams::greedy())], 1);
+    assert_eq!(
+        Engine::cached_prefix_blocks(&e.shared_pool(), e.prefix_salt().unwrap(), &p),
+        2
+    );
+    // A gap before the imported blocks: they could never be reached, so nothing is added.
+    let tail = cached_kv(&holder, &p, 3, 6);
+    assert_eq!(e.import_cached_prefix(&p, 3, &tail).unwrap(), 0);
+    // Torn data, or blocks past the ones a prompt may reuse, are refused.
+    let data = cached_kv(&holder, &p, 2, 6);
+    assert!(e.import_cached_prefix(&p, 2, &data[1..]).is_err());
+    assert!(e.import_cached_prefix(&p[..90], 2, &data).is_err());
+    assert!(e.imports_prefix_kv());
+    assert_eq!(e.import_cached_prefix(&p, 2, &data).unwrap(), 4);
+    assert_eq!(
+        Engine::cached_prefix_blocks(&e.shared_pool(), e.prefix_salt().unwrap(), &p),
+        6
+    );
+    assert_eq!(e.used_blocks(), 0, "imported blocks wait idle in the cache");
+    // Importing again adds nothing: the blocks are there.
+    assert_eq!(e.import_cached_prefix(&p, 2, &data).unwrap(), 0);
+    let before = e.stats().prefill_tokens;
+    let got = run_all(&mut e, &[(p.clone(), SamplingParams::greedy())], 6);
+    assert_eq!(
+        e.stats().prefill_tokens - before,
+        4,
+        "only the last block ran"
+    );
+    let mut plain = engine(&model, 64, false);
+    assert_eq!(
+        got,
+        run_all(&mut plain, &[(p.clone(), SamplingParams::greedy())], 6)
+    );
+    // An engine that does not cache prefixes takes nothing.
+    assert!(!plain.imports_prefix_kv());
+    assert_eq!(plain.import_cached_prefix(&p, 0, &data).unwrap(), 0);
 }

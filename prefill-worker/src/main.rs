@@ -47,6 +47,7 @@ async fn run(args: Args, engine_config: EngineConfig) -> anyhow::Result<()> {
         drain_timeout: Duration::from_secs(args.drain_timeout_s),
         shm_dir: tandem_worker::shm_dir(&args.server),
         auth,
+        pull_prefix: !args.no_prefix_pull,
     };
     tracing::info!(model = %args.model.model, "loading model");
     let Some((model, tokenizer)) = tandem_worker::load_model_until(&args.model, &mut shutdown)

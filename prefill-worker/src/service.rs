@@ -12,7 +12,8 @@ use tandem_proto::v1::prefill_service_server::{PrefillService, PrefillServiceSer
 use tandem_proto::v1::*;
 use tandem_text::TextTokenizer;
 use tandem_transfer::{
-    FirstToken, Peers, TransferError, connect, top_logprobs_to_proto, transport_name,
+    FirstToken, Peers, PulledPrefix, TransferError, connect, pull_cached_prefix,
+    top_logprobs_to_proto, transport_name,
 };
 use tandem_worker::convert::{
     engine_status, kv_layout_to_proto, prompt_logprobs_to_proto, sampling_from_proto,
@@ -46,6 +47,9 @@ pub struct PrefillConfig {
     pub shm_dir: Option<std::path::PathBuf>,
     /// Who may call, and the credentials this worker shows decode workers.
     pub auth: InternalAuth,
+    /// Read back the part of a decode worker's cached prefix this worker lacks (else
+    /// compute it).
+    pub pull_prefix: bool,
 }
 
 impl Default for PrefillConfig {
@@ -55,6 +59,7 @@ impl Default for PrefillConfig {
             drain_timeout: Duration::from_secs(30),
             shm_dir: tandem_kv::shm::default_shm_dir(),
             auth: InternalAuth::none(),
+            pull_prefix: true,
         }
     }
 }
@@ -265,6 +270,17 @@ async fn prefill(inner: &Inner, req: PrefillRequest) -> Result<PrefillResponse, 
             return Err(transfer_status(e));
         }
     };
+    let pulled = if window_first == 0 && sampling.prompt_logprobs.is_none() {
+        pull_missing_prefix(inner, &dest, &req.prompt, &req.request_id, wanted_first).await
+    } else {
+        None
+    };
+    let (pulled_tokens, pulled_bytes) = pulled.as_ref().map_or((0, 0), |p| {
+        (
+            (p.blocks * tandem_kv::BLOCK_SIZE) as u32,
+            p.data.len() as u64,
+        )
+    });
     let (events_tx, mut events) = mpsc::unbounded_channel();
     inner
         .engine
@@ -275,6 +291,7 @@ async fn prefill(inner: &Inner, req: PrefillRequest) -> Result<PrefillResponse, 
             Some(KvShipment {
                 sender,
                 first_block,
+                pulled,
             }),
             events_tx,
         )
@@ -320,6 +337,8 @@ async fn prefill(inner: &Inner, req: PrefillRequest) -> Result<PrefillResponse, 
                 other_choices,
                 prompt_logprobs: prompt_logprobs_to_proto(&output.prompt_logprobs),
                 cached_tokens: output.cached_tokens as u32,
+                pulled_tokens,
+                pulled_bytes,
                 kv_bytes: stats.bytes,
                 transfer_seconds: stats.seconds,
                 compute_seconds,
@@ -333,6 +352,45 @@ async fn prefill(inner: &Inner, req: PrefillRequest) -> Result<PrefillResponse, 
         }
         SeqEvent::Failed(reason) => Err(Status::unavailable(reason)),
         SeqEvent::Token(_) => Err(Status::internal("a prefill produced a decode token")),
+    }
+}
+
+/// The blocks of the decode worker's cached prefix (the `cached` blocks before the lease) that
+/// this worker's own cache lacks, read from the decode worker so that the prompt computes only
+/// what follows them. `None` when nothing is missing, when this engine cannot take KV into its
+/// cache (no prefix caching, or a GPU engine), or when the pull fails: the prompt then computes
+/// those blocks, which costs time and nothing else.
+async fn pull_missing_prefix(
+    inner: &Inner,
+    dest: &KvDestination,
+    prompt: &[u32],
+    request_id: &str,
+    cached: usize,
+) -> Option<PulledPrefix> {
+    if cached == 0 || !inner.config.pull_prefix || !inner.engine.imports_prefix_kv() {
+        return None;
+    }
+    let have = inner.engine.cached_prefix_blocks(prompt);
+    if have >= cached {
+        return None;
+    }
+    let layout = inner.model.kv_layout();
+    match pull_cached_prefix(&inner.peers, dest, &layout, request_id, have, cached).await {
+        Ok(None) => None,
+        Ok(Some(pulled)) => {
+            tracing::debug!(
+                from = have,
+                to = cached,
+                bytes = pulled.data.len(),
+                seconds = pulled.seconds,
+                "pulled the cached prefix this worker lacked"
+            );
+            Some(pulled)
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, from = have, to = cached, "could not pull the decode worker's cached prefix: computing it");
+            None
+        }
     }
 }
 

@@ -3,7 +3,9 @@
 //! gRPC and raw TCP is the KV a local engine computes, committed with the greedy first token
 //! (also when the prompt's prefix came from the worker's prefix cache);
 //! a lease that ended is refused without failing the worker, and its blocks come back; a
-//! decode service that cannot prove the deployment's secret gets nothing.
+//! decode service that cannot prove the deployment's secret gets nothing; the decode side's
+//! cached prefix is read back rather than computed (and computed when the side keeps it on a
+//! device).
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -65,10 +67,19 @@ struct KvSide {
 }
 
 async fn start_kv_side(model: &Model, auth: InternalAuth) -> KvSide {
+    start_kv_side_with(model, auth, false).await
+}
+
+/// `on_device`: the lease table says the cache is a device pool (a GPU decode worker's).
+async fn start_kv_side_with(model: &Model, auth: InternalAuth, on_device: bool) -> KvSide {
     let layout = model.kv_layout();
     let cache = KvCache::with_budget(layout.clone(), BLOCKS * layout.block_bytes()).expect("cache");
     let hash = layout.hash();
-    let table = Arc::new(LeaseTable::new(cache.block_writer(), hash.clone(), None));
+    let mut table = LeaseTable::new(cache.block_writer(), hash.clone(), None);
+    if on_device {
+        table = table.with_device_pool(layout.block_layer_bytes());
+    }
+    let table = Arc::new(table);
     let kv = TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let kv_port = kv.local_addr().expect("addr").port();
     tokio::spawn(serve_tcp(
@@ -256,5 +267,73 @@ async fn an_ended_lease_or_an_unproven_decode_side_gets_nothing() {
             block.iter().all(|&b| b == 0),
             "KV reached an unproven decode side"
         );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_decode_sides_cached_prefix_is_read_back_not_computed() {
+    let (model, tokenizer) = tiny();
+    let p60 = prompt(60);
+    let (want, first) = local_prefill(&model, &tokenizer, &p60);
+    for on_device in [false, true] {
+        let mut p = start_prefill(&model, &tokenizer).await;
+        let mut side = start_kv_side_with(&model, test_auth(), on_device).await;
+        // The decode side holds the prompt's first 3 blocks (at scattered places) for the
+        // lease, which covers the 4th.
+        let cached = vec![30u32, 12, 21];
+        for (layer, pieces) in want.iter().enumerate() {
+            for (lb, bytes) in pieces.iter().filter(|(lb, _)| (*lb as usize) < 3) {
+                side.cache
+                    .write_block_layer_bytes(layer, cached[*lb as usize], bytes)
+                    .expect("write");
+            }
+        }
+        for round in 0..2 {
+            let (lease, mut committed) = side
+                .table
+                .create_claimed(None, vec![40], cached.clone(), p60.len(), "t")
+                .expect("lease");
+            let mut dest = destination(&side, &lease, Transport::Grpc);
+            dest.first_block = 3;
+            let resp = p
+                .prefill(PrefillRequest {
+                    stop: None,
+                    request_id: format!("pull-{on_device}-{round}"),
+                    prompt: p60.clone(),
+                    sampling: Some(SamplingParams::default()),
+                    destination: Some(dest),
+                })
+                .await
+                .expect("prefill")
+                .into_inner();
+            assert_eq!(resp.first_token, first, "device {on_device}, round {round}");
+            let block_bytes = model.kv_layout().block_bytes() as u64;
+            let expected = match (on_device, round) {
+                // Read back the first time, found in its own cache the second.
+                (false, 0) => (48, 48, 3 * block_bytes),
+                (false, _) => (48, 0, 0),
+                // A device side refuses: the worker computes the blocks (and has them
+                // cached the second time).
+                (true, 0) => (0, 0, 0),
+                (true, _) => (48, 0, 0),
+            };
+            assert_eq!(
+                (resp.cached_tokens, resp.pulled_tokens, resp.pulled_bytes),
+                expected,
+                "device {on_device}, round {round}"
+            );
+            committed
+                .try_recv()
+                .expect("the lease was committed")
+                .expect("a good commit");
+            for (layer, pieces) in want.iter().enumerate() {
+                let (_, bytes) = pieces.iter().find(|(lb, _)| *lb == 3).expect("block 3");
+                let got = side.cache.block_layer_bytes(layer, 40).expect("block");
+                assert!(
+                    got == bytes.as_slice(),
+                    "layer {layer}: the shipped block differs"
+                );
+            }
+        }
     }
 }

@@ -14,7 +14,9 @@
 /// 5: prefix caching across the plane: load reports carry block events, a decode worker's
 /// lease skips the blocks its cache holds (`first_block`), and may run a short uncached
 /// suffix itself (`LocalPrefill`).
-pub const PROTOCOL_VERSION: u32 = 5;
+/// 6: a prefill worker reads back the part of a lease's cached prefix it lacks
+/// (`DecodeService.PullKv`) instead of recomputing it.
+pub const PROTOCOL_VERSION: u32 = 6;
 
 /// What one request may ask for. The router refuses anything outside these bounds itself,
 /// naming the field, before a worker sees it; the workers' engines hold the same bounds

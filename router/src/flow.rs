@@ -125,6 +125,9 @@ pub struct Head {
     /// Prompt tokens whose KV the decode worker's prefix cache already held, so they were
     /// not moved (disaggregated) or not computed (run on the decode worker).
     pub decode_cached_tokens: u32,
+    /// Of `cached_tokens`, those the prefill worker read back from the decode worker's cached
+    /// prefix for this request instead of computing them (0 aggregated).
+    pub prefill_pulled_tokens: u32,
 }
 
 /// One prompt token's logprob given the tokens before it (see `tandem-engine`'s
@@ -211,6 +214,8 @@ pub struct FinishOut {
     pub kv_blocks: u32,
     /// See [`Head::decode_cached_tokens`].
     pub decode_cached_tokens: u32,
+    /// See [`Head::prefill_pulled_tokens`].
+    pub prefill_pulled_tokens: u32,
 }
 
 /// What the HTTP layer receives after the head.
@@ -675,6 +680,7 @@ async fn run_here(
             cached_tokens: 0,
             kv_blocks: 0,
             decode_cached_tokens,
+            prefill_pulled_tokens: 0,
         },
         stream,
         decode: Arc::clone(decode),
@@ -837,6 +843,8 @@ async fn run_disaggregated(
     metrics::counter!(m::KV_TRANSFER_BYTES_TOTAL, "transport" => label).increment(answer.kv_bytes);
     metrics::histogram!(m::KV_TRANSFER_SECONDS, "transport" => label)
         .record(answer.transfer_seconds);
+    metrics::counter!(m::KV_PULLED_BYTES_TOTAL).increment(answer.pulled_bytes);
+    let cached_tokens = answer.cached_tokens.min(req.prompt.len() as u32);
     Ok(Live {
         head: Head {
             mode: RunMode::Disaggregated,
@@ -844,9 +852,10 @@ async fn run_disaggregated(
             transport: Some(transport),
             fallback: None,
             prompt_logprobs,
-            cached_tokens: answer.cached_tokens.min(req.prompt.len() as u32),
+            cached_tokens,
             kv_blocks,
             decode_cached_tokens,
+            prefill_pulled_tokens: answer.pulled_tokens.min(cached_tokens),
         },
         stream,
         decode: Arc::clone(decode),
@@ -1007,5 +1016,6 @@ fn finish_out(head: &Head, f: &Finished) -> FinishOut {
             RunMode::Disaggregated => head.decode_cached_tokens,
             RunMode::Aggregated => f.cached_tokens.min(f.prompt_tokens),
         },
+        prefill_pulled_tokens: head.prefill_pulled_tokens,
     }
 }

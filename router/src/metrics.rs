@@ -28,6 +28,9 @@ pub const FALLBACKS_TOTAL: &str = "tandem_router_fallbacks_total";
 pub const PREFILL_RETRIES_TOTAL: &str = "tandem_router_prefill_retries_total";
 /// KV bytes moved from prefill to decode workers, by `transport` (from PrefillResponse).
 pub const KV_TRANSFER_BYTES_TOTAL: &str = "tandem_router_kv_transfer_bytes_total";
+/// KV bytes prefill workers read back from decode workers' cached prefixes (PullKv) instead
+/// of computing them.
+pub const KV_PULLED_BYTES_TOTAL: &str = "tandem_router_kv_pulled_bytes_total";
 /// Disaggregated requests the decode worker ran itself because its prefix cache held all
 /// but a suffix shorter than `--agg-threshold`.
 pub const LOCAL_PREFILLS_TOTAL: &str = "tandem_router_local_prefills_total";
@@ -110,6 +113,11 @@ fn describe() {
         "Prefill calls retried on another worker"
     );
     describe_counter!(KV_TRANSFER_BYTES_TOTAL, Unit::Bytes, "KV bytes moved");
+    describe_counter!(
+        KV_PULLED_BYTES_TOTAL,
+        Unit::Bytes,
+        "KV bytes prefill workers read back from decode workers' cached prefixes"
+    );
     describe_counter!(
         LOCAL_PREFILLS_TOTAL,
         "Requests a decode worker prefilled itself: its prefix cache held all but a short suffix"

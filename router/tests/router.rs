@@ -71,7 +71,7 @@ async fn disaggregated_completion_end_to_end() {
     assert_eq!(body["usage"]["prompt_tokens"], 5);
     assert_eq!(
         body["usage"]["tandem"],
-        json!({"mode": "disaggregated", "kv_bytes": KV_BYTES, "transport": "shm", "fallback_reason": null, "cached_tokens": 0, "kv_blocks": 1, "decode_cached_tokens": 0})
+        json!({"mode": "disaggregated", "kv_bytes": KV_BYTES, "transport": "shm", "fallback_reason": null, "cached_tokens": 0, "kv_blocks": 1, "decode_cached_tokens": 0, "prefill_pulled_tokens": 0})
     );
 
     let prompt = tokenizer().encode("Hello", true).unwrap();
@@ -301,7 +301,7 @@ async fn short_prompts_run_aggregated_below_the_threshold() {
     let body: Value = r.json().await.unwrap();
     assert_eq!(
         body["usage"]["tandem"],
-        json!({"mode": "aggregated", "kv_bytes": 0, "transport": null, "fallback_reason": null, "cached_tokens": 0, "kv_blocks": 0, "decode_cached_tokens": 0})
+        json!({"mode": "aggregated", "kv_bytes": 0, "transport": null, "fallback_reason": null, "cached_tokens": 0, "kv_blocks": 0, "decode_cached_tokens": 0, "prefill_pulled_tokens": 0})
     );
     // A prompt at the threshold is disaggregated.
     let r = post(

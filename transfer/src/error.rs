@@ -24,6 +24,9 @@ pub enum TransferError {
     Incomplete(String),
     #[error("protocol error: {0}")]
     Protocol(String),
+    /// The peer does not offer this (e.g. reading back KV that lives on its GPU).
+    #[error("not offered: {0}")]
+    Unsupported(String),
     #[error("cannot reach the decode worker: {0}")]
     Connect(String),
     #[error("transfer I/O: {0}")]
@@ -38,7 +41,9 @@ impl From<TransferError> for tonic::Status {
     fn from(e: TransferError) -> Self {
         let msg = e.to_string();
         match e {
-            TransferError::LayoutMismatch(_) => tonic::Status::failed_precondition(msg),
+            TransferError::LayoutMismatch(_) | TransferError::Unsupported(_) => {
+                tonic::Status::failed_precondition(msg)
+            }
             TransferError::UnknownLease => tonic::Status::not_found(msg),
             TransferError::Cancelled => tonic::Status::cancelled(msg),
             TransferError::QuotaExceeded(_) => tonic::Status::resource_exhausted(msg),

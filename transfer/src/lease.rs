@@ -145,8 +145,12 @@ pub struct Lease {
     token: LeaseToken,
     /// `token.fence()`, computed once.
     fence: u64,
-    /// Physical block of each logical block of the prompt.
+    /// Physical block of each logical block of the prompt that the lease receives.
     pub blocks: Vec<u32>,
+    /// Physical blocks of the prompt's cached prefix that the decode worker holds for the
+    /// request (logical blocks 0.., before `blocks`): never written by the peer, readable by
+    /// the lease's holder ([`LeaseTable::read_cached`]) while the lease is open.
+    pub cached: Vec<u32>,
     pub num_tokens: usize,
     pub request_id: String,
     state: RwLock<State>,
@@ -280,24 +284,27 @@ impl LeaseTable {
         num_tokens: usize,
         request_id: &str,
     ) -> Result<Opened, TransferError> {
-        self.open(None, blocks, num_tokens, request_id)
+        self.open(None, blocks, Vec::new(), num_tokens, request_id)
     }
 
-    /// Opens a lease whose blocks count against `claim` until it ends.
+    /// Opens a lease over `blocks` after the held prefix `cached` (both counted against
+    /// `claim` until it ends); the caller keeps the blocks of both and releases them.
     pub fn create_claimed(
         &self,
-        claim: QuotaClaim,
+        claim: Option<QuotaClaim>,
         blocks: Vec<u32>,
+        cached: Vec<u32>,
         num_tokens: usize,
         request_id: &str,
     ) -> Result<Opened, TransferError> {
-        self.open(Some(claim), blocks, num_tokens, request_id)
+        self.open(claim, blocks, cached, num_tokens, request_id)
     }
 
     fn open(
         &self,
         claim: Option<QuotaClaim>,
         blocks: Vec<u32>,
+        cached: Vec<u32>,
         num_tokens: usize,
         request_id: &str,
     ) -> Result<Opened, TransferError> {
@@ -310,6 +317,7 @@ impl LeaseTable {
             token,
             received: Mutex::new(vec![false; layers * blocks.len()]),
             blocks,
+            cached,
             num_tokens,
             request_id: request_id.to_string(),
             state: RwLock::new(State::Open),
@@ -631,6 +639,49 @@ impl LeaseTable {
             }
             tokio::time::sleep(Duration::from_millis(1)).await;
         }
+    }
+
+    /// Reads blocks of the cached prefix an open lease holds (PullKv): `logical` indexes
+    /// [`Lease::cached`], and the answer is their bytes of `layer` back to back with a CRC-32
+    /// of each. Refused when this worker's cache is its device pool (the host copy may be
+    /// stale).
+    pub fn read_cached(
+        &self,
+        lease: &Lease,
+        layer: usize,
+        logical: std::ops::Range<usize>,
+    ) -> Result<(Vec<u8>, Vec<u32>), TransferError> {
+        if self.device_block_layer_bytes.is_some() {
+            return Err(TransferError::Unsupported(
+                "this decode worker's cached KV lives in its device pool".into(),
+            ));
+        }
+        let layout = self.writer.layout();
+        if layer >= layout.num_layers || logical.end > lease.cached.len() || logical.is_empty() {
+            return Err(TransferError::Protocol(format!(
+                "layer {layer}, blocks {logical:?}: the lease holds {} cached blocks of {} layers",
+                lease.cached.len(),
+                layout.num_layers
+            )));
+        }
+        let bb = layout.block_layer_bytes();
+        let mut payload = Vec::with_capacity(logical.len() * bb);
+        let mut checksums = Vec::with_capacity(logical.len());
+        let state = lease.state.read().unwrap_or_else(|p| p.into_inner());
+        if *state != State::Open {
+            return Err(TransferError::UnknownLease);
+        }
+        for &block in &lease.cached[logical] {
+            // SAFETY: the lease's holder keeps its cached blocks until the lease ends, and
+            // cancel or commit (after which they may be released) waits for this read guard;
+            // a held cached block is full and never written.
+            let bytes = unsafe { self.writer.read(layer, block)? };
+            checksums.push(crc32(bytes));
+            payload.extend_from_slice(bytes);
+        }
+        drop(state);
+        lease.touch();
+        Ok((payload, checksums))
     }
 
     /// Counts as progress on an open lease (its prompt is queued at a live prefill worker).

@@ -277,7 +277,9 @@ fn a_caller_holds_at_most_its_quota_until_its_leases_end() {
         table.claim("10.0.0.2", 3).is_ok(),
         "another caller has its own"
     );
-    let (lease, _rx) = table.create_claimed(a, vec![1, 2], 20, "r").unwrap();
+    let (lease, _rx) = table
+        .create_claimed(Some(a), vec![1, 2], Vec::new(), 20, "r")
+        .unwrap();
     assert!(
         table.claim("10.0.0.1", 2).is_err(),
         "the lease holds the claim"

@@ -17,6 +17,10 @@
 //!   communicator per worker pair carries announced layer messages ([`nccl_wire`]) into the
 //!   decode worker's device pool.
 //!
+//! A prefill worker that lacks part of the cached prefix a lease holds reads it back over
+//! `DecodeService.PullKv` ([`pull_cached_prefix`]; the decode side is [`serve_pull`]) rather
+//! than compute it again.
+//!
 //! The decode side keeps a [`LeaseTable`]: every reservation, which of its (layer, block)
 //! pieces have arrived with a good CRC-32, and the commit that hands it to the engine. Every
 //! transfer is checked: the layout hash at the start, sizes and a checksum per block-layer,
@@ -43,6 +47,7 @@ mod lease;
 mod nccl;
 pub mod nccl_wire;
 mod peers;
+mod pull;
 pub mod receivers;
 mod sender;
 mod service;
@@ -57,6 +62,7 @@ pub use lease::{Commit, DevicePool, Lease, LeaseTable, LeaseToken, Progress, Quo
 #[cfg(feature = "nccl")]
 pub use nccl::{DeviceLink, NcclReceivers, nccl_supported, spawn_nccl_receiver};
 pub use peers::{GRPC_CONNECTION_WINDOW, GRPC_STREAM_WINDOW, Peers, VerifiedDecode};
+pub use pull::{PULL_TIMEOUT, PullStream, PulledPrefix, pull_cached_prefix, serve_pull};
 pub use sender::{
     FirstToken, KvSender, SendFuture, SendStats, other_choices_from_proto, top_logprobs_from_proto,
     top_logprobs_to_proto,

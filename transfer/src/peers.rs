@@ -37,6 +37,9 @@ pub struct VerifiedDecode {
     /// `host:port` of its KV TCP listener, if it has one: its advertised host, or the
     /// endpoint's.
     pub kv_tcp_addr: Option<String>,
+    /// It refused to have its cached prefix read back (`PullKv`: its cache is on its GPU), so
+    /// this worker no longer asks.
+    pub refuses_pull: std::sync::atomic::AtomicBool,
 }
 
 /// Everything a transport needs to open one request's transfer.
@@ -231,6 +234,7 @@ impl Peers {
             endpoint: endpoint.to_string(),
             info,
             kv_tcp_addr,
+            refuses_pull: Default::default(),
         });
         self.decode
             .lock()

@@ -1,4 +1,4 @@
-//! The decode side's KV RPCs (`PushKv`, `CommitKv`, `RenewLease`) answered from a
+//! The decode side's KV RPCs (`PushKv`, `CommitKv`, `RenewLease`, `PullKv`) answered from a
 //! [`LeaseTable`]: the decode worker's service delegates to [`kv_rpcs`], and
 //! [`KvOnlyDecode`] serves them alone (with a signed `GetInfo`, so prefill workers verify it as
 //! they verify a decode worker), to test and measure the transports without a model.
@@ -12,14 +12,14 @@ use tandem_auth::InternalAuth;
 use tandem_proto::v1::decode_service_server::DecodeService;
 use tandem_proto::v1::{
     GenerateEvent, GenerateRequest, InfoRequest, KvAck, KvCommit, KvMessage, LoadReport,
-    LoadRequest, OpenNcclRequest, OpenNcclResponse, RenewLeaseRequest, RenewLeaseResponse,
-    Transport, WorkerInfo,
+    LoadRequest, OpenNcclRequest, OpenNcclResponse, PullKvRequest, RenewLeaseRequest,
+    RenewLeaseResponse, Transport, WorkerInfo,
 };
 use tonic::{Request, Response, Status, Streaming};
 
 use crate::{LeaseTable, receive_push_kv};
 
-/// The three KV RPCs over one lease table.
+/// The KV RPCs over one lease table.
 pub mod kv_rpcs {
     use super::*;
 
@@ -59,6 +59,13 @@ pub mod kv_rpcs {
         let open = table.renew(&req.into_inner().lease);
         Response::new(RenewLeaseResponse { open })
     }
+
+    pub fn pull_kv(
+        table: &Arc<LeaseTable>,
+        req: Request<PullKvRequest>,
+    ) -> Result<Response<crate::PullStream>, Status> {
+        crate::pull::respond(table, req)
+    }
 }
 
 /// A decode service that only receives KV into a lease table and describes itself (everything
@@ -76,6 +83,7 @@ type Events = Pin<Box<dyn futures::Stream<Item = Result<GenerateEvent, Status>> 
 #[tonic::async_trait]
 impl DecodeService for KvOnlyDecode {
     type GenerateStream = Events;
+    type PullKvStream = crate::PullStream;
 
     async fn get_info(&self, req: Request<InfoRequest>) -> Result<Response<WorkerInfo>, Status> {
         let mut info = self.info.clone();
@@ -112,5 +120,12 @@ impl DecodeService for KvOnlyDecode {
         req: Request<RenewLeaseRequest>,
     ) -> Result<Response<RenewLeaseResponse>, Status> {
         Ok(kv_rpcs::renew_lease(&self.table, req))
+    }
+
+    async fn pull_kv(
+        &self,
+        req: Request<PullKvRequest>,
+    ) -> Result<Response<Self::PullKvStream>, Status> {
+        kv_rpcs::pull_kv(&self.table, req)
     }
 }

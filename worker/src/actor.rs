@@ -22,7 +22,7 @@ use tandem_engine::{
 use tandem_kv::{KvCache, SharedPool, prefix};
 use tandem_proto::v1::{BlockEvents, LoadReport};
 use tandem_text::{Guide, GuideFactory};
-use tandem_transfer::KvSender;
+use tandem_transfer::{KvSender, PulledPrefix};
 use tokio::sync::{mpsc as tmpsc, oneshot};
 
 /// What a sequence's handler receives.
@@ -68,6 +68,10 @@ impl std::fmt::Debug for SeqEvent {
 pub struct KvShipment {
     pub sender: Box<dyn KvSender>,
     pub first_block: usize,
+    /// Blocks of that cached prefix this worker lacked and read from the decode worker: they
+    /// join this engine's prefix cache just before the prompt is queued, so it computes only
+    /// what follows them.
+    pub pulled: Option<PulledPrefix>,
 }
 
 enum Command {
@@ -111,6 +115,8 @@ pub struct EngineHandle {
     tx: mpsc::Sender<Command>,
     /// The salt of the engine's block names (`None`: no prefix caching).
     prefix_salt: Option<tandem_kv::BlockHash>,
+    /// See `Engine::imports_prefix_kv`.
+    imports_prefix_kv: bool,
     pool: SharedPool,
     load: Arc<LoadSnapshot>,
     guides: GuideFactory,
@@ -206,6 +212,19 @@ impl EngineHandle {
         }
     }
 
+    /// How many leading blocks of `prompt` the prefix cache holds now (0 without caching).
+    pub fn cached_prefix_blocks(&self, prompt: &[u32]) -> usize {
+        match self.prefix_salt {
+            Some(salt) => Engine::cached_prefix_blocks(&self.pool, salt, prompt),
+            None => 0,
+        }
+    }
+
+    /// Whether pulled prefix KV can join this engine's cache (see `KvShipment::pulled`).
+    pub fn imports_prefix_kv(&self) -> bool {
+        self.imports_prefix_kv
+    }
+
     /// The load report a worker answers `GetLoad` with: the engine's load and prefix cache,
     /// with the cache's block events after `block_events_after` (or a snapshot's page from
     /// block `snapshot_from_block`) when asked.
@@ -297,6 +316,7 @@ pub fn spawn_engine(engine: Engine) -> std::io::Result<EngineHandle> {
     let handle = EngineHandle {
         tx,
         prefix_salt: engine.prefix_salt(),
+        imports_prefix_kv: engine.imports_prefix_kv(),
         pool: engine.shared_pool(),
         load: load.clone(),
         guides: engine.guides(),
@@ -454,7 +474,12 @@ fn handle_command(engine: &mut Engine, entries: &mut HashMap<SeqId, Entry>, cmd:
         } => {
             let window_first = engine.model().config().first_needed_block(prompt.len());
             let (kv, kv_first) = match kv {
-                Some(s) => (Some(s.sender), s.first_block.max(window_first)),
+                Some(s) => {
+                    if let Some(pulled) = s.pulled {
+                        import_pulled(engine, &prompt, &pulled);
+                    }
+                    (Some(s.sender), s.first_block.max(window_first))
+                }
                 None => (None, window_first),
             };
             let open = sampling.n;
@@ -520,6 +545,22 @@ fn handle_command(engine: &mut Engine, entries: &mut HashMap<SeqId, Entry>, cmd:
             });
             let _ = reply.send(result);
         }
+    }
+}
+
+/// Puts a pulled prefix into the cache (in the same command as the prompt it serves, so no
+/// step runs between them). A failure costs only compute: the prompt then runs those blocks.
+fn import_pulled(engine: &mut Engine, prompt: &[u32], pulled: &PulledPrefix) {
+    match engine.import_cached_prefix(prompt, pulled.first, &pulled.data) {
+        Ok(n) if n < pulled.blocks => {
+            tracing::debug!(
+                pulled = pulled.blocks,
+                imported = n,
+                "part of the pulled prefix was cached already or found no room"
+            )
+        }
+        Ok(_) => {}
+        Err(e) => tracing::warn!(error = %e, "the pulled prefix could not join the cache"),
     }
 }
 
@@ -656,6 +697,7 @@ mod tests {
                 Some(KvShipment {
                     sender: Box::new(DeviceOnly),
                     first_block: 0,
+                    pulled: None,
                 }),
                 events,
             )

@@ -33,6 +33,9 @@ pub struct TandemUsage {
     /// Prompt tokens whose KV the decode worker's cache already held (not moved, or not
     /// computed when it ran the prompt itself).
     pub decode_cached_tokens: u32,
+    /// Prompt tokens of the decode worker's cached prefix that the prefill worker read back
+    /// from it instead of computing them (part of `cached_tokens`).
+    pub prefill_pulled_tokens: u32,
 }
 
 #[derive(Debug, Serialize)]
@@ -178,6 +181,7 @@ impl OpenAiFormatter {
             cached_tokens: f.cached_tokens,
             kv_blocks: f.kv_blocks,
             decode_cached_tokens: f.decode_cached_tokens,
+            prefill_pulled_tokens: f.prefill_pulled_tokens,
         }
     }
 

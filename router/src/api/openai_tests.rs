@@ -16,6 +16,7 @@ fn head(mode: RunMode) -> Head {
         cached_tokens: 0,
         kv_blocks: 0,
         decode_cached_tokens: 0,
+        prefill_pulled_tokens: 0,
     }
 }
 
@@ -68,6 +69,7 @@ fn finish(reason: FinishReason, kv_bytes: u64, transport: Option<Transport>) -> 
         cached_tokens: 3,
         kv_blocks: 2,
         decode_cached_tokens: 16,
+        prefill_pulled_tokens: 0,
     }
 }
 
@@ -101,7 +103,7 @@ fn completion_stream_with_usage_golden() {
     assert_eq!(
         b,
         "data: {\"id\":\"cmpl-ID\",\"object\":\"text_completion\",\"created\":1700000000,\"model\":\"m\",\"choices\":[{\"index\":0,\"text\":\"lo\",\"logprobs\":null,\"finish_reason\":\"length\"}],\"usage\":null}\n\n\
-         data: {\"id\":\"cmpl-ID\",\"object\":\"text_completion\",\"created\":1700000000,\"model\":\"m\",\"choices\":[],\"usage\":{\"prompt_tokens\":5,\"completion_tokens\":2,\"total_tokens\":7,\"prompt_tokens_details\":{\"cached_tokens\":3},\"tandem\":{\"mode\":\"disaggregated\",\"kv_bytes\":4096,\"transport\":\"shm\",\"fallback_reason\":null,\"cached_tokens\":3,\"kv_blocks\":2,\"decode_cached_tokens\":16}}}\n\n\
+         data: {\"id\":\"cmpl-ID\",\"object\":\"text_completion\",\"created\":1700000000,\"model\":\"m\",\"choices\":[],\"usage\":{\"prompt_tokens\":5,\"completion_tokens\":2,\"total_tokens\":7,\"prompt_tokens_details\":{\"cached_tokens\":3},\"tandem\":{\"mode\":\"disaggregated\",\"kv_bytes\":4096,\"transport\":\"shm\",\"fallback_reason\":null,\"cached_tokens\":3,\"kv_blocks\":2,\"decode_cached_tokens\":16,\"prefill_pulled_tokens\":0}}}\n\n\
          data: [DONE]\n\n"
     );
 }
@@ -119,7 +121,7 @@ fn completion_stream_without_usage_puts_tandem_on_the_final_chunk() {
     assert!(done);
     assert_eq!(
         b,
-        "data: {\"id\":\"cmpl-ID\",\"object\":\"text_completion\",\"created\":1700000000,\"model\":\"m\",\"choices\":[{\"index\":0,\"text\":\"\",\"logprobs\":null,\"finish_reason\":\"stop\"}],\"tandem\":{\"mode\":\"aggregated\",\"kv_bytes\":0,\"transport\":null,\"fallback_reason\":\"no_prefill_worker\",\"cached_tokens\":3,\"kv_blocks\":2,\"decode_cached_tokens\":16}}\n\n\
+        "data: {\"id\":\"cmpl-ID\",\"object\":\"text_completion\",\"created\":1700000000,\"model\":\"m\",\"choices\":[{\"index\":0,\"text\":\"\",\"logprobs\":null,\"finish_reason\":\"stop\"}],\"tandem\":{\"mode\":\"aggregated\",\"kv_bytes\":0,\"transport\":null,\"fallback_reason\":\"no_prefill_worker\",\"cached_tokens\":3,\"kv_blocks\":2,\"decode_cached_tokens\":16,\"prefill_pulled_tokens\":0}}\n\n\
          data: [DONE]\n\n"
     );
 }
@@ -163,7 +165,7 @@ fn full_responses_golden() {
     ));
     assert_eq!(
         body.to_string(),
-        r#"{"id":"cmpl-ID","object":"text_completion","created":1700000000,"model":"m","choices":[{"index":0,"text":"Hello","logprobs":null,"finish_reason":"length"}],"usage":{"prompt_tokens":5,"completion_tokens":2,"total_tokens":7,"prompt_tokens_details":{"cached_tokens":3},"tandem":{"mode":"disaggregated","kv_bytes":4096,"transport":"shm","fallback_reason":null,"cached_tokens":3,"kv_blocks":2,"decode_cached_tokens":16}}}"#
+        r#"{"id":"cmpl-ID","object":"text_completion","created":1700000000,"model":"m","choices":[{"index":0,"text":"Hello","logprobs":null,"finish_reason":"length"}],"usage":{"prompt_tokens":5,"completion_tokens":2,"total_tokens":7,"prompt_tokens_details":{"cached_tokens":3},"tandem":{"mode":"disaggregated","kv_bytes":4096,"transport":"shm","fallback_reason":null,"cached_tokens":3,"kv_blocks":2,"decode_cached_tokens":16,"prefill_pulled_tokens":0}}}"#
     );
     let mut chat = formatter(Kind::Chat, false, RunMode::Aggregated);
     chat.id = "chatcmpl-ID".into();

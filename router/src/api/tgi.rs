@@ -647,6 +647,7 @@ mod tests {
             cached_tokens: 0,
             kv_blocks: 0,
             decode_cached_tokens: 0,
+            prefill_pulled_tokens: 0,
         }
     }
 

@@ -136,6 +136,13 @@ async fn the_decode_workers_cached_prefix_is_not_sent_and_a_short_rest_runs_ther
         cached_tokens: 96,
         ..DecodeScript::default()
     });
+    // The prefill worker held 32 of those tokens and read the other 64 back (PullKv).
+    prefill.set_script(PrefillScript {
+        cached_tokens: 96,
+        pulled_tokens: 64,
+        pulled_bytes: 4096,
+        ..PrefillScript::default()
+    });
     let ps = FakeServer::start(Service::Prefill(prefill.clone()));
     let ds = FakeServer::start(Service::Decode(decode.clone()));
     let router = TestRouter::start(config(&[&ps], &[&ds])).await;
@@ -147,6 +154,12 @@ async fn the_decode_workers_cached_prefix_is_not_sent_and_a_short_rest_runs_ther
     assert_eq!(body["usage"]["tandem"]["mode"], "disaggregated");
     assert_eq!(body["usage"]["tandem"]["kv_blocks"], 1);
     assert_eq!(body["usage"]["tandem"]["decode_cached_tokens"], 96);
+    assert_eq!(body["usage"]["tandem"]["cached_tokens"], 96);
+    assert_eq!(body["usage"]["tandem"]["prefill_pulled_tokens"], 64);
+    assert_eq!(
+        metric_value(&router.url, "tandem_router_kv_pulled_bytes_total").await,
+        4096.0
+    );
     router.stop().await;
 
     // With --agg-threshold 10 the 4 uncached tokens run on the decode worker.

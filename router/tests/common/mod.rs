@@ -184,6 +184,7 @@ fn event(e: Event) -> Result<GenerateEvent, Status> {
 #[tonic::async_trait]
 impl DecodeService for FakeDecode {
     type GenerateStream = EventStream;
+    type PullKvStream = tokio_stream::wrappers::ReceiverStream<Result<KvBlocks, Status>>;
 
     async fn get_info(&self, req: Request<InfoRequest>) -> Result<Response<WorkerInfo>, Status> {
         self.0.info_calls.fetch_add(1, Ordering::SeqCst);
@@ -251,6 +252,13 @@ impl DecodeService for FakeDecode {
         lock(&self.0.renewals).push(id.clone());
         let open = lock(&self.0.waiting).contains_key(&id);
         Ok(Response::new(RenewLeaseResponse { open }))
+    }
+
+    async fn pull_kv(
+        &self,
+        _: Request<PullKvRequest>,
+    ) -> Result<Response<Self::PullKvStream>, Status> {
+        Err(Status::unimplemented("the fake decode worker holds no KV"))
     }
 
     async fn open_nccl(
@@ -409,6 +417,9 @@ pub struct PrefillScript {
     pub abort_for: Option<String>,
     /// Prompt tokens it says came from its prefix cache.
     pub cached_tokens: u32,
+    /// Of those, tokens (and their bytes) it says it read back from the decode worker.
+    pub pulled_tokens: u32,
+    pub pulled_bytes: u64,
 }
 
 #[derive(Debug)]
@@ -539,6 +550,8 @@ impl PrefillService for FakePrefill {
             other_choices: Vec::new(),
             prompt_logprobs: fake_prompt_logprobs(&req.prompt, req.sampling.as_ref()),
             cached_tokens: script.cached_tokens,
+            pulled_tokens: script.pulled_tokens,
+            pulled_bytes: script.pulled_bytes,
         }))
     }
 }
