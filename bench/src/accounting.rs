@@ -1,7 +1,7 @@
 //! Server-reported accounting beyond vLLM's `completion_tokens`: `usage.prompt_tokens`,
 //! OpenAI's `usage.prompt_tokens_details.cached_tokens`, and the `tandem` object tandem's
 //! router adds (`mode`, `kv_bytes`, `transport`, `fallback_reason`, `cached_tokens`,
-//! `kv_blocks`), read from a stream's chunks into [`RequestOutput`].
+//! `kv_blocks`, `prefill_pulled_tokens`), read from a stream's chunks into [`RequestOutput`].
 //!
 //! Every field is optional and read leniently, as JSON values: other servers send none of
 //! it, and one sending it in an unexpected shape must not fail requests that vLLM would
@@ -33,6 +33,7 @@ pub(crate) struct Accounting {
     tandem_cached: Option<usize>,
     kv_bytes: Option<u64>,
     kv_blocks: Option<u64>,
+    pulled_tokens: Option<u64>,
     tandem: Option<TandemRun>,
 }
 
@@ -69,6 +70,9 @@ impl Accounting {
         if let Some(n) = number("kv_blocks") {
             self.kv_blocks = Some(n);
         }
+        if let Some(n) = number("prefill_pulled_tokens") {
+            self.pulled_tokens = Some(n);
+        }
         self.tandem = Some(TandemRun {
             mode: text("mode"),
             transport: text("transport"),
@@ -81,6 +85,7 @@ impl Accounting {
         output.cached_tokens = self.openai_cached.or(self.tandem_cached);
         output.kv_bytes = self.kv_bytes;
         output.kv_blocks = self.kv_blocks;
+        output.pulled_tokens = self.pulled_tokens;
         output.tandem = self.tandem;
     }
 }
@@ -111,7 +116,7 @@ mod tests {
         let token = r#"data: {"choices":[{"text":"a"}]}"#;
         let out = run(&[
             token,
-            r#"data: {"choices":[],"usage":{"prompt_tokens":5,"completion_tokens":2,"prompt_tokens_details":{"cached_tokens":3},"tandem":{"mode":"disaggregated","kv_bytes":4096,"transport":"shm","fallback_reason":null,"cached_tokens":3,"kv_blocks":2}}}"#,
+            r#"data: {"choices":[],"usage":{"prompt_tokens":5,"completion_tokens":2,"prompt_tokens_details":{"cached_tokens":3},"tandem":{"mode":"disaggregated","kv_bytes":4096,"transport":"shm","fallback_reason":null,"cached_tokens":3,"kv_blocks":2,"prefill_pulled_tokens":1}}}"#,
         ]);
         assert!(out.success);
         assert_eq!(out.output_tokens, Some(2));
@@ -119,6 +124,7 @@ mod tests {
         assert_eq!(out.cached_tokens, Some(3));
         assert_eq!(out.kv_bytes, Some(4096));
         assert_eq!(out.kv_blocks, Some(2));
+        assert_eq!(out.pulled_tokens, Some(1));
         let tandem = out.tandem.unwrap();
         assert_eq!(tandem.mode.as_deref(), Some("disaggregated"));
         assert_eq!(tandem.transport.as_deref(), Some("shm"));

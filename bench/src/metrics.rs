@@ -39,6 +39,9 @@ pub struct RequestOutput {
     pub kv_bytes: Option<u64>,
     /// tandem: KV blocks moved from the prefill to the decode worker (`usage.tandem.kv_blocks`).
     pub kv_blocks: Option<u64>,
+    /// tandem: of `cached_tokens`, those the prefill worker read back from the decode worker
+    /// rather than found in its own cache (`usage.tandem.prefill_pulled_tokens`).
+    pub pulled_tokens: Option<u64>,
     /// tandem's description of how the request ran, when the server sent a `tandem` object.
     pub tandem: Option<TandemRun>,
 }

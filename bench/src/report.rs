@@ -282,6 +282,10 @@ fn insert_server_accounting(map: &mut Map<String, Value>, outputs: &[RequestOutp
         "total_kv_blocks".into(),
         total(outputs.iter().map(|o| o.kv_blocks)),
     );
+    map.insert(
+        "total_pulled_tokens".into(),
+        total(outputs.iter().map(|o| o.pulled_tokens)),
+    );
     map.insert("cached_tokens".into(), json!(cached().collect::<Vec<_>>()));
     let kv_bytes: Vec<Option<u64>> = outputs.iter().map(|o| o.kv_bytes).collect();
     map.insert("kv_bytes".into(), json!(kv_bytes));
@@ -471,6 +475,7 @@ mod tests {
         assert_eq!(json["total_cached_tokens"], 8);
         assert_eq!(json["total_kv_bytes"], 5120);
         assert_eq!(json["total_kv_blocks"], Value::Null);
+        assert_eq!(json["total_pulled_tokens"], Value::Null);
         assert_eq!(json["cached_tokens"], json!([3, 5, null]));
         assert_eq!(json["kv_bytes"], json!([4096, 1024, null]));
         let keys: Vec<&String> = json.as_object().unwrap().keys().collect();

@@ -46,20 +46,17 @@ pub(crate) unsafe fn rows_avx512(w: &QuantPanels, p: usize, np: usize, mr: usize
     }
 }
 
-/// Picks the instantiation for the tile shape and the format's flags.
+/// Picks the instantiation for the tile shape and the format.
 unsafe fn dispatch(w: &QuantPanels, p: usize, mr: usize, cp: usize, t: RowTile) {
+    use super::QuantKind as K;
     macro_rules! by_flags {
         ($r:literal, $c:literal) => {
-            match (
-                w.kind.nibbles(),
-                w.kind.nibble_bias() != 0,
-                w.kind.asymmetric(),
-            ) {
-                (true, true, _) => tile::<$r, $c, true, true, false>(w, p, t),
-                (true, false, true) => tile::<$r, $c, true, false, true>(w, p, t),
-                (true, false, false) => tile::<$r, $c, true, false, false>(w, p, t),
-                (false, _, true) => tile::<$r, $c, false, false, true>(w, p, t),
-                (false, _, false) => tile::<$r, $c, false, false, false>(w, p, t),
+            match w.kind {
+                K::Q8_0 => tile::<$r, $c, false, false, false, 0>(w, p, t),
+                K::Q4_0 => tile::<$r, $c, true, true, false, 0>(w, p, t),
+                K::Q4_1 | K::Q4K => tile::<$r, $c, true, false, true, 0>(w, p, t),
+                K::Q5K => tile::<$r, $c, true, false, true, 1>(w, p, t),
+                K::Q6K => tile::<$r, $c, true, true, false, 2>(w, p, t),
             }
         };
     }
@@ -101,19 +98,24 @@ unsafe fn tile<
     const NIB: bool,
     const BIASED: bool,
     const ASYM: bool,
+    const HIGH: usize,
 >(
     w: &QuantPanels,
     p: usize,
     t: RowTile,
 ) {
     let kind = w.kind;
+    debug_assert_eq!(HIGH, kind.high_bits());
     let group = kind.group();
     let groups = w.cols / group;
     let layout = *w.layout();
     let stride = layout.panel_bytes;
     let base = w.panel_ptr(p);
-    let bias = _mm512_set1_epi32(kind.nibble_bias());
     let low = _mm512_set1_epi32(0xF);
+    let (rot, mask) = super::x86::high_rotation::<HIGH>();
+    // SAFETY: 16 i32 in the array.
+    let rot = unsafe { _mm512_loadu_si512(rot.as_ptr().cast()) };
+    let mask = _mm512_set1_epi32(mask);
     let mut acc = [[_mm512_setzero_ps(); C]; R];
     for g in 0..groups {
         let (block, head, q) = (layout.block_at(g), layout.group_at(g), layout.q_at(g));
@@ -148,6 +150,16 @@ unsafe fn tile<
                 } else {
                     (d, m)
                 };
+                // A biased format's `(u − bias)·S` as `u·S + (−bias·S)`: `u·S` and `bias·S`
+                // are exact (bias a power of two; `u` at most 6 bits, so the product fits 24
+                // bits, see `PanelView::weight`) and so is their difference, the very value
+                // `(u − bias)·S`; one fused multiply-add then saves the subtraction. Only a
+                // zero weight's sign can differ (+0 for −0 under a negative scale), which no
+                // output sees: an accumulator starting at +0 never becomes −0, and adding ±0
+                // to anything else leaves it as it is.
+                if BIASED {
+                    offset[c] = _mm512_mul_ps(scale[c], _mm512_set1_ps(-kind.nibble_bias() as f32));
+                }
                 // The same bytes one tile on (scales and integers together): what this
                 // tile's successor reads for this group.
                 let ahead = panel.wrapping_add(C * stride + record.start);
@@ -165,12 +177,23 @@ unsafe fn tile<
                         let bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(src.cast()));
                         let mut l = _mm512_and_si512(bytes, low);
                         let mut h = _mm512_srli_epi32::<4>(bytes);
-                        if BIASED {
-                            l = _mm512_sub_epi32(l, bias);
-                            h = _mm512_sub_epi32(h, bias);
+                        if HIGH > 0 {
+                            // The bits above the nibbles of inputs 2j and 2j + 1.
+                            let at = |within| base.add(c * stride + layout.high_at(g, within));
+                            l = super::x86::with_high::<HIGH>(l, at(2 * j), rot, mask);
+                            h = super::x86::with_high::<HIGH>(h, at(2 * j + 1), rot, mask);
                         }
-                        lo[c] = weight::<ASYM>(l, scale[c], offset[c]);
-                        hi[c] = weight::<ASYM>(h, scale[c], offset[c]);
+                        (lo[c], hi[c]) = if BIASED {
+                            (
+                                weight::<true>(l, scale[c], offset[c]),
+                                weight::<true>(h, scale[c], offset[c]),
+                            )
+                        } else {
+                            (
+                                weight::<ASYM>(l, scale[c], offset[c]),
+                                weight::<ASYM>(h, scale[c], offset[c]),
+                            )
+                        };
                     }
                     let i = first + 2 * j;
                     for (r, row) in acc.iter_mut().enumerate() {

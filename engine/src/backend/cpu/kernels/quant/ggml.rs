@@ -81,14 +81,28 @@ impl QuantKind {
         }
     }
 
-    /// Whether `q` fits a nibble (stored two per byte) rather than a byte.
+    /// Whether `q`'s low four bits are stored as nibbles (two per byte), its bits above them
+    /// (see [`Self::high_bits`]) in bit planes; else `q` is a byte.
     pub fn nibbles(self) -> bool {
-        matches!(self, QuantKind::Q4_0 | QuantKind::Q4_1 | QuantKind::Q4K)
+        self != QuantKind::Q8_0
     }
 
-    /// What a stored nibble has added to `q` (Q4_0 stores `q + 8`).
+    /// Bits of `q` above its nibble: 1 for Q5_K, 2 for Q6_K, 0 for the others.
+    pub fn high_bits(self) -> usize {
+        match self {
+            QuantKind::Q5K => 1,
+            QuantKind::Q6K => 2,
+            _ => 0,
+        }
+    }
+
+    /// What the stored unsigned integer has added to `q` (Q4_0 stores `q + 8`, Q6_K `q + 32`).
     pub fn nibble_bias(self) -> i32 {
-        if self == QuantKind::Q4_0 { 8 } else { 0 }
+        match self {
+            QuantKind::Q4_0 => 8,
+            QuantKind::Q6K => 32,
+            _ => 0,
+        }
     }
 
     /// Whether values carry an offset (`q·S + O`).

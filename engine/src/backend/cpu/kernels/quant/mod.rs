@@ -19,9 +19,13 @@
 //! format's super-block), in input order:
 //! - `d`, then `m` when asymmetric: 16 f16 each, one per lane (little-endian);
 //! - per group of the block: a K format's `sc`, then `−m` when asymmetric (16 i8 each), then
-//!   the integers: byte formats hold input `i` of 16 rows in the 16 bytes at `16·i`, nibble
-//!   formats inputs `2j` (low nibble) and `2j + 1` (high) at `16·j`, counted from the
-//!   group's first input.
+//!   the integers: byte formats (Q8_0) hold input `i` of 16 rows in the 16 bytes at `16·i`;
+//!   the others hold the low four bits of inputs `2j` (low nibble) and `2j + 1` (high) at
+//!   `16·j`, counted from the group's first input, then (Q5_K, Q6_K, whose integers have `h`
+//!   = 1 or 2 bits above the nibble) one little-endian word of `16·h` bits per input holding
+//!   lane `l`'s high bits at bit `h·l`. So every format takes its own bits per weight (Q5_K
+//!   5, Q6_K 6), and a vector unit broadcasts an input's word and rotates each lane's bits
+//!   into place (`h·l` to 4) in one instruction.
 
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod fused;
@@ -75,8 +79,12 @@ pub(crate) struct Layout {
     block_header: usize,
     /// Bytes of a group's `sc` and `−m`.
     pub group_header: usize,
-    /// Bytes of a group's integers.
+    /// Bytes of a group's integers (nibbles and high-bit words).
     pub group_q: usize,
+    /// Bytes of a group's nibbles (its high-bit words follow them).
+    pub group_nibbles: usize,
+    /// Bits of each integer above its nibble (see `QuantKind::high_bits`).
+    pub high_bits: usize,
     /// Bytes of a scale block, its groups included.
     block_bytes: usize,
     /// Bytes of a panel.
@@ -99,8 +107,13 @@ impl Layout {
         } else {
             0
         };
-        let group_q = if kind.nibbles() {
+        let group_nibbles = if kind.nibbles() {
             lanes16(group) / 2
+        } else {
+            0
+        };
+        let group_q = if kind.nibbles() {
+            group_nibbles + kind.high_bits() * 2 * group
         } else {
             lanes16(group)
         };
@@ -111,6 +124,8 @@ impl Layout {
             block_header,
             group_header,
             group_q,
+            group_nibbles,
+            high_bits: kind.high_bits(),
             block_bytes,
             panel_bytes: blocks * block_bytes,
         }
@@ -134,6 +149,13 @@ impl Layout {
     #[inline(always)]
     pub fn q_at(&self, g: usize) -> usize {
         self.group_at(g) + self.group_header
+    }
+
+    /// Offset in a panel of the high-bit word (`2·high_bits` bytes) of group `g`'s input
+    /// `within` (counted from the group's first input).
+    #[inline(always)]
+    pub fn high_at(&self, g: usize, within: usize) -> usize {
+        self.q_at(g) + self.group_nibbles + 2 * self.high_bits * within
     }
 
     /// The bytes group `g` brings with it: from its scale block's start when it is the
@@ -255,13 +277,21 @@ fn pack_panel(
             let (g, within) = (i / group, i % group);
             let base = layout.q_at(g);
             if kind.nibbles() {
-                let nibble = ((q as i32 + bias) as u8) & 0xF;
+                let stored = (q as i32 + bias) as u8;
+                let nibble = stored & 0xF;
                 let at = base + (within / 2) * PANEL + lane;
                 out[at] |= if within.is_multiple_of(2) {
                     nibble
                 } else {
                     nibble << 4
                 };
+                let high = kind.high_bits();
+                for b in 0..high {
+                    if stored >> (4 + b) & 1 != 0 {
+                        let bit = high * lane + b;
+                        out[layout.high_at(g, within) + bit / 8] |= 1 << (bit % 8);
+                    }
+                }
             } else {
                 out[base + within * PANEL + lane] = q as u8;
             }
@@ -332,12 +362,18 @@ impl<'a> PanelView<'a> {
         let (base, within) = (self.layout.q_at(i / group), i % group);
         if self.kind.nibbles() {
             let byte = self.bytes[base + (within / 2) * PANEL + lane];
-            let nibble = if within.is_multiple_of(2) {
+            let mut stored = i32::from(if within.is_multiple_of(2) {
                 byte & 0xF
             } else {
                 byte >> 4
-            };
-            (nibble as i32 - self.kind.nibble_bias()) as i8
+            });
+            let high = self.kind.high_bits();
+            for b in 0..high {
+                let bit = high * lane + b;
+                let byte = self.bytes[self.layout.high_at(i / group, within) + bit / 8];
+                stored |= i32::from((byte >> (bit % 8)) & 1) << (4 + b);
+            }
+            (stored - self.kind.nibble_bias()) as i8
         } else {
             self.bytes[base + within * PANEL + lane] as i8
         }

@@ -75,6 +75,15 @@ fn a_quantized_matrix_computes_the_bits_of_its_dequantized_copy() {
             let native = Matrix::quantized(QuantPanels::from_ggml(kind, n, k, &bytes).unwrap());
             let dense = Matrix::new(n, k, WeightData::F32(values));
             assert!(native.size_in_bytes() < dense.size_in_bytes() / 3, "{kind}");
+            // Every format at its own bits: whole panels take about the file's bytes (only a
+            // K format's 6-bit scales and mins widen, to a byte each).
+            let whole = QuantPanels::from_ggml(kind, 64, k, &quantized(kind, 64, k, 9).0).unwrap();
+            let file = QuantPanels::ggml_size(kind, 64, k).unwrap();
+            assert!(
+                whole.size_in_bytes() * 100 <= file * 103,
+                "{kind}: {} bytes for a file of {file}",
+                whole.size_in_bytes()
+            );
             for m in [1, 2, 3, 4, 5, 7, 40] {
                 let x = random(m * k, 3);
                 let mut want = vec![0f32; m * n];

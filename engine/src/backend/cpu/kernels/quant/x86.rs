@@ -1,6 +1,7 @@
 //! x86-64 dequantization of one panel: the portable loop's value (`q·S`, then `+ O`), 16
 //! lanes at a time on AVX-512 and two halves of 8 on AVX2, as one fused multiply-add where
-//! there is an offset (the same bits: see `QuantPanels::weight`).
+//! there is an offset (the same bits: see `QuantPanels::weight`). Q5_K's and Q6_K's high bits
+//! come from a word per input, broadcast and rotated per lane into place.
 
 use std::arch::x86_64::*;
 
@@ -53,22 +54,70 @@ fn prefetch_ahead(v: &PanelView, g: usize) {
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,f16c,fma")]
 pub(super) unsafe fn dequant_avx512(v: &PanelView, out: *mut f32) {
     unsafe {
-        match (v.kind.nibbles(), v.kind.asymmetric()) {
-            (true, true) => groups512::<true, true>(v, out),
-            (true, false) => groups512::<true, false>(v, out),
-            (false, true) => groups512::<false, true>(v, out),
-            (false, false) => groups512::<false, false>(v, out),
+        match (v.kind.nibbles(), v.kind.asymmetric(), v.kind.high_bits()) {
+            (true, true, 0) => groups512::<true, true, 0>(v, out),
+            (true, true, _) => groups512::<true, true, 1>(v, out),
+            (true, false, 0) => groups512::<true, false, 0>(v, out),
+            (true, false, _) => groups512::<true, false, 2>(v, out),
+            (false, true, _) => groups512::<false, true, 0>(v, out),
+            (false, false, _) => groups512::<false, false, 0>(v, out),
+        }
+    }
+}
+
+/// Per-lane rotations that bring lane `l`'s `H` high bits (at `H·l` of its input's word) to
+/// bits 4.., and the mask of those bits.
+pub(super) fn high_rotation<const H: usize>() -> ([i32; PANEL], i32) {
+    (
+        std::array::from_fn(|l| (4 - (H * l) as i32).rem_euclid(32)),
+        ((1 << H) - 1) << 4,
+    )
+}
+
+/// `nibbles | high bits << 4` of one input in 16 lanes, from its word at `at`: one bit per
+/// lane (Q5_K) is a lane mask that ORs in 16; two (Q6_K) are broadcast, rotated per lane into
+/// place (`rot`) and masked in with one ternary-logic op. `mask`: the high bits' place.
+///
+/// # Safety
+/// The CPU has AVX-512 F/BW; `at` is an input's word in a panel with `H` > 0.
+#[target_feature(enable = "avx512f,avx512bw")]
+#[inline]
+pub(super) unsafe fn with_high<const H: usize>(
+    nibbles: __m512i,
+    at: *const u8,
+    rot: __m512i,
+    mask: __m512i,
+) -> __m512i {
+    // SAFETY: the caller's panel holds the word at `at` (2·H bytes).
+    unsafe {
+        if H == 1 {
+            let lanes = at.cast::<u16>().read_unaligned();
+            _mm512_mask_or_epi32(nibbles, lanes, nibbles, mask)
+        } else {
+            let word = _mm512_set1_epi32(at.cast::<i32>().read_unaligned());
+            // 0xF8: A | (B & C), with A the nibbles, B the rotated word, C the mask.
+            _mm512_ternarylogic_epi32::<0xF8>(nibbles, _mm512_rolv_epi32(word, rot), mask)
         }
     }
 }
 
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,f16c,fma")]
 #[inline]
-unsafe fn groups512<const NIB: bool, const ASYM: bool>(v: &PanelView, out: *mut f32) {
+unsafe fn groups512<const NIB: bool, const ASYM: bool, const HIGH: usize>(
+    v: &PanelView,
+    out: *mut f32,
+) {
+    debug_assert_eq!(HIGH, v.kind.high_bits());
     let kind = v.kind;
     let group = kind.group();
     let bias = _mm512_set1_epi32(kind.nibble_bias());
     let low = _mm512_set1_epi32(0xF);
+    let (rot, mask) = high_rotation::<HIGH>();
+    // SAFETY: 16 i32 in the array.
+    let (rot, mask) = (
+        unsafe { _mm512_loadu_si512(rot.as_ptr().cast()) },
+        _mm512_set1_epi32(mask),
+    );
     let f16x16 = |p: *const u8| unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(p.cast())) };
     let i8x16 = |p: *const u8| unsafe { _mm512_cvtepi8_epi32(_mm_loadu_si128(p.cast())) };
     let base = v.bytes.as_ptr();
@@ -101,8 +150,15 @@ unsafe fn groups512<const NIB: bool, const ASYM: bool>(v: &PanelView, out: *mut 
                 for j in 0..group / 2 {
                     let src = base.add(q + j * PANEL);
                     let bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(src.cast()));
-                    let lo = _mm512_sub_epi32(_mm512_and_si512(bytes, low), bias);
-                    let hi = _mm512_sub_epi32(_mm512_srli_epi32::<4>(bytes), bias);
+                    let mut lo = _mm512_and_si512(bytes, low);
+                    let mut hi = _mm512_srli_epi32::<4>(bytes);
+                    if HIGH > 0 {
+                        let at = |within| base.add(v.layout.high_at(g, within));
+                        lo = with_high::<HIGH>(lo, at(2 * j), rot, mask);
+                        hi = with_high::<HIGH>(hi, at(2 * j + 1), rot, mask);
+                    }
+                    let lo = _mm512_sub_epi32(lo, bias);
+                    let hi = _mm512_sub_epi32(hi, bias);
                     store512!(ASYM, out.add((first + 2 * j) * PANEL), lo, scale, offset);
                     store512!(
                         ASYM,
@@ -127,18 +183,57 @@ unsafe fn groups512<const NIB: bool, const ASYM: bool>(v: &PanelView, out: *mut 
 #[target_feature(enable = "avx2,f16c,fma")]
 pub(super) unsafe fn dequant_avx2(v: &PanelView, out: *mut f32) {
     unsafe {
-        match (v.kind.nibbles(), v.kind.asymmetric()) {
-            (true, true) => groups256::<true, true>(v, out),
-            (true, false) => groups256::<true, false>(v, out),
-            (false, true) => groups256::<false, true>(v, out),
-            (false, false) => groups256::<false, false>(v, out),
+        match (v.kind.nibbles(), v.kind.asymmetric(), v.kind.high_bits()) {
+            (true, true, 0) => groups256::<true, true, 0>(v, out),
+            (true, true, _) => groups256::<true, true, 1>(v, out),
+            (true, false, 0) => groups256::<true, false, 0>(v, out),
+            (true, false, _) => groups256::<true, false, 2>(v, out),
+            (false, true, _) => groups256::<false, true, 0>(v, out),
+            (false, false, _) => groups256::<false, false, 0>(v, out),
         }
     }
 }
 
 #[target_feature(enable = "avx2,f16c,fma")]
 #[inline]
-unsafe fn groups256<const NIB: bool, const ASYM: bool>(v: &PanelView, out: *mut f32) {
+unsafe fn groups256<const NIB: bool, const ASYM: bool, const HIGH: usize>(
+    v: &PanelView,
+    out: *mut f32,
+) {
+    debug_assert_eq!(HIGH, v.kind.high_bits());
+    // Lane l's high bits (at H·l of its input's word) shifted to bits 4..: a rotation,
+    // as a left and a right shift (AVX2 shifts a lane by 32 or more to 0).
+    let (rot, mask) = high_rotation::<HIGH>();
+    let shifts = |half: usize| {
+        let left: [i32; 8] = std::array::from_fn(|l| rot[8 * half + l]);
+        let right: [i32; 8] = std::array::from_fn(|l| (32 - rot[8 * half + l]) & 63);
+        // SAFETY: 8 i32 in each array.
+        unsafe {
+            (
+                _mm256_loadu_si256(left.as_ptr().cast()),
+                _mm256_loadu_si256(right.as_ptr().cast()),
+            )
+        }
+    };
+    let shifts = [shifts(0), shifts(1)];
+    let mask = _mm256_set1_epi32(mask);
+    let high = |at: *const u8, half: usize| {
+        // SAFETY: the caller's panel holds the word at `at` (2·HIGH bytes).
+        let word = unsafe {
+            if HIGH == 1 {
+                i32::from(at.cast::<u16>().read_unaligned())
+            } else {
+                at.cast::<i32>().read_unaligned()
+            }
+        };
+        let word = _mm256_set1_epi32(word);
+        let (left, right) = shifts[half];
+        let rotated = _mm256_or_si256(
+            _mm256_sllv_epi32(word, left),
+            _mm256_srlv_epi32(word, right),
+        );
+        _mm256_and_si256(rotated, mask)
+    };
     let kind = v.kind;
     let group = kind.group();
     let bias = _mm256_set1_epi32(kind.nibble_bias());
@@ -176,8 +271,15 @@ unsafe fn groups256<const NIB: bool, const ASYM: bool>(v: &PanelView, out: *mut 
                     for j in 0..group / 2 {
                         let src = base.add(q + j * PANEL + half * 8);
                         let bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(src.cast()));
-                        let lo = _mm256_sub_epi32(_mm256_and_si256(bytes, low), bias);
-                        let hi = _mm256_sub_epi32(_mm256_srli_epi32::<4>(bytes), bias);
+                        let mut lo = _mm256_and_si256(bytes, low);
+                        let mut hi = _mm256_srli_epi32::<4>(bytes);
+                        if HIGH > 0 {
+                            let at = |within| base.add(v.layout.high_at(g, within));
+                            lo = _mm256_or_si256(lo, high(at(2 * j), half));
+                            hi = _mm256_or_si256(hi, high(at(2 * j + 1), half));
+                        }
+                        let lo = _mm256_sub_epi32(lo, bias);
+                        let hi = _mm256_sub_epi32(hi, bias);
                         let at = |i: usize| out.add((first + i) * PANEL + half * 8);
                         store256!(ASYM, at(2 * j), lo, scale, offset);
                         store256!(ASYM, at(2 * j + 1), hi, scale, offset);
