@@ -138,7 +138,7 @@ pub(crate) async fn start(
             };
             // The channel is fresh and has room; a failure means the client is gone already.
             let _ = out.try_send(Ok(event));
-            let held = Reserved { lease, cached, ttl };
+            let held = Reserved { lease, ttl };
             tokio::spawn(
                 disaggregated(inner, held, commit, out, req.prompt, sampling, stop)
                     .instrument(span),
@@ -176,18 +176,17 @@ async fn run_here(
     Ok(())
 }
 
-/// A disaggregated request's blocks until the engine takes them: the lease (the blocks the
-/// prefill worker writes) and the prefix this worker's cache already held.
+/// A disaggregated request's blocks until the engine takes them: the lease's (the blocks the
+/// prefill worker writes, after the prefix this worker's cache already held, `lease.cached`).
 struct Reserved {
     lease: Arc<Lease>,
-    cached: Vec<u32>,
     ttl: Duration,
 }
 
 impl Reserved {
     /// Every block, in logical order.
     fn all_blocks(&self) -> Vec<u32> {
-        [self.cached.as_slice(), self.lease.blocks.as_slice()].concat()
+        [self.lease.cached.as_slice(), self.lease.blocks.as_slice()].concat()
     }
 }
 
@@ -317,7 +316,7 @@ async fn disaggregated(
             ReceivedKv {
                 blocks: held.all_blocks(),
                 location: tandem_transfer::kv_location(commit.transport),
-                cached: held.cached.len(),
+                cached: held.lease.cached.len(),
             },
             sampling,
             stop,
@@ -418,7 +417,7 @@ fn abandon(inner: &Inner, held: &Reserved) {
         held.lease.blocks.clone(),
         inner.leases.has_remote_writers(),
     );
-    release(inner, held.cached.clone(), false);
+    release(inner, held.lease.cached.clone(), false);
 }
 
 fn release(inner: &Inner, blocks: Vec<u32>, quarantine: bool) {

@@ -75,6 +75,11 @@ fn reusable_blocks(tokens: usize) -> usize {
     tokens.saturating_sub(1) / BLOCK_SIZE
 }
 
+/// The names of `prompt`'s blocks that may come from the prefix cache.
+fn reusable_names(salt: tandem_kv::BlockHash, prompt: &[u32]) -> Vec<tandem_kv::BlockHash> {
+    tandem_kv::prefix::hashes(salt, &prompt[..reusable_blocks(prompt.len()) * BLOCK_SIZE])
+}
+
 /// Identifies a sequence inside one engine.
 pub type SeqId = u64;
 
@@ -348,9 +353,7 @@ impl Engine {
         salt: tandem_kv::BlockHash,
         prompt: &[u32],
     ) -> Vec<u32> {
-        let usable = reusable_blocks(prompt.len());
-        let names = tandem_kv::prefix::hashes(salt, &prompt[..usable * BLOCK_SIZE]);
-        pool.lock().lookup(&names)
+        pool.lock().lookup(&reusable_names(salt, prompt))
     }
 
     /// How many leading blocks of `prompt` the cache holds now (whole blocks, never the one
@@ -360,9 +363,7 @@ impl Engine {
         salt: tandem_kv::BlockHash,
         prompt: &[u32],
     ) -> usize {
-        let usable = reusable_blocks(prompt.len());
-        let names = tandem_kv::prefix::hashes(salt, &prompt[..usable * BLOCK_SIZE]);
-        pool.lock().cached_run(&names)
+        pool.lock().cached_run(&reusable_names(salt, prompt))
     }
 
     /// Whether KV read from another worker can join this engine's prefix cache

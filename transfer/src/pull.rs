@@ -94,15 +94,6 @@ pub struct PulledPrefix {
     pub seconds: f64,
 }
 
-impl PulledPrefix {
-    /// One block's bytes of one layer (`block` counts from `first`).
-    pub fn piece(&self, layout: &KvLayout, block: usize, layer: usize) -> &[u8] {
-        let bb = layout.block_layer_bytes();
-        let at = (block * layout.num_layers + layer) * bb;
-        &self.data[at..at + bb]
-    }
-}
-
 /// The prefill side: reads logical blocks `from..to` of the prompt from the cached prefix
 /// that `dest`'s lease holds, verifying the decode worker as a transfer does and every piece
 /// against its checksum and place. Nothing a peer sends is allocated before it is checked:
@@ -281,6 +272,30 @@ mod tests {
         }
     }
 
+    /// One block's bytes of one layer of a pull (`block` counts from its first): where the
+    /// block-major layout puts them.
+    fn piece_of<'a>(
+        pulled: &'a PulledPrefix,
+        layout: &KvLayout,
+        block: usize,
+        layer: usize,
+    ) -> &'a [u8] {
+        let bb = layout.block_layer_bytes();
+        let at = (block * layout.num_layers + layer) * bb;
+        &pulled.data[at..at + bb]
+    }
+
+    /// A pull of blocks `from..to` of `lease` in layout `l`.
+    fn ask(lease: &crate::Lease, l: &KvLayout, from: u32, to: u32) -> PullKvRequest {
+        PullKvRequest {
+            lease: lease.token().as_bytes().to_vec(),
+            kv_layout_hash: l.hash(),
+            request_id: "r".into(),
+            from_block: from,
+            to_block: to,
+        }
+    }
+
     fn blocks_msg(layer: u32, logical: &[u32], piece: usize, fill: u8) -> KvBlocks {
         let payload: Vec<u8> = (0..logical.len() * piece)
             .map(|i| fill.wrapping_add(i as u8))
@@ -338,19 +353,19 @@ mod tests {
         };
         // Block-major: block 3's layers 0 and 1, then block 4's.
         assert_eq!(
-            pulled.piece(&l, 0, 0),
+            piece_of(&pulled, &l, 0, 0),
             &blocks_msg(0, &[3], piece, 50).payload[..]
         );
         assert_eq!(
-            pulled.piece(&l, 0, 1),
+            piece_of(&pulled, &l, 0, 1),
             &blocks_msg(1, &[3], piece, 10).payload[..piece]
         );
         assert_eq!(
-            pulled.piece(&l, 1, 1),
+            piece_of(&pulled, &l, 1, 1),
             &blocks_msg(1, &[3, 4], piece, 10).payload[piece..]
         );
         assert_eq!(
-            pulled.piece(&l, 1, 0),
+            piece_of(&pulled, &l, 1, 0),
             &blocks_msg(0, &[4], piece, 90).payload[..]
         );
     }
@@ -370,13 +385,7 @@ mod tests {
         let (lease, _rx) = table
             .create_claimed(None, vec![7], vec![5, 1, 6], 60, "r")
             .unwrap();
-        let ask = |from: u32, to: u32| PullKvRequest {
-            lease: lease.token().as_bytes().to_vec(),
-            kv_layout_hash: l.hash(),
-            request_id: "r".into(),
-            from_block: from,
-            to_block: to,
-        };
+        let ask = |from, to| ask(&lease, &l, from, to);
         let mut stream = serve_pull(&table, ask(1, 3)).unwrap();
         let mut a = Assembly::new(&l, 1, 2);
         while let Some(msg) = futures::StreamExt::next(&mut stream).await {
@@ -390,8 +399,8 @@ mod tests {
             seconds: 0.0,
         };
         // Logical block 1 is physical block 1, logical 2 is physical 6.
-        assert_eq!(pulled.piece(&l, 0, 1), &vec![3u8; piece][..]);
-        assert_eq!(pulled.piece(&l, 1, 0), &vec![12u8; piece][..]);
+        assert_eq!(piece_of(&pulled, &l, 0, 1), &vec![3u8; piece][..]);
+        assert_eq!(piece_of(&pulled, &l, 1, 0), &vec![12u8; piece][..]);
         // Past the cached prefix (the leased block is not readable), empty, or a bad layout.
         for bad in [ask(2, 4), ask(2, 2), ask(3, 1)] {
             let code = serve_pull(&table, bad).err().unwrap().code();
@@ -435,15 +444,11 @@ mod tests {
             Err(TransferError::Unsupported(_))
         ));
         let table = Arc::new(table);
-        let ask = PullKvRequest {
-            lease: lease.token().as_bytes().to_vec(),
-            kv_layout_hash: l.hash(),
-            request_id: "r".into(),
-            from_block: 0,
-            to_block: 1,
-        };
         assert_eq!(
-            serve_pull(&table, ask).err().unwrap().code(),
+            serve_pull(&table, ask(&lease, &l, 0, 1))
+                .err()
+                .unwrap()
+                .code(),
             tonic::Code::FailedPrecondition,
             "the prefill worker stops asking on this code"
         );
