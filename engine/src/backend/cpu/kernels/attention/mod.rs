@@ -2,10 +2,15 @@
 //! block table, reading K and V where they lie in the cache (no gather into a contiguous
 //! tensor), with an online softmax (Milakov & Gimelshein 2018, as in FlashAttention).
 //!
-//! One code path serves prefill chunks and decode steps: a sequence contributes `q_len` query
+//! One arithmetic serves prefill chunks and decode steps: a sequence contributes `q_len` query
 //! rows starting at position `start_pos`. Every row's result depends only on its own query,
 //! its position and the cache, in a fixed block order: the output is the same whether the row
-//! ran in a batch of one or sixty-four, in one chunk or several.
+//! ran in a batch of one or sixty-four, in one chunk or several. A task of many rows on
+//! AVX-512 computes it 16 rows (and heads) to a vector (`lanes`); every other task one row and
+//! head at a time (`task_body`); the two give the same bits, which the tests check.
+
+#[cfg(target_arch = "x86_64")]
+mod lanes;
 
 use super::{Isa, SharedMut, isa};
 use tandem_kv::{BLOCK_SIZE, KvCache, KvDtype};
@@ -224,6 +229,12 @@ unsafe fn task_body(
     let d = g.d;
     let n_rep = g.n_rep;
     let lanes = rows * n_rep;
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx512 && lanes >= lanes::MIN_LANES {
+        // SAFETY: this body was compiled for AVX-512 (`task_avx512`, the only caller with
+        // that set); the rest are the caller's promises, which are this function's.
+        return unsafe { lanes::task(g, q, s, span, out) };
+    }
     let mut states: Vec<RowState> = (0..lanes)
         .map(|_| RowState {
             max: f32::NEG_INFINITY,

@@ -243,3 +243,95 @@ fn a_window_no_shorter_than_the_context_changes_no_bit() {
             .all(|(a, b)| a.to_bits() == b.to_bits())
     );
 }
+
+/// A prefill chunk takes the lane-vector path (`lanes`), a decode row the per-lane one: every
+/// row must come out of both with the same bits, on every instruction set, whatever the
+/// options, head size, cache dtype, and where the chunk starts and ends within blocks.
+#[test]
+fn a_row_gives_the_same_bits_in_a_prefill_chunk_as_alone() {
+    use rand::{Rng, SeedableRng, rngs::StdRng};
+    use tandem_kv::{KvCache, KvLayout};
+    let mut rng = StdRng::seed_from_u64(17);
+    for (d, dtype) in [(64, KvDtype::F32), (40, KvDtype::F32), (32, KvDtype::Bf16)] {
+        let layout = KvLayout {
+            num_layers: 1,
+            num_kv_heads: 2,
+            head_dim: d,
+            block_size: BLOCK_SIZE,
+            dtype,
+            model_fingerprint: "test".into(),
+        };
+        let mut cache = KvCache::with_budget(layout.clone(), 6 * layout.block_bytes()).unwrap();
+        let values: Vec<f32> = (0..6 * layout.block_layer_elems())
+            .map(|_| rng.random_range(-2.0f32..2.0))
+            .collect();
+        let n = layout.block_layer_elems();
+        for b in 0..6 {
+            let bytes: Vec<u8> = values[b * n..(b + 1) * n]
+                .iter()
+                .flat_map(|&v| match dtype {
+                    KvDtype::Bf16 => half::bf16::from_f32(v).to_le_bytes().to_vec(),
+                    _ => v.to_le_bytes().to_vec(),
+                })
+                .collect();
+            cache.write_block_layer_bytes(0, b as u32, &bytes).unwrap();
+        }
+        let table = [4u32, 0, 5, 2, 1, 3];
+        // 6 query heads over 2 KV heads: 3 lanes a row, so a 21-row chunk has 63 lanes (four
+        // groups of 16, the last padded) and a row alone has 3 (the per-lane path).
+        let heads = 6;
+        let width = heads * d;
+        let q: Vec<f32> = (0..90 * width)
+            .map(|_| rng.random_range(-2.0f32..2.0))
+            .collect();
+        for (start_pos, q_len) in [(0, 90), (7, 21), (33, 40)] {
+            for softcap in [None, Some(3.0)] {
+                for window in [None, Some(5), Some(16), Some(37)] {
+                    let params = AttnParams {
+                        scale: 0.3,
+                        softcap,
+                        window,
+                    };
+                    for isa in Isa::available() {
+                        let chunk = AttnSeq {
+                            q_row: start_pos,
+                            q_len,
+                            start_pos,
+                            block_table: &table,
+                        };
+                        let mut together = vec![f32::NAN; 90 * width];
+                        paged_attention_on(
+                            isa,
+                            &cache,
+                            0,
+                            &q,
+                            &[chunk],
+                            heads,
+                            params,
+                            &mut together,
+                        );
+                        let alone: Vec<AttnSeq> = (start_pos..start_pos + q_len)
+                            .map(|pos| AttnSeq {
+                                q_row: pos,
+                                q_len: 1,
+                                start_pos: pos,
+                                block_table: &table,
+                            })
+                            .collect();
+                        let mut apart = vec![f32::NAN; 90 * width];
+                        paged_attention_on(isa, &cache, 0, &q, &alone, heads, params, &mut apart);
+                        let rows = start_pos * width..(start_pos + q_len) * width;
+                        let same = together[rows.clone()]
+                            .iter()
+                            .zip(&apart[rows])
+                            .all(|(a, b)| a.to_bits() == b.to_bits());
+                        assert!(
+                            same,
+                            "{isa}, head_dim {d}, {dtype:?}, rows {start_pos}+{q_len}, {params:?}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,456 @@
+//! AVX-512 attention for a task of many query rows (a prefill chunk), 16 (row, head) lanes
+//! to a vector: the online softmax's per-block bookkeeping (the block's maximum, the
+//! exponentials, their sum, the rescaling) becomes a few vector operations for 16 lanes, where
+//! the per-lane path (`task_body` in the parent) runs a chain of dependent steps for each lane
+//! and block, which left the multiply-add units idle for most of a prefill's attention.
+//!
+//! Each lane's arithmetic is the per-lane path's: the same fused multiply-add chains over the
+//! same operands in the same order (scores over the head's dimensions, P·V over the block's
+//! keys), the same reduction trees over a block's 16 keys, the same exponentials, the same
+//! rescaling only where the maximum moved, and keys outside a lane's range neither counted
+//! nor multiplied. Only which lanes share a register differs, so the bits are the same: a row
+//! computes what it would in a decode step, where a task has too few lanes for this path.
+//!
+//! Scores are computed transposed (a vector per key, its lanes the rows' queries), since K
+//! is stored transposed in the cache (dimension `i` of a block's 16 keys together): each step
+//! over `i` loads one vector of queries and multiplies it by 16 broadcast key values.
+//!
+//! AVX-512 only: a block's 16 keys × 16 lanes of scores, then of probabilities, are 16
+//! vectors that stay in its 32 registers through the softmax and P·V. AVX2's 16 registers of
+//! 8 lanes cannot hold them, and spilling them made its prefill slower than the per-lane path,
+//! which it keeps.
+
+use super::super::ops::{exp_poly, tanh_poly};
+use super::{AttnSeq, BLOCK_SIZE, Geometry, SharedMut, TaskSpan, block_kv};
+
+/// Lanes to a vector group.
+const W: usize = 16;
+
+/// Fewest lanes (rows × heads per KV head) a task needs to take this path; a decode step's
+/// task has one row, so as many lanes as query heads share a KV head.
+pub(super) const MIN_LANES: usize = 8;
+
+type Lanes = [f32; W];
+
+/// One value per (key of the block, lane): key-major.
+type KeyLanes = [Lanes; BLOCK_SIZE];
+
+/// The state of up to 16 lanes.
+struct Group {
+    /// Each lane's query, pre-scaled, transposed: dimension `i` of the 16 lanes at `16·i`.
+    qt: Vec<f32>,
+    /// Each lane's running Σ p·V, transposed like `qt`.
+    acct: Vec<f32>,
+    max: Lanes,
+    sum: Lanes,
+    /// Position of each lane's row; `None` for the padding past a task's last lane (it
+    /// computes on a zero query and is never written out).
+    pos: [Option<usize>; W],
+}
+
+/// The key range `lo..hi` of the block each lane counts (empty for a lane that sees none).
+struct Ranges {
+    lo: [usize; W],
+    hi: [usize; W],
+}
+
+impl Ranges {
+    #[inline(always)]
+    fn counts(&self, j: usize, l: usize) -> bool {
+        j >= self.lo[l] && j < self.hi[l]
+    }
+
+    #[inline(always)]
+    fn active(&self, l: usize) -> bool {
+        self.lo[l] < self.hi[l]
+    }
+}
+
+/// The parent's `task_body` for a task of at least [`MIN_LANES`] lanes.
+///
+/// # Safety
+/// The CPU runs AVX-512 (F) and this is compiled for it (inlined into the task's AVX-512
+/// wrapper); as `task_body`: the sequence's block ids were checked against the cache, and this task
+/// alone writes its rows' heads of its KV group.
+#[inline(always)]
+pub(super) unsafe fn task(
+    g: &Geometry,
+    q: &[f32],
+    s: &AttnSeq<'_>,
+    span: TaskSpan,
+    out: SharedMut,
+) {
+    let TaskSpan { group, r0, rows } = span;
+    let (d, n_rep) = (g.d, g.n_rep);
+    let lanes = rows * n_rep;
+    let first_pos = s.start_pos + r0;
+    let last_pos = first_pos + rows - 1;
+    // Lane `L` of the task is row `L / n_rep`, head `L % n_rep` of the group.
+    let mut groups: Vec<Group> = (0..lanes.div_ceil(W))
+        .map(|k| {
+            let mut qt = vec![0f32; d * W];
+            let mut pos = [None; W];
+            for (l, p) in pos.iter_mut().enumerate() {
+                let lane = k * W + l;
+                if lane >= lanes {
+                    break;
+                }
+                let (r, h) = (lane / n_rep, lane % n_rep);
+                *p = Some(first_pos + r);
+                let at = (s.q_row + r0 + r) * g.width + (group * n_rep + h) * d;
+                for (i, &v) in q[at..at + d].iter().enumerate() {
+                    qt[i * W + l] = v * g.scale;
+                }
+            }
+            Group {
+                qt,
+                acct: vec![0f32; d * W],
+                max: [f32::NEG_INFINITY; W],
+                sum: [0.0; W],
+                pos,
+            }
+        })
+        .collect();
+    let window_start = |pos: usize| g.window.map_or(0, |w| (pos + 1).saturating_sub(w));
+    let k_off = group * d * BLOCK_SIZE;
+    let v_off = g.kv_heads * d * BLOCK_SIZE + group * BLOCK_SIZE * d;
+    let mut widened = match g.dtype {
+        tandem_kv::KvDtype::F32 => Vec::new(),
+        _ => vec![0f32; 2 * d * BLOCK_SIZE],
+    };
+    for b in window_start(first_pos) / BLOCK_SIZE..last_pos / BLOCK_SIZE + 1 {
+        let first_key = b * BLOCK_SIZE;
+        let block = s.block_table[b] as usize * g.block_elems;
+        // SAFETY: both parts lie inside the block (checked block id, layout sizes).
+        let (kt, vb) = unsafe { block_kv(g, block + k_off, block + v_off, &mut widened) };
+        for grp in &mut groups {
+            // Padding counts every key (its results are never read), so that the blocks
+            // every row sees whole take the unmasked path in a task's last group too.
+            let mut ranges = Ranges {
+                lo: [0; W],
+                hi: [BLOCK_SIZE; W],
+            };
+            for (l, pos) in grp.pos.iter().enumerate() {
+                let Some(pos) = *pos else { continue };
+                if pos < first_key {
+                    ranges.hi[l] = 0;
+                    continue;
+                }
+                ranges.hi[l] = (pos - first_key + 1).min(BLOCK_SIZE);
+                ranges.lo[l] = window_start(pos).saturating_sub(first_key);
+            }
+            if (0..W).any(|l| grp.pos[l].is_some() && ranges.active(l)) {
+                step(grp, kt, vb, d, &ranges, g.softcap);
+            }
+        }
+    }
+    for (k, grp) in groups.iter().enumerate() {
+        for (l, pos) in grp.pos.iter().enumerate() {
+            if pos.is_none() {
+                break;
+            }
+            let lane = k * W + l;
+            let row = s.q_row + r0 + lane / n_rep;
+            let head = group * n_rep + lane % n_rep;
+            let inv = 1.0 / grp.sum[l];
+            for i in 0..d {
+                // SAFETY: (row, head) belongs to this task alone.
+                unsafe { *out.0.add(row * g.width + head * d + i) = grp.acct[i * W + l] * inv };
+            }
+        }
+    }
+}
+
+impl Group {
+    /// The per-lane path's running-maximum step, for each active lane: the new maxima, the
+    /// factor by which the lane's earlier sums shrink (1 where its maximum did not move: the
+    /// per-lane path skips that multiplication, and `x·1 = x`), and whether any moved.
+    #[inline(always)]
+    fn advance(&self, block_max: &Lanes, active: impl Fn(usize) -> bool) -> (Lanes, Lanes, bool) {
+        let mut new_max = self.max;
+        let mut correction = [1f32; W];
+        let mut moved = false;
+        for l in 0..W {
+            if active(l) {
+                new_max[l] = self.max[l].max(block_max[l]);
+                if new_max[l] != self.max[l] {
+                    correction[l] = (self.max[l] - new_max[l]).exp();
+                    moved = true;
+                }
+            }
+        }
+        (new_max, correction, moved)
+    }
+
+    /// Folds a block's `Σ p` into each active lane's running sum, as the per-lane path does.
+    #[inline(always)]
+    fn fold(
+        &mut self,
+        new_max: &Lanes,
+        correction: &Lanes,
+        psum: &Lanes,
+        active: impl Fn(usize) -> bool,
+    ) {
+        for l in 0..W {
+            if active(l) {
+                if new_max[l] != self.max[l] {
+                    self.sum[l] *= correction[l];
+                }
+                self.sum[l] += psum[l];
+                self.max[l] = new_max[l];
+            }
+        }
+    }
+}
+
+/// One block for one group: the parent's per-lane block step, for 16 lanes at once.
+#[inline(always)]
+fn step(grp: &mut Group, kt: &[f32], vb: &[f32], d: usize, ranges: &Ranges, softcap: Option<f32>) {
+    let whole = (0..W).all(|l| ranges.lo[l] == 0 && ranges.hi[l] == BLOCK_SIZE);
+    // SAFETY (the calls below): the CPU runs AVX-512 (`task`'s promise); `qt`, `acct` and
+    // `kt` hold d rows of 16, `vb` 16 rows of d.
+    if whole && softcap.is_none() {
+        unsafe { x86::whole_block_avx512(grp, kt, vb, d) };
+        return;
+    }
+    let mut scores = unsafe { x86::scores_avx512(&grp.qt, kt, d) };
+    if let Some(cap) = softcap {
+        for v in scores.iter_mut().flatten() {
+            *v = cap * tanh_poly(*v / cap);
+        }
+    }
+    let mut masked = [[f32::NEG_INFINITY; W]; BLOCK_SIZE];
+    for (j, (m, sc)) in masked.iter_mut().zip(&scores).enumerate() {
+        for l in 0..W {
+            if ranges.counts(j, l) {
+                m[l] = sc[l];
+            }
+        }
+    }
+    let block_max = tree16(&masked, |a, b| if a > b { a } else { b });
+    let active = |l: usize| ranges.active(l);
+    let (new_max, correction, moved) = grp.advance(&block_max, active);
+    let mut p = [[0f32; W]; BLOCK_SIZE];
+    for (j, (pj, sc)) in p.iter_mut().zip(&scores).enumerate() {
+        for l in 0..W {
+            let e = exp_poly(sc[l] - new_max[l]);
+            pj[l] = if ranges.counts(j, l) { e } else { 0.0 };
+        }
+    }
+    grp.fold(&new_max, &correction, &tree16(&p, |a, b| a + b), active);
+    let rescale = moved.then_some(&correction);
+    let counts = (!whole).then(|| {
+        std::array::from_fn(|j| (0..W).fold(0u16, |m, l| m | u16::from(ranges.counts(j, l)) << l))
+    });
+    unsafe { x86::accumulate_avx512(&mut grp.acct, &p, vb, d, rescale, counts.as_ref()) };
+}
+
+/// The parent's `tree16` (halves, then quarters, eighths, the last pair) for each lane.
+#[inline(always)]
+fn tree16(x: &KeyLanes, op: impl Fn(f32, f32) -> f32) -> Lanes {
+    let fold = |a: &Lanes, b: &Lanes| -> Lanes { std::array::from_fn(|l| op(a[l], b[l])) };
+    let h: [Lanes; 8] = std::array::from_fn(|j| fold(&x[j], &x[j + 8]));
+    let q: [Lanes; 4] = std::array::from_fn(|j| fold(&h[j], &h[j + 4]));
+    fold(&fold(&q[0], &q[2]), &fold(&q[1], &q[3]))
+}
+
+mod x86 {
+    //! The vector work of a block step in AVX-512 registers: the same operations as the
+    //! per-lane path, lane for lane.
+    use std::arch::x86_64::*;
+
+    use super::{BLOCK_SIZE, Group, KeyLanes, Lanes, W};
+
+    type Keys = [__m512; BLOCK_SIZE];
+
+    /// The scores of 16 keys for 16 lanes, in registers.
+    ///
+    /// # Safety
+    /// The CPU has AVX-512 F; `qt` and `kt` hold `d` rows of 16 floats.
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    unsafe fn scores(qt: &[f32], kt: &[f32], d: usize) -> Keys {
+        debug_assert!(qt.len() >= d * W && kt.len() >= d * BLOCK_SIZE);
+        let mut acc = [_mm512_setzero_ps(); BLOCK_SIZE];
+        for i in 0..d {
+            // SAFETY: i < d: row i of each is inside.
+            unsafe {
+                let qv = _mm512_loadu_ps(qt.as_ptr().add(i * W));
+                let k = kt.as_ptr().add(i * BLOCK_SIZE);
+                for (j, a) in acc.iter_mut().enumerate() {
+                    *a = _mm512_fmadd_ps(qv, _mm512_set1_ps(*k.add(j)), *a);
+                }
+            }
+        }
+        acc
+    }
+
+    /// # Safety
+    /// As [`scores`].
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn scores_avx512(qt: &[f32], kt: &[f32], d: usize) -> KeyLanes {
+        // SAFETY: the caller's promises.
+        let acc = unsafe { scores(qt, kt, d) };
+        let mut out = [[0f32; W]; BLOCK_SIZE];
+        for (o, a) in out.iter_mut().zip(&acc) {
+            // SAFETY: 16 floats in each row.
+            unsafe { _mm512_storeu_ps(o.as_mut_ptr(), *a) };
+        }
+        out
+    }
+
+    /// `tree16` of the parent module over 16 vectors.
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    fn tree(x: &Keys, op: impl Fn(__m512, __m512) -> __m512) -> __m512 {
+        let h: [__m512; 8] = std::array::from_fn(|j| op(x[j], x[j + 8]));
+        let q: [__m512; 4] = std::array::from_fn(|j| op(h[j], h[j + 4]));
+        op(op(q[0], q[2]), op(q[1], q[3]))
+    }
+
+    /// `ops::exp_poly` for 16 lanes, operation for operation (the same bits): the clamp as
+    /// `max(lo, v)` then `min(hi, ·)` (each `(a > b) ? a : b`, so a NaN passes through as the
+    /// clamp lets it), products and sums rounded where the scalar code rounds them.
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    fn exp(v: __m512) -> __m512 {
+        let set = _mm512_set1_ps;
+        let xc = _mm512_min_ps(set(88.3), _mm512_max_ps(set(-87.3), v));
+        let fx = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC }>(
+            _mm512_add_ps(_mm512_mul_ps(xc, set(std::f32::consts::LOG2_E)), set(0.5)),
+        );
+        let r = _mm512_sub_ps(
+            _mm512_sub_ps(xc, _mm512_mul_ps(fx, set(0.693_359_4))),
+            _mm512_mul_ps(fx, set(-2.121_944_4e-4)),
+        );
+        let mut y = set(1.987_569_1e-4);
+        for c in [
+            1.398_199_9e-3,
+            8.333_452e-3,
+            4.166_579_6e-2,
+            1.666_666_5e-1,
+            0.5,
+        ] {
+            y = _mm512_fmadd_ps(y, r, set(c));
+        }
+        y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, set(1.0)));
+        let biased = _mm512_sub_epi32(
+            _mm512_castps_si512(_mm512_add_ps(fx, set(127.0 + 8_388_608.0))),
+            _mm512_set1_epi32(0x4B00_0000),
+        );
+        _mm512_mul_ps(y, _mm512_castsi512_ps(_mm512_slli_epi32::<23>(biased)))
+    }
+
+    /// The block step of a group all of whose lanes count the block's 16 keys (no mask, no
+    /// soft cap): scores, softmax and P·V without leaving the registers, except the per-lane
+    /// running maximum and sum, which take the generic path's code.
+    ///
+    /// # Safety
+    /// The CPU has AVX-512 F; `grp.qt` and `grp.acct` hold `d` rows of 16, `kt` `d` rows of
+    /// 16 and `vb` 16 rows of `d`.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn whole_block_avx512(grp: &mut Group, kt: &[f32], vb: &[f32], d: usize) {
+        debug_assert!(grp.acct.len() >= d * W && vb.len() >= BLOCK_SIZE * d);
+        // SAFETY: the caller's promises.
+        let s = unsafe { scores(&grp.qt, kt, d) };
+        let mut block_max = [0f32; W];
+        let bm = tree(&s, |a, b| _mm512_max_ps(a, b));
+        // SAFETY: 16 floats.
+        unsafe { _mm512_storeu_ps(block_max.as_mut_ptr(), bm) };
+        let (new_max, correction, moved) = grp.advance(&block_max, |_| true);
+        // SAFETY (these loads and stores): 16 floats each.
+        let nm = unsafe { _mm512_loadu_ps(new_max.as_ptr()) };
+        let p: Keys = std::array::from_fn(|j| exp(_mm512_sub_ps(s[j], nm)));
+        let mut psum = [0f32; W];
+        unsafe { _mm512_storeu_ps(psum.as_mut_ptr(), tree(&p, |a, b| _mm512_add_ps(a, b))) };
+        grp.fold(&new_max, &correction, &psum, |_| true);
+        let rescale = moved.then(|| unsafe { _mm512_loadu_ps(correction.as_ptr()) });
+        // SAFETY: the caller's promises.
+        unsafe { pv(&mut grp.acct, &p, vb, d, rescale, None) };
+    }
+
+    /// # Safety
+    /// The CPU has AVX-512 F; `acct` holds `d` rows of 16 floats, `vb` 16 rows of `d`.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn accumulate_avx512(
+        acct: &mut [f32],
+        p: &KeyLanes,
+        vb: &[f32],
+        d: usize,
+        rescale: Option<&Lanes>,
+        masks: Option<&[__mmask16; BLOCK_SIZE]>,
+    ) {
+        // SAFETY: 16 floats in each row of `p` and in `rescale`.
+        let pv_regs: Keys = std::array::from_fn(|j| unsafe { _mm512_loadu_ps(p[j].as_ptr()) });
+        let rescale = rescale.map(|r| unsafe { _mm512_loadu_ps(r.as_ptr()) });
+        // SAFETY: the caller's promises.
+        unsafe { pv(acct, &pv_regs, vb, d, rescale, masks) };
+    }
+
+    /// `acct[i] = acct[i]·rescale + Σ_j p[j]·vb[j][i]` for every dimension `i` (the sum over
+    /// `j` in order; lanes outside `masks[j]` keep their value for key `j`).
+    ///
+    /// # Safety
+    /// The CPU has AVX-512 F; `acct` holds `d` rows of 16 floats, `vb` 16 rows of `d`.
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    unsafe fn pv(
+        acct: &mut [f32],
+        p: &Keys,
+        vb: &[f32],
+        d: usize,
+        rescale: Option<__m512>,
+        masks: Option<&[__mmask16; BLOCK_SIZE]>,
+    ) {
+        debug_assert!(acct.len() >= d * W && vb.len() >= BLOCK_SIZE * d);
+        let mut i = 0;
+        // SAFETY (both loops): dimensions i..i + N are below d.
+        while i + 4 <= d {
+            unsafe { pv_dims::<4>(acct, p, vb, d, i, rescale, masks) };
+            i += 4;
+        }
+        while i < d {
+            unsafe { pv_dims::<1>(acct, p, vb, d, i, rescale, masks) };
+            i += 1;
+        }
+    }
+
+    /// [`pv`] for dimensions `i..i + N`, their accumulators in registers (each `p[j]` loaded
+    /// once serves N of them).
+    ///
+    /// # Safety
+    /// As [`pv`], and `i + N <= d`.
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    unsafe fn pv_dims<const N: usize>(
+        acct: &mut [f32],
+        p: &Keys,
+        vb: &[f32],
+        d: usize,
+        i: usize,
+        rescale: Option<__m512>,
+        masks: Option<&[__mmask16; BLOCK_SIZE]>,
+    ) {
+        // SAFETY: row i + t < d of `acct`.
+        let mut a: [__m512; N] =
+            std::array::from_fn(|t| unsafe { _mm512_loadu_ps(acct.as_ptr().add((i + t) * W)) });
+        if let Some(r) = rescale {
+            a = a.map(|a| _mm512_mul_ps(a, r));
+        }
+        for (j, &pj) in p.iter().enumerate() {
+            // SAFETY: row j < 16 of `vb`, columns i..i + N <= d.
+            let v = unsafe { vb.as_ptr().add(j * d + i) };
+            for (t, a) in a.iter_mut().enumerate() {
+                let vt = _mm512_set1_ps(unsafe { *v.add(t) });
+                *a = match masks {
+                    Some(m) => _mm512_mask3_fmadd_ps(pj, vt, *a, m[j]),
+                    None => _mm512_fmadd_ps(pj, vt, *a),
+                };
+            }
+        }
+        for (t, a) in a.iter().enumerate() {
+            // SAFETY: as for the loads.
+            unsafe { _mm512_storeu_ps(acct.as_mut_ptr().add((i + t) * W), *a) };
+        }
+    }
+}
