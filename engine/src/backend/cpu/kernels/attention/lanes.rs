@@ -70,8 +70,8 @@ impl Ranges {
 ///
 /// # Safety
 /// The CPU runs AVX-512 (F) and this is compiled for it (inlined into the task's AVX-512
-/// wrapper); as `task_body`: the sequence's block ids were checked against the cache, and this task
-/// alone writes its rows' heads of its KV group.
+/// wrapper); as `task_body`: the sequence's block ids were checked against the cache, and
+/// this task alone writes its rows' heads of its KV group.
 #[inline(always)]
 pub(super) unsafe fn task(
     g: &Geometry,

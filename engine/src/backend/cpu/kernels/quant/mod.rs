@@ -159,7 +159,9 @@ impl Layout {
     }
 
     /// The bytes group `g` brings with it: from its scale block's start when it is the
-    /// block's first group, else from its own header, to the end of its integers.
+    /// block's first group, else from its own header, to the end of its integers (what the
+    /// x86-64 kernels prefetch).
+    #[cfg(target_arch = "x86_64")]
     #[inline(always)]
     pub fn record(&self, g: usize) -> std::ops::Range<usize> {
         let start = if g.is_multiple_of(self.groups_per_block) {
@@ -238,11 +240,14 @@ impl QuantPanels {
         view.weight(view.q(c, lane), scale, offset)
     }
 
+    /// The panels' layout, for the x86-64 tiles that read them in place.
+    #[cfg(target_arch = "x86_64")]
     pub(crate) fn layout(&self) -> &Layout {
         &self.layout
     }
 
     /// The first byte of panel `p` (panels follow each other `layout().panel_bytes` apart).
+    #[cfg(target_arch = "x86_64")]
     pub(crate) fn panel_ptr(&self, p: usize) -> *const u8 {
         self.data.as_ptr().wrapping_add(p * self.layout.panel_bytes)
     }
