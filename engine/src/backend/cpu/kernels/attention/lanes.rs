@@ -20,7 +20,6 @@
 //! 8 lanes cannot hold them, and spilling them made its prefill slower than the per-lane path,
 //! which it keeps.
 
-use super::super::ops::{exp_poly, tanh_poly};
 use super::{AttnSeq, BLOCK_SIZE, Geometry, SharedMut, TaskSpan, block_kv};
 
 /// Lanes to a vector group.
@@ -31,9 +30,6 @@ const W: usize = 16;
 pub(super) const MIN_LANES: usize = 8;
 
 type Lanes = [f32; W];
-
-/// One value per (key of the block, lane): key-major.
-type KeyLanes = [Lanes; BLOCK_SIZE];
 
 /// The state of up to 16 lanes.
 struct Group {
@@ -48,18 +44,14 @@ struct Group {
     pos: [Option<usize>; W],
 }
 
-/// The key range `lo..hi` of the block each lane counts (empty for a lane that sees none).
+/// The key range `lo..hi` of the block each lane counts (empty for a lane that sees none),
+/// both within `0..=16`.
 struct Ranges {
-    lo: [usize; W],
-    hi: [usize; W],
+    lo: [i32; W],
+    hi: [i32; W],
 }
 
 impl Ranges {
-    #[inline(always)]
-    fn counts(&self, j: usize, l: usize) -> bool {
-        j >= self.lo[l] && j < self.hi[l]
-    }
-
     #[inline(always)]
     fn active(&self, l: usize) -> bool {
         self.lo[l] < self.hi[l]
@@ -128,7 +120,7 @@ pub(super) unsafe fn task(
             // every row sees whole take the unmasked path in a task's last group too.
             let mut ranges = Ranges {
                 lo: [0; W],
-                hi: [BLOCK_SIZE; W],
+                hi: [BLOCK_SIZE as i32; W],
             };
             for (l, pos) in grp.pos.iter().enumerate() {
                 let Some(pos) = *pos else { continue };
@@ -136,8 +128,9 @@ pub(super) unsafe fn task(
                     ranges.hi[l] = 0;
                     continue;
                 }
-                ranges.hi[l] = (pos - first_key + 1).min(BLOCK_SIZE);
-                ranges.lo[l] = window_start(pos).saturating_sub(first_key);
+                let keys = |k: usize| k.min(BLOCK_SIZE) as i32;
+                ranges.hi[l] = keys(pos - first_key + 1);
+                ranges.lo[l] = keys(window_start(pos).saturating_sub(first_key));
             }
             if (0..W).any(|l| grp.pos[l].is_some() && ranges.active(l)) {
                 step(grp, kt, vb, d, &ranges, g.softcap);
@@ -206,52 +199,9 @@ impl Group {
 /// One block for one group: the parent's per-lane block step, for 16 lanes at once.
 #[inline(always)]
 fn step(grp: &mut Group, kt: &[f32], vb: &[f32], d: usize, ranges: &Ranges, softcap: Option<f32>) {
-    let whole = (0..W).all(|l| ranges.lo[l] == 0 && ranges.hi[l] == BLOCK_SIZE);
-    // SAFETY (the calls below): the CPU runs AVX-512 (`task`'s promise); `qt`, `acct` and
-    // `kt` hold d rows of 16, `vb` 16 rows of d.
-    if whole && softcap.is_none() {
-        unsafe { x86::whole_block_avx512(grp, kt, vb, d) };
-        return;
-    }
-    let mut scores = unsafe { x86::scores_avx512(&grp.qt, kt, d) };
-    if let Some(cap) = softcap {
-        for v in scores.iter_mut().flatten() {
-            *v = cap * tanh_poly(*v / cap);
-        }
-    }
-    let mut masked = [[f32::NEG_INFINITY; W]; BLOCK_SIZE];
-    for (j, (m, sc)) in masked.iter_mut().zip(&scores).enumerate() {
-        for l in 0..W {
-            if ranges.counts(j, l) {
-                m[l] = sc[l];
-            }
-        }
-    }
-    let block_max = tree16(&masked, |a, b| if a > b { a } else { b });
-    let active = |l: usize| ranges.active(l);
-    let (new_max, correction, moved) = grp.advance(&block_max, active);
-    let mut p = [[0f32; W]; BLOCK_SIZE];
-    for (j, (pj, sc)) in p.iter_mut().zip(&scores).enumerate() {
-        for l in 0..W {
-            let e = exp_poly(sc[l] - new_max[l]);
-            pj[l] = if ranges.counts(j, l) { e } else { 0.0 };
-        }
-    }
-    grp.fold(&new_max, &correction, &tree16(&p, |a, b| a + b), active);
-    let rescale = moved.then_some(&correction);
-    let counts = (!whole).then(|| {
-        std::array::from_fn(|j| (0..W).fold(0u16, |m, l| m | u16::from(ranges.counts(j, l)) << l))
-    });
-    unsafe { x86::accumulate_avx512(&mut grp.acct, &p, vb, d, rescale, counts.as_ref()) };
-}
-
-/// The parent's `tree16` (halves, then quarters, eighths, the last pair) for each lane.
-#[inline(always)]
-fn tree16(x: &KeyLanes, op: impl Fn(f32, f32) -> f32) -> Lanes {
-    let fold = |a: &Lanes, b: &Lanes| -> Lanes { std::array::from_fn(|l| op(a[l], b[l])) };
-    let h: [Lanes; 8] = std::array::from_fn(|j| fold(&x[j], &x[j + 8]));
-    let q: [Lanes; 4] = std::array::from_fn(|j| fold(&h[j], &h[j + 4]));
-    fold(&fold(&q[0], &q[2]), &fold(&q[1], &q[3]))
+    // SAFETY: the CPU runs AVX-512 (`task`'s promise); `qt`, `acct` and `kt` hold d rows of
+    // 16, `vb` 16 rows of d.
+    unsafe { x86::block_avx512(grp, kt, vb, d, ranges, softcap) };
 }
 
 mod x86 {
@@ -259,7 +209,8 @@ mod x86 {
     //! per-lane path, lane for lane.
     use std::arch::x86_64::*;
 
-    use super::{BLOCK_SIZE, Group, KeyLanes, Lanes, W};
+    use super::super::super::ops::tanh_poly;
+    use super::{BLOCK_SIZE, Group, Ranges, W};
 
     type Keys = [__m512; BLOCK_SIZE];
 
@@ -283,20 +234,6 @@ mod x86 {
             }
         }
         acc
-    }
-
-    /// # Safety
-    /// As [`scores`].
-    #[target_feature(enable = "avx512f")]
-    pub(super) unsafe fn scores_avx512(qt: &[f32], kt: &[f32], d: usize) -> KeyLanes {
-        // SAFETY: the caller's promises.
-        let acc = unsafe { scores(qt, kt, d) };
-        let mut out = [[0f32; W]; BLOCK_SIZE];
-        for (o, a) in out.iter_mut().zip(&acc) {
-            // SAFETY: 16 floats in each row.
-            unsafe { _mm512_storeu_ps(o.as_mut_ptr(), *a) };
-        }
-        out
     }
 
     /// `tree16` of the parent module over 16 vectors.
@@ -341,50 +278,80 @@ mod x86 {
         _mm512_mul_ps(y, _mm512_castsi512_ps(_mm512_slli_epi32::<23>(biased)))
     }
 
-    /// The block step of a group all of whose lanes count the block's 16 keys (no mask, no
-    /// soft cap): scores, softmax and P·V without leaving the registers, except the per-lane
-    /// running maximum and sum, which take the generic path's code.
+    /// The block step for 16 lanes: scores, softmax and P·V without leaving the registers,
+    /// except for the per-lane running maximum and sum, which take the per-lane path's code
+    /// (`Group::advance`, `Group::fold`), and a soft cap, applied through the scalar
+    /// polynomial the per-lane path uses. Keys outside a lane's range are masked: `−∞` for
+    /// the maximum, 0 for the probability, and no multiply-add at all for P·V.
     ///
     /// # Safety
     /// The CPU has AVX-512 F; `grp.qt` and `grp.acct` hold `d` rows of 16, `kt` `d` rows of
     /// 16 and `vb` 16 rows of `d`.
     #[target_feature(enable = "avx512f")]
-    pub(super) unsafe fn whole_block_avx512(grp: &mut Group, kt: &[f32], vb: &[f32], d: usize) {
-        debug_assert!(grp.acct.len() >= d * W && vb.len() >= BLOCK_SIZE * d);
-        // SAFETY: the caller's promises.
-        let s = unsafe { scores(&grp.qt, kt, d) };
-        let mut block_max = [0f32; W];
-        let bm = tree(&s, |a, b| _mm512_max_ps(a, b));
-        // SAFETY: 16 floats.
-        unsafe { _mm512_storeu_ps(block_max.as_mut_ptr(), bm) };
-        let (new_max, correction, moved) = grp.advance(&block_max, |_| true);
-        // SAFETY (these loads and stores): 16 floats each.
-        let nm = unsafe { _mm512_loadu_ps(new_max.as_ptr()) };
-        let p: Keys = std::array::from_fn(|j| exp(_mm512_sub_ps(s[j], nm)));
-        let mut psum = [0f32; W];
-        unsafe { _mm512_storeu_ps(psum.as_mut_ptr(), tree(&p, |a, b| _mm512_add_ps(a, b))) };
-        grp.fold(&new_max, &correction, &psum, |_| true);
-        let rescale = moved.then(|| unsafe { _mm512_loadu_ps(correction.as_ptr()) });
-        // SAFETY: the caller's promises.
-        unsafe { pv(&mut grp.acct, &p, vb, d, rescale, None) };
-    }
-
-    /// # Safety
-    /// The CPU has AVX-512 F; `acct` holds `d` rows of 16 floats, `vb` 16 rows of `d`.
-    #[target_feature(enable = "avx512f")]
-    pub(super) unsafe fn accumulate_avx512(
-        acct: &mut [f32],
-        p: &KeyLanes,
+    pub(super) unsafe fn block_avx512(
+        grp: &mut Group,
+        kt: &[f32],
         vb: &[f32],
         d: usize,
-        rescale: Option<&Lanes>,
-        masks: Option<&[__mmask16; BLOCK_SIZE]>,
+        ranges: &Ranges,
+        softcap: Option<f32>,
     ) {
-        // SAFETY: 16 floats in each row of `p` and in `rescale`.
-        let pv_regs: Keys = std::array::from_fn(|j| unsafe { _mm512_loadu_ps(p[j].as_ptr()) });
-        let rescale = rescale.map(|r| unsafe { _mm512_loadu_ps(r.as_ptr()) });
+        debug_assert!(grp.acct.len() >= d * W && vb.len() >= BLOCK_SIZE * d);
         // SAFETY: the caller's promises.
-        unsafe { pv(acct, &pv_regs, vb, d, rescale, masks) };
+        let mut s = unsafe { scores(&grp.qt, kt, d) };
+        if let Some(cap) = softcap {
+            for v in &mut s {
+                let mut x = [0f32; W];
+                // SAFETY (both): 16 floats.
+                unsafe { _mm512_storeu_ps(x.as_mut_ptr(), *v) };
+                for x in &mut x {
+                    *x = cap * tanh_poly(*x / cap);
+                }
+                *v = unsafe { _mm512_loadu_ps(x.as_ptr()) };
+            }
+        }
+        // SAFETY (these loads): 16 i32 each.
+        let (lo, hi) = unsafe {
+            (
+                _mm512_loadu_si512(ranges.lo.as_ptr().cast()),
+                _mm512_loadu_si512(ranges.hi.as_ptr().cast()),
+            )
+        };
+        let masks: [__mmask16; BLOCK_SIZE] = std::array::from_fn(|j| {
+            let j = _mm512_set1_epi32(j as i32);
+            _mm512_cmple_epi32_mask(lo, j) & _mm512_cmplt_epi32_mask(j, hi)
+        });
+        let whole = masks.iter().all(|&m| m == 0xFFFF);
+        let neg_inf = _mm512_set1_ps(f32::NEG_INFINITY);
+        let counted: Keys = std::array::from_fn(|j| _mm512_mask_blend_ps(masks[j], neg_inf, s[j]));
+        let mut block_max = [0f32; W];
+        // SAFETY (this store and the ones below): 16 floats.
+        unsafe {
+            _mm512_storeu_ps(
+                block_max.as_mut_ptr(),
+                tree(&counted, |a, b| _mm512_max_ps(a, b)),
+            )
+        };
+        let active = |l: usize| ranges.active(l);
+        let (new_max, correction, moved) = grp.advance(&block_max, active);
+        let nm = unsafe { _mm512_loadu_ps(new_max.as_ptr()) };
+        let p: Keys =
+            std::array::from_fn(|j| _mm512_maskz_mov_ps(masks[j], exp(_mm512_sub_ps(s[j], nm))));
+        let mut psum = [0f32; W];
+        unsafe { _mm512_storeu_ps(psum.as_mut_ptr(), tree(&p, |a, b| _mm512_add_ps(a, b))) };
+        grp.fold(&new_max, &correction, &psum, active);
+        let rescale = moved.then(|| unsafe { _mm512_loadu_ps(correction.as_ptr()) });
+        // SAFETY: the caller's promises.
+        unsafe {
+            pv(
+                &mut grp.acct,
+                &p,
+                vb,
+                d,
+                rescale,
+                (!whole).then_some(&masks),
+            )
+        };
     }
 
     /// `acct[i] = acct[i]·rescale + Σ_j p[j]·vb[j][i]` for every dimension `i` (the sum over
