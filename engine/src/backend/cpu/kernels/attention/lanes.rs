@@ -246,8 +246,9 @@ mod x86 {
     }
 
     /// `ops::exp_poly` for 16 lanes, operation for operation (the same bits): the clamp as
-    /// `max(lo, v)` then `min(hi, ·)` (each `(a > b) ? a : b`, so a NaN passes through as the
-    /// clamp lets it), products and sums rounded where the scalar code rounds them.
+    /// `max(lo, v)` then `min(hi, ·)` (`(a > b) ? a : b` and `(a < b) ? a : b`, the second
+    /// operand when either is NaN, so a NaN passes through as `f32::clamp` lets it), products
+    /// and sums rounded where the scalar code rounds them.
     #[target_feature(enable = "avx512f")]
     #[inline]
     fn exp(v: __m512) -> __m512 {
