@@ -82,7 +82,10 @@ async fn kv_aware_routing_follows_the_reported_prefix_and_the_other_policies_do_
         router.stop().await;
     }
     assert_eq!(picks[0], [1, 1, 1, 1], "kv-aware: where the prefix is");
-    assert_eq!(picks[1], [0, 0, 0, 0], "load: the freer worker");
+    // Load: the freer worker. Only the first pick is certain: the 7 blocks each request adds
+    // to decode-0 until its next report (every 50 ms) leave it 57 free against 60, so a
+    // request before that report goes to decode-1.
+    assert_eq!(picks[1][0], 0, "load: the freer worker");
     assert_eq!(picks[2], [0, 1, 0, 1], "round robin: in turn");
 
     // Weight 0 prices a missing block at nothing: load decides again.
@@ -90,7 +93,7 @@ async fn kv_aware_routing_follows_the_reported_prefix_and_the_other_policies_do_
     c.kv_overlap_weight = 0.0;
     let router = TestRouter::start(c).await;
     tokio::time::sleep(Duration::from_millis(300)).await;
-    assert_eq!(destinations(&router, &[&d0, &d1], 2).await, [0, 0]);
+    assert_eq!(destinations(&router, &[&d0, &d1], 1).await, [0]);
     router.stop().await;
 }
 
