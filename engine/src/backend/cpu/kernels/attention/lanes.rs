@@ -20,7 +20,7 @@
 //! 8 lanes cannot hold them, and spilling them made its prefill slower than the per-lane path,
 //! which it keeps.
 
-use super::{AttnSeq, BLOCK_SIZE, Geometry, SharedMut, TaskSpan, block_kv};
+use super::{AttnSeq, BLOCK_SIZE, Geometry, RowState, SharedMut, TaskSpan, block_kv};
 
 /// Lanes to a vector group.
 const W: usize = 16;
@@ -37,8 +37,7 @@ struct Group {
     qt: Vec<f32>,
     /// Each lane's running Σ p·V, transposed like `qt`.
     acct: Vec<f32>,
-    max: Lanes,
-    sum: Lanes,
+    state: [RowState; W],
     /// Position of each lane's row; `None` for the padding past a task's last lane (it
     /// computes on a zero query and is never written out).
     pos: [Option<usize>; W],
@@ -97,20 +96,14 @@ pub(super) unsafe fn task(
             Group {
                 qt,
                 acct: vec![0f32; d * W],
-                max: [f32::NEG_INFINITY; W],
-                sum: [0.0; W],
+                state: [RowState::START; W],
                 pos,
             }
         })
         .collect();
-    let window_start = |pos: usize| g.window.map_or(0, |w| (pos + 1).saturating_sub(w));
-    let k_off = group * d * BLOCK_SIZE;
-    let v_off = g.kv_heads * d * BLOCK_SIZE + group * BLOCK_SIZE * d;
-    let mut widened = match g.dtype {
-        tandem_kv::KvDtype::F32 => Vec::new(),
-        _ => vec![0f32; 2 * d * BLOCK_SIZE],
-    };
-    for b in window_start(first_pos) / BLOCK_SIZE..last_pos / BLOCK_SIZE + 1 {
+    let (k_off, v_off) = g.kv_offsets(group);
+    let mut widened = g.widening_buffer();
+    for b in g.window_start(first_pos) / BLOCK_SIZE..last_pos / BLOCK_SIZE + 1 {
         let first_key = b * BLOCK_SIZE;
         let block = s.block_table[b] as usize * g.block_elems;
         // SAFETY: both parts lie inside the block (checked block id, layout sizes).
@@ -130,7 +123,7 @@ pub(super) unsafe fn task(
                 }
                 let keys = |k: usize| k.min(BLOCK_SIZE) as i32;
                 ranges.hi[l] = keys(pos - first_key + 1);
-                ranges.lo[l] = keys(window_start(pos).saturating_sub(first_key));
+                ranges.lo[l] = keys(g.window_start(pos).saturating_sub(first_key));
             }
             if (0..W).any(|l| grp.pos[l].is_some() && ranges.active(l)) {
                 step(grp, kt, vb, d, &ranges, g.softcap);
@@ -145,7 +138,7 @@ pub(super) unsafe fn task(
             let lane = k * W + l;
             let row = s.q_row + r0 + lane / n_rep;
             let head = group * n_rep + lane % n_rep;
-            let inv = 1.0 / grp.sum[l];
+            let inv = 1.0 / grp.state[l].sum;
             for i in 0..d {
                 // SAFETY: (row, head) belongs to this task alone.
                 unsafe { *out.0.add(row * g.width + head * d + i) = grp.acct[i * W + l] * inv };
@@ -155,43 +148,37 @@ pub(super) unsafe fn task(
 }
 
 impl Group {
-    /// The per-lane path's running-maximum step, for each active lane: the new maxima, the
-    /// factor by which the lane's earlier sums shrink (1 where its maximum did not move: the
-    /// per-lane path skips that multiplication, and `x·1 = x`), and whether any moved.
+    /// [`RowState::advance`] for each active lane (the others keep their maximum): the new
+    /// maxima, each lane's correction, and the corrections as factors (1 where none).
     #[inline(always)]
-    fn advance(&self, block_max: &Lanes, active: impl Fn(usize) -> bool) -> (Lanes, Lanes, bool) {
-        let mut new_max = self.max;
-        let mut correction = [1f32; W];
-        let mut moved = false;
+    fn advance(
+        &self,
+        block_max: &Lanes,
+        active: impl Fn(usize) -> bool,
+    ) -> (Lanes, [Option<f32>; W], Lanes) {
+        let mut new_max = [0f32; W];
+        let mut corrections = [None; W];
         for l in 0..W {
+            new_max[l] = self.state[l].max;
             if active(l) {
-                new_max[l] = self.max[l].max(block_max[l]);
-                if new_max[l] != self.max[l] {
-                    correction[l] = (self.max[l] - new_max[l]).exp();
-                    moved = true;
-                }
+                (new_max[l], corrections[l]) = self.state[l].advance(block_max[l]);
             }
         }
-        (new_max, correction, moved)
+        let factors = corrections.map(|c| c.unwrap_or(1.0));
+        (new_max, corrections, factors)
     }
 
-    /// Folds a block's `Σ p` into each active lane's running sum, as the per-lane path does.
+    /// [`RowState::fold`] for each active lane.
     #[inline(always)]
     fn fold(
         &mut self,
         new_max: &Lanes,
-        correction: &Lanes,
+        corrections: &[Option<f32>; W],
         psum: &Lanes,
         active: impl Fn(usize) -> bool,
     ) {
-        for l in 0..W {
-            if active(l) {
-                if new_max[l] != self.max[l] {
-                    self.sum[l] *= correction[l];
-                }
-                self.sum[l] += psum[l];
-                self.max[l] = new_max[l];
-            }
+        for l in (0..W).filter(|&l| active(l)) {
+            self.state[l].fold(new_max[l], corrections[l], psum[l]);
         }
     }
 }
@@ -334,14 +321,15 @@ mod x86 {
             )
         };
         let active = |l: usize| ranges.active(l);
-        let (new_max, correction, moved) = grp.advance(&block_max, active);
+        let (new_max, corrections, factors) = grp.advance(&block_max, active);
         let nm = unsafe { _mm512_loadu_ps(new_max.as_ptr()) };
         let p: Keys =
             std::array::from_fn(|j| _mm512_maskz_mov_ps(masks[j], exp(_mm512_sub_ps(s[j], nm))));
         let mut psum = [0f32; W];
         unsafe { _mm512_storeu_ps(psum.as_mut_ptr(), tree(&p, |a, b| _mm512_add_ps(a, b))) };
-        grp.fold(&new_max, &correction, &psum, active);
-        let rescale = moved.then(|| unsafe { _mm512_loadu_ps(correction.as_ptr()) });
+        grp.fold(&new_max, &corrections, &psum, active);
+        let moved = corrections.iter().any(Option::is_some);
+        let rescale = moved.then(|| unsafe { _mm512_loadu_ps(factors.as_ptr()) });
         // SAFETY: the caller's promises.
         unsafe {
             pv(

@@ -209,10 +209,66 @@ unsafe fn task_avx2(
     unsafe { task_body(isa, g, q, s, span, out) }
 }
 
-/// Online-softmax state of one (row, head).
+/// Online-softmax state of one (row, head). Both paths (`task_body` and `lanes`) advance it
+/// through these two functions, so they cannot drift apart.
+#[derive(Debug, Clone, Copy)]
 struct RowState {
     max: f32,
     sum: f32,
+}
+
+impl RowState {
+    const START: RowState = RowState {
+        max: f32::NEG_INFINITY,
+        sum: 0.0,
+    };
+
+    /// The running maximum once a block whose maximum is `block_max` is in, and the factor
+    /// the row's earlier sums shrink by if it moved (`None` where it did not: nothing is
+    /// multiplied then, and since `x·1 = x` that changes no bit).
+    #[inline(always)]
+    fn advance(&self, block_max: f32) -> (f32, Option<f32>) {
+        let new_max = self.max.max(block_max);
+        (
+            new_max,
+            (new_max != self.max).then(|| (self.max - new_max).exp()),
+        )
+    }
+
+    /// Takes the block in: the sum shrinks by `correction`, then adds the block's `Σ p`.
+    #[inline(always)]
+    fn fold(&mut self, new_max: f32, correction: Option<f32>, psum: f32) {
+        if let Some(c) = correction {
+            self.sum *= c;
+        }
+        self.sum += psum;
+        self.max = new_max;
+    }
+}
+
+impl Geometry {
+    /// The first key position `pos` sees: keys `pos - window < k ≤ pos`.
+    #[inline(always)]
+    fn window_start(&self, pos: usize) -> usize {
+        self.window.map_or(0, |w| (pos + 1).saturating_sub(w))
+    }
+
+    /// Where KV group `group`'s K part (`d` rows of 16) and V part (16 rows of `d`) start in
+    /// a block, in elements.
+    #[inline(always)]
+    fn kv_offsets(&self, group: usize) -> (usize, usize) {
+        let (d, b) = (self.d, BLOCK_SIZE);
+        (group * d * b, self.kv_heads * d * b + group * b * d)
+    }
+
+    /// The buffer [`block_kv`] widens a half-precision cache's blocks into (exactly: every
+    /// bf16 and f16 value is an f32), so the arithmetic is the f32 cache's; empty for f32.
+    fn widening_buffer(&self) -> Vec<f32> {
+        match self.dtype {
+            KvDtype::F32 => Vec::new(),
+            KvDtype::Bf16 | KvDtype::F16 => vec![0f32; 2 * self.d * BLOCK_SIZE],
+        }
+    }
 }
 
 /// The kernel body, compiled once per instruction set through the wrappers above.
@@ -235,12 +291,7 @@ unsafe fn task_body(
         // that set); the rest are the caller's promises, which are this function's.
         return unsafe { lanes::task(g, q, s, span, out) };
     }
-    let mut states: Vec<RowState> = (0..lanes)
-        .map(|_| RowState {
-            max: f32::NEG_INFINITY,
-            sum: 0.0,
-        })
-        .collect();
+    let mut states = vec![RowState::START; lanes];
     let mut acc = vec![0f32; lanes * d];
     // Queries of this group's heads, pre-scaled by 1/√d.
     let mut qs = vec![0f32; lanes * d];
@@ -261,21 +312,13 @@ unsafe fn task_body(
     let mut probs = vec![[0f32; BLOCK_SIZE]; lanes];
     let first_pos = s.start_pos + r0;
     let last_pos = first_pos + rows - 1;
-    // The first key a position sees: keys `pos - window < k ≤ pos`.
-    let window_start = |pos: usize| g.window.map_or(0, |w| (pos + 1).saturating_sub(w));
     let blocks = last_pos / BLOCK_SIZE + 1;
-    let k_off = group * d * BLOCK_SIZE;
-    let v_off = g.kv_heads * d * BLOCK_SIZE + group * BLOCK_SIZE * d;
-    // A half-precision cache is widened block by block into these (exactly: every bf16 and
-    // f16 value is an f32), so the arithmetic below is the f32 cache's.
-    let mut widened = match g.dtype {
-        KvDtype::F32 => Vec::new(),
-        KvDtype::Bf16 | KvDtype::F16 => vec![0f32; 2 * d * BLOCK_SIZE],
-    };
+    let (k_off, v_off) = g.kv_offsets(group);
+    let mut widened = g.widening_buffer();
     // Rows `from..to` of this task as lanes (each row is `n_rep` lanes).
     let lanes_of = |from: usize, to: usize| (from.min(rows) * n_rep, to.min(rows) * n_rep);
     // Blocks wholly before the first row's window hold no key any row here sees.
-    for b in window_start(first_pos) / BLOCK_SIZE..blocks {
+    for b in g.window_start(first_pos) / BLOCK_SIZE..blocks {
         let first_key = b * BLOCK_SIZE;
         let last_key = first_key + BLOCK_SIZE - 1;
         // Lanes (row, head) that see at least one key of this block: the causal mask drops
@@ -305,21 +348,16 @@ unsafe fn task_body(
             let pos = first_pos + lane / n_rep;
             // This lane's keys in the block: slots `skip..valid`.
             let valid = (pos - first_key + 1).min(BLOCK_SIZE);
-            let skip = window_start(pos).saturating_sub(first_key);
+            let skip = g.window_start(pos).saturating_sub(first_key);
             let st = &mut states[lane];
-            let (new_max, p, psum) = block_softmax(&scores[lane], skip, valid, st.max);
+            let (new_max, correction, p, psum) = block_softmax(&scores[lane], skip, valid, st);
             let a = &mut acc[lane * d..(lane + 1) * d];
-            // Rescale only when the running maximum moved (x·1 is exact, so skipping it
-            // changes no bit of the result).
-            if new_max != st.max {
-                let correction = (st.max - new_max).exp();
-                st.sum *= correction;
+            if let Some(c) = correction {
                 for x in a.iter_mut() {
-                    *x *= correction;
+                    *x *= c;
                 }
             }
-            st.sum += psum;
-            st.max = new_max;
+            st.fold(new_max, correction, psum);
             probs[lane] = p;
             if skip > 0 || valid < BLOCK_SIZE {
                 // The diagonal block, or the window's first: only slots `skip..valid` count
@@ -711,7 +749,8 @@ unsafe fn accumulate_avx2<const N: usize>(
 }
 
 /// One lane's share of a block in the online softmax: the running maximum updated with the
-/// block's first `valid` scores, `p = exp(score - max)` (0 past `valid`) and `Σ p`.
+/// block's scores `skip..valid` and the factor earlier sums shrink by
+/// ([`RowState::advance`]), `p = exp(score - max)` (0 outside `skip..valid`) and `Σ p`.
 ///
 /// Written as whole-block operations and fixed-shape reduction trees so it compiles to a
 /// handful of vector instructions on every instruction set (a scalar pass over the 16
@@ -722,8 +761,8 @@ fn block_softmax(
     scores: &[f32; BLOCK_SIZE],
     skip: usize,
     valid: usize,
-    running_max: f32,
-) -> (f32, [f32; BLOCK_SIZE], f32) {
+    state: &RowState,
+) -> (f32, Option<f32>, [f32; BLOCK_SIZE], f32) {
     let mut masked = [f32::NEG_INFINITY; BLOCK_SIZE];
     for (j, (m, &sc)) in masked.iter_mut().zip(scores).enumerate() {
         if j >= skip && j < valid {
@@ -733,7 +772,7 @@ fn block_softmax(
     // The maximum is exact whatever the order; the tree only shortens the chain. A plain
     // comparison rather than `f32::max`, whose NaN rules kept the tree scalar.
     let block_max = tree16(&masked, |a, b| if a > b { a } else { b });
-    let new_max = running_max.max(block_max);
+    let (new_max, correction) = state.advance(block_max);
     let mut p = [0f32; BLOCK_SIZE];
     for (pj, &sc) in p.iter_mut().zip(scores) {
         *pj = sc - new_max;
@@ -744,7 +783,7 @@ fn block_softmax(
             *pj = 0.0;
         }
     }
-    (new_max, p, tree16(&p, |a, b| a + b))
+    (new_max, correction, p, tree16(&p, |a, b| a + b))
 }
 
 /// `x[0..16]` folded by halves: `x[j] ∘ x[j + 8]`, then `+4`, `+2`, `+1`.
