@@ -2,9 +2,10 @@
 //!
 //! Each child gets its flags, environment and CPU set (`sched_setaffinity` before exec); its
 //! output lines are prefixed with its name on our stderr, or written to `<log_dir>/<name>.log`.
-//! The launcher waits for the router's `/health` to answer 200 (a child that exits before then
-//! fails the start), then supervises: a child that exits on its own is started again with the
-//! same command after a backoff, within a cap on restarts per minute ([`crate::supervise`]);
+//! The launcher waits for the router's `/health` to answer 200 with every worker healthy (a
+//! child that exits before then fails the start), then supervises: a child that exits on its
+//! own is started again with the same command after a backoff, within a cap on restarts per
+//! minute ([`crate::supervise`]);
 //! past the cap everything is stopped and the launcher fails. Ctrl-C or SIGTERM stops
 //! everything in order (router first, so no new work reaches the workers), and no restart
 //! waiting out its backoff happens after that.
@@ -92,7 +93,7 @@ struct Supervised<'a> {
 }
 
 /// Runs `plan` until `shutdown` resolves (clean stop, `Ok`), or a process fails the start or
-/// exceeds its restarts (`Err`). `on_ready` runs once the router is healthy.
+/// exceeds its restarts (`Err`). `on_ready` runs once the router counts every worker healthy.
 pub async fn run(
     plan: &Plan,
     opts: &LaunchOptions,
@@ -133,7 +134,7 @@ pub async fn run(
             stop_all(&mut procs, opts.stop_timeout, &mut exits).await;
             return Err(LaunchError::StartupExit { name, status });
         }
-        if router_healthy(&health).await {
+        if deployment_healthy(&health).await {
             break;
         }
         if Instant::now() > deadline {
@@ -344,8 +345,11 @@ async fn forward_lines(stream: impl AsyncRead + Unpin, name: String, log: Option
     }
 }
 
-/// One `GET /health` over plain HTTP/1.1: true on a 200.
-async fn router_healthy(addr: &str) -> bool {
+/// One `GET /health` over plain HTTP/1.1: true once the router answers 200 and counts every
+/// worker it was given as healthy. The router alone answers 200 as soon as one decode worker
+/// can serve (what a load balancer in front of it wants); a deployment whose prefill worker is
+/// still loading would run every request sent meanwhile aggregated, so "up" waits for all.
+async fn deployment_healthy(addr: &str) -> bool {
     let attempt = async {
         let mut s = TcpStream::connect(addr).await.ok()?;
         s.write_all(
@@ -353,16 +357,46 @@ async fn router_healthy(addr: &str) -> bool {
         )
         .await
         .ok()?;
-        let mut buf = [0u8; 64];
-        let n = s.read(&mut buf).await.ok()?;
-        let head = String::from_utf8_lossy(&buf[..n]);
-        Some(head.starts_with("HTTP/1.1 200") || head.starts_with("HTTP/1.0 200"))
+        // The answer is a status line, a few headers and a small JSON object; a longer one is
+        // not the router's.
+        let mut answer = Vec::new();
+        s.take(HEALTH_ANSWER_MAX)
+            .read_to_end(&mut answer)
+            .await
+            .ok()?;
+        Some(all_workers_healthy(&String::from_utf8_lossy(&answer)))
     };
     tokio::time::timeout(Duration::from_secs(2), attempt)
         .await
         .ok()
         .flatten()
         .unwrap_or(false)
+}
+
+/// The most of a `/health` answer read.
+const HEALTH_ANSWER_MAX: u64 = 16 * 1024;
+
+/// Whether a router's `/health` answer is a 200 whose body counts every worker healthy.
+fn all_workers_healthy(answer: &str) -> bool {
+    let Some((head, body)) = answer.split_once("\r\n\r\n") else {
+        return false;
+    };
+    if !(head.starts_with("HTTP/1.1 200") || head.starts_with("HTTP/1.0 200")) {
+        return false;
+    }
+    let Ok(v) = serde_json::from_str::<serde_json::Value>(body.trim()) else {
+        return false;
+    };
+    let count = |key: &str| v.get(key).and_then(serde_json::Value::as_u64);
+    matches!(
+        (
+            count("decode_workers_healthy"),
+            count("decode_workers"),
+            count("prefill_workers_healthy"),
+            count("prefill_workers"),
+        ),
+        (Some(dh), Some(d), Some(ph), Some(p)) if dh == d && ph == p
+    )
 }
 
 /// Stops every running process: SIGTERM the router, then the workers; wait for each group;
@@ -436,5 +470,65 @@ fn signal(pid: u32, sig: libc::c_int) {
         unsafe {
             libc::kill(pid, sig);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn answer(status: &str, body: &str) -> String {
+        format!(
+            "HTTP/1.1 {status}\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+            body.len()
+        )
+    }
+
+    fn body(decode: (u64, u64), prefill: (u64, u64)) -> String {
+        format!(
+            r#"{{"status":"ok","model_ready":true,"decode_workers_healthy":{},"decode_workers":{},"prefill_workers_healthy":{},"prefill_workers":{}}}"#,
+            decode.0, decode.1, prefill.0, prefill.1
+        )
+    }
+
+    #[test]
+    fn up_waits_for_every_worker_not_just_a_servable_router() {
+        assert!(all_workers_healthy(&answer(
+            "200 OK",
+            &body((1, 1), (1, 1))
+        )));
+        assert!(all_workers_healthy(&answer(
+            "200 OK",
+            &body((2, 2), (0, 0))
+        )));
+        // The router serves (200) with its decode worker alone: a prefill worker still
+        // loading would see every request meanwhile run aggregated.
+        assert!(!all_workers_healthy(&answer(
+            "200 OK",
+            &body((1, 1), (0, 1))
+        )));
+        assert!(!all_workers_healthy(&answer(
+            "200 OK",
+            &body((1, 2), (1, 1))
+        )));
+        assert!(!all_workers_healthy(&answer(
+            "503 Service Unavailable",
+            &body((0, 1), (1, 1))
+        )));
+    }
+
+    #[test]
+    fn a_health_answer_that_is_not_the_routers_is_not_ready() {
+        assert!(!all_workers_healthy(""));
+        assert!(!all_workers_healthy("HTTP/1.1 200 OK\r\n"));
+        assert!(!all_workers_healthy(&answer("200 OK", "ok")));
+        assert!(!all_workers_healthy(&answer(
+            "200 OK",
+            r#"{"status":"ok"}"#
+        )));
+        assert!(!all_workers_healthy(&answer(
+            "200 OK",
+            r#"{"decode_workers_healthy":-1,"decode_workers":-1,"prefill_workers_healthy":0,"prefill_workers":0}"#
+        )));
     }
 }
