@@ -5,7 +5,8 @@
 # shapes through PyTorch/transformers, and a 1P1D deployment on one GPU (green contexts,
 # KV over cuda-ipc) under tandem-bench (seed 002's `# Prefill` and `# Decode` blocks), with
 # its greedy outputs compared to aggregated ones; then seed 000's shape (scripts/gpu/seed000.sh).
-# STEPS picks a subset, e.g. STEPS="ipc serve".
+# STEPS picks a subset, e.g. STEPS="ipc serve"; PREFILL_PROMPTS, DECODE_PROMPTS and
+# GATE_PROMPTS size the serve step, LOG_DIR takes its workers' logs.
 set -uo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 # The binaries travel gzip'd (scripts/build-gpu); unpack them beside nothing else.
@@ -46,7 +47,7 @@ if want serve; then
   # 1P1D on one GPU: prefill 96 SMs, decode 36, KV over cuda-ipc; the `# Prefill` and
   # `# Decode` blocks come from tandem-bench.
   config="${CONFIG:-deploy/gpu/green-ctx-1gpu.toml}"
-  logs="${OUT:-/tmp}/tandem-logs"
+  logs="${LOG_DIR:-${OUT:-/tmp}/tandem-logs}"
   echo "== 1P1D on the GPU: $config"
   # A second router joins this deployment below: both take the internal secret from one
   # private file (tandem up would otherwise draw a secret only its own processes know).
@@ -57,12 +58,14 @@ if want serve; then
   config="$secrets/deploy.toml"
   "$bin/tandem" up "$config" --bin-dir "$bin" --log-dir "$logs" >/tmp/tandem-up.out 2>&1 &
   up=$!
+  started=$(date +%s)
   for _ in $(seq 1 300); do
     grep -q "tandem is up" /tmp/tandem-up.out && break
     kill -0 "$up" 2>/dev/null || break
     sleep 1
   done
   cat /tmp/tandem-up.out
+  echo "(up after $(( $(date +%s) - started )) s)"
   # Seed 002's two blocks: long prompts with one output token, then one-token prompts with
   # many output tokens (EOS ignored).
   bench=("$bin/tandem-bench" --tokenizer byte-level --base-url http://127.0.0.1:8000 --disable-tqdm)
@@ -75,7 +78,7 @@ if want serve; then
     >/tmp/tandem-agg-router.log 2>&1 &
   agg=$!
   sleep 3
-  python3 "$here/greedy_gate.py" http://127.0.0.1:8000 http://127.0.0.1:8001 16 || true
+  python3 "$here/greedy_gate.py" http://127.0.0.1:8000 http://127.0.0.1:8001 "${GATE_PROMPTS:-16}" || true
   kill -TERM "$agg" 2>/dev/null; wait "$agg" 2>/dev/null
   kill -TERM "$up" 2>/dev/null; wait "$up" 2>/dev/null
   rm -rf "$secrets"
