@@ -77,12 +77,12 @@ unsafe fn dispatch(w: &QuantPanels, p: usize, mr: usize, cp: usize, t: RowTile) 
     }
 }
 
-/// `q·scale (+ offset)` for 16 lanes of integers, one fused multiply-add when there is an
-/// offset (the same bits as the portable multiply-then-add: see `QuantPanels::weight`).
+/// `q·scale (+ offset)` for 16 lanes of integers (given as floats), one fused multiply-add
+/// when there is an offset (the same bits as the portable multiply-then-add: see
+/// `QuantPanels::weight`).
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,f16c,fma")]
 #[inline]
-fn weight<const ASYM: bool>(q: __m512i, scale: __m512, offset: __m512) -> __m512 {
-    let q = _mm512_cvtepi32_ps(q);
+fn weight<const ASYM: bool>(q: __m512, scale: __m512, offset: __m512) -> __m512 {
     if ASYM {
         _mm512_fmadd_ps(q, scale, offset)
     } else {
@@ -116,6 +116,9 @@ unsafe fn tile<
     // SAFETY: 16 i32 in the array.
     let rot = unsafe { _mm512_loadu_si512(rot.as_ptr().cast()) };
     let mask = _mm512_set1_epi32(mask);
+    let nibble_values = _mm512_setr_ps(
+        0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0, 11.0, 12.0, 13.0, 14.0, 15.0,
+    );
     let mut acc = [[_mm512_setzero_ps(); C]; R];
     for g in 0..groups {
         let (block, head, q) = (layout.block_at(g), layout.group_at(g), layout.q_at(g));
@@ -175,14 +178,35 @@ unsafe fn tile<
                     for c in 0..C {
                         let src = base.add(c * stride + q + j * PANEL);
                         let bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(src.cast()));
-                        let mut l = _mm512_and_si512(bytes, low);
-                        let mut h = _mm512_srli_epi32::<4>(bytes);
-                        if HIGH > 0 {
+                        let (l, h) = if HIGH > 0 {
                             // The bits above the nibbles of inputs 2j and 2j + 1.
                             let at = |within| base.add(c * stride + layout.high_at(g, within));
-                            l = super::x86::with_high::<HIGH>(l, at(2 * j), rot, mask);
-                            h = super::x86::with_high::<HIGH>(h, at(2 * j + 1), rot, mask);
-                        }
+                            let l = _mm512_and_si512(bytes, low);
+                            let h = _mm512_srli_epi32::<4>(bytes);
+                            (
+                                _mm512_cvtepi32_ps(super::x86::with_high::<HIGH>(
+                                    l,
+                                    at(2 * j),
+                                    rot,
+                                    mask,
+                                )),
+                                _mm512_cvtepi32_ps(super::x86::with_high::<HIGH>(
+                                    h,
+                                    at(2 * j + 1),
+                                    rot,
+                                    mask,
+                                )),
+                            )
+                        } else {
+                            // The low nibble as a float in one operation instead of a mask
+                            // and a conversion: the permute reads only the 4 low bits of
+                            // each lane, and the table holds 0.0..15.0, exactly what the
+                            // conversion gives.
+                            (
+                                _mm512_permutexvar_ps(bytes, nibble_values),
+                                _mm512_cvtepi32_ps(_mm512_srli_epi32::<4>(bytes)),
+                            )
+                        };
                         (lo[c], hi[c]) = if BIASED {
                             (
                                 weight::<true>(l, scale[c], offset[c]),
@@ -215,7 +239,7 @@ unsafe fn tile<
                     for (c, v) in wv.iter_mut().enumerate() {
                         let src = base.add(c * stride + q + i * PANEL);
                         let qs = _mm512_cvtepi8_epi32(_mm_loadu_si128(src.cast()));
-                        *v = weight::<ASYM>(qs, scale[c], offset[c]);
+                        *v = weight::<ASYM>(_mm512_cvtepi32_ps(qs), scale[c], offset[c]);
                     }
                     for (r, row) in acc.iter_mut().enumerate() {
                         let xv = _mm512_set1_ps(*t.x.add(r * t.k + first + i));
