@@ -176,6 +176,10 @@ pub struct DecodeArgs {
     /// Share of the KV pool one caller (address) may hold in reservations awaiting KV.
     #[arg(long, env = "TANDEM_CALLER_LEASE_SHARE", default_value_t = 0.9)]
     pub caller_lease_share: f64,
+    /// How long a disaggregated request waits for room to reserve its blocks (the pool, or
+    /// its caller's share of it) before it is refused as busy (ms; 0: refuse at once).
+    #[arg(long, env = "TANDEM_RESERVE_WAIT_MS", default_value_t = 120_000)]
+    pub reserve_wait_ms: u64,
     /// How long shutdown waits for running requests (s).
     #[arg(long, env = "TANDEM_DRAIN_TIMEOUT_S", default_value_t = 30)]
     pub drain_timeout_s: u64,

@@ -19,7 +19,7 @@ use tandem_engine::engine::{first_token_output, validate_request};
 use tandem_engine::{ReceivedKv, SampledToken, SamplingParams, StepOutput, StopParams};
 use tandem_proto::v1::*;
 use tandem_text::Guide;
-use tandem_transfer::{Commit, Lease, top_logprobs_to_proto};
+use tandem_transfer::{Commit, Lease, Opened, top_logprobs_to_proto};
 use tandem_worker::SeqEvent;
 use tandem_worker::convert::{
     engine_status, finish_to_proto, prompt_logprobs_to_proto, sampling_from_proto, stop_from_proto,
@@ -63,61 +63,62 @@ pub(crate) async fn start(
     let span = tracing::info_span!("generate", request_id = %req.request_id);
     match Mode::try_from(req.mode).unwrap_or(Mode::Unspecified) {
         Mode::Disaggregated => {
-            // The prompt's prefix this worker's cache holds stays here (held now, so it
-            // cannot be evicted while the rest arrives); only the blocks after it are leased.
-            let cached = inner.engine.hold_cached_prefix(&req.prompt);
-            let cached_tokens = cached.len() * tandem_kv::BLOCK_SIZE;
-            let uncached = req.prompt.len() - cached_tokens;
-            if !cached.is_empty() && uncached < req.local_prefill_below as usize {
-                // So little is missing that moving it would cost more than computing it.
-                release(&inner, cached, false);
-                tracing::debug!(parent: &span, cached_tokens, uncached, "prefilling the uncached suffix here");
-                let event = GenerateEvent {
-                    event: Some(generate_event::Event::Local(LocalPrefill {
-                        cached_tokens: cached_tokens as u32,
-                    })),
-                };
-                let _ = out.try_send(Ok(event));
-                run_here(&inner, req.prompt, sampling, stop, out, span).await?;
-                return Ok(ReceiverStream::new(rx));
-            }
-            // A sliding-window model's decode steps never read the blocks before the first
-            // step's window: the lease holds only the rest (such models cache nothing).
-            let first = inner
-                .model
-                .config()
-                .first_needed_block(req.prompt.len())
-                .max(cached.len());
-            let needed = tandem_kv::blocks_for(req.prompt.len()) - first;
-            // The cached prefix cannot be evicted while the lease holds it, so it counts
-            // against the caller's share like the blocks reserved for the rest.
-            let reserved = inner
-                .leases
-                .claim(&caller, needed + cached.len())
-                .map_err(Status::from)
-                .and_then(|claim| {
-                    let blocks = pool
-                        .reserve_blocks(needed)
-                        .map_err(|e| engine_status(&e.into()))?;
-                    inner
-                        .leases
-                        .create_claimed(
-                            Some(claim),
-                            blocks.clone(),
-                            cached.clone(),
-                            req.prompt.len(),
-                            &req.request_id,
-                        )
-                        .map_err(|e| {
-                            release(&inner, blocks, false);
-                            Status::from(e)
-                        })
-                });
-            let (lease, commit) = match reserved {
-                Ok(opened) => opened,
-                Err(status) => {
+            // A busy worker (its pool, or this caller's share of it, full of reservations
+            // and running sequences) makes the request wait for room rather than fail it:
+            // blocks come back as KV arrives and sequences end, and the caller's admission
+            // control already bounds how many requests wait. Only the deadline refuses.
+            let deadline = Instant::now() + inner.config.reserve_wait;
+            let turn = reserve_turn(&inner, &caller);
+            let Ok(_turn) = tokio::time::timeout_at(deadline.into(), turn.lock()).await else {
+                return Err(Status::resource_exhausted(format!(
+                    "no room to reserve the prompt's KV blocks within {} ms (earlier requests \
+                     from this caller are still waiting)",
+                    inner.config.reserve_wait.as_millis()
+                )));
+            };
+            let mut waiting_since: Option<Instant> = None;
+            let (lease, commit, cached_tokens) = loop {
+                // The prompt's prefix this worker's cache holds stays here (held now, so it
+                // cannot be evicted while the rest arrives); only the blocks after it are
+                // leased. A waiting request holds nothing: each try takes it again.
+                let cached = inner.engine.hold_cached_prefix(&req.prompt);
+                let cached_tokens = cached.len() * tandem_kv::BLOCK_SIZE;
+                let uncached = req.prompt.len() - cached_tokens;
+                if !cached.is_empty() && uncached < req.local_prefill_below as usize {
+                    // So little is missing that moving it would cost more than computing it.
                     release(&inner, cached, false);
-                    return Err(status);
+                    tracing::debug!(parent: &span, cached_tokens, uncached, "prefilling the uncached suffix here");
+                    let event = GenerateEvent {
+                        event: Some(generate_event::Event::Local(LocalPrefill {
+                            cached_tokens: cached_tokens as u32,
+                        })),
+                    };
+                    let _ = out.try_send(Ok(event));
+                    run_here(&inner, req.prompt, sampling, stop, out, span).await?;
+                    return Ok(ReceiverStream::new(rx));
+                }
+                match reserve(&inner, &caller, &req, cached.clone()) {
+                    Ok((lease, commit)) => {
+                        if let Some(since) = waiting_since {
+                            tracing::debug!(parent: &span, waited_ms = since.elapsed().as_millis(), "reserved after waiting for room");
+                        }
+                        break (lease, commit, cached_tokens);
+                    }
+                    Err(Refusal::Busy(status)) if Instant::now() < deadline => {
+                        release(&inner, cached, false);
+                        if waiting_since.is_none() {
+                            tracing::debug!(parent: &span, reason = status.message(), "waiting for room to reserve the prompt's blocks");
+                            waiting_since = Some(Instant::now());
+                        }
+                        tokio::time::sleep(RESERVE_RETRY).await;
+                    }
+                    Err(Refusal::Busy(status) | Refusal::Final(status)) => {
+                        release(&inner, cached, false);
+                        if waiting_since.is_some() {
+                            tracing::warn!(parent: &span, reason = status.message(), wait_ms = inner.config.reserve_wait.as_millis(), "refused as busy after waiting for room");
+                        }
+                        return Err(status);
+                    }
                 }
             };
             // Whatever the caller asks, a reservation waits at most the configured maximum,
@@ -149,6 +150,84 @@ pub(crate) async fn start(
         }
     }
     Ok(ReceiverStream::new(rx))
+}
+
+/// The caller's turn to reserve: held while a request reserves, and while it waits for room,
+/// so that the caller's requests reserve in arrival order and one at a time retries.
+fn reserve_turn(inner: &Inner, caller: &str) -> Arc<tokio::sync::Mutex<()>> {
+    let mut turns = inner
+        .reserve_turns
+        .lock()
+        .unwrap_or_else(|p| p.into_inner());
+    Arc::clone(turns.entry(caller.to_string()).or_default())
+}
+
+/// How often a request waiting for room to reserve its blocks tries again.
+const RESERVE_RETRY: Duration = Duration::from_millis(10);
+
+/// Why a reservation was not made.
+enum Refusal {
+    /// No room now (the pool, or the caller's share): worth waiting for.
+    Busy(Status),
+    /// It can never be made, or something else failed.
+    Final(Status),
+}
+
+/// Claims the caller's share for the prompt's blocks after the held prefix `cached`, reserves
+/// them and opens their lease (the lease then holds `cached` too).
+fn reserve(
+    inner: &Inner,
+    caller: &str,
+    req: &GenerateRequest,
+    cached: Vec<u32>,
+) -> Result<Opened, Refusal> {
+    // A sliding-window model's decode steps never read the blocks before the first step's
+    // window: the lease holds only the rest (such models cache nothing).
+    let first = inner
+        .model
+        .config()
+        .first_needed_block(req.prompt.len())
+        .max(cached.len());
+    let needed = tandem_kv::blocks_for(req.prompt.len()) - first;
+    // The cached prefix cannot be evicted while the lease holds it, so it counts against
+    // the caller's share like the blocks reserved for the rest.
+    let charged = needed + cached.len();
+    if let Some(quota) = inner.leases.caller_quota()
+        && charged > quota
+    {
+        return Err(Refusal::Final(Status::resource_exhausted(format!(
+            "the prompt needs {charged} KV blocks and one caller may hold at most {quota} \
+             in reservations"
+        ))));
+    }
+    let busy = |status: Status| {
+        if status.code() == tonic::Code::ResourceExhausted {
+            Refusal::Busy(status)
+        } else {
+            Refusal::Final(status)
+        }
+    };
+    let claim = inner
+        .leases
+        .claim(caller, charged)
+        .map_err(|e| busy(Status::from(e)))?;
+    let pool = inner.engine.pool();
+    let blocks = pool
+        .reserve_blocks(needed)
+        .map_err(|e| busy(engine_status(&e.into())))?;
+    inner
+        .leases
+        .create_claimed(
+            Some(claim),
+            blocks.clone(),
+            cached,
+            req.prompt.len(),
+            &req.request_id,
+        )
+        .map_err(|e| {
+            release(inner, blocks, false);
+            Refusal::Final(Status::from(e))
+        })
 }
 
 /// Queues the whole request on this worker's engine (aggregated).

@@ -71,6 +71,7 @@ async fn run(args: Args, engine_config: EngineConfig) -> anyhow::Result<()> {
         max_lease_ttl: Duration::from_millis(args.max_lease_ttl_ms),
         max_lease_lifetime: Duration::from_secs(args.max_lease_lifetime_s),
         caller_lease_share: args.caller_lease_share,
+        reserve_wait: Duration::from_millis(args.reserve_wait_ms),
         kv_tcp: TcpLimits {
             max_connections: args.kv_tcp_max_connections.max(1),
             hello_timeout: Duration::from_millis(args.kv_tcp_hello_timeout_ms),

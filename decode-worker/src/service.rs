@@ -1,6 +1,7 @@
 //! The `DecodeService` implementation and the worker's assembly: engine over a (shared-memory)
 //! KV cache, lease table, gRPC server with health, KV TCP listener, graceful drain.
 
+use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -63,6 +64,9 @@ pub struct DecodeConfig {
     /// Share of the KV pool one caller (one address) may hold in reservations awaiting
     /// their KV, in (0, 1].
     pub caller_lease_share: f64,
+    /// How long a disaggregated request waits for room to reserve its blocks (in the pool
+    /// and in its caller's share) before it is refused as busy; zero refuses at once.
+    pub reserve_wait: Duration,
     /// Bounds of the raw TCP KV listener.
     pub kv_tcp: TcpLimits,
     /// Who may call: call tokens, the info proof, the KV hello.
@@ -81,6 +85,7 @@ impl Default for DecodeConfig {
             max_lease_ttl: Duration::from_secs(60),
             max_lease_lifetime: Duration::from_secs(600),
             caller_lease_share: 0.9,
+            reserve_wait: Duration::from_secs(120),
             kv_tcp: TcpLimits::default(),
             auth: InternalAuth::none(),
         }
@@ -97,6 +102,10 @@ pub(crate) struct Inner {
     pub draining: AtomicBool,
     /// The engine's device KV pool, on a GPU (nccl receives into it).
     pub device_kv: Option<DeviceKv>,
+    /// Per calling address, the turn to reserve blocks: requests that must wait for room
+    /// wait in arrival order, and only the first of them tries again (see `generate`). One
+    /// entry per address that ever reserved: the internal plane's authenticated routers.
+    pub reserve_turns: std::sync::Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
     /// One nccl receiver per prefill worker; a new link replaces (aborts) the old one.
     #[cfg(feature = "nccl")]
     pub nccl_receivers: tandem_transfer::NcclReceivers,
@@ -242,6 +251,7 @@ impl DecodeWorker {
                 info,
                 draining: AtomicBool::new(false),
                 device_kv,
+                reserve_turns: Default::default(),
                 #[cfg(feature = "nccl")]
                 nccl_receivers: Default::default(),
             }),

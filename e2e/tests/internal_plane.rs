@@ -174,9 +174,17 @@ async fn strangers_get_nothing_from_the_workers() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_member_of_the_deployment_is_held_to_the_lease_caps() {
+    // No wait for room: past its share, a reservation is refused at once.
     let decode = Proc::start(
         "tandem-decode",
-        &args(&["--max-lease-ttl-ms", "400", "--caller-lease-share", "0.5"]),
+        &args(&[
+            "--max-lease-ttl-ms",
+            "400",
+            "--caller-lease-share",
+            "0.5",
+            "--reserve-wait-ms",
+            "0",
+        ]),
     )
     .unwrap();
     let (mut d, info) = decode_client(&decode.endpoint(), WAIT).await.unwrap();
@@ -218,6 +226,72 @@ async fn a_member_of_the_deployment_is_held_to_the_lease_caps() {
         "the lease was cut at the worker's maximum, not the caller's u32::MAX ms"
     );
     wait_blocks(&mut d, 0, Duration::from_secs(2)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reservation_past_the_callers_share_waits_for_room_instead_of_failing() {
+    let decode = Proc::start(
+        "tandem-decode",
+        &args(&[
+            "--max-lease-ttl-ms",
+            "400",
+            "--caller-lease-share",
+            "0.5",
+            "--reserve-wait-ms",
+            "20000",
+        ]),
+    )
+    .unwrap();
+    let (mut d, info) = decode_client(&decode.endpoint(), WAIT).await.unwrap();
+    let share = info.total_blocks / 2;
+    // 1000 blocks, never fed: the worker ends the lease after 400 ms.
+    let started = Instant::now();
+    let mut first = d
+        .generate(generate(16_000, Mode::Disaggregated, u32::MAX))
+        .await
+        .unwrap()
+        .into_inner();
+    let lease = first.message().await.unwrap().unwrap();
+    assert!(matches!(lease.event, Some(generate_event::Event::Lease(_))));
+    // A second one would pass half the pool: it waits (a burst of long prompts must queue,
+    // not fail) and gets its lease once the first one's blocks come back.
+    let mut d2 = d.clone();
+    let second = tokio::spawn(async move {
+        d2.generate(generate(16_000, Mode::Disaggregated, 300))
+            .await
+    });
+    let expired = first.message().await.unwrap_err();
+    assert_eq!(expired.code(), tonic::Code::DeadlineExceeded, "{expired}");
+    let mut second = second
+        .await
+        .unwrap()
+        .expect("granted once there is room")
+        .into_inner();
+    let lease = second.message().await.unwrap().unwrap();
+    assert!(matches!(lease.event, Some(generate_event::Event::Lease(_))));
+    assert!(
+        started.elapsed() >= Duration::from_millis(350),
+        "the second lease came before the first one ended"
+    );
+    // A prompt that needs more than the share can never fit: refused at once, not after the
+    // wait, naming the cap.
+    let asked = Instant::now();
+    let too_big = d
+        .generate(generate(
+            (share as usize + 20) * 16,
+            Mode::Disaggregated,
+            300,
+        ))
+        .await
+        .unwrap_err();
+    assert_eq!(too_big.code(), tonic::Code::ResourceExhausted, "{too_big}");
+    assert!(too_big.message().contains("may hold at most"), "{too_big}");
+    assert!(
+        asked.elapsed() < Duration::from_secs(5),
+        "refused only after waiting"
+    );
+    drop(second);
+    wait_blocks(&mut d, 0, Duration::from_secs(5)).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

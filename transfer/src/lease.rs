@@ -226,6 +226,11 @@ impl LeaseTable {
         self
     }
 
+    /// The most blocks one caller may hold in open leases, if capped.
+    pub fn caller_quota(&self) -> Option<usize> {
+        self.quota.max_blocks
+    }
+
     pub fn layout_hash(&self) -> &str {
         &self.layout_hash
     }

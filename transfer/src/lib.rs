@@ -58,7 +58,7 @@ pub use checksum::crc32;
 pub use connect::{connect, kv_location, transport_name};
 pub use error::TransferError;
 pub use grpc::receive_push_kv;
-pub use lease::{Commit, DevicePool, Lease, LeaseTable, LeaseToken, Progress, QuotaClaim};
+pub use lease::{Commit, DevicePool, Lease, LeaseTable, LeaseToken, Opened, Progress, QuotaClaim};
 #[cfg(feature = "nccl")]
 pub use nccl::{DeviceLink, NcclReceivers, nccl_supported, spawn_nccl_receiver};
 pub use peers::{GRPC_CONNECTION_WINDOW, GRPC_STREAM_WINDOW, Peers, VerifiedDecode};
