@@ -104,7 +104,10 @@ pub(crate) async fn start(
                         }
                         break (lease, commit, cached_tokens);
                     }
-                    Err(Refusal::Busy(status)) if Instant::now() < deadline => {
+                    Err(Refusal::Busy(status))
+                        if Instant::now() < deadline
+                            && !inner.draining.load(std::sync::atomic::Ordering::Relaxed) =>
+                    {
                         release(&inner, cached, false);
                         if waiting_since.is_none() {
                             tracing::debug!(parent: &span, reason = status.message(), "waiting for room to reserve the prompt's blocks");
