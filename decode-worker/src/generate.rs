@@ -17,9 +17,10 @@ use std::time::{Duration, Instant};
 
 use tandem_engine::engine::{first_token_output, validate_request};
 use tandem_engine::{ReceivedKv, SampledToken, SamplingParams, StepOutput, StopParams};
+use tandem_kv::KvError;
 use tandem_proto::v1::*;
 use tandem_text::Guide;
-use tandem_transfer::{Commit, Lease, Opened, top_logprobs_to_proto};
+use tandem_transfer::{Commit, Lease, Opened, TransferError, top_logprobs_to_proto};
 use tandem_worker::SeqEvent;
 use tandem_worker::convert::{
     engine_status, finish_to_proto, prompt_logprobs_to_proto, sampling_from_proto, stop_from_proto,
@@ -194,30 +195,21 @@ fn reserve(
     let needed = tandem_kv::blocks_for(req.prompt.len()) - first;
     // The cached prefix cannot be evicted while the lease holds it, so it counts against
     // the caller's share like the blocks reserved for the rest.
-    let charged = needed + cached.len();
-    if let Some(quota) = inner.leases.caller_quota()
-        && charged > quota
-    {
-        return Err(Refusal::Final(Status::resource_exhausted(format!(
-            "the prompt needs {charged} KV blocks and one caller may hold at most {quota} \
-             in reservations"
-        ))));
-    }
-    let busy = |status: Status| {
-        if status.code() == tonic::Code::ResourceExhausted {
-            Refusal::Busy(status)
-        } else {
-            Refusal::Final(status)
-        }
-    };
     let claim = inner
         .leases
-        .claim(caller, charged)
-        .map_err(|e| busy(Status::from(e)))?;
-    let pool = inner.engine.pool();
-    let blocks = pool
+        .claim(caller, needed + cached.len())
+        .map_err(|e| match e {
+            TransferError::QuotaExceeded(_) => Refusal::Busy(Status::from(e)),
+            e => Refusal::Final(Status::from(e)),
+        })?;
+    let blocks = inner
+        .engine
+        .pool()
         .reserve_blocks(needed)
-        .map_err(|e| busy(engine_status(&e.into())))?;
+        .map_err(|e| match e {
+            KvError::OutOfBlocks { .. } => Refusal::Busy(engine_status(&e.into())),
+            e => Refusal::Final(engine_status(&e.into())),
+        })?;
     inner
         .leases
         .create_claimed(

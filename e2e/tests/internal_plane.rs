@@ -172,9 +172,19 @@ async fn strangers_get_nothing_from_the_workers() {
     );
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_member_of_the_deployment_is_held_to_the_lease_caps() {
-    // No wait for room: past its share, a reservation is refused at once.
+/// A decode worker whose callers may hold half its pool in reservations, for at most 400 ms
+/// each, waiting `reserve_wait_ms` for room; and a first lease over 1000 of its blocks
+/// (16 000 tokens) that asked for an endless wait and is never fed. Returns the worker, a
+/// client, the pool's blocks, the lease's stream (its Lease event read) and when it was asked.
+async fn half_share_decode_with_a_lease(
+    reserve_wait_ms: &str,
+) -> (
+    Proc,
+    DecodeClient,
+    u32,
+    tonic::Streaming<GenerateEvent>,
+    Instant,
+) {
     let decode = Proc::start(
         "tandem-decode",
         &args(&[
@@ -183,13 +193,11 @@ async fn a_member_of_the_deployment_is_held_to_the_lease_caps() {
             "--caller-lease-share",
             "0.5",
             "--reserve-wait-ms",
-            "0",
+            reserve_wait_ms,
         ]),
     )
     .unwrap();
     let (mut d, info) = decode_client(&decode.endpoint(), WAIT).await.unwrap();
-    let total = info.total_blocks;
-    // An endless lease over 1000 blocks (16 000 tokens) is granted, but for 400 ms at most.
     let started = Instant::now();
     let mut first = d
         .generate(generate(16_000, Mode::Disaggregated, u32::MAX))
@@ -198,6 +206,13 @@ async fn a_member_of_the_deployment_is_held_to_the_lease_caps() {
         .into_inner();
     let lease = first.message().await.unwrap().unwrap();
     assert!(matches!(lease.event, Some(generate_event::Event::Lease(_))));
+    (decode, d, info.total_blocks, first, started)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_member_of_the_deployment_is_held_to_the_lease_caps() {
+    // No wait for room: past its share, a reservation is refused at once.
+    let (_decode, mut d, total, mut first, started) = half_share_decode_with_a_lease("0").await;
     // A second one would pass half the pool: refused, naming the cap.
     let second = d
         .generate(generate(16_000, Mode::Disaggregated, u32::MAX))
@@ -230,29 +245,8 @@ async fn a_member_of_the_deployment_is_held_to_the_lease_caps() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_reservation_past_the_callers_share_waits_for_room_instead_of_failing() {
-    let decode = Proc::start(
-        "tandem-decode",
-        &args(&[
-            "--max-lease-ttl-ms",
-            "400",
-            "--caller-lease-share",
-            "0.5",
-            "--reserve-wait-ms",
-            "20000",
-        ]),
-    )
-    .unwrap();
-    let (mut d, info) = decode_client(&decode.endpoint(), WAIT).await.unwrap();
-    let share = info.total_blocks / 2;
-    // 1000 blocks, never fed: the worker ends the lease after 400 ms.
-    let started = Instant::now();
-    let mut first = d
-        .generate(generate(16_000, Mode::Disaggregated, u32::MAX))
-        .await
-        .unwrap()
-        .into_inner();
-    let lease = first.message().await.unwrap().unwrap();
-    assert!(matches!(lease.event, Some(generate_event::Event::Lease(_))));
+    let (_decode, mut d, total, mut first, started) = half_share_decode_with_a_lease("20000").await;
+    let share = total / 2;
     // A second one would pass half the pool: it waits (a burst of long prompts must queue,
     // not fail) and gets its lease once the first one's blocks come back.
     let mut d2 = d.clone();

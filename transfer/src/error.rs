@@ -12,9 +12,12 @@ pub enum TransferError {
     UnknownLease,
     #[error("the lease was cancelled")]
     Cancelled,
-    /// The caller holds as many reserved blocks as it may.
+    /// The caller holds as many reserved blocks as it may: room comes back as its leases end.
     #[error("{0}")]
     QuotaExceeded(String),
+    /// More blocks than one caller may ever hold: no wait makes room.
+    #[error("{0}")]
+    BeyondQuota(String),
     /// The peer could not prove it belongs to the deployment.
     #[error("{0}")]
     Unauthenticated(String),
@@ -46,7 +49,9 @@ impl From<TransferError> for tonic::Status {
             }
             TransferError::UnknownLease => tonic::Status::not_found(msg),
             TransferError::Cancelled => tonic::Status::cancelled(msg),
-            TransferError::QuotaExceeded(_) => tonic::Status::resource_exhausted(msg),
+            TransferError::QuotaExceeded(_) | TransferError::BeyondQuota(_) => {
+                tonic::Status::resource_exhausted(msg)
+            }
             TransferError::Unauthenticated(_) => tonic::Status::unauthenticated(msg),
             TransferError::Corrupt(_) | TransferError::Incomplete(_) => {
                 tonic::Status::data_loss(msg)

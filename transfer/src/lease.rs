@@ -226,11 +226,6 @@ impl LeaseTable {
         self
     }
 
-    /// The most blocks one caller may hold in open leases, if capped.
-    pub fn caller_quota(&self) -> Option<usize> {
-        self.quota.max_blocks
-    }
-
     pub fn layout_hash(&self) -> &str {
         &self.layout_hash
     }
@@ -260,9 +255,18 @@ impl LeaseTable {
         self.map().get(token).cloned()
     }
 
-    /// Takes `blocks` of `caller`'s quota for a lease about to be opened, or refuses when the
-    /// caller already holds too many in open leases.
+    /// Takes `blocks` of `caller`'s quota for a lease about to be opened, or refuses: for now
+    /// when the caller already holds too many in open leases (`QuotaExceeded`), for good when
+    /// `blocks` alone is more than the quota (`BeyondQuota`).
     pub fn claim(&self, caller: &str, blocks: usize) -> Result<QuotaClaim, TransferError> {
+        if let Some(max) = self.quota.max_blocks
+            && blocks > max
+        {
+            return Err(TransferError::BeyondQuota(format!(
+                "the prompt needs {blocks} KV blocks and one caller may hold at most {max} in \
+                 reservations"
+            )));
+        }
         let mut held = self.quota.held.lock().unwrap_or_else(|p| p.into_inner());
         let now = held.get(caller).copied().unwrap_or(0);
         if let Some(max) = self.quota.max_blocks

@@ -273,6 +273,8 @@ fn a_caller_holds_at_most_its_quota_until_its_leases_end() {
     let a = table.claim("10.0.0.1", 2).unwrap();
     let e = table.claim("10.0.0.1", 2).unwrap_err();
     assert!(matches!(e, TransferError::QuotaExceeded(_)), "{e}");
+    let never = table.claim("10.0.0.1", 4).unwrap_err();
+    assert!(matches!(never, TransferError::BeyondQuota(_)), "{never}");
     assert!(
         table.claim("10.0.0.2", 3).is_ok(),
         "another caller has its own"
