@@ -80,6 +80,12 @@ impl EngineError {
 
 pub type Result<T, E = EngineError> = std::result::Result<T, E>;
 
+/// A failed CUDA call, named by what it was doing.
+#[cfg(feature = "cuda")]
+pub(crate) fn cuda_err(what: &str, e: impl std::fmt::Display) -> EngineError {
+    EngineError::Unsupported(format!("CUDA {what}: {e}"))
+}
+
 impl From<tandem_kv::KvError> for EngineError {
     /// KV errors keep their meaning at the engine's surface (and so their status codes).
     fn from(e: tandem_kv::KvError) -> Self {

@@ -15,14 +15,16 @@ pub mod guides;
 pub mod model;
 pub mod sampling;
 mod sequence;
+pub mod types;
 
 pub use config::{ModelConfig, WeightFormat};
 pub use device::Device;
 
 /// Whether this build has the CUDA engine (the `cuda` feature).
 pub const CUDA_SUPPORT: bool = cfg!(feature = "cuda");
-pub use engine::{Engine, EngineConfig, FinishReason, ReceivedKv, SeqId, StepOutput};
+pub use engine::{Engine, EngineConfig, EngineStats, ReceivedKv};
 pub use error::{EngineError, Result};
 pub use guides::compile_guide;
 pub use model::{LoadOptions, Model, ModelSource, SeqInput, load_model};
 pub use sampling::{PromptLogprob, SampledToken, SamplingParams, StopParams};
+pub use types::{ChunkInfo, FinishReason, SeqId, StepOutput};

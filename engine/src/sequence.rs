@@ -5,8 +5,8 @@
 
 use tandem_text::{Allowed, Guide, IncrementalDetokenizer, StopStringMatcher, TextTokenizer};
 
-use crate::engine::{FinishReason, SeqId, StepOutput};
 use crate::sampling::{PromptLogprob, SampledToken, Sampler, SamplingParams, StopParams};
+use crate::types::{FinishReason, SeqId, StepOutput};
 
 #[derive(Debug)]
 pub(crate) struct Sequence {

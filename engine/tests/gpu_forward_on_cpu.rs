@@ -18,12 +18,12 @@
 
 mod cuda_on_cpu;
 
+use tandem_engine::ChunkInfo;
 use tandem_engine::backend::cuda::DeviceBackend;
 use tandem_engine::backend::cuda::forward::{self as device_forward, DeviceWeights, StepBuffers};
 use tandem_engine::backend::cuda::staging::KvStaging;
 use tandem_engine::backend::{Batch, ComputeBackend};
 use tandem_engine::config::{ModelConfig, WeightFormat};
-use tandem_engine::engine::ChunkInfo;
 use tandem_engine::model::dummy_model;
 use tandem_engine::{
     Engine, EngineConfig, EngineError, Model, SamplingParams, SeqInput, StopParams,

@@ -18,10 +18,10 @@
 /// (`DecodeService.PullKv`) instead of recomputing it.
 pub const PROTOCOL_VERSION: u32 = 6;
 
-/// What one request may ask for. The router refuses anything outside these bounds itself,
-/// naming the field, before a worker sees it; the workers' engines hold the same bounds
-/// (`tandem-worker` tests that they agree), so a request the router admits is never refused
-/// by a worker for its parameters.
+/// What one request may ask for: the one definition of these bounds. The router refuses
+/// anything outside them itself, naming the field, before a worker sees it; the workers'
+/// engines check requests against the same constants, and the transports size the wire
+/// headers of a commit by them.
 pub mod limits {
     /// `temperature` at most (0 is greedy).
     pub const MAX_TEMPERATURE: f32 = 100.0;

@@ -14,7 +14,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, mpsc};
 use std::time::{Duration, Instant};
 
-use tandem_engine::engine::ChunkInfo;
+use tandem_engine::ChunkInfo;
 use tandem_engine::{
     Engine, EngineError, ReceivedKv, SampledToken, SamplingParams, SeqId, StepOutput, StopParams,
     compile_guide,
@@ -486,7 +486,7 @@ fn handle_command(engine: &mut Engine, entries: &mut HashMap<SeqId, Entry>, cmd:
             // A device engine's host cache holds only the blocks a pass brings down: a
             // transport that sends host bytes could not send a cached prefix, so such a
             // prompt is computed whole (device transports copy from the device pool).
-            let host_copy_of_device_kv = engine.backend_name() != "cpu"
+            let host_copy_of_device_kv = !engine.host_cache_is_kv()
                 && kv.as_ref().is_some_and(|sender| !sender.reads_device());
             let result = engine.add_request_guided(prompt, sampling, stop, guide);
             if let Ok(id) = result {

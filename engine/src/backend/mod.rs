@@ -8,20 +8,22 @@
 //!   cache as staging only; the CUDA device behind the `cuda` feature, an emulated one in the
 //!   tests.
 //!
-//! [`for_device`] picks one from the engine's configured [`Device`]: the one place the engine
-//! looks at the `cuda` feature.
+//! [`for_device`] (in `select`) picks one from the engine's configured `Device`: the one
+//! place the engine looks at the `cuda` feature. The engine never asks a backend its name to
+//! decide what to do; it asks what the backend can do ([`ComputeBackend::host_cache_is_kv`],
+//! [`ComputeBackend::frees_host_during_forward`]).
 
 pub mod cpu;
 pub mod cuda;
-
-use std::sync::Arc;
+mod select;
 
 use tandem_kv::{DeviceKv, ExportedKv, KvCache, KvLocation};
 
-use crate::device::Device;
-use crate::engine::ChunkInfo;
 use crate::error::Result;
-use crate::model::{Model, SeqInput};
+use crate::model::SeqInput;
+use crate::types::ChunkInfo;
+
+pub use select::for_device;
 
 /// One forward pass as the scheduler planned it.
 #[derive(Debug, Clone, Copy)]
@@ -41,8 +43,19 @@ pub type OnLayer<'a> = dyn FnMut(usize, &KvCache, &[ChunkInfo]) + 'a;
 
 /// Where an engine's forward pass runs.
 pub trait ComputeBackend: Send {
-    /// `cpu` or `cuda` (logs and errors).
+    /// `cpu` or `cuda`, for logs and errors only: what the engine does depends on the
+    /// capabilities below, never on the name.
     fn name(&self) -> &'static str;
+
+    /// Whether the host cache is the KV the forward pass reads (the CPU), rather than a
+    /// staging copy of a device pool that holds only the blocks a pass brings down. Only
+    /// then can KV read from another worker join the prefix cache, and can a host transport
+    /// send a cached prefix it did not compute.
+    fn host_cache_is_kv(&self) -> bool;
+
+    /// Whether the host's cores are free while a forward pass runs (a device computes), so
+    /// host work such as grammar masks is worth running beside it rather than before it.
+    fn frees_host_during_forward(&self) -> bool;
 
     /// Runs `batch`: writes every token's K and V, calls `on_layer` per layer (see
     /// [`OnLayer`]; every layer on the CPU, every layer of a pass with prompt work on a
@@ -89,36 +102,5 @@ pub trait ComputeBackend: Send {
     /// every transfer in flight copies device to device). No effect on the CPU.
     fn set_host_kv_export(&mut self, on: bool) {
         let _ = on;
-    }
-}
-
-/// The backend for `device`, with `num_blocks` KV blocks (the host cache's count).
-pub fn for_device(
-    device: &Device,
-    model: &Arc<Model>,
-    num_blocks: usize,
-) -> Result<Box<dyn ComputeBackend>> {
-    device.ensure_supported()?;
-    match *device {
-        Device::Cpu => Ok(Box::new(cpu::CpuBackend::new(model.clone()))),
-        #[cfg(feature = "cuda")]
-        Device::Cuda {
-            ordinal,
-            green_context_sms,
-        } => {
-            let gpu = Arc::new(cuda::gpu::GpuContext::new(ordinal, green_context_sms)?);
-            let device = cuda::gpu::CudaDevice::new(gpu);
-            let backend = cuda::DeviceBackend::new(device, "cuda", model, num_blocks)?;
-            tracing::info!(?backend, "engine on the GPU");
-            Ok(Box::new(backend))
-        }
-        // `ensure_supported` refused it above: this build has no CUDA.
-        #[cfg(not(feature = "cuda"))]
-        Device::Cuda { .. } => {
-            let _ = num_blocks;
-            Err(crate::error::EngineError::Unsupported(
-                "this build has no CUDA support".into(),
-            ))
-        }
     }
 }

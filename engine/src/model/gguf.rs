@@ -13,7 +13,7 @@ use candle_core::quantized::gguf_file;
 use tandem_text::TextTokenizer;
 
 use super::Model;
-use super::load::{file_identity, fingerprint};
+use super::identity::{file_identity, fingerprint};
 use super::tensors::{Loaded, fuse, into_matrix, unpermute};
 use super::weights::{LayerExtras, LayerWeights, Weights};
 use crate::config::{Architecture, ModelConfig, RopeScaling, WeightFormat};

@@ -1,17 +1,15 @@
 //! Where weights come from: a GGUF file (`gguf`), an HF folder of safetensors,
 //! seeded dummy weights of any shape, or the default SmolLM2 fetched into the cache.
 
-use std::fs::File;
-use std::io::Read;
 use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device};
 use rayon::prelude::*;
-use sha2::{Digest, Sha256};
 use tandem_text::TextTokenizer;
 
 use super::Model;
 use super::gguf::{load_gguf, load_gguf_model};
+use super::identity::{file_identity, fingerprint};
 use super::tensors::{FileDtype, Loaded, fuse, into_matrix};
 use super::weights::{LayerExtras, LayerWeights, Weights};
 use crate::config::{Architecture, ModelConfig, WeightFormat};
@@ -355,35 +353,6 @@ pub fn load_hf_model(dir: &Path, format: WeightFormat) -> Result<Model> {
         .unwrap_or("model")
         .to_string();
     Ok(Model::new(cfg, weights, format, fingerprint, name))
-}
-
-/// A cheap identity of a weights file: its name, size, and a hash of its first and last MiB.
-pub(super) fn file_identity(path: &Path) -> Result<String> {
-    use std::io::{Seek, SeekFrom};
-    let mut file = File::open(path).map_err(|e| EngineError::io(path, e))?;
-    let len = file.metadata().map_err(|e| EngineError::io(path, e))?.len();
-    let mut hasher = Sha256::new();
-    let mut buf = vec![0u8; 1 << 20];
-    let n = file.read(&mut buf).map_err(|e| EngineError::io(path, e))?;
-    hasher.update(&buf[..n]);
-    if len > buf.len() as u64 {
-        file.seek(SeekFrom::End(-(buf.len() as i64)))
-            .map_err(|e| EngineError::io(path, e))?;
-        file.read_exact(&mut buf)
-            .map_err(|e| EngineError::io(path, e))?;
-        hasher.update(&buf);
-    }
-    let name = path
-        .file_name()
-        .and_then(|s| s.to_str())
-        .unwrap_or_default();
-    Ok(format!("{name}:{len}:{:x}", hasher.finalize()))
-}
-
-pub(super) fn fingerprint(cfg: &ModelConfig, format: WeightFormat, source: &str) -> String {
-    let cfg_json = serde_json::to_string(cfg).unwrap_or_default();
-    let digest = Sha256::digest(format!("{source};{cfg_json};{}", format.name()).as_bytes());
-    digest.iter().take(12).map(|b| format!("{b:02x}")).collect()
 }
 
 #[cfg(test)]

@@ -9,6 +9,7 @@
 //! [`Model::forward`], `backend::cuda` on a device).
 
 mod gguf;
+mod identity;
 mod load;
 mod tensors;
 mod weights;

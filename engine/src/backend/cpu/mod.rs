@@ -30,6 +30,15 @@ impl ComputeBackend for CpuBackend {
         "cpu"
     }
 
+    fn host_cache_is_kv(&self) -> bool {
+        true
+    }
+
+    fn frees_host_during_forward(&self) -> bool {
+        // The forward pass runs on every core the worker was given.
+        false
+    }
+
     fn forward(
         &mut self,
         host: &mut KvCache,

@@ -22,9 +22,9 @@ use super::launch::LaunchDevice;
 use super::staging::KvStaging;
 use crate::backend::{Batch, ComputeBackend, OnLayer};
 use crate::config::ModelConfig;
-use crate::engine::ChunkInfo;
 use crate::error::{EngineError, Result};
 use crate::model::Model;
+use crate::types::ChunkInfo;
 
 /// A model's weights, KV pool and step buffers on one device.
 pub struct DeviceBackend<D: LaunchDevice> {
@@ -101,6 +101,15 @@ where
 {
     fn name(&self) -> &'static str {
         self.name
+    }
+
+    fn host_cache_is_kv(&self) -> bool {
+        // The device pool is the KV; the host cache stages what a pass brings down.
+        false
+    }
+
+    fn frees_host_during_forward(&self) -> bool {
+        true
     }
 
     fn forward(

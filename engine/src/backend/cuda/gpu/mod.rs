@@ -24,9 +24,7 @@ use super::KERNELS_SRC;
 use super::launch::Kernel;
 use crate::error::{EngineError, Result};
 
-pub(crate) fn cuda_err(what: &str, e: impl std::fmt::Display) -> EngineError {
-    EngineError::Unsupported(format!("CUDA {what}: {e}"))
-}
+pub(crate) use crate::error::cuda_err;
 
 /// The device pool of `num_blocks` blocks for a model of `cfg`'s shape.
 pub fn pool_layout(

@@ -1,7 +1,7 @@
 //! AVX-512 attention for a task of many query rows (a prefill chunk), 16 (row, head) lanes
 //! to a vector: the online softmax's per-block bookkeeping (the block's maximum, the
 //! exponentials, their sum, the rescaling) becomes a few vector operations for 16 lanes, where
-//! the per-lane path (`task_body` in the parent) runs a chain of dependent steps for each lane
+//! the per-lane path (`per_lane::task_body`) runs a chain of dependent steps for each lane
 //! and block, which left the multiply-add units idle for most of a prefill's attention.
 //!
 //! Each lane's arithmetic is the per-lane path's: the same fused multiply-add chains over the
@@ -20,7 +20,10 @@
 //! 8 lanes cannot hold them, and spilling them made its prefill slower than the per-lane path,
 //! which it keeps.
 
-use super::{AttnSeq, BLOCK_SIZE, Geometry, RowState, SharedMut, TaskSpan, block_kv};
+use tandem_kv::BLOCK_SIZE;
+
+use super::super::SharedMut;
+use super::geometry::{AttnSeq, Geometry, RowState, TaskSpan, block_kv};
 
 /// Lanes to a vector group.
 const W: usize = 16;
@@ -57,7 +60,7 @@ impl Ranges {
     }
 }
 
-/// The parent's `task_body` for a task of at least [`MIN_LANES`] lanes.
+/// `per_lane::task_body` for a task of at least [`MIN_LANES`] lanes.
 ///
 /// # Safety
 /// The CPU runs AVX-512 (F) and this is compiled for it (inlined into the task's AVX-512

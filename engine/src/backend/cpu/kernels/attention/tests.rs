@@ -1,5 +1,8 @@
 //! The attention kernel against plain attention, across instruction sets and options.
 
+use tandem_kv::KvDtype;
+
+use super::per_lane::exp16;
 use super::*;
 
 #[test]

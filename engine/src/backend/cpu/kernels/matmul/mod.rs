@@ -16,9 +16,12 @@ use half::{bf16, f16};
 
 use super::quant::{QuantPanels, dequant_panel};
 use super::{Isa, SharedMut, isa};
+use tile::{PREFETCH_LINE, Tile};
 
-/// Output features per panel: one AVX-512 vector of f32.
-pub const PANEL: usize = 16;
+pub use tile::PANEL;
+
+mod tile;
+
 /// Rows of x per micro-tile.
 const MR: usize = 6;
 /// Panels per micro-tile (64 outputs).
@@ -447,25 +450,6 @@ unsafe fn panel_block(
         i0 = i1;
     }
 }
-
-/// Where one micro-tile reads and writes.
-#[derive(Clone, Copy)]
-struct Tile {
-    /// First row of x (rows are `k` apart).
-    x: *const f32,
-    k: usize,
-    /// First output element (rows are `ldo` apart).
-    out: *mut f32,
-    ldo: usize,
-    /// Columns to store, counted from the tile's first panel.
-    cols: usize,
-    /// Null, or `k` cache lines (one per input feature, `PREFETCH_LINE` apart) to pull into L2
-    /// during this tile: a slice of the next column group's weights.
-    prefetch: *const u8,
-}
-
-/// Bytes prefetched per input feature by a tile (one cache line).
-const PREFETCH_LINE: usize = 64;
 
 /// Scalar widening for the portable kernel.
 trait Widen: Copy {

@@ -5,7 +5,7 @@
 //! output, one fused multiply-add (`fmla`) per input feature, in order, so these kernels
 //! agree bit for bit with the x86 ones.
 
-use super::{PANEL, Tile};
+use super::tile::{PANEL, Tile};
 use std::arch::aarch64::*;
 
 /// Four consecutive weights widened to f32.

@@ -3,7 +3,7 @@
 //! 12 accumulators, 2 weight vectors and a broadcast). Both keep the module's order: one
 //! accumulator lane per output, a fused multiply-add per input feature, in order.
 
-use super::{PANEL, Tile};
+use super::tile::{PANEL, Tile};
 use std::arch::x86_64::*;
 
 macro_rules! load16 {
@@ -45,7 +45,7 @@ macro_rules! tiles {
                 if !t.prefetch.is_null() {
                     // A hint only: prefetches never fault, and the line is in bounds.
                     _mm_prefetch::<_MM_HINT_T1>(
-                        t.prefetch.wrapping_add(i * super::PREFETCH_LINE) as *const i8
+                        t.prefetch.wrapping_add(i * super::tile::PREFETCH_LINE) as *const i8,
                     );
                 }
                 let mut wv = [_mm512_setzero_ps(); C];

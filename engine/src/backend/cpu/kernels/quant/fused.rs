@@ -7,7 +7,8 @@
 
 use std::arch::x86_64::*;
 
-use super::{PANEL, QuantPanels};
+use super::panels::QuantPanels;
+use crate::backend::cpu::kernels::matmul::PANEL;
 
 /// One call: rows of x against `C` consecutive panels of a quantized matrix.
 #[derive(Clone, Copy)]
@@ -48,7 +49,7 @@ pub(crate) unsafe fn rows_avx512(w: &QuantPanels, p: usize, np: usize, mr: usize
 
 /// Picks the instantiation for the tile shape and the format.
 unsafe fn dispatch(w: &QuantPanels, p: usize, mr: usize, cp: usize, t: RowTile) {
-    use super::QuantKind as K;
+    use super::ggml::QuantKind as K;
     macro_rules! by_flags {
         ($r:literal, $c:literal) => {
             match w.kind {

@@ -5,7 +5,8 @@
 
 use std::arch::x86_64::*;
 
-use super::{PANEL, PanelView};
+use super::panels::PanelView;
+use crate::backend::cpu::kernels::matmul::PANEL;
 
 /// Writes `q·scale (+ offset)` for one 16-lane input of integers.
 macro_rules! store512 {

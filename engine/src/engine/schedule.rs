@@ -1,0 +1,181 @@
+//! Scheduling: which sequences run in the next pass and how many tokens each, under the
+//! token budget, the running limit and the pool; growing a sequence's blocks and preempting
+//! the youngest when the pool runs dry.
+
+use tandem_kv::{BLOCK_SIZE, blocks_for};
+
+use super::Engine;
+use crate::sequence::Sequence;
+use crate::types::SeqId;
+
+/// One sequence's share of a pass: its tokens `start..start + len`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Planned {
+    pub id: SeqId,
+    pub start: usize,
+    pub len: usize,
+}
+
+/// Prompt tokens per step of a sequence computing its prompt logprobs: every row's logits
+/// is kept for the step (vocabulary × 4 bytes each), so its chunks stay this short.
+const PROMPT_LOGPROBS_CHUNK: usize = 256;
+
+impl Engine {
+    /// Picks this step's work: running sequences first (decode tokens, then the next chunk
+    /// of prompts under way), then waiting ones as the budget, the running limit and the pool
+    /// allow.
+    pub(super) fn schedule(&mut self) -> Vec<Planned> {
+        let mut plan = Vec::new();
+        let mut budget = self.config.max_batch_tokens;
+        self.plan_running(&mut plan, &mut budget);
+        self.admit_waiting(&mut plan, &mut budget);
+        plan
+    }
+
+    /// Running sequences: decode tokens, and the next chunk of prompts in progress.
+    fn plan_running(&mut self, plan: &mut Vec<Planned>, budget: &mut usize) {
+        let mut i = 0;
+        while i < self.running.len() && *budget > 0 {
+            let id = self.running[i];
+            let seq = &self.seqs[&id];
+            let start = seq.computed;
+            let len = chunk_len(seq.pending(), row_budget(seq, *budget));
+            if len == 0 {
+                break;
+            }
+            if !self.grow(id, start + len) {
+                // `id` itself was preempted; everything after it in `running` too.
+                break;
+            }
+            plan.push(Planned { id, start, len });
+            *budget -= len;
+            i += 1;
+        }
+    }
+
+    /// Admits waiting sequences while the budget, the running limit and the pool allow;
+    /// keeps a few blocks spare so admissions do not immediately force preemptions.
+    fn admit_waiting(&mut self, plan: &mut Vec<Planned>, budget: &mut usize) {
+        let watermark = (self.pool().total() / 100).max(1);
+        while *budget > 0 && self.running.len() < self.config.max_running {
+            let Some(&id) = self.waiting.front() else {
+                break;
+            };
+            self.reuse_cached_prefix(id);
+            let seq = &self.seqs[&id];
+            let len = chunk_len(seq.pending(), row_budget(seq, *budget));
+            let needed = blocks_for(seq.computed + len).saturating_sub(seq.blocks.len());
+            let blocked = len == 0
+                || (needed + watermark > self.pool().free_count() && !self.running.is_empty());
+            let allocated = if blocked {
+                None
+            } else {
+                self.pool().allocate(needed).ok()
+            };
+            let Some(new_blocks) = allocated else {
+                // Not this step: the cached prefix goes back (still cached) until it is.
+                self.drop_cached_prefix(id);
+                break;
+            };
+            self.waiting.pop_front();
+            let seq = self.seqs.get_mut(&id).expect("waiting ids are in seqs");
+            seq.blocks.extend(new_blocks);
+            if self.prefix_salt.is_some() && seq.generated() == 0 && !seq.wants_prompt_logprobs() {
+                // Counted when a prompt is admitted, not each time it waits another step.
+                self.stats.prefix_query_tokens += seq.prompt_len as u64;
+                self.stats.prefix_hit_tokens += seq.cached_tokens as u64;
+            }
+            plan.push(Planned {
+                id,
+                start: seq.computed,
+                len,
+            });
+            self.running.push(id);
+            *budget -= len;
+        }
+    }
+
+    /// Makes sure `id` has blocks for `tokens` tokens, preempting the youngest running
+    /// sequences if needed. Returns false if `id` itself had to be preempted.
+    fn grow(&mut self, id: SeqId, tokens: usize) -> bool {
+        loop {
+            let seq = &self.seqs[&id];
+            let needed = blocks_for(tokens).saturating_sub(seq.blocks.len());
+            if needed == 0 {
+                return true;
+            }
+            let allocated = self.pool().allocate(needed);
+            if let Ok(new_blocks) = allocated {
+                self.seqs
+                    .get_mut(&id)
+                    .expect("running ids are in seqs")
+                    .blocks
+                    .extend(new_blocks);
+                return true;
+            }
+            let Some(&victim) = self.running.last() else {
+                return false;
+            };
+            self.preempt(victim);
+            if victim == id {
+                return false;
+            }
+        }
+    }
+
+    /// Frees a running sequence's blocks and puts it first in the queue: it is recomputed
+    /// from its tokens when admitted again.
+    fn preempt(&mut self, id: SeqId) {
+        self.running.retain(|&r| r != id);
+        let Some(seq) = self.seqs.get_mut(&id) else {
+            return;
+        };
+        let blocks = std::mem::take(&mut seq.blocks);
+        seq.computed = 0;
+        if !seq.prompt_logprobs_sent {
+            // Recomputed with the prompt.
+            seq.prompt_logprobs.clear();
+        }
+        seq.preemptions += 1;
+        self.stats.preemptions += 1;
+        tracing::debug!(
+            seq = id,
+            tokens = seq.tokens.len(),
+            "preempted: KV freed, will recompute"
+        );
+        self.free_blocks_of(blocks);
+        self.waiting.push_front(id);
+    }
+}
+
+/// The token budget of `seq` this step.
+fn row_budget(seq: &Sequence, budget: usize) -> usize {
+    if seq.wants_prompt_logprobs() {
+        budget.min(PROMPT_LOGPROBS_CHUNK)
+    } else {
+        budget
+    }
+}
+
+/// Tokens to run for a sequence with `pending` tokens left under `budget`: all of them if
+/// they fit, else a whole number of blocks (so exported blocks are full), else nothing.
+fn chunk_len(pending: usize, budget: usize) -> usize {
+    if pending <= budget {
+        pending
+    } else {
+        budget / BLOCK_SIZE * BLOCK_SIZE
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn chunks_are_whole_blocks_unless_last() {
+        assert_eq!(chunk_len(10, 100), 10);
+        assert_eq!(chunk_len(100, 40), 32);
+        assert_eq!(chunk_len(100, 15), 0);
+        assert_eq!(chunk_len(1, 1), 1);
+    }
+}
