@@ -13,7 +13,41 @@ use std::time::{Duration, Instant, SystemTime};
 use http::header::AUTHORIZATION;
 use tower::{Layer, Service};
 
-use crate::InternalAuth;
+use crate::error::AuthError;
+use crate::internal::InternalAuth;
+
+/// A gRPC client channel that signs its calls.
+pub type AuthChannel = AttachToken<tonic::transport::Channel>;
+
+/// A tonic server whose services require call tokens.
+pub type GuardedServer = tonic::transport::Server<
+    tower::layer::util::Stack<RequireTokenLayer, tower::layer::util::Identity>,
+>;
+
+/// The tower side of [`InternalAuth`]: clients that sign their calls, servers that check them.
+impl InternalAuth {
+    /// Wraps a channel so that its calls carry tokens.
+    pub fn channel(&self, channel: tonic::transport::Channel) -> AuthChannel {
+        AttachToken::new(channel, self.clone())
+    }
+
+    /// The layer that guards a tonic server's services.
+    pub fn server_layer(&self) -> RequireTokenLayer {
+        RequireTokenLayer::new(self.clone())
+    }
+
+    /// A tonic server builder that checks call tokens on every service but health, over
+    /// mutual TLS when configured.
+    pub fn server_builder(&self) -> Result<GuardedServer, AuthError> {
+        let mut builder = tonic::transport::Server::builder();
+        if let Some(tls) = self.server_tls() {
+            builder = builder
+                .tls_config(tls)
+                .map_err(|e| AuthError::Config(format!("internal TLS: {e}")))?;
+        }
+        Ok(builder.layer(self.server_layer()))
+    }
+}
 
 /// The gRPC health service's path prefix: never guarded.
 const HEALTH_PREFIX: &str = "/grpc.health.v1.Health/";

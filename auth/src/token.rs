@@ -102,7 +102,10 @@ impl Verifier {
         }
         let skew_ms = unix_ms(now).abs_diff(ms);
         if u128::from(skew_ms) >= WINDOW.as_millis() {
-            return Err(AuthError::Expired { skew_ms });
+            return Err(AuthError::Expired {
+                skew_ms,
+                limit_s: WINDOW.as_secs(),
+            });
         }
         self.remember(u128::from_le_bytes(nonce), clock)
     }
