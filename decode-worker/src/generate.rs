@@ -30,7 +30,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::Status;
 use tracing::Instrument;
 
-use crate::service::Inner;
+use crate::state::Inner;
 
 type Out = mpsc::Sender<Result<GenerateEvent, Status>>;
 
@@ -51,9 +51,9 @@ pub(crate) async fn start(
 ) -> Result<ReceiverStream<Result<GenerateEvent, Status>>, Status> {
     let sampling = sampling_from_proto(req.sampling.as_ref());
     let stop = stop_from_proto(req.stop.as_ref());
-    let pool = inner.engine.pool();
+    let pool = inner.core.engine.pool();
     validate_request(
-        inner.model.config(),
+        inner.core.model.config(),
         pool.total(),
         &req.prompt,
         &sampling,
@@ -82,7 +82,7 @@ pub(crate) async fn start(
                 // The prompt's prefix this worker's cache holds stays here (held now, so it
                 // cannot be evicted while the rest arrives); only the blocks after it are
                 // leased. A waiting request holds nothing: each try takes it again.
-                let cached = inner.engine.hold_cached_prefix(&req.prompt);
+                let cached = inner.core.engine.hold_cached_prefix(&req.prompt);
                 let cached_tokens = cached.len() * tandem_kv::BLOCK_SIZE;
                 let uncached = req.prompt.len() - cached_tokens;
                 if !cached.is_empty() && uncached < req.local_prefill_below as usize {
@@ -106,8 +106,7 @@ pub(crate) async fn start(
                         break (lease, commit, cached_tokens);
                     }
                     Err(Refusal::Busy(status))
-                        if Instant::now() < deadline
-                            && !inner.draining.load(std::sync::atomic::Ordering::Relaxed) =>
+                        if Instant::now() < deadline && !inner.core.is_draining() =>
                     {
                         release(&inner, cached, false);
                         if waiting_since.is_none() {
@@ -188,6 +187,7 @@ fn reserve(
     // A sliding-window model's decode steps never read the blocks before the first step's
     // window: the lease holds only the rest (such models cache nothing).
     let first = inner
+        .core
         .model
         .config()
         .first_needed_block(req.prompt.len())
@@ -203,6 +203,7 @@ fn reserve(
             e => Refusal::Final(Status::from(e)),
         })?;
     let blocks = inner
+        .core
         .engine
         .pool()
         .reserve_blocks(needed)
@@ -237,6 +238,7 @@ async fn run_here(
     let choices = sampling.n;
     let (events_tx, events) = mpsc::unbounded_channel();
     inner
+        .core
         .engine
         .add(prompt, sampling, stop, None, events_tx)
         .await
@@ -327,7 +329,7 @@ async fn disaggregated(
         transport: commit.transport,
     };
     // Stream the first tokens now rather than after the engine's current step.
-    let context = inner.model.config().max_position_embeddings;
+    let context = inner.core.model.config().max_position_embeddings;
     let firsts: Vec<SampledToken> = std::iter::once(SampledToken {
         token: commit.first_token,
         logprob: commit.first_logprob,
@@ -347,7 +349,7 @@ async fn disaggregated(
     }
     // The grammar, if any, compiled once off the async workers: a copy follows the first
     // token here, the original goes to the engine.
-    let guide = match inner.engine.compile_guide(&sampling).await {
+    let guide = match inner.core.engine.compile_guide(&sampling).await {
         Ok(guide) => guide,
         Err(e) => {
             release(&inner, held.all_blocks(), false);
@@ -358,7 +360,7 @@ async fn disaggregated(
     let mut open = 0;
     for (choice, sampled) in (0..).zip(&firsts) {
         let mut first = first_token_output(
-            &inner.tokenizer,
+            &inner.core.tokenizer,
             context,
             &prompt,
             sampled.clone(),
@@ -383,6 +385,7 @@ async fn disaggregated(
     }
     let (events_tx, events) = mpsc::unbounded_channel();
     let admitted = inner
+        .core
         .engine
         .add_prefilled(
             prompt,
@@ -457,7 +460,7 @@ fn token_event(inner: &Inner, o: &StepOutput) -> GenerateEvent {
             text: o.text.clone(),
             logprob: o.logprob,
             index: o.completion_tokens.saturating_sub(1) as u32,
-            special: inner.tokenizer.is_special(o.token),
+            special: inner.core.tokenizer.is_special(o.token),
             top_logprobs: top_logprobs_to_proto(&o.top_logprobs),
             choice: o.choice,
             prompt_logprobs: prompt_logprobs_to_proto(&o.prompt_logprobs),
@@ -495,7 +498,7 @@ fn abandon(inner: &Inner, held: &Reserved) {
 }
 
 fn release(inner: &Inner, blocks: Vec<u32>, quarantine: bool) {
-    let pool = inner.engine.pool().clone();
+    let pool = inner.core.engine.pool().clone();
     if quarantine {
         let wait = inner.config.quarantine;
         tokio::spawn(async move {

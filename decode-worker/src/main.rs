@@ -8,44 +8,26 @@ use tandem_cli::DecodeArgs as Args;
 use tandem_decode::{DecodeConfig, DecodeWorker, serve};
 use tandem_engine::EngineConfig;
 use tandem_transfer::TcpLimits;
-use tandem_worker::telemetry::{init_tracing, shutdown_signal};
-use tokio::net::TcpListener;
+use tandem_worker::telemetry::shutdown_signal;
 
 fn main() -> anyhow::Result<()> {
     // `ps` shows every process's command line to every user: the secret never goes there.
     tandem_auth::refuse_secret_on_command_line(std::env::args_os())?;
-    let args = Args::parse();
-    init_tracing(args.server.log.log_format);
-    // Bad engine flags fail here, before the runtime starts or a model loads.
-    let engine_config = tandem_worker::engine_config(&args.engine).map_err(anyhow::Error::msg)?;
-    tandem_worker::init_compute(&args.engine).map_err(anyhow::Error::msg)?;
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .context("starting the async runtime")?;
-    let result = runtime.block_on(run(args, engine_config));
-    // A model load still running on a blocking thread (stopped during startup) must not
-    // hold the exit.
-    runtime.shutdown_timeout(Duration::from_secs(2));
-    result
+    tandem_worker::run_worker(Args::parse(), |a| (&a.server, &a.engine), run)
 }
 
 async fn run(args: Args, engine_config: EngineConfig) -> anyhow::Result<()> {
     // Listen for signals before anything can be left behind (the shared KV files).
     let mut shutdown = shutdown_signal();
     let auth = tandem_worker::internal_auth(&args.server).context("internal authentication")?;
-    let port = args.server.port.unwrap_or(7201);
-    let grpc = TcpListener::bind((args.server.host.as_str(), port))
-        .await
-        .with_context(|| format!("binding {}:{port}", args.server.host))?;
+    let grpc = tandem_worker::bind(&args.server, args.server.port.unwrap_or(7201)).await?;
     let kv = if args.no_kv_tcp {
         None
     } else {
         Some(
-            TcpListener::bind((args.server.host.as_str(), args.kv_tcp_port))
+            tandem_worker::bind(&args.server, args.kv_tcp_port)
                 .await
-                .with_context(|| format!("binding the KV port {}", args.kv_tcp_port))?,
+                .context("binding the KV port")?,
         )
     };
     let kv_port = kv

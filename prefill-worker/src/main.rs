@@ -7,36 +7,18 @@ use clap::Parser;
 use tandem_cli::PrefillArgs as Args;
 use tandem_engine::EngineConfig;
 use tandem_prefill::{PrefillConfig, PrefillWorker, serve};
-use tandem_worker::telemetry::{init_tracing, shutdown_signal};
-use tokio::net::TcpListener;
+use tandem_worker::telemetry::shutdown_signal;
 
 fn main() -> anyhow::Result<()> {
     // `ps` shows every process's command line to every user: the secret never goes there.
     tandem_auth::refuse_secret_on_command_line(std::env::args_os())?;
-    let args = Args::parse();
-    init_tracing(args.server.log.log_format);
-    // Bad engine flags fail here, before the runtime starts or a model loads.
-    let engine_config = tandem_worker::engine_config(&args.engine).map_err(anyhow::Error::msg)?;
-    tandem_worker::init_compute(&args.engine).map_err(anyhow::Error::msg)?;
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .context("starting the async runtime")?;
-    let result = runtime.block_on(run(args, engine_config));
-    // A model load still running on a blocking thread (stopped during startup) must not
-    // hold the exit.
-    runtime.shutdown_timeout(Duration::from_secs(2));
-    result
+    tandem_worker::run_worker(Args::parse(), |a| (&a.server, &a.engine), run)
 }
 
 async fn run(args: Args, engine_config: EngineConfig) -> anyhow::Result<()> {
     let mut shutdown = shutdown_signal();
     let auth = tandem_worker::internal_auth(&args.server).context("internal authentication")?;
-    let port = args.server.port.unwrap_or(7101);
-    let grpc = TcpListener::bind((args.server.host.as_str(), port))
-        .await
-        .with_context(|| format!("binding {}:{port}", args.server.host))?;
+    let grpc = tandem_worker::bind(&args.server, args.server.port.unwrap_or(7101)).await?;
     let local = grpc.local_addr()?;
     let config = PrefillConfig {
         worker_id: args

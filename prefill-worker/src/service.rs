@@ -1,13 +1,12 @@
 //! The `PrefillService` implementation and the worker's assembly.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use tandem_auth::InternalAuth;
 use tandem_engine::engine::validate_request;
 use tandem_engine::{Engine, EngineConfig, Model, StopParams};
-use tandem_proto::PROTOCOL_VERSION;
 use tandem_proto::v1::prefill_service_server::{PrefillService, PrefillServiceServer};
 use tandem_proto::v1::*;
 use tandem_text::TextTokenizer;
@@ -16,12 +15,15 @@ use tandem_transfer::{
     top_logprobs_to_proto, transport_name,
 };
 use tandem_worker::convert::{
-    engine_status, kv_layout_to_proto, prompt_logprobs_to_proto, sampling_from_proto,
-    stop_from_proto, tokenizer_spec,
+    engine_status, prompt_logprobs_to_proto, sampling_from_proto, stop_from_proto,
 };
-use tandem_worker::{EngineHandle, KvShipment, SeqEvent, spawn_engine};
+use tandem_worker::{
+    KvShipment, SeqEvent, Serving, WorkerCore, serve_until_drained, spawn_engine, worker_info,
+};
 use tokio::net::TcpListener;
 use tokio::sync::mpsc;
+use tonic::server::NamedService;
+use tonic::service::Routes;
 use tonic::{Request, Response, Status};
 use tracing::Instrument;
 
@@ -80,14 +82,10 @@ fn transfer_status(e: TransferError) -> Status {
 }
 
 struct Inner {
-    engine: EngineHandle,
-    model: Arc<Model>,
-    tokenizer: Arc<TextTokenizer>,
+    core: Arc<WorkerCore>,
     peers: Peers,
-    info: WorkerInfo,
     config: PrefillConfig,
-    draining: AtomicBool,
-    in_flight: std::sync::atomic::AtomicUsize,
+    in_flight: AtomicUsize,
 }
 
 /// The gRPC face of the worker.
@@ -111,9 +109,7 @@ impl PrefillWorker {
         engine_config: EngineConfig,
         config: PrefillConfig,
     ) -> Result<Self, PrefillError> {
-        let layout = model.kv_layout();
         let engine = Engine::new(model.clone(), tokenizer.clone(), engine_config)?;
-        let total_blocks = engine.total_blocks();
         let mut transports = vec![
             Transport::Grpc as i32,
             Transport::Tcp as i32,
@@ -127,50 +123,33 @@ impl PrefillWorker {
                 transports.push(Transport::Nccl as i32);
             }
         }
-        let cfg = model.config();
-        let instance_id = tandem_auth::random_bytes::<16>()?.to_vec();
-        let info = WorkerInfo {
-            worker_id: config.worker_id.clone(),
-            role: Role::Prefill as i32,
-            model_name: model.name().to_string(),
-            kv_layout_hash: layout.hash(),
-            kv_layout: Some(kv_layout_to_proto(&layout)),
-            context_length: cfg.max_position_embeddings as u32,
-            vocab_size: cfg.vocab_size as u32,
-            tokenizer: None,
+        let info = worker_info(
+            &config.worker_id,
+            Role::Prefill,
+            &model,
+            engine.total_blocks(),
             transports,
-            total_blocks: total_blocks as u32,
-            protocol_version: PROTOCOL_VERSION,
-            instance_id,
-            ..WorkerInfo::default()
-        };
+        )?;
+        let core = WorkerCore::new(
+            spawn_engine(engine)?,
+            model,
+            tokenizer,
+            info,
+            config.auth.clone(),
+        );
         Ok(Self {
             inner: Arc::new(Inner {
-                engine: spawn_engine(engine)?,
-                model,
-                tokenizer: Arc::new(tokenizer),
+                core: Arc::new(core),
                 peers: Peers::new(config.auth.clone(), config.shm_dir.clone()),
-                info,
                 config,
-                draining: AtomicBool::new(false),
-                in_flight: std::sync::atomic::AtomicUsize::new(0),
+                in_flight: AtomicUsize::new(0),
             }),
         })
-    }
-
-    fn load_report(&self, asked: &LoadRequest) -> LoadReport {
-        self.inner.engine.load_report(
-            0,
-            self.inner.draining.load(Ordering::Relaxed),
-            &self.inner.info.instance_id,
-            asked.block_events_after,
-            asked.snapshot_from_block,
-        )
     }
 }
 
 /// Counts a request in flight for the drain.
-struct InFlight<'a>(&'a std::sync::atomic::AtomicUsize);
+struct InFlight<'a>(&'a AtomicUsize);
 
 impl Drop for InFlight<'_> {
     fn drop(&mut self) {
@@ -181,29 +160,23 @@ impl Drop for InFlight<'_> {
 #[tonic::async_trait]
 impl PrefillService for PrefillWorker {
     async fn get_info(&self, req: Request<InfoRequest>) -> Result<Response<WorkerInfo>, Status> {
-        let req = req.into_inner();
-        let mut info = self.inner.info.clone();
-        if req.include_tokenizer {
-            info.tokenizer = Some(tokenizer_spec(&self.inner.tokenizer)?);
-        }
         self.inner
-            .config
-            .auth
-            .sign_worker_info(&mut info, &req.challenge);
-        Ok(Response::new(info))
+            .core
+            .info_for(&req.into_inner())
+            .map(Response::new)
     }
 
     async fn get_load(&self, req: Request<LoadRequest>) -> Result<Response<LoadReport>, Status> {
-        Ok(Response::new(self.load_report(&req.into_inner())))
+        Ok(Response::new(
+            self.inner.core.load_report(0, &req.into_inner()),
+        ))
     }
 
     async fn prefill(
         &self,
         req: Request<PrefillRequest>,
     ) -> Result<Response<PrefillResponse>, Status> {
-        if self.inner.draining.load(Ordering::Relaxed) {
-            return Err(Status::unavailable("this prefill worker is shutting down"));
-        }
+        self.inner.core.refuse_while_draining()?;
         let req = req.into_inner();
         let span =
             tracing::info_span!("prefill", request_id = %req.request_id, tokens = req.prompt.len());
@@ -231,8 +204,8 @@ async fn prefill(inner: &Inner, req: PrefillRequest) -> Result<PrefillResponse, 
         ..StopParams::default()
     };
     validate_request(
-        inner.model.config(),
-        inner.engine.pool().total(),
+        inner.core.model.config(),
+        inner.core.engine.pool().total(),
         &req.prompt,
         &sampling,
         &stop,
@@ -241,12 +214,16 @@ async fn prefill(inner: &Inner, req: PrefillRequest) -> Result<PrefillResponse, 
     let dest = req
         .destination
         .ok_or_else(|| Status::invalid_argument("a prefill needs a KV destination"))?;
-    let layout = inner.model.kv_layout();
+    let layout = inner.core.model.kv_layout();
     let started = Instant::now();
     // The decode worker's lease starts at `first_block` (its prefix cache holds the blocks
     // before it) or where a sliding window starts, whichever is later; it holds at least the
     // block of the last prompt token.
-    let window_first = inner.model.config().first_needed_block(req.prompt.len());
+    let window_first = inner
+        .core
+        .model
+        .config()
+        .first_needed_block(req.prompt.len());
     let wanted_first = dest.first_block as usize;
     if wanted_first >= tandem_kv::blocks_for(req.prompt.len()) {
         return Err(Status::invalid_argument(format!(
@@ -283,6 +260,7 @@ async fn prefill(inner: &Inner, req: PrefillRequest) -> Result<PrefillResponse, 
     });
     let (events_tx, mut events) = mpsc::unbounded_channel();
     inner
+        .core
         .engine
         .add(
             req.prompt,
@@ -367,14 +345,14 @@ async fn pull_missing_prefix(
     request_id: &str,
     cached: usize,
 ) -> Option<PulledPrefix> {
-    if cached == 0 || !inner.config.pull_prefix || !inner.engine.imports_prefix_kv() {
+    if cached == 0 || !inner.config.pull_prefix || !inner.core.engine.imports_prefix_kv() {
         return None;
     }
-    let have = inner.engine.cached_prefix_blocks(prompt);
+    let have = inner.core.engine.cached_prefix_blocks(prompt);
     if have >= cached {
         return None;
     }
-    let layout = inner.model.kv_layout();
+    let layout = inner.core.model.kv_layout();
     match pull_cached_prefix(&inner.peers, dest, &layout, request_id, have, cached).await {
         Ok(None) => None,
         Ok(Some(pulled)) => {
@@ -394,45 +372,26 @@ async fn pull_missing_prefix(
     }
 }
 
-/// Runs the worker on `grpc` until `shutdown` resolves, then drains.
+/// Runs the worker on `grpc` until `shutdown` resolves, then drains: requests in flight
+/// finish (up to the drain timeout).
 pub async fn serve(
     worker: PrefillWorker,
     grpc: TcpListener,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), PrefillError> {
-    let (health, health_service) = tonic_health::server::health_reporter();
-    health
-        .set_serving::<PrefillServiceServer<PrefillWorker>>()
-        .await;
-    let (stop_tx, mut stop_rx) = tokio::sync::watch::channel(false);
-    let drain_worker = worker.clone();
-    tokio::spawn(async move {
-        shutdown.await;
-        tracing::info!("shutting down: draining");
-        drain_worker.inner.draining.store(true, Ordering::Relaxed);
-        health
-            .set_not_serving::<PrefillServiceServer<PrefillWorker>>()
-            .await;
-        let deadline = tokio::time::Instant::now() + drain_worker.inner.config.drain_timeout;
-        while drain_worker.inner.in_flight.load(Ordering::Relaxed) > 0
-            && tokio::time::Instant::now() < deadline
-        {
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-        let _ = stop_tx.send(true);
-    });
-    let auth = worker.inner.config.auth.clone();
-    auth.server_builder()?
-        .add_service(health_service)
-        .add_service(PrefillServiceServer::new(worker))
-        .serve_with_incoming_shutdown(
-            // Token events are small writes: without TCP_NODELAY each waits on Nagle and the
-            // peer's delayed ACK (~40 ms per hop, measured).
-            tonic::transport::server::TcpIncoming::from(grpc).with_nodelay(Some(true)),
-            async move {
-                let _ = stop_rx.changed().await;
-            },
-        )
-        .await?;
+    let inner = worker.inner.clone();
+    let serving = Serving {
+        service_name: <PrefillServiceServer<PrefillWorker> as NamedService>::NAME,
+        routes: Routes::new(PrefillServiceServer::new(worker)),
+        drain_timeout: inner.config.drain_timeout,
+        idle: Box::new({
+            let inner = inner.clone();
+            move || inner.in_flight.load(Ordering::Relaxed) == 0
+        }),
+        shutdown,
+    };
+    let server = inner.core.auth.server_builder()?;
+    let (stopped, _) = tokio::sync::watch::channel(false);
+    serve_until_drained(inner.core.clone(), server, grpc, serving, stopped).await?;
     Ok(())
 }
