@@ -96,57 +96,59 @@ fn as_count(value: &Value) -> Option<usize> {
 
 #[cfg(test)]
 mod tests {
-    use std::time::Instant;
+    use super::*;
 
-    use crate::backends::{Backend, StreamState};
-    use crate::metrics::RequestOutput;
+    fn usage(json: &str) -> UsageExtras {
+        serde_json::from_str(json).unwrap()
+    }
+
+    fn written(accounting: Accounting) -> RequestOutput {
+        let mut out = RequestOutput::default();
+        accounting.write_to(&mut out);
+        out
+    }
 
     #[test]
-    fn usage_accounting_of_tandem_and_openai_servers() {
-        let t0 = Instant::now();
-        let run = |messages: &[&str]| {
-            let mut state = StreamState::new(Backend::Openai, t0);
-            for m in messages {
-                state.on_message(m, t0).unwrap();
-            }
-            let mut out = RequestOutput::default();
-            state.finish(&mut out);
-            out
-        };
-        let token = r#"data: {"choices":[{"text":"a"}]}"#;
-        let out = run(&[
-            token,
-            r#"data: {"choices":[],"usage":{"prompt_tokens":5,"completion_tokens":2,"prompt_tokens_details":{"cached_tokens":3},"tandem":{"mode":"disaggregated","kv_bytes":4096,"transport":"shm","fallback_reason":null,"cached_tokens":3,"kv_blocks":2,"prefill_pulled_tokens":1}}}"#,
-        ]);
-        assert!(out.success);
-        assert_eq!(out.output_tokens, Some(2));
+    fn openai_usage_and_the_tandem_object() {
+        let mut a = Accounting::default();
+        a.read_usage(&usage(
+            r#"{"prompt_tokens":5,"prompt_tokens_details":{"cached_tokens":3},"tandem":{"mode":"disaggregated","kv_bytes":4096,"transport":"shm","fallback_reason":null,"cached_tokens":4,"kv_blocks":2,"prefill_pulled_tokens":1}}"#,
+        ));
+        let out = written(a);
         assert_eq!(out.server_prompt_tokens, Some(5));
-        assert_eq!(out.cached_tokens, Some(3));
-        assert_eq!(out.kv_bytes, Some(4096));
-        assert_eq!(out.kv_blocks, Some(2));
-        assert_eq!(out.pulled_tokens, Some(1));
+        assert_eq!(out.cached_tokens, Some(3), "OpenAI's count is preferred");
+        assert_eq!(
+            (out.kv_bytes, out.kv_blocks, out.pulled_tokens),
+            (Some(4096), Some(2), Some(1))
+        );
         let tandem = out.tandem.unwrap();
         assert_eq!(tandem.mode.as_deref(), Some("disaggregated"));
         assert_eq!(tandem.transport.as_deref(), Some("shm"));
         assert_eq!(tandem.fallback_reason, None);
-        // Another server: usage without any extras.
-        let out = run(&[
-            token,
-            r#"data: {"choices":[],"usage":{"completion_tokens":1}}"#,
-        ]);
-        assert!(out.success);
+    }
+
+    #[test]
+    fn missing_or_odd_fields_are_absent_not_errors() {
+        let out = written(Accounting::default());
         assert_eq!(
             (out.server_prompt_tokens, out.cached_tokens, out.kv_bytes),
             (None, None, None)
         );
         assert!(out.tandem.is_none() && out.kv_blocks.is_none());
-        // Only tandem's count, on a finish chunk, and odd shapes that are ignored, not fatal.
-        let out = run(&[
-            r#"data: {"choices":[{"text":""}],"tandem":{"mode":"aggregated","kv_bytes":0,"transport":null,"fallback_reason":"no_prefill_worker","cached_tokens":7}}"#,
-            r#"data: {"choices":[],"usage":{"prompt_tokens":"x","prompt_tokens_details":null,"tandem":[1]}}"#,
-        ]);
-        assert!(out.success);
-        assert_eq!(out.cached_tokens, Some(7));
+        let mut a = Accounting::default();
+        a.read_tandem(
+            &serde_json::json!({"mode":"aggregated","cached_tokens":7,"kv_bytes":0,
+            "fallback_reason":"no_prefill_worker"}),
+        );
+        a.read_usage(&usage(
+            r#"{"prompt_tokens":"x","prompt_tokens_details":null,"tandem":[1]}"#,
+        ));
+        let out = written(a);
+        assert_eq!(
+            out.cached_tokens,
+            Some(7),
+            "tandem's count when OpenAI's is absent"
+        );
         assert_eq!(out.kv_bytes, Some(0));
         assert_eq!(out.server_prompt_tokens, None);
         assert_eq!(

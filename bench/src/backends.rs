@@ -709,4 +709,60 @@ mod tests {
         assert!(!out.success);
         assert!(out.error.contains("generated_text") && out.error.contains("overloaded"));
     }
+
+    /// The stream hands every accounting field to `accounting`, from a usage chunk or from a
+    /// `tandem` object on any chunk.
+    #[test]
+    fn usage_accounting_of_tandem_and_openai_servers() {
+        let t0 = Instant::now();
+        let run = |messages: &[&str]| {
+            let mut state = StreamState::new(Backend::Openai, t0);
+            for m in messages {
+                state.on_message(m, t0).unwrap();
+            }
+            let mut out = RequestOutput::default();
+            state.finish(&mut out);
+            out
+        };
+        let token = r#"data: {"choices":[{"text":"a"}]}"#;
+        let out = run(&[
+            token,
+            r#"data: {"choices":[],"usage":{"prompt_tokens":5,"completion_tokens":2,"prompt_tokens_details":{"cached_tokens":3},"tandem":{"mode":"disaggregated","kv_bytes":4096,"transport":"shm","fallback_reason":null,"cached_tokens":3,"kv_blocks":2,"prefill_pulled_tokens":1}}}"#,
+        ]);
+        assert!(out.success);
+        assert_eq!(out.output_tokens, Some(2));
+        assert_eq!(out.server_prompt_tokens, Some(5));
+        assert_eq!(out.cached_tokens, Some(3));
+        assert_eq!(out.kv_bytes, Some(4096));
+        assert_eq!(out.kv_blocks, Some(2));
+        assert_eq!(out.pulled_tokens, Some(1));
+        let tandem = out.tandem.unwrap();
+        assert_eq!(tandem.mode.as_deref(), Some("disaggregated"));
+        assert_eq!(tandem.transport.as_deref(), Some("shm"));
+        assert_eq!(tandem.fallback_reason, None);
+        // Another server: usage without any extras.
+        let out = run(&[
+            token,
+            r#"data: {"choices":[],"usage":{"completion_tokens":1}}"#,
+        ]);
+        assert!(out.success);
+        assert_eq!(
+            (out.server_prompt_tokens, out.cached_tokens, out.kv_bytes),
+            (None, None, None)
+        );
+        assert!(out.tandem.is_none() && out.kv_blocks.is_none());
+        // Only tandem's count, on a finish chunk, and odd shapes that are ignored, not fatal.
+        let out = run(&[
+            r#"data: {"choices":[{"text":""}],"tandem":{"mode":"aggregated","kv_bytes":0,"transport":null,"fallback_reason":"no_prefill_worker","cached_tokens":7}}"#,
+            r#"data: {"choices":[],"usage":{"prompt_tokens":"x","prompt_tokens_details":null,"tandem":[1]}}"#,
+        ]);
+        assert!(out.success);
+        assert_eq!(out.cached_tokens, Some(7));
+        assert_eq!(out.kv_bytes, Some(0));
+        assert_eq!(out.server_prompt_tokens, None);
+        assert_eq!(
+            out.tandem.unwrap().fallback_reason.as_deref(),
+            Some("no_prefill_worker")
+        );
+    }
 }

@@ -5,32 +5,17 @@
 //! result JSON.
 
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use clap::Parser;
 use serde_json::Value;
-use tandem_bench::cli::BenchArgs;
 use tandem_bench::fake_server::{
-    FakeServer, ReceivedRequest, Responder, ScriptedEvent, ScriptedResponse, SyntheticTiming,
-    synthetic, synthetic_tandem,
+    ReceivedRequest, Responder, ScriptedEvent, ScriptedResponse, SyntheticTiming, synthetic,
+    synthetic_tandem,
 };
-use tandem_bench::tokenizer::word_level_tokenizer_json;
 
-fn timing(ttft_ms: u64) -> SyntheticTiming {
-    SyntheticTiming {
-        ttft: Duration::from_millis(ttft_ms),
-        itl: Duration::from_millis(1),
-        events_per_write: 1,
-    }
-}
-
-fn write_tokenizer(dir: &Path) -> PathBuf {
-    let path = dir.join("tokenizer.json");
-    std::fs::write(&path, word_level_tokenizer_json(200)).unwrap();
-    path
-}
+mod common;
+use common::InProcess;
 
 struct Run {
     summary: tandem_bench::RunSummary,
@@ -39,41 +24,28 @@ struct Run {
     json: Value,
 }
 
-async fn run(server: &FakeServer, dir: &Path, extra: &[&str]) -> Run {
-    let tokenizer = write_tokenizer(dir);
-    let base = server.base_url();
+/// The synthetic server with `ttft_ms` before the first token and 1 ms between tokens.
+fn timing(ttft_ms: u64) -> SyntheticTiming {
+    common::timing(ttft_ms, 1)
+}
+
+/// A run that also saves its result JSON.
+async fn run(bench: &InProcess, extra: &[&str]) -> Run {
+    let results = tempfile::tempdir().unwrap();
     let mut argv = vec![
-        "tandem-bench",
-        "--base-url",
-        &base,
-        "--tokenizer",
-        tokenizer.to_str().unwrap(),
-        "--ready-check-timeout-sec",
-        "0",
-        "--disable-tqdm",
         "--save-result",
         "--result-dir",
-        dir.to_str().unwrap(),
+        results.path().to_str().unwrap(),
         "--result-filename",
         "result.json",
     ];
     argv.extend_from_slice(extra);
-    let config = BenchArgs::parse_from(argv).into_config().unwrap();
-    let mut out = Vec::new();
-    let mut log = Vec::new();
-    let summary = tokio::time::timeout(
-        Duration::from_secs(30),
-        tandem_bench::run(&config, &mut out, &mut log),
-    )
-    .await
-    .expect("run finished in time")
-    .expect("run succeeded");
-    let json =
-        serde_json::from_str(&std::fs::read_to_string(dir.join("result.json")).unwrap()).unwrap();
+    let (summary, stdout) = bench.run(&argv).await;
+    let saved = std::fs::read_to_string(results.path().join("result.json")).unwrap();
     Run {
         summary,
-        stdout: String::from_utf8(out).unwrap(),
-        json,
+        stdout,
+        json: serde_json::from_str(&saved).unwrap(),
     }
 }
 
@@ -108,13 +80,9 @@ fn conversations(requests: &[ReceivedRequest]) -> BTreeMap<usize, Vec<ReceivedRe
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn completions_turns_extend_the_previous_prompt_and_its_answer() {
-    let dir = tempfile::tempdir().unwrap();
-    let server = FakeServer::start(synthetic_tandem(timing(5)))
-        .await
-        .unwrap();
+    let bench = InProcess::start(synthetic_tandem(timing(5))).await;
     let result = run(
-        &server,
-        dir.path(),
+        &bench,
         &[
             "--num-prompts",
             "4",
@@ -147,7 +115,7 @@ async fn completions_turns_extend_the_previous_prompt_and_its_answer() {
     );
     assert_eq!(table.lines().count(), 1 + 1 + 1 + 3 + 1, "{table}");
 
-    let conversations = conversations(&server.requests());
+    let conversations = conversations(&bench.server.requests());
     assert_eq!(conversations.len(), 4);
     for turns in conversations.values() {
         assert_eq!(turns.len(), 3);
@@ -198,16 +166,14 @@ async fn completions_turns_extend_the_previous_prompt_and_its_answer() {
     assert!(json["total_kv_bytes"].as_u64().unwrap() > 0);
     assert!(json["total_kv_blocks"].as_u64().unwrap() > 0);
     assert_eq!(block.multi_turn.as_ref().unwrap().completed, vec![4, 4, 4]);
-    server.shutdown().await;
+    bench.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn chat_turns_send_the_conversation_as_messages() {
-    let dir = tempfile::tempdir().unwrap();
-    let server = FakeServer::start(synthetic(timing(2))).await.unwrap();
+    let bench = InProcess::start(synthetic(timing(2))).await;
     let result = run(
-        &server,
-        dir.path(),
+        &bench,
         &[
             "--backend",
             "openai-chat",
@@ -227,7 +193,7 @@ async fn chat_turns_send_the_conversation_as_messages() {
     )
     .await;
     assert_eq!(result.summary.blocks[0].metrics.completed, 6);
-    for turns in conversations(&server.requests()).values() {
+    for turns in conversations(&bench.server.requests()).values() {
         assert_eq!(turns.len(), 3);
         for (k, request) in turns.iter().enumerate() {
             let messages = request.body["messages"].as_array().unwrap();
@@ -260,16 +226,14 @@ async fn chat_turns_send_the_conversation_as_messages() {
             .is_none()
     );
     assert!(result.json.get("total_cached_tokens").is_none());
-    server.shutdown().await;
+    bench.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_conversation_holds_its_concurrency_slot_for_all_its_turns() {
-    let dir = tempfile::tempdir().unwrap();
-    let server = FakeServer::start(synthetic(timing(10))).await.unwrap();
+    let bench = InProcess::start(synthetic(timing(10))).await;
     run(
-        &server,
-        dir.path(),
+        &bench,
         &[
             "--num-prompts",
             "3",
@@ -284,8 +248,9 @@ async fn a_conversation_holds_its_concurrency_slot_for_all_its_turns() {
         ],
     )
     .await;
-    assert_eq!(server.stats().peak_streams, 1);
-    let ids: Vec<String> = server
+    assert_eq!(bench.server.stats().peak_streams, 1);
+    let ids: Vec<String> = bench
+        .server
         .requests()
         .iter()
         .map(|r| r.header("x-request-id").unwrap().to_string())
@@ -295,12 +260,11 @@ async fn a_conversation_holds_its_concurrency_slot_for_all_its_turns() {
     for pair in ids.chunks(2) {
         assert_eq!(pair[1], format!("{}-1", pair[0]));
     }
-    server.shutdown().await;
+    bench.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failed_turn_ends_its_conversation() {
-    let dir = tempfile::tempdir().unwrap();
     let ok = synthetic(timing(1));
     // Turn 2 of every conversation is refused.
     let responder: Responder = Arc::new(move |request: &ReceivedRequest| {
@@ -316,10 +280,9 @@ async fn a_failed_turn_ends_its_conversation() {
             ok(request)
         }
     });
-    let server = FakeServer::start(responder).await.unwrap();
+    let bench = InProcess::start(responder).await;
     let result = run(
-        &server,
-        dir.path(),
+        &bench,
         &[
             "--num-prompts",
             "2",
@@ -334,23 +297,19 @@ async fn a_failed_turn_ends_its_conversation() {
     .await;
     let metrics = &result.summary.blocks[0].metrics;
     assert_eq!((metrics.completed, metrics.failed), (2, 4));
-    assert_eq!(server.requests().len(), 4, "turn 3 is never sent");
+    assert_eq!(bench.server.requests().len(), 4, "turn 3 is never sent");
     assert_eq!(
         result.json["multi_turn"]["completed"],
         serde_json::json!([2, 0, 0])
     );
-    server.shutdown().await;
+    bench.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn prefix_repetition_prompts_share_prefixes_and_hit_the_cache() {
-    let dir = tempfile::tempdir().unwrap();
-    let server = FakeServer::start(synthetic_tandem(timing(1)))
-        .await
-        .unwrap();
+    let bench = InProcess::start(synthetic_tandem(timing(1))).await;
     let result = run(
-        &server,
-        dir.path(),
+        &bench,
         &[
             "--dataset-name",
             "prefix_repetition",
@@ -375,7 +334,7 @@ async fn prefix_repetition_prompts_share_prefixes_and_hit_the_cache() {
     assert!(block.multi_turn.is_none());
     assert!(!result.stdout.contains("Multi-turn"));
     let mut prefixes: BTreeMap<String, usize> = BTreeMap::new();
-    for request in server.requests() {
+    for request in bench.server.requests() {
         let prompt = request.body["prompt"].as_str().unwrap().to_string();
         let words: Vec<&str> = prompt.split(' ').collect();
         assert_eq!(words.len(), 9);
@@ -386,5 +345,5 @@ async fn prefix_repetition_prompts_share_prefixes_and_hit_the_cache() {
     // Four of the six requests follow one with the same prefix: at least 6 cached tokens each.
     assert!(result.json["total_cached_tokens"].as_u64().unwrap() >= 24);
     assert!(result.json.get("multi_turn").is_none());
-    server.shutdown().await;
+    bench.shutdown().await;
 }

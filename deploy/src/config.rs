@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
-use crate::security::{self, INTERNAL_ENV};
+use crate::security::{self, INTERNAL_ENV, SecuritySection};
 use crate::supervise::RestartPolicy;
 
 /// Why a deployment file is refused.
@@ -98,8 +98,11 @@ pub struct RouterSection {
     /// CPU cores for the router process.
     #[serde(default)]
     pub cpus: Vec<usize>,
+    /// Flags added after the ones the plan writes.
     #[serde(default)]
     pub extra_args: Vec<String>,
+    /// Variables added to this process's environment; not one that a file key sets
+    /// ([`crate::environment::check_env_tables`]).
     #[serde(default)]
     pub env: BTreeMap<String, String>,
 }
@@ -158,8 +161,11 @@ pub struct WorkerSpec {
     pub mps_thread_percentage: Option<u32>,
     /// SMs of a green context this worker is confined to (`--green-context-sms`).
     pub green_context_sms: Option<u32>,
+    /// Flags added after the ones the plan writes.
     #[serde(default)]
     pub extra_args: Vec<String>,
+    /// Variables added to this process's environment; not one that a file key sets
+    /// ([`crate::environment::check_env_tables`]).
     #[serde(default)]
     pub env: BTreeMap<String, String>,
 }
@@ -234,23 +240,6 @@ impl SuperviseSection {
             ..RestartPolicy::default()
         }
     }
-}
-
-/// How the deployment's processes authenticate each other (see [`crate::security`]).
-#[derive(Debug, Clone, Deserialize, PartialEq, Default)]
-#[serde(deny_unknown_fields)]
-pub struct SecuritySection {
-    /// A file holding the internal secret (at least 32 bytes), passed to every process as
-    /// `TANDEM_INTERNAL_SECRET_FILE` instead of a secret generated per deployment: for
-    /// deployments spread over several machines, which must share one secret.
-    pub secret_file: Option<PathBuf>,
-    /// Internal mTLS: CA, certificate and key (PEM), all three or none.
-    pub tls_ca: Option<PathBuf>,
-    pub tls_cert: Option<PathBuf>,
-    pub tls_key: Option<PathBuf>,
-    /// Pass no secret at all (the workers then accept loopback binds only).
-    #[serde(default)]
-    pub insecure: bool,
 }
 
 /// A whole deployment.

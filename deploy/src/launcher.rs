@@ -65,8 +65,9 @@ pub enum LaunchError {
 pub struct LaunchOptions {
     pub bin_dir: PathBuf,
     /// The environment every process starts from: the launcher's own, less every `TANDEM_*`
-    /// variable. A deployment's processes are configured by their plan alone (flags and the
-    /// plan's environment), never by what the launcher's shell happened to export.
+    /// variable ([`crate::environment::inherited`]). A deployment's processes are configured by
+    /// their plan alone (flags and the plan's environment), never by what the launcher's shell
+    /// happened to export; `tandem up` refuses to start with a variable they would have read.
     pub inherited_env: Vec<(std::ffi::OsString, std::ffi::OsString)>,
     pub log_dir: Option<PathBuf>,
     pub startup_timeout: Duration,

@@ -7,6 +7,11 @@
 //! Every process of a deployment gets the deployment's internal secret (drawn per deployment,
 //! or named by a file) and optional mTLS files through its environment ([`security`]).
 //!
+//! The deployment file is the one source of the processes' settings: they start without the
+//! launcher's `TANDEM_*` variables, and one the router or a worker would read stops `tandem
+//! up` with the file key to use instead, so nothing set in the shell is dropped in silence
+//! ([`environment`]).
+//!
 //! Deployments that split a GPU under MPS get the MPS control daemon started (and stopped)
 //! around them ([`mps`]).
 //!
@@ -16,6 +21,7 @@
 
 pub mod cli;
 pub mod config;
+pub mod environment;
 pub mod launcher;
 pub mod mps;
 pub mod plan;

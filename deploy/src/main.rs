@@ -9,6 +9,7 @@ use anyhow::Context;
 use clap::Parser;
 use tandem_cli::LogFormat;
 use tandem_deploy::cli::{Cli, Cmd};
+use tandem_deploy::environment::{check_env_tables, inherited, refuse_shell_settings};
 use tandem_deploy::launcher::{LaunchOptions, run};
 use tandem_deploy::mps::{self, MpsDaemon};
 use tandem_deploy::security::InternalSecurity;
@@ -59,6 +60,7 @@ fn main() -> ExitCode {
 /// placeholder: a plan is for reading, the secret is drawn again by `up`).
 fn print_plan(config: Option<&Path>) -> anyhow::Result<()> {
     let cfg = load(config)?;
+    refuse_shell_settings(std::env::vars_os(), config.is_some())?;
     for p in plan(&cfg)?.processes {
         println!("{}: {} {}", p.name, p.binary, p.args.join(" "));
         let env = p.env_display();
@@ -72,7 +74,10 @@ fn print_plan(config: Option<&Path>) -> anyhow::Result<()> {
 fn check(configs: &[PathBuf], cores: usize) -> anyhow::Result<()> {
     let mut failed = 0;
     for path in configs {
-        match DeployConfig::from_file(path).and_then(|c| c.validate(cores).map(|()| c)) {
+        let valid = DeployConfig::from_file(path)
+            .and_then(|c| c.validate(cores).map(|()| c))
+            .and_then(|c| check_env_tables(&c).map(|()| c));
+        match valid {
             Ok(c) => {
                 println!("ok      {}", path.display());
                 for w in c.warnings() {
@@ -102,11 +107,14 @@ fn up(
     log_format: LogFormat,
 ) -> anyhow::Result<()> {
     let mut cfg = load(config)?;
+    // Before anything starts: a worker setting in this shell would not reach the workers.
+    refuse_shell_settings(std::env::vars_os(), config.is_some())?;
     cfg.log_format = log_format;
     if cache_dir.is_some() {
         cfg.model.cache_dir = cache_dir;
     }
     cfg.validate(cores())?;
+    check_env_tables(&cfg)?;
     for w in cfg.warnings() {
         eprintln!("[tandem] warning: {w}");
     }
@@ -122,9 +130,7 @@ fn up(
     let opts = LaunchOptions {
         bin_dir,
         // The plan configures every process; nothing TANDEM_* leaks in from this shell.
-        inherited_env: std::env::vars_os()
-            .filter(|(k, _)| !k.to_string_lossy().starts_with("TANDEM_"))
-            .collect(),
+        inherited_env: inherited(std::env::vars_os()),
         log_dir: log_dir.or_else(|| cfg.log_dir.clone()),
         startup_timeout: Duration::from_secs(cfg.startup_timeout_s),
         stop_timeout: Duration::from_secs(15),

@@ -7,8 +7,9 @@
 //! `[security] insecure = true` passes none. The secret's value is held in [`Secret`], whose
 //! `Debug` redacts it, and is only ever written into a child's environment.
 //!
-//! The section's checks live here too ([`check`], [`check_files`], [`file_warnings`]), for
-//! `tandem check` and `tandem up`: they read a secret file's length, never show its content.
+//! The deployment file's `[security]` section ([`SecuritySection`]) and its checks live here
+//! too ([`check`], [`check_files`], [`file_warnings`]), for `tandem check` and `tandem up`:
+//! they read a secret file's length, never show its content.
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -19,8 +20,26 @@ use std::path::{Path, PathBuf};
 
 use rand::TryRngCore;
 use rand::rngs::OsRng;
+use serde::Deserialize;
 
-use crate::config::SecuritySection;
+/// The deployment file's `[security]` section: how the deployment's processes authenticate
+/// each other. It lives here, beside what reads it, so the file's model (`config`) depends on
+/// this module and not the other way round.
+#[derive(Debug, Clone, Deserialize, PartialEq, Default)]
+#[serde(deny_unknown_fields)]
+pub struct SecuritySection {
+    /// A file holding the internal secret (at least 32 bytes), passed to every process as
+    /// `TANDEM_INTERNAL_SECRET_FILE` instead of a secret generated per deployment: for
+    /// deployments spread over several machines, which must share one secret.
+    pub secret_file: Option<PathBuf>,
+    /// Internal mTLS: CA, certificate and key (PEM), all three or none.
+    pub tls_ca: Option<PathBuf>,
+    pub tls_cert: Option<PathBuf>,
+    pub tls_key: Option<PathBuf>,
+    /// Pass no secret at all (the workers then accept loopback binds only).
+    #[serde(default)]
+    pub insecure: bool,
+}
 
 /// The shared internal secret itself (at least [`SECRET_MIN_BYTES`] bytes).
 pub const SECRET_ENV: &str = "TANDEM_INTERNAL_SECRET";

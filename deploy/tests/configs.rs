@@ -71,3 +71,45 @@ fn plan_prints_the_default_deployment() {
         "{stdout}"
     );
 }
+
+/// A worker setting in the launcher's environment is refused before anything starts, with the
+/// file key that sets it; it is never dropped in silence.
+#[test]
+fn up_and_plan_refuse_a_worker_setting_from_the_environment() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("tiny.toml");
+    std::fs::write(
+        &config,
+        "[model]\nname = \"tiny\"\n[[prefill]]\nport = 7101\n[[decode]]\nport = 7201\n",
+    )
+    .unwrap();
+    let empty_bin_dir = dir.path().join("bin");
+    std::fs::create_dir(&empty_bin_dir).unwrap();
+    for args in [
+        vec![
+            "up".into(),
+            config.clone(),
+            "--bin-dir".into(),
+            empty_bin_dir,
+        ],
+        vec!["plan".into(), config],
+    ] {
+        let out = Command::new(env!("CARGO_BIN_EXE_tandem"))
+            .args(&args)
+            .env("TANDEM_WEIGHTS", "f32")
+            // Were the refusal missing, `up` must not build the serving binaries from here.
+            .env_remove("CARGO")
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{args:?}: {stderr}");
+        assert!(
+            stderr.contains("TANDEM_WEIGHTS: set `weights` in the file's [model] section"),
+            "{args:?}: {stderr}"
+        );
+        assert!(
+            !stderr.contains("started") && out.stdout.is_empty(),
+            "{args:?}: nothing may start: {stderr}"
+        );
+    }
+}

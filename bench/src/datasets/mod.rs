@@ -5,48 +5,26 @@
 //! numpy's random streams are not a goal (bench-spec §3.1); the distributions are the same.
 //! `sonnet` and `custom` apply the tokenizer's chat template when it has one (an HF folder
 //! with `tokenizer_config.json`); without one they use the raw prompt.
+//!
+//! This file picks the generator for a [`DatasetConfig`]; what the generators share (the
+//! request type, the error, the sampling options and helpers) is the leaf `shared`, so no
+//! generator depends on the dispatcher that depends on it.
 
 mod prefix_repetition;
 mod random;
+mod shared;
 mod text;
 
 use std::path::PathBuf;
 
-use rand::SeedableRng;
-use rand::rngs::StdRng;
-
 pub use prefix_repetition::{PrefixRepetitionConfig, sample_prefix_repetition};
 pub use random::{RandomConfig, sample_random};
 pub(crate) use random::{allowed_ids, random_token_ids};
+use shared::read_text;
+pub use shared::{DatasetError, SampleRequest, SamplingOptions};
 pub use text::{BookConfig, BookOverflow, BookSplit, sample_book, split_book};
 
-use crate::tokenizer::{BenchTokenizer, TokenizerError};
-
-/// One request to send, as vLLM's `SampleRequest`.
-#[derive(Debug, Clone, PartialEq)]
-pub struct SampleRequest {
-    pub prompt: String,
-    /// The client-side token count reported as `Total input tokens`.
-    pub prompt_len: usize,
-    /// `max_tokens` sent to the server.
-    pub expected_output_len: usize,
-}
-
-/// Why a dataset could not produce requests.
-#[derive(Debug, thiserror::Error)]
-pub enum DatasetError {
-    #[error("cannot read dataset {path}: {source}")]
-    Read {
-        path: PathBuf,
-        source: std::io::Error,
-    },
-    #[error("dataset {path} is malformed: {message}")]
-    Malformed { path: PathBuf, message: String },
-    #[error("{0}")]
-    Invalid(String),
-    #[error(transparent)]
-    Tokenizer(#[from] TokenizerError),
-}
+use crate::tokenizer::BenchTokenizer;
 
 /// Which dataset to draw from, with its options.
 #[derive(Debug, Clone, PartialEq)]
@@ -73,17 +51,6 @@ pub enum DatasetConfig {
         chat_template: bool,
     },
     Book(BookConfig),
-}
-
-/// Options shared by the file-backed datasets.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct SamplingOptions {
-    pub seed: u64,
-    /// `--disable-shuffle`: keep file order for sharegpt and custom, and prefix order for
-    /// prefix_repetition.
-    pub shuffle: bool,
-    /// `--no-oversample`: return fewer requests rather than repeating some.
-    pub oversample: bool,
 }
 
 /// Draws `num_requests` requests from `dataset`.
@@ -142,43 +109,4 @@ pub fn sample(
             sample_book(&text, config, tokenizer, num_requests)
         }
     }
-}
-
-pub(crate) fn read_text(path: &std::path::Path) -> Result<String, DatasetError> {
-    std::fs::read_to_string(path).map_err(|source| DatasetError::Read {
-        path: path.to_path_buf(),
-        source,
-    })
-}
-
-pub(crate) fn rng(seed: u64) -> StdRng {
-    StdRng::seed_from_u64(seed)
-}
-
-/// vLLM's `maybe_oversample_requests`: repeat random samples until there are enough.
-pub(crate) fn oversample(
-    requests: &mut Vec<SampleRequest>,
-    num_requests: usize,
-    options: SamplingOptions,
-) {
-    use rand::seq::IndexedRandom;
-    if !options.oversample || requests.is_empty() || requests.len() >= num_requests {
-        if requests.len() < num_requests {
-            tracing::warn!(
-                available = requests.len(),
-                requested = num_requests,
-                "dataset has fewer samples than requested"
-            );
-        }
-        return;
-    }
-    let mut rng = rng(options.seed);
-    let extra: Vec<SampleRequest> = (requests.len()..num_requests)
-        .filter_map(|_| requests.choose(&mut rng).cloned())
-        .collect();
-    tracing::info!(
-        added = extra.len(),
-        "oversampled requests to reach --num-prompts"
-    );
-    requests.extend(extra);
 }

@@ -12,7 +12,7 @@
 use rand::seq::SliceRandom;
 
 use super::random::{allowed_ids, random_token_ids};
-use super::{DatasetError, SampleRequest, rng};
+use super::shared::{DatasetError, SampleRequest, rng};
 use crate::tokenizer::BenchTokenizer;
 
 /// `--prefix-repetition-prefix-len`, `-suffix-len`, `-num-prefixes`, `-output-len`.

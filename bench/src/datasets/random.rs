@@ -5,7 +5,7 @@
 use rand::Rng;
 use rand::rngs::StdRng;
 
-use super::{DatasetError, SampleRequest, rng};
+use super::shared::{DatasetError, SampleRequest, rng};
 use crate::tokenizer::BenchTokenizer;
 
 /// `--random-input-len`, `--random-output-len`, `--random-range-ratio`, `--random-prefix-len`.

@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 
 use rand::seq::{IndexedRandom, SliceRandom};
 
-use super::{DatasetError, SampleRequest, SamplingOptions, oversample, read_text, rng};
+use super::shared::{DatasetError, SampleRequest, SamplingOptions, oversample, read_text, rng};
 use crate::tokenizer::BenchTokenizer;
 
 fn malformed(path: &Path, message: impl Into<String>) -> DatasetError {
