@@ -7,18 +7,18 @@ use clap::Parser;
 use tandem_cli::PrefillArgs as Args;
 use tandem_engine::EngineConfig;
 use tandem_prefill::{PrefillConfig, PrefillWorker, serve};
-use tandem_worker::telemetry::shutdown_signal;
+use tandem_worker::Opened;
 
 fn main() -> anyhow::Result<()> {
-    // `ps` shows every process's command line to every user: the secret never goes there.
-    tandem_auth::refuse_secret_on_command_line(std::env::args_os())?;
-    tandem_worker::run_worker(Args::parse(), |a| (&a.server, &a.engine), run)
+    tandem_worker::run_worker(Args::parse, |a| (&a.server, &a.engine), run)
 }
 
 async fn run(args: Args, engine_config: EngineConfig) -> anyhow::Result<()> {
-    let mut shutdown = shutdown_signal();
-    let auth = tandem_worker::internal_auth(&args.server).context("internal authentication")?;
-    let grpc = tandem_worker::bind(&args.server, args.server.port.unwrap_or(7101)).await?;
+    let Opened {
+        mut shutdown,
+        auth,
+        grpc,
+    } = tandem_worker::open(&args.server, 7101).await?;
     let local = grpc.local_addr()?;
     let config = PrefillConfig {
         worker_id: args
@@ -31,7 +31,6 @@ async fn run(args: Args, engine_config: EngineConfig) -> anyhow::Result<()> {
         auth,
         pull_prefix: !args.no_prefix_pull,
     };
-    tracing::info!(model = %args.model.model, "loading model");
     let Some((model, tokenizer)) = tandem_worker::load_model_until(&args.model, &mut shutdown)
         .await
         .context("loading the model")?

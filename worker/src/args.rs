@@ -40,6 +40,7 @@ pub async fn load_model_until(
     args: &ModelArgs,
     shutdown: &mut std::pin::Pin<Box<dyn Future<Output = ()> + Send>>,
 ) -> Result<Option<(Arc<Model>, TextTokenizer)>, EngineError> {
+    tracing::info!(model = %args.model, "loading model");
     let args = args.clone();
     let loading = tokio::task::spawn_blocking(move || load_model(&args));
     tokio::select! {

@@ -19,4 +19,4 @@ pub use args::{
     load_model_until, shm_dir,
 };
 pub use service::{Serving, WorkerCore, serve_until_drained, worker_info};
-pub use startup::{StartError, bind, run_worker};
+pub use startup::{Opened, StartError, bind, open, run_worker};

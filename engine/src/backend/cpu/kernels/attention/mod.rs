@@ -118,6 +118,33 @@ pub fn paged_attention_on(
     super::team::parallel_for(tasks.len(), &|i| run(&tasks[i]));
 }
 
+/// Defines `$name`, [`task_body`] compiled with the target features `$features`, so that the
+/// body's vector code (inlined helpers included) uses that instruction set.
+#[cfg(target_arch = "x86_64")]
+macro_rules! task_for_isa {
+    ($name:ident, $features:literal) => {
+        #[target_feature(enable = $features)]
+        unsafe fn $name(
+            isa: Isa,
+            g: &Geometry,
+            q: &[f32],
+            s: &AttnSeq<'_>,
+            span: TaskSpan,
+            out: SharedMut,
+        ) {
+            // SAFETY: the caller's promises, which are `task_body`'s.
+            unsafe { task_body(isa, g, q, s, span, out) }
+        }
+    };
+}
+
+#[cfg(target_arch = "x86_64")]
+task_for_isa!(task_avx512, "avx512f,avx512bw,avx512vl,fma");
+#[cfg(target_arch = "x86_64")]
+task_for_isa!(task_avx2, "avx2,fma");
+
+/// Runs one task with the kernel body compiled for `isa`: the one place the attention kernels
+/// choose by instruction set (the body's helpers test `isa` where they differ).
 unsafe fn run_task(
     isa: Isa,
     g: &Geometry,
@@ -133,32 +160,6 @@ unsafe fn run_task(
         Isa::Avx2 => unsafe { task_avx2(isa, g, q, s, span, out) },
         _ => unsafe { task_body(isa, g, q, s, span, out) },
     }
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
-unsafe fn task_avx512(
-    isa: Isa,
-    g: &Geometry,
-    q: &[f32],
-    s: &AttnSeq<'_>,
-    span: TaskSpan,
-    out: SharedMut,
-) {
-    unsafe { task_body(isa, g, q, s, span, out) }
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn task_avx2(
-    isa: Isa,
-    g: &Geometry,
-    q: &[f32],
-    s: &AttnSeq<'_>,
-    span: TaskSpan,
-    out: SharedMut,
-) {
-    unsafe { task_body(isa, g, q, s, span, out) }
 }
 
 #[cfg(test)]
