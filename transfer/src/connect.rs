@@ -1,17 +1,15 @@
 //! The transport factory: [`connect`] checks a destination (layout, lease size, the decode
-//! worker's identity) and opens the sender of the transport the router chose; plus the
-//! transport facts other crates need ([`kv_location`], [`transport_name`]).
+//! worker's identity) and opens the sender of the transport the router chose, looked up in
+//! the prefill worker's registry ([`Peers`]). It names no transport.
 
-use tandem_kv::{KvLayout, KvLocation};
+use tandem_kv::KvLayout;
 use tandem_proto::v1::{KvDestination, Transport};
 
 use crate::error::TransferError;
-use crate::grpc::GrpcSender;
 use crate::lease::LeaseToken;
-use crate::peers::{Opening, Peers};
+use crate::peers::Peers;
 use crate::sender::KvSender;
-use crate::shm::ShmSender;
-use crate::tcp::TcpSender;
+use crate::transport::Opening;
 
 /// Opens a transfer to `dest` for a prompt of `num_tokens` tokens whose blocks from
 /// `first_block` on are shipped (0 unless a sliding window leaves earlier ones unread; the
@@ -45,7 +43,7 @@ pub async fn connect(
     })?;
     let transport = Transport::try_from(dest.transport).unwrap_or(Transport::Unspecified);
     if transport == Transport::Unspecified {
-        return Err(TransferError::Protocol("no transport chosen".into()));
+        return Err(no_transport());
     }
     let decode = peers.verified_decode(dest).await?;
     if decode.info.kv_layout_hash != ours {
@@ -54,8 +52,11 @@ pub async fn connect(
             decode.info.kv_layout_hash
         )));
     }
+    // Every wire value but `Unspecified` is registered (a device transport this build lacks
+    // as a stub that refuses with the feature it needs).
+    let chosen = peers.transport(transport).ok_or_else(no_transport)?;
     let op = Opening {
-        peers,
+        reach: peers.reach(),
         decode: &decode,
         dest: dest.clone(),
         lease,
@@ -63,67 +64,9 @@ pub async fn connect(
         request_id,
         num_tokens,
     };
-    Ok(match transport {
-        Transport::Grpc => Box::new(GrpcSender::start(op).await?),
-        Transport::Tcp => Box::new(TcpSender::start(op).await?),
-        Transport::Shm => Box::new(ShmSender::new(op)?),
-        #[cfg(feature = "cuda")]
-        Transport::CudaIpc => Box::new(crate::cuda_ipc::CudaIpcSender::new(op)?),
-        #[cfg(feature = "nccl")]
-        Transport::Nccl => Box::new(crate::nccl::NcclSender::start(op).await?),
-        #[cfg(not(feature = "cuda"))]
-        Transport::CudaIpc => return Err(not_built("cuda-ipc", "cuda")),
-        #[cfg(not(feature = "nccl"))]
-        Transport::Nccl => return Err(not_built("nccl", "nccl")),
-        Transport::Unspecified => {
-            return Err(TransferError::Protocol("no transport chosen".into()));
-        }
-    })
+    chosen.open(op).await
 }
 
-/// Where a transport leaves the KV on the decode side: the device transports write the GPU
-/// pool directly, the others the host cache (which a GPU engine then uploads).
-pub fn kv_location(t: Transport) -> KvLocation {
-    match t {
-        Transport::CudaIpc | Transport::Nccl => KvLocation::Device,
-        Transport::Grpc | Transport::Tcp | Transport::Shm | Transport::Unspecified => {
-            KvLocation::Host
-        }
-    }
-}
-
-/// The name used in metrics and flags.
-pub fn transport_name(t: Transport) -> &'static str {
-    match t {
-        Transport::Grpc => "grpc",
-        Transport::Tcp => "tcp",
-        Transport::Shm => "shm",
-        Transport::CudaIpc => "cuda-ipc",
-        Transport::Nccl => "nccl",
-        Transport::Unspecified => "none",
-    }
-}
-
-/// The refusal of a device transport this build does not have.
-// `nccl` implies `cuda`: with it, every device transport is built.
-#[cfg(not(feature = "nccl"))]
-fn not_built(transport: &str, feature: &str) -> TransferError {
-    TransferError::Connect(format!(
-        "{transport} needs a worker built with the `{feature}` feature and running on a GPU"
-    ))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn device_transports_leave_the_kv_in_the_device_pool() {
-        for t in [Transport::CudaIpc, Transport::Nccl] {
-            assert_eq!(kv_location(t), KvLocation::Device, "{t:?}");
-        }
-        for t in [Transport::Grpc, Transport::Tcp, Transport::Shm] {
-            assert_eq!(kv_location(t), KvLocation::Host, "{t:?}");
-        }
-    }
+fn no_transport() -> TransferError {
+    TransferError::Protocol("no transport chosen".into())
 }

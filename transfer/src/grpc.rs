@@ -1,5 +1,6 @@
 //! The gRPC transport: a `PushKv` client stream per request (header, blocks layer by layer in
-//! messages of at most 1 MiB, commit), and the decode worker's handler for it.
+//! messages of at most 1 MiB, commit), and the decode worker's handler for it. It keeps
+//! nothing per decode worker beyond the shared gRPC channel ([`crate::reach`]).
 
 use std::time::Instant;
 
@@ -11,15 +12,28 @@ use tokio_stream::wrappers::ReceiverStream;
 use crate::checksum::crc32;
 use crate::error::TransferError;
 use crate::lease::{LeaseTable, LeaseToken};
-use crate::peers::Opening;
 use crate::sender::{FirstToken, KvSender, SendFuture, SendStats};
+use crate::transport::{KvTransport, OpenFuture, Opening};
 
 /// Payload bytes per message, well under tonic's 4 MiB default limit.
 const MAX_PAYLOAD: usize = 1 << 20;
 /// Messages in flight between the engine thread and the network task.
 const QUEUE: usize = 16;
 
-pub(crate) struct GrpcSender {
+/// The `grpc` transport.
+pub(crate) struct GrpcTransport;
+
+impl KvTransport for GrpcTransport {
+    fn kind(&self) -> Transport {
+        Transport::Grpc
+    }
+
+    fn open<'a>(&'a self, op: Opening<'a>) -> OpenFuture<'a> {
+        Box::pin(async move { Ok(Box::new(GrpcSender::start(op).await?) as Box<dyn KvSender>) })
+    }
+}
+
+struct GrpcSender {
     tx: mpsc::Sender<KvMessage>,
     done: oneshot::Receiver<Result<u64, TransferError>>,
     lease: LeaseToken,
@@ -31,8 +45,8 @@ pub(crate) struct GrpcSender {
 }
 
 impl GrpcSender {
-    pub(crate) async fn start(op: Opening<'_>) -> Result<Self, TransferError> {
-        let mut client = op.peers.decode_client(&op.decode.endpoint)?;
+    async fn start(op: Opening<'_>) -> Result<Self, TransferError> {
+        let mut client = op.reach.decode_client(&op.decode.endpoint)?;
         let (tx, rx) = mpsc::channel(QUEUE);
         let header = KvMessage {
             msg: Some(kv_message::Msg::Header(KvHeader {

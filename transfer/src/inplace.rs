@@ -1,19 +1,18 @@
 //! What the transports that write into the decode worker's memory themselves (`shm`,
 //! `cuda-ipc`, `nccl`) share: the lease they write for, which (layer, logical block) pieces
 //! went out, the byte count, and the commit over gRPC that hands the KV to the decode worker.
+//! (The device transports' common sender on top of this is `device`'s.)
 
 use std::time::Instant;
 
 use tandem_auth::AuthChannel;
-#[cfg(feature = "cuda")]
-use tandem_kv::DeviceKv;
 use tandem_proto::v1::decode_service_client::DecodeServiceClient;
 use tandem_proto::v1::{KvCommit, KvDestination, Transport};
 
 use crate::error::TransferError;
 use crate::lease::LeaseToken;
-use crate::peers::Opening;
 use crate::sender::{FirstToken, SendFuture, SendStats};
+use crate::transport::Opening;
 
 /// One request's in-place transfer, up to its commit.
 pub(crate) struct InPlace {
@@ -25,7 +24,7 @@ pub(crate) struct InPlace {
     client: DecodeServiceClient<AuthChannel>,
     request_id: String,
     num_tokens: usize,
-    transport: Transport,
+    pub transport: Transport,
     /// Layer-major: whether each (layer, logical block) was written.
     written: Vec<bool>,
     bytes: u64,
@@ -35,7 +34,7 @@ pub(crate) struct InPlace {
 impl InPlace {
     pub fn new(op: Opening<'_>, transport: Transport) -> Result<Self, TransferError> {
         Ok(Self {
-            client: op.peers.decode_client(&op.decode.endpoint)?,
+            client: op.reach.decode_client(&op.decode.endpoint)?,
             layers: op.layout.num_layers,
             fence: op.lease.fence(),
             lease: op.lease,
@@ -117,36 +116,5 @@ impl InPlace {
                 transport: self.transport,
             })
         })
-    }
-}
-
-/// The device transports' part.
-#[cfg(feature = "cuda")]
-impl InPlace {
-    /// Starts the clock and checks a device-pool layer: inside the layout, from a pool of
-    /// the layout's layer count.
-    pub fn start_device_layer(
-        &mut self,
-        layer: usize,
-        src: &DeviceKv,
-    ) -> Result<(), TransferError> {
-        self.start();
-        self.check_layer(layer)?;
-        if src.num_layers() != self.layers {
-            return Err(TransferError::LayoutMismatch(format!(
-                "device pool of {} layers, layout of {}",
-                src.num_layers(),
-                self.layers
-            )));
-        }
-        Ok(())
-    }
-
-    /// The refusal of a device transport handed host bytes.
-    pub fn host_bytes_refused(&self) -> TransferError {
-        TransferError::Protocol(format!(
-            "{} copies from the device pool; this engine gave host bytes",
-            crate::transport_name(self.transport)
-        ))
     }
 }

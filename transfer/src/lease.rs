@@ -1,14 +1,14 @@
 //! The decode worker's reservations ("leases"): blocks reserved for one request's prompt KV,
 //! what has arrived, and the commit that hands them to the engine.
 //!
-//! Each lease has a read/write lock on its state: in-process writers (gRPC and TCP receivers)
-//! hold the read side while they copy into the blocks, and commit or cancel takes the write
-//! side, so no byte lands in a block after its lease ended. Remote writers (shared memory)
-//! are fenced by owner tags instead (see `shm`).
+//! Each lease has a read/write lock on its state: in-process writers (the gRPC and TCP
+//! receivers, the `nccl` receiver thread) hold the read side while they write the blocks, and
+//! commit or cancel takes the write side, so no byte lands in a block after its lease ended.
+//! Remote writers (`shm`, `cuda-ipc`) are fenced by owner tags instead (see `shm`).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::{Arc, Mutex, RwLock, RwLockWriteGuard};
 use std::time::{Duration, Instant};
 
 use rayon::prelude::*;
@@ -293,23 +293,12 @@ impl LeaseTable {
         num_tokens: usize,
         request_id: &str,
     ) -> Result<Opened, TransferError> {
-        self.open(None, blocks, Vec::new(), num_tokens, request_id)
+        self.create_claimed(None, blocks, Vec::new(), num_tokens, request_id)
     }
 
     /// Opens a lease over `blocks` after the held prefix `cached` (both counted against
     /// `claim` until it ends); the caller keeps the blocks of both and releases them.
     pub fn create_claimed(
-        &self,
-        claim: Option<QuotaClaim>,
-        blocks: Vec<u32>,
-        cached: Vec<u32>,
-        num_tokens: usize,
-        request_id: &str,
-    ) -> Result<Opened, TransferError> {
-        self.open(claim, blocks, cached, num_tokens, request_id)
-    }
-
-    fn open(
         &self,
         claim: Option<QuotaClaim>,
         blocks: Vec<u32>,
@@ -441,10 +430,11 @@ impl LeaseTable {
     }
 
     /// Verifies a commit and hands the KV to the waiting request. In-process transports must
-    /// have delivered every (layer, block); shared memory is verified by its checksums.
+    /// have delivered every (layer, block); shared memory is verified by its checksums,
+    /// `cuda-ipc` by the bytes its sender counted.
     pub fn commit(&self, c: &KvCommit) -> Result<u64, TransferError> {
         let lease = self.check_header(&c.lease, &c.kv_layout_hash)?;
-        let mut state = lease.state.write().unwrap_or_else(|p| p.into_inner());
+        let state = lease.state.write().unwrap_or_else(|p| p.into_inner());
         if *state != State::Open {
             return Err(TransferError::Cancelled);
         }
@@ -461,9 +451,6 @@ impl LeaseTable {
                 return Err(e);
             }
         };
-        *state = State::Committed;
-        drop(state);
-        self.end(&lease);
         let commit = Commit {
             first_token: c.first_token,
             first_logprob: c.first_logprob,
@@ -472,15 +459,7 @@ impl LeaseTable {
             bytes,
             transport,
         };
-        if let Some(tx) = lease
-            .commit_tx
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .take()
-        {
-            // The request may have gone away meanwhile; its cleanup releases the blocks.
-            let _ = tx.send(Ok(commit));
-        }
+        self.settle(&lease, state, Ok(commit));
         Ok(bytes)
     }
 
@@ -556,11 +535,26 @@ impl LeaseTable {
     /// Ends an open lease because its transfer went wrong, telling the waiting request why.
     /// The waiter releases the blocks.
     fn fail(&self, lease: &Lease, reason: String) {
-        let mut state = lease.state.write().unwrap_or_else(|p| p.into_inner());
+        let state = lease.state.write().unwrap_or_else(|p| p.into_inner());
         if *state != State::Open {
             return;
         }
-        *state = State::Cancelled;
+        self.settle(lease, state, Err(reason));
+    }
+
+    /// Ends an open lease, whose state the caller holds, with `outcome` (committed or
+    /// failed), and tells the waiting request.
+    fn settle(
+        &self,
+        lease: &Lease,
+        mut state: RwLockWriteGuard<'_, State>,
+        outcome: Result<Commit, String>,
+    ) {
+        *state = if outcome.is_ok() {
+            State::Committed
+        } else {
+            State::Cancelled
+        };
         drop(state);
         self.end(lease);
         if let Some(tx) = lease
@@ -569,7 +563,8 @@ impl LeaseTable {
             .unwrap_or_else(|p| p.into_inner())
             .take()
         {
-            let _ = tx.send(Err(reason));
+            // The request may have gone away meanwhile; its cleanup releases the blocks.
+            let _ = tx.send(outcome);
         }
     }
 

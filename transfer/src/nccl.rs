@@ -6,6 +6,10 @@
 //! thread, at its first transfer, on the stream of its forward pass, and sends each layer's
 //! blocks right after the forward pass that wrote them. The commit goes over gRPC; the
 //! decode worker waits for the last receive before checking it.
+//!
+//! The prefill side's communicators are kept across requests by [`NcclTransport`]; the
+//! decode side's receiver threads are [`spawn_nccl_receiver`]'s, one per prefill worker
+//! ([`NcclReceivers`]).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -13,15 +17,18 @@ use std::time::Duration;
 
 use tandem_kv::DeviceKv;
 use tandem_kv::cuda::nccl::{self, DeviceScratch, NcclAbort, NcclLink, receive_stream};
-use tandem_proto::v1::{KvDestination, OpenNcclRequest, Transport};
+use tandem_proto::v1::{OpenNcclRequest, Transport};
 
+use crate::device::{DeviceCopy, DeviceSender};
 use crate::error::TransferError;
 use crate::inplace::InPlace;
 use crate::lease::{DevicePool, LeaseTable, LeaseToken};
 use crate::nccl_wire::{self, Link, MESSAGE_AREA_BYTES};
-use crate::peers::{Opening, Peers};
+use crate::reach::Reach;
 use crate::receivers::{AbortLink, ReceiverSlot, Receivers};
-use crate::sender::{FirstToken, KvSender, SendFuture};
+use crate::sender::KvSender;
+use crate::transport::{KvTransport, OpenFuture, Opening};
+use crate::verify::VerifiedDecode;
 
 /// How long a queued send or receive may take before the link is declared dead and
 /// aborted (a peer died mid-message; NCCL itself would wait forever).
@@ -81,24 +88,25 @@ struct PeerLink {
     broken: bool,
 }
 
-/// A prefill worker's communicators, one per decode worker, kept across requests.
+/// The `nccl` transport: a prefill worker's communicators, one per decode worker, kept across
+/// requests.
 #[derive(Default)]
-pub(crate) struct NcclPeers {
+pub(crate) struct NcclTransport {
     links: tokio::sync::Mutex<HashMap<String, Arc<Mutex<PeerLink>>>>,
 }
 
-impl std::fmt::Debug for NcclPeers {
+impl std::fmt::Debug for NcclTransport {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("NcclPeers").finish_non_exhaustive()
+        f.debug_struct("NcclTransport").finish_non_exhaustive()
     }
 }
 
-impl NcclPeers {
-    /// The communicator with `dest`'s decode worker, asked for the first time it is needed
-    /// (held under the lock, so concurrent requests do not open two).
-    async fn get(
+impl NcclTransport {
+    /// The communicator with the decode worker at `endpoint`, asked for the first time it is
+    /// needed (held under the lock, so concurrent requests do not open two).
+    async fn link(
         &self,
-        peers: &Peers,
+        reach: &Reach,
         endpoint: &str,
         request_id: &str,
     ) -> Result<Arc<Mutex<PeerLink>>, TransferError> {
@@ -108,7 +116,7 @@ impl NcclPeers {
         {
             return Ok(l.clone());
         }
-        let mut client = peers.decode_client(endpoint)?;
+        let mut client = reach.decode_client(endpoint)?;
         let id = client
             .open_nccl(OpenNcclRequest {
                 prefill_id: request_id.to_string(),
@@ -125,51 +133,43 @@ impl NcclPeers {
         links.insert(endpoint.to_string(), link.clone());
         Ok(link)
     }
+}
 
-    pub(crate) fn forget(&self, dest: &KvDestination) {
+impl KvTransport for NcclTransport {
+    fn kind(&self) -> Transport {
+        Transport::Nccl
+    }
+
+    fn open<'a>(&'a self, op: Opening<'a>) -> OpenFuture<'a> {
+        Box::pin(async move {
+            let link = self
+                .link(op.reach, &op.decode.endpoint, op.request_id)
+                .await?;
+            let sender = DeviceSender::new(NcclCopy { link }, InPlace::new(op, Transport::Nccl)?);
+            Ok(Box::new(sender) as Box<dyn KvSender>)
+        })
+    }
+
+    fn forget(&self, decode: &VerifiedDecode) {
         if let Ok(mut links) = self.links.try_lock() {
-            links.remove(&dest.decode_endpoint);
+            links.remove(&decode.endpoint);
         }
     }
 }
 
 /// Sends a lease's blocks from this engine's device pool over the pair's communicator.
-pub(crate) struct NcclSender {
+struct NcclCopy {
     link: Arc<Mutex<PeerLink>>,
-    transfer: InPlace,
 }
 
-impl NcclSender {
-    pub(crate) async fn start(op: Opening<'_>) -> Result<Self, TransferError> {
-        let link = op
-            .peers
-            .nccl
-            .get(op.peers, &op.decode.endpoint, op.request_id)
-            .await?;
-        Ok(Self {
-            link,
-            transfer: InPlace::new(op, Transport::Nccl)?,
-        })
-    }
-}
-
-impl KvSender for NcclSender {
-    fn send_layer(&mut self, _: usize, _: &[(u32, &[u8])]) -> Result<(), TransferError> {
-        Err(self.transfer.host_bytes_refused())
-    }
-
-    fn reads_device(&self) -> bool {
-        true
-    }
-
-    fn send_device_layer(
+impl DeviceCopy for NcclCopy {
+    fn copy_layer(
         &mut self,
+        t: &InPlace,
         layer: usize,
         src: &DeviceKv,
         blocks: &[(u32, u32)],
     ) -> Result<(), TransferError> {
-        let t = &mut self.transfer;
-        t.start_device_layer(layer, src)?;
         let mut logical = Vec::with_capacity(blocks.len());
         let mut sources = Vec::with_capacity(blocks.len());
         for &(lb, physical) in blocks {
@@ -192,12 +192,7 @@ impl KvSender for NcclSender {
             peer.joined = None;
             return Err(e);
         }
-        t.mark(layer, logical, src.block_layer_bytes());
         Ok(())
-    }
-
-    fn commit(self: Box<Self>, first: FirstToken) -> SendFuture {
-        self.transfer.commit(first, Vec::new())
     }
 }
 

@@ -1,5 +1,5 @@
 //! The sending half's contract: one [`KvSender`] per request, fed layer by layer from the
-//! engine's thread, finished by a commit. The transports implement it; [`crate::connect`]
+//! engine's thread, finished by a commit. The transports implement it; [`crate::connect()`]
 //! makes one for the transport the router chose. This module depends on nothing else of the
 //! crate but its error type.
 

@@ -3,7 +3,8 @@
 //! serialization, each block fenced by its owner tag (the lease's
 //! [`crate::LeaseToken::fence`]; the files and their lifecycle are `tandem_kv::shm`'s). A
 //! prefill worker maps only the very pool file a verified decode worker advertised in its
-//! `GetInfo`.
+//! `GetInfo`, from its own shared-memory folder, and keeps the mapping across requests
+//! ([`ShmTransport`]).
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -16,31 +17,41 @@ use tandem_proto::v1::{Transport, WorkerInfo};
 use crate::checksum::crc32;
 use crate::error::TransferError;
 use crate::inplace::InPlace;
-use crate::peers::Opening;
+use crate::reach::Reach;
 use crate::sender::{FirstToken, KvSender, SendFuture};
+use crate::transport::{KvTransport, OpenFuture, Opening};
+use crate::verify::VerifiedDecode;
 
-/// A prefill worker's mappings of decode workers' pools, opened once per pool file.
+/// The `shm` transport: a prefill worker's mappings of decode workers' pools, opened once per
+/// pool file.
 #[derive(Debug, Default)]
-pub(crate) struct ShmPeers {
+pub(crate) struct ShmTransport {
     peers: Mutex<HashMap<(PathBuf, u64, u64), Arc<ShmPeer>>>,
 }
 
 #[derive(Debug)]
-pub(crate) struct ShmPeer {
+struct ShmPeer {
     writer: KvBlockWriter,
     tags: OwnerTags,
     /// Keeps the mapping alive.
     _cache: KvCache,
 }
 
-impl ShmPeers {
-    /// The pool a verified decode worker advertised, mapped the first time.
-    pub(crate) fn get(
+impl ShmTransport {
+    /// The shared pool of a verified decode worker, mapped from our shared-memory folder the
+    /// first time.
+    fn peer(
         &self,
-        dir: &Path,
+        reach: &Reach,
         info: &WorkerInfo,
         layout: &KvLayout,
     ) -> Result<Arc<ShmPeer>, TransferError> {
+        if info.shm_path.is_empty() {
+            return Err(TransferError::Connect(
+                "the decode worker has no shared-memory pool".into(),
+            ));
+        }
+        let dir = reach.shm_dir()?;
         let path = PathBuf::from(&info.shm_path);
         let key = (path.clone(), info.shm_device, info.shm_inode);
         let mut peers = self.peers.lock().unwrap_or_else(|p| p.into_inner());
@@ -68,9 +79,24 @@ impl ShmPeers {
         peers.insert(key, peer.clone());
         Ok(peer)
     }
+}
 
-    /// Forgets a pool (its decode worker restarted, or answered with a layout error).
-    pub(crate) fn forget(&self, path: &Path) {
+impl KvTransport for ShmTransport {
+    fn kind(&self) -> Transport {
+        Transport::Shm
+    }
+
+    fn open<'a>(&'a self, op: Opening<'a>) -> OpenFuture<'a> {
+        let opened = ShmSender::new(self, op).map(|s| Box::new(s) as Box<dyn KvSender>);
+        Box::pin(std::future::ready(opened))
+    }
+
+    /// Forgets the pool (its decode worker restarted, or answered with a layout error).
+    fn forget(&self, decode: &VerifiedDecode) {
+        if decode.info.shm_path.is_empty() {
+            return;
+        }
+        let path = Path::new(&decode.info.shm_path);
         self.peers
             .lock()
             .unwrap_or_else(|p| p.into_inner())
@@ -79,7 +105,7 @@ impl ShmPeers {
 }
 
 /// Writes a lease's blocks straight into the decode worker's shared pool.
-pub(crate) struct ShmSender {
+struct ShmSender {
     peer: Arc<ShmPeer>,
     transfer: InPlace,
     /// Layer-major CRC-32 of every (layer, logical block) written.
@@ -87,8 +113,8 @@ pub(crate) struct ShmSender {
 }
 
 impl ShmSender {
-    pub(crate) fn new(op: Opening<'_>) -> Result<Self, TransferError> {
-        let peer = op.peers.shm_peer(&op.decode.info, op.layout)?;
+    fn new(shm: &ShmTransport, op: Opening<'_>) -> Result<Self, TransferError> {
+        let peer = shm.peer(op.reach, &op.decode.info, op.layout)?;
         let n = op.layout.num_layers * op.dest.block_ids.len();
         Ok(Self {
             peer,

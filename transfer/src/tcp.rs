@@ -32,8 +32,8 @@ use crate::checksum::crc32;
 use crate::error::TransferError;
 use crate::frame::{self, HeaderReader, HeaderWriter, Kind};
 use crate::lease::{Lease, LeaseTable};
-use crate::peers::Opening;
 use crate::sender::{FirstToken, KvSender, SendFuture, SendStats};
+use crate::transport::{KvTransport, OpenFuture, Opening};
 
 /// Payload bytes per frame the sender builds.
 const MAX_FRAME_PAYLOAD: usize = 8 << 20;
@@ -82,7 +82,21 @@ fn host_of(addr: &str) -> &str {
     addr.rsplit_once(':').map_or(addr, |(host, _)| host)
 }
 
-pub(crate) struct TcpSender {
+/// The `tcp` transport: a connection per request, to the KV port the decode worker
+/// advertised in its verified info.
+pub(crate) struct TcpTransport;
+
+impl KvTransport for TcpTransport {
+    fn kind(&self) -> Transport {
+        Transport::Tcp
+    }
+
+    fn open<'a>(&'a self, op: Opening<'a>) -> OpenFuture<'a> {
+        Box::pin(async move { Ok(Box::new(TcpSender::start(op).await?) as Box<dyn KvSender>) })
+    }
+}
+
+struct TcpSender {
     tx: mpsc::Sender<Vec<u8>>,
     writer: JoinHandle<Result<(), TransferError>>,
     reader: ReadHalf<KvStream>,
@@ -93,7 +107,7 @@ pub(crate) struct TcpSender {
 }
 
 impl TcpSender {
-    pub(crate) async fn start(op: Opening<'_>) -> Result<Self, TransferError> {
+    async fn start(op: Opening<'_>) -> Result<Self, TransferError> {
         let addr =
             op.decode.kv_tcp_addr.clone().ok_or_else(|| {
                 TransferError::Connect("the decode worker has no KV TCP port".into())
@@ -109,7 +123,7 @@ impl TcpSender {
             }
         };
         stream.set_nodelay(true)?;
-        let stream: KvStream = match op.peers.auth().kv_connector(host_of(&addr)) {
+        let stream: KvStream = match op.reach.auth().kv_connector(host_of(&addr)) {
             Ok(None) => Box::new(stream),
             Ok(Some((connector, name))) => {
                 let tls = tokio::time::timeout(CONNECT_TIMEOUT, connector.connect(name, stream))
@@ -149,7 +163,7 @@ impl TcpSender {
             .bytes(lease)
             .str(&op.dest.kv_layout_hash)
             .str(op.request_id)
-            .bytes(&op.peers.auth().kv_hello_proof(&nonce, lease));
+            .bytes(&op.reach.auth().kv_hello_proof(&nonce, lease));
         frame::write(&mut write_half, Kind::Hello, &hello.0).await?;
         let (tx, mut rx) = mpsc::channel::<Vec<u8>>(QUEUE);
         let writer = tokio::spawn(async move {
