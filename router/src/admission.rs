@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
-use crate::api::error::ApiError;
+use crate::error::ApiError;
 use crate::metrics as m;
 
 /// The running slots and the bound on waiting requests.

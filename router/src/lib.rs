@@ -10,13 +10,15 @@
 //! (HTTP), `flow` (one request across the workers), `routing` (pure policy), `workers` (pool
 //! and health), `discovery` (`dns://` entries, re-resolved), `admission` (concurrency and
 //! queue bounds), `model` (tokenizer, template), `auth` (the public API key; the workers'
-//! internal credentials are `tandem-auth`'s), `metrics`.
+//! internal credentials are `tandem-auth`'s), `error` (`ApiError`, which every layer makes and
+//! only `api` renders), `metrics`.
 
 pub mod admission;
 pub mod api;
 pub mod auth;
 pub mod config;
 pub mod discovery;
+pub mod error;
 pub mod flow;
 pub mod metrics;
 pub mod model;
@@ -119,7 +121,11 @@ pub async fn run_with_resolver(
         max_connections: config.max_connections,
         header_read_timeout: config.header_read_timeout,
     };
-    let app = api::app(api::AppState::new(config, Arc::clone(&pool), prometheus));
+    let app = api::app(api::state::AppState::new(
+        config,
+        Arc::clone(&pool),
+        prometheus,
+    ));
     let server = serve::serve(listener, app, limits, shutdown.clone());
     let startup = wait_for_model(&pool, startup_timeout, pool.discovers_decode_workers());
     let drain_limit = async {

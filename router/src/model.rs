@@ -10,7 +10,7 @@ use tandem_text::{
     ChatMessage, ChatTemplate, GuideFactory, GuideSpec, TextError, TextTokenizer, TokenizerInfo,
 };
 
-use crate::api::error::ApiError;
+use crate::error::ApiError;
 
 /// The model behind the router, fixed once the first decode worker handed over its tokenizer.
 pub struct ServedModel {

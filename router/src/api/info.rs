@@ -9,10 +9,10 @@ use serde::Deserialize;
 use serde_json::{Value, json};
 use tandem_text::ChatMessage;
 
-use super::AppState;
-use super::error::{ApiError, TgiError};
 use super::extract::ApiJson;
+use super::state::AppState;
 use super::validate;
+use crate::error::{ApiError, TgiError};
 
 /// `GET /v1/models/{id}`: the served model's object, or 404 `model_not_found`.
 pub async fn model(State(state): State<AppState>, Path(id): Path<String>) -> Response {
@@ -38,7 +38,7 @@ pub async fn model(State(state): State<AppState>, Path(id): Path<String>) -> Res
 struct VllmTokenize {
     model: Option<String>,
     prompt: Option<String>,
-    messages: Option<Vec<super::openai::ChatMessageIn>>,
+    messages: Option<Vec<super::openai_request::ChatMessageIn>>,
     add_special_tokens: Option<bool>,
     add_generation_prompt: Option<bool>,
     return_token_strs: Option<bool>,

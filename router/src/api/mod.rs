@@ -1,6 +1,7 @@
-//! The HTTP surface: the axum `Router`, its shared state, the middleware every request goes
-//! through (request id + tracing span, API key, body limit), the small routes (`/health`,
-//! `/metrics`, `/v1/models`), and the launch step the four generation routes share.
+//! The HTTP surface: the axum `Router`, the middleware every request goes through (request
+//! id + tracing span, API key, body limit), and the small routes (`/health`, `/metrics`, and
+//! the 404/405 fallbacks). The state every handler shares is `state`'s; the launch step the
+//! four generation routes share is `launch`'s; each route family has its own file.
 //!
 //! Route families: `/v1/*`, `/tokenize` and `/detokenize` speak OpenAI/vLLM and render errors
 //! OpenAI style; `/`, `/generate`, `/generate_stream` and `/info` speak TGI and render errors
@@ -8,18 +9,17 @@
 //! when configured, guards both families; `/health` and `/metrics` stay open so that probes
 //! and scrapers need no secret.
 
-pub mod error;
 pub mod extract;
 pub mod info;
+pub mod launch;
 pub mod logprobs;
 pub mod openai;
+pub mod openai_request;
 pub mod sse;
+pub mod state;
 pub mod structured;
 pub mod tgi;
 pub mod validate;
-
-use std::sync::Arc;
-use std::time::Instant;
 
 use axum::Router;
 use axum::extract::{DefaultBodyLimit, Request, State};
@@ -27,109 +27,13 @@ use axum::http::{HeaderValue, StatusCode, header};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use metrics_exporter_prometheus::PrometheusHandle;
 use serde_json::json;
 use tracing::Instrument;
 
-use crate::admission::{Admission, InFlight};
-use crate::config::RouterConfig;
-use crate::flow::{self, FinishOut, FlowContext, FlowEvent, FlowPending, FlowRequest, FlowStream};
+use crate::error::{ApiError, ApiFlavor};
 use crate::metrics as m;
-use crate::model::ServedModel;
-use crate::workers::WorkerPool;
-use error::{ApiError, ApiFlavor};
-
-/// Shared by every handler.
-#[derive(Clone)]
-pub struct AppState(Arc<Shared>);
-
-struct Shared {
-    config: RouterConfig,
-    pool: Arc<WorkerPool>,
-    flow: Arc<FlowContext>,
-    admission: Admission,
-    /// Tokenizations and chat-template renderings running at once: one per core, so that
-    /// huge prompts queue here instead of occupying every blocking thread.
-    tokenizing: Arc<tokio::sync::Semaphore>,
-    prometheus: PrometheusHandle,
-}
-
-impl std::fmt::Debug for AppState {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("AppState")
-            .field("config", &self.0.config)
-            .finish_non_exhaustive()
-    }
-}
-
-impl AppState {
-    pub fn new(config: RouterConfig, pool: Arc<WorkerPool>, prometheus: PrometheusHandle) -> Self {
-        let flow = Arc::new(FlowContext {
-            pool: Arc::clone(&pool),
-            agg_threshold: config.agg_threshold,
-            fallback: config.fallback,
-            lease_ttl_ms: config.lease_ttl_ms,
-            routing: config.routing,
-            kv_overlap_weight: config.kv_overlap_weight,
-            decode_turn: Default::default(),
-            prefill_turn: Default::default(),
-        });
-        let admission = Admission::new(config.max_concurrent_requests, config.max_queued_requests);
-        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-        AppState(Arc::new(Shared {
-            config,
-            pool,
-            flow,
-            admission,
-            tokenizing: Arc::new(tokio::sync::Semaphore::new(cores)),
-            prometheus,
-        }))
-    }
-
-    /// Tokenizes (or renders and tokenizes) with `f` on the blocking pool, at most one job
-    /// per core at a time.
-    pub async fn encode<F, T>(&self, model: &Arc<ServedModel>, f: F) -> Result<T, ApiError>
-    where
-        F: FnOnce(&ServedModel) -> Result<T, ApiError> + Send + 'static,
-        T: Send + 'static,
-    {
-        let _slot = Arc::clone(&self.0.tokenizing)
-            .acquire_owned()
-            .await
-            .map_err(|_| ApiError::Internal)?;
-        crate::model::encode_blocking(Arc::clone(model), f).await
-    }
-
-    pub fn config(&self) -> &RouterConfig {
-        &self.0.config
-    }
-
-    pub fn pool(&self) -> &Arc<WorkerPool> {
-        &self.0.pool
-    }
-
-    /// The served model, or 503 while no decode worker has handed over its tokenizer.
-    pub fn model(&self) -> Result<Arc<ServedModel>, ApiError> {
-        self.0.pool.model().ok_or(ApiError::Starting)
-    }
-
-    /// Checks the `model` field of an OpenAI request (absent means the served model).
-    pub fn check_model_name(
-        &self,
-        model: &ServedModel,
-        asked: Option<&str>,
-    ) -> Result<(), ApiError> {
-        match asked {
-            Some(name) if name != model.name => Err(ApiError::ModelNotFound(name.to_string())),
-            _ => Ok(()),
-        }
-    }
-}
-
-/// The request id of the request being served: the client's `x-request-id` when it is
-/// sane, else a fresh one. Every gRPC call and log line of the request carries it.
-#[derive(Debug, Clone)]
-pub struct RequestId(pub String);
+use launch::record_rejection;
+use state::{AppState, RequestId};
 
 /// Builds the whole HTTP application.
 pub fn app(state: AppState) -> Router {
@@ -250,8 +154,8 @@ async fn health(State(state): State<AppState>) -> Response {
 /// `GET /metrics`: Prometheus text. Open, no API key. The recorder's series, then the
 /// per-worker families of the workers in the pool now (see `render_worker_families`).
 async fn prometheus_metrics(State(state): State<AppState>) -> Response {
-    let mut text = state.0.prometheus.render();
-    text.push_str(&m::render_worker_families(&state.0.pool.worker_samples()));
+    let mut text = state.prometheus().render();
+    text.push_str(&m::render_worker_families(&state.pool().worker_samples()));
     (
         [(
             header::CONTENT_TYPE,
@@ -260,142 +164,6 @@ async fn prometheus_metrics(State(state): State<AppState>) -> Response {
         text,
     )
         .into_response()
-}
-
-/// Counts a request refused before any worker was involved.
-pub fn record_rejection(e: &ApiError) {
-    if e.is_server_side() {
-        tracing::warn!(error = %e, "request refused");
-    } else {
-        tracing::info!(error = %e, "request refused");
-    }
-    metrics::counter!(m::REQUESTS_TOTAL, "mode" => "none", "outcome" => e.kind()).increment(1);
-}
-
-/// Takes a running slot for a request that passed its cheap checks (429 when every place is
-/// taken, 503 after waiting past the deadline). Tokenization and template rendering happen
-/// after this, so overload is refused before any of that work.
-pub async fn admit(state: &AppState, deadline: Option<Instant>) -> Result<InFlight, ApiError> {
-    let admit = state.0.admission.admit();
-    match deadline {
-        Some(d) => tokio::time::timeout_at(d.into(), admit)
-            .await
-            .unwrap_or(Err(ApiError::QueueTimeout)),
-        None => admit.await,
-    }
-}
-
-/// Starts an admitted request.
-pub fn start(state: &AppState, request: FlowRequest, in_flight: InFlight) -> FlowPending {
-    flow::start(Arc::clone(&state.0.flow), request, in_flight)
-}
-
-/// One choice of a whole generation, for the non-streaming routes.
-#[derive(Debug)]
-pub struct Collected {
-    /// The text of the non-special tokens.
-    pub text: String,
-    pub finish: FinishOut,
-    /// The id of the last token, if any (TGI tells EOS from stop sequences by it).
-    pub last_token: Option<u32>,
-    /// Every token as it was generated (TGI's `details.tokens`).
-    pub tokens: Vec<crate::flow::TokenOut>,
-    /// The choice it was generated as (its seed is the request's plus this), whatever
-    /// [`CollectedAll::best`] numbers it.
-    pub generated_as: u32,
-}
-
-impl Collected {
-    /// The mean logprob of its tokens, how `best_of` ranks choices (OpenAI: "the highest log
-    /// probability per token"); a choice without tokens ranks last.
-    pub fn mean_logprob(&self) -> f64 {
-        if self.tokens.is_empty() {
-            return f64::NEG_INFINITY;
-        }
-        let sum: f64 = self.tokens.iter().map(|t| f64::from(t.logprob)).sum();
-        sum / self.tokens.len() as f64
-    }
-}
-
-/// Every choice of a whole generation, by choice index.
-#[derive(Debug)]
-pub struct CollectedAll {
-    pub choices: Vec<Collected>,
-    /// The last finish: its `total_completion_tokens` counts every choice.
-    pub finish: FinishOut,
-}
-
-impl CollectedAll {
-    /// The `keep` best choices by [`Collected::mean_logprob`], best first (ties keep their
-    /// order), numbered again from 0.
-    pub fn best(mut self, keep: usize) -> Self {
-        self.choices
-            .sort_by(|a, b| b.mean_logprob().total_cmp(&a.mean_logprob()));
-        self.choices.truncate(keep.max(1));
-        for (i, c) in (0..).zip(self.choices.iter_mut()) {
-            c.finish.choice = i;
-            for t in &mut c.tokens {
-                t.choice = i;
-            }
-        }
-        self
-    }
-}
-
-/// Reads a started generation to its end. Nothing has been sent yet, so a failure here
-/// still becomes a real HTTP status.
-pub async fn collect(mut stream: FlowStream) -> Result<CollectedAll, ApiError> {
-    let mut texts: std::collections::BTreeMap<u32, (String, Vec<crate::flow::TokenOut>)> =
-        std::collections::BTreeMap::new();
-    let mut done: Vec<Collected> = Vec::new();
-    while let Some(event) = stream.events.recv().await {
-        let finish = match event {
-            FlowEvent::Token(token, finish) => {
-                let (text, tokens) = texts.entry(token.choice).or_default();
-                if !token.special {
-                    text.push_str(&token.text);
-                }
-                tokens.push(token);
-                match finish {
-                    Some(finish) => finish,
-                    None => continue,
-                }
-            }
-            FlowEvent::Finished(finish) => finish,
-            FlowEvent::Failed(e) => return Err(e),
-        };
-        let (text, tokens) = texts.remove(&finish.choice).unwrap_or_default();
-        let last = finish.last;
-        done.push(Collected {
-            generated_as: finish.choice,
-            text,
-            last_token: tokens.last().map(|t| t.id),
-            tokens,
-            finish: finish.clone(),
-        });
-        if last {
-            done.sort_by_key(|c| c.finish.choice);
-            return Ok(CollectedAll {
-                choices: done,
-                finish,
-            });
-        }
-    }
-    tracing::error!("event stream ended without a finish");
-    Err(ApiError::WorkerFailed)
-}
-
-/// The request deadline from the configured timeout.
-pub fn deadline_from(state: &AppState, arrival: Instant) -> Option<Instant> {
-    state.config().request_timeout.map(|t| arrival + t)
-}
-
-/// Unix seconds now (the `created` field).
-pub fn unix_now() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or_default()
 }
 
 #[cfg(test)]

@@ -20,6 +20,9 @@
 //! `model` that is not the served one gets 404 `model_not_found`; an absent `model` means the
 //! served one.
 //!
+//! The bodies as clients send them are `openai_request`'s; this file validates them into a
+//! `FlowRequest` and answers.
+//!
 //! Where the `tandem` extension goes: non-streaming, in `usage.tandem`; streaming with
 //! `stream_options.include_usage`, in the usage chunk's `usage.tandem`; streaming without
 //! it, as a top-level `tandem` object on the final chunk (the one with `finish_reason`).
@@ -32,201 +35,33 @@ use axum::Extension;
 use axum::extract::State;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
-use serde::Deserialize;
 use serde_json::Value;
 use tandem_proto::v1::StopParams;
 use tandem_text::ChatMessage;
 
-use super::error::{ApiError, ApiFlavor};
 use super::extract::ApiJson;
+use super::launch::{admit, collect, deadline_from, record_rejection, start, unix_now};
 use super::logprobs::LogprobsShape;
+use super::openai_request::{ChatRequest, CompletionRequest, OpenAiSampling};
 use super::sse::{StreamFormatter, stream_response, tandem_headers};
-use super::structured::{self, OpenAiStructured, Structured};
-use super::validate::{self, StopField, UnimplementedFields, refuse_unimplemented};
-use super::{
-    AppState, RequestId, admit, collect, deadline_from, record_rejection, start, unix_now,
-};
+use super::state::{AppState, RequestId};
+use super::structured::{self, Structured};
+use super::validate::{self, refuse_unimplemented};
 use crate::admission::InFlight;
+use crate::error::{ApiError, ApiFlavor};
 use crate::flow::FlowRequest;
 use crate::model::ServedModel;
 
 /// Default `max_tokens` of `/v1/completions` (OpenAI's); chat defaults to the room left.
 const DEFAULT_COMPLETION_MAX_TOKENS: u32 = 16;
 
-#[derive(Debug, Default, Deserialize)]
-pub struct StreamOptions {
-    pub include_usage: Option<bool>,
-}
-
-/// Fields both OpenAI generation requests share, validated into worker parameters. (Kept
-/// as plain fields in each request rather than `#[serde(flatten)]`, which would lose the
-/// field name in type errors.)
-#[derive(Debug, Default)]
-pub struct SamplingFields {
-    pub temperature: Option<f64>,
-    pub top_p: Option<f64>,
-    pub n: Option<i64>,
-    pub best_of: Option<i64>,
-    pub stream: Option<bool>,
-    pub stream_options: Option<StreamOptions>,
-    pub stop: Option<StopField>,
-    pub stop_token_ids: Option<Vec<u32>>,
-    pub seed: Option<u64>,
-    pub ignore_eos: Option<bool>,
-    pub top_k: Option<i64>,
-    pub repetition_penalty: Option<f64>,
-    pub min_tokens: Option<i64>,
-    pub presence_penalty: Option<f64>,
-    pub frequency_penalty: Option<f64>,
-    pub logit_bias: Option<serde_json::Map<String, Value>>,
-    /// Set by the route from its own fields (`logprobs`, `top_logprobs`, structured output).
-    pub logprobs: Option<LogprobsShape>,
-    pub top_logprobs: u32,
-    pub guide: Option<Structured>,
-    /// vLLM's `prompt_logprobs`.
-    pub prompt_logprobs: Option<i64>,
+/// What a route makes of its own fields before the shared ones are validated.
+struct RouteSampling {
+    logprobs: Option<LogprobsShape>,
+    top_logprobs: u32,
+    guide: Option<Structured>,
     /// Completions with `echo` and `logprobs: N`: the prompt's logprobs with N alternatives.
-    pub echo_logprobs: Option<u32>,
-}
-
-/// Moves the unimplemented fields out of a request struct that has them all.
-macro_rules! unimplemented_fields {
-    ($body:expr) => {
-        UnimplementedFields {
-            guided_whitespace_pattern: $body.guided_whitespace_pattern,
-            tool_choice: $body.tool_choice,
-            functions: $body.functions,
-            function_call: $body.function_call,
-        }
-    };
-}
-
-/// Moves the structured-output fields out of a request struct that has them all.
-macro_rules! structured_fields {
-    ($body:expr) => {
-        OpenAiStructured {
-            response_format: $body.response_format,
-            guided_json: $body.guided_json,
-            guided_regex: $body.guided_regex,
-            guided_choice: $body.guided_choice,
-            guided_grammar: $body.guided_grammar,
-            structured_outputs: $body.structured_outputs,
-        }
-    };
-}
-
-/// Moves the shared fields out of a request struct that has them all.
-macro_rules! sampling_fields {
-    ($body:expr) => {
-        SamplingFields {
-            temperature: $body.temperature,
-            top_p: $body.top_p,
-            n: $body.n,
-            best_of: $body.best_of,
-            stream: $body.stream,
-            stream_options: $body.stream_options,
-            stop: $body.stop,
-            stop_token_ids: $body.stop_token_ids,
-            seed: $body.seed,
-            ignore_eos: $body.ignore_eos,
-            top_k: $body.top_k,
-            repetition_penalty: $body.repetition_penalty,
-            min_tokens: $body.min_tokens,
-            presence_penalty: $body.presence_penalty,
-            frequency_penalty: $body.frequency_penalty,
-            logit_bias: $body.logit_bias,
-            logprobs: None,
-            top_logprobs: 0,
-            guide: None,
-            prompt_logprobs: $body.prompt_logprobs,
-            echo_logprobs: None,
-        }
-    };
-}
-
-/// `POST /v1/completions` body.
-#[derive(Debug, Deserialize)]
-pub struct CompletionRequest {
-    pub model: Option<String>,
-    pub prompt: Option<Value>,
-    pub max_tokens: Option<i64>,
-    pub logprobs: Option<i64>,
-    pub echo: Option<bool>,
-    pub suffix: Option<String>,
-    pub temperature: Option<f64>,
-    pub top_p: Option<f64>,
-    pub n: Option<i64>,
-    pub best_of: Option<i64>,
-    pub stream: Option<bool>,
-    pub stream_options: Option<StreamOptions>,
-    pub stop: Option<StopField>,
-    pub stop_token_ids: Option<Vec<u32>>,
-    pub seed: Option<u64>,
-    pub ignore_eos: Option<bool>,
-    pub top_k: Option<i64>,
-    pub repetition_penalty: Option<f64>,
-    pub min_tokens: Option<i64>,
-    pub presence_penalty: Option<f64>,
-    pub frequency_penalty: Option<f64>,
-    pub logit_bias: Option<serde_json::Map<String, Value>>,
-    pub response_format: Option<Value>,
-    pub top_logprobs: Option<i64>,
-    pub prompt_logprobs: Option<i64>,
-    pub guided_json: Option<Value>,
-    pub guided_regex: Option<Value>,
-    pub guided_choice: Option<Value>,
-    pub guided_grammar: Option<Value>,
-    pub structured_outputs: Option<Value>,
-    pub guided_whitespace_pattern: Option<Value>,
-    pub tool_choice: Option<Value>,
-    pub functions: Option<Value>,
-    pub function_call: Option<Value>,
-}
-
-/// One chat message as clients send it.
-#[derive(Debug, Deserialize)]
-pub struct ChatMessageIn {
-    pub role: String,
-    pub content: Option<Value>,
-}
-
-/// `POST /v1/chat/completions` body.
-#[derive(Debug, Deserialize)]
-pub struct ChatRequest {
-    pub model: Option<String>,
-    pub messages: Option<Vec<ChatMessageIn>>,
-    pub max_tokens: Option<i64>,
-    pub max_completion_tokens: Option<i64>,
-    pub logprobs: Option<bool>,
-    pub tools: Option<Vec<Value>>,
-    pub temperature: Option<f64>,
-    pub top_p: Option<f64>,
-    pub n: Option<i64>,
-    pub best_of: Option<i64>,
-    pub stream: Option<bool>,
-    pub stream_options: Option<StreamOptions>,
-    pub stop: Option<StopField>,
-    pub stop_token_ids: Option<Vec<u32>>,
-    pub seed: Option<u64>,
-    pub ignore_eos: Option<bool>,
-    pub top_k: Option<i64>,
-    pub repetition_penalty: Option<f64>,
-    pub min_tokens: Option<i64>,
-    pub presence_penalty: Option<f64>,
-    pub frequency_penalty: Option<f64>,
-    pub logit_bias: Option<serde_json::Map<String, Value>>,
-    pub response_format: Option<Value>,
-    pub top_logprobs: Option<i64>,
-    pub prompt_logprobs: Option<i64>,
-    pub guided_json: Option<Value>,
-    pub guided_regex: Option<Value>,
-    pub guided_choice: Option<Value>,
-    pub guided_grammar: Option<Value>,
-    pub structured_outputs: Option<Value>,
-    pub guided_whitespace_pattern: Option<Value>,
-    pub tool_choice: Option<Value>,
-    pub functions: Option<Value>,
-    pub function_call: Option<Value>,
+    echo_logprobs: Option<u32>,
 }
 
 /// What the shared fields validate into.
@@ -250,7 +85,12 @@ struct Params {
     echo_logprobs: bool,
 }
 
-fn params(f: SamplingFields, model: &ServedModel) -> Result<Params, ApiError> {
+/// Validates the shared fields (`f`) with what the route made of its own (`route`).
+fn params(
+    f: OpenAiSampling,
+    route: RouteSampling,
+    model: &ServedModel,
+) -> Result<Params, ApiError> {
     let stream = f.stream.unwrap_or(false);
     let (choices, best_of) = validate::n_and_best_of(f.n, f.best_of, stream)?;
     if f.stream_options.is_some() && !stream {
@@ -274,7 +114,7 @@ fn params(f: SamplingFields, model: &ServedModel) -> Result<Params, ApiError> {
         }
         Some(n) => Some(validate::top_logprobs(Some(n), "prompt_logprobs")?),
     };
-    let prompt_logprobs = match (vllm_prompt_logprobs, f.echo_logprobs) {
+    let prompt_logprobs = match (vllm_prompt_logprobs, route.echo_logprobs) {
         (Some(a), Some(b)) => Some(a.max(b)),
         (a, b) => a.or(b),
     };
@@ -282,8 +122,8 @@ fn params(f: SamplingFields, model: &ServedModel) -> Result<Params, ApiError> {
         presence_penalty: validate::openai_penalty(f.presence_penalty, "presence_penalty")?,
         frequency_penalty: validate::openai_penalty(f.frequency_penalty, "frequency_penalty")?,
         logit_bias: validate::logit_bias(f.logit_bias, model)?,
-        top_logprobs: f.top_logprobs,
-        guide: f.guide.as_ref().map(Structured::to_proto),
+        top_logprobs: route.top_logprobs,
+        guide: route.guide.as_ref().map(Structured::to_proto),
         n: best_of,
         prompt_logprobs,
         ..validate::sampling(
@@ -296,8 +136,8 @@ fn params(f: SamplingFields, model: &ServedModel) -> Result<Params, ApiError> {
     };
     Ok(Params {
         sampling,
-        logprobs: f.logprobs,
-        guide: f.guide,
+        logprobs: route.logprobs,
+        guide: route.guide,
         min_tokens: f.min_tokens,
         stop_strings: validate::stop_strings(f.stop)?,
         stop_token_ids: validate::stop_token_ids(f.stop_token_ids, model)?,
@@ -306,7 +146,7 @@ fn params(f: SamplingFields, model: &ServedModel) -> Result<Params, ApiError> {
         include_usage,
         choices,
         vllm_prompt_logprobs: vllm_prompt_logprobs.is_some(),
-        echo_logprobs: f.echo_logprobs.is_some(),
+        echo_logprobs: route.echo_logprobs.is_some(),
     })
 }
 
@@ -432,12 +272,12 @@ pub async fn completions(
         let model = state.model()?;
         let ApiJson(body) = body?;
         state.check_model_name(&model, body.model.as_deref())?;
-        refuse_unimplemented(&unimplemented_fields!(body))?;
+        refuse_unimplemented(&body.sampling.unimplemented)?;
         let echo = body.echo == Some(true);
         if body.suffix.is_some() {
             return Err(validate::unsupported("suffix", "no insertion"));
         }
-        if body.top_logprobs.is_some() {
+        if body.sampling.top_logprobs.is_some() {
             return Err(ApiError::invalid(
                 "top_logprobs",
                 "completions take the number of alternatives as `logprobs`",
@@ -452,17 +292,14 @@ pub async fn completions(
                 validate::top_logprobs(Some(n), "logprobs")?,
             ),
         };
-        let guide = structured_fields!(body).parse()?;
-        let p = params(
-            SamplingFields {
-                logprobs: shape,
-                top_logprobs: top,
-                guide,
-                echo_logprobs: (echo && shape.is_some()).then_some(top),
-                ..sampling_fields!(body)
-            },
-            &model,
-        )?;
+        let guide = body.sampling.structured.parse()?;
+        let route = RouteSampling {
+            logprobs: shape,
+            top_logprobs: top,
+            guide,
+            echo_logprobs: (echo && shape.is_some()).then_some(top),
+        };
+        let p = params(body.sampling, route, &model)?;
         let prompt = parse_prompt(body.prompt)?;
         if let PromptInput::Ids(ids) = &prompt {
             validate::prompt_ids(ids, &model, "prompt")?;
@@ -536,9 +373,9 @@ pub async fn chat_completions(
         let model = state.model()?;
         let ApiJson(body) = body?;
         state.check_model_name(&model, body.model.as_deref())?;
-        refuse_unimplemented(&unimplemented_fields!(body))?;
+        refuse_unimplemented(&body.sampling.unimplemented)?;
         let wants_logprobs = body.logprobs == Some(true);
-        let top = validate::top_logprobs(body.top_logprobs, "top_logprobs")?;
+        let top = validate::top_logprobs(body.sampling.top_logprobs, "top_logprobs")?;
         if top > 0 && !wants_logprobs {
             return Err(ApiError::invalid(
                 "top_logprobs",
@@ -553,16 +390,14 @@ pub async fn chat_completions(
             Some(n) => validate::max_tokens(Some(n), "max_completion_tokens")?,
             None => validate::max_tokens(body.max_tokens, "max_tokens")?,
         };
-        let guide = structured_fields!(body).parse()?;
-        let p = params(
-            SamplingFields {
-                logprobs: wants_logprobs.then_some(LogprobsShape::Chat),
-                top_logprobs: top,
-                guide,
-                ..sampling_fields!(body)
-            },
-            &model,
-        )?;
+        let guide = body.sampling.structured.parse()?;
+        let route = RouteSampling {
+            logprobs: wants_logprobs.then_some(LogprobsShape::Chat),
+            top_logprobs: top,
+            guide,
+            echo_logprobs: None,
+        };
+        let p = params(body.sampling, route, &model)?;
         let messages = match body.messages {
             None => return Err(ApiError::invalid("messages", "`messages` is required")),
             Some(m) if m.is_empty() => {

@@ -12,10 +12,10 @@ use serde_json::Value;
 use tandem_proto::v1::FinishReason;
 
 use super::Kind;
-use crate::api::CollectedAll;
-use crate::api::error::ApiError;
+use crate::api::launch::CollectedAll;
 use crate::api::logprobs::{Logprobs, LogprobsBuilder, LogprobsShape, vllm_prompt_logprobs};
 use crate::api::sse::{StreamFormatter, data_event};
+use crate::error::ApiError;
 use crate::flow::{FinishOut, FlowEvent, Head, TokenOut, transport_name};
 use crate::model::ServedModel;
 

@@ -1,6 +1,7 @@
 //! Golden tests of the OpenAI objects and stream chunks (ids and timestamps fixed).
 
 use super::*;
+use crate::api::validate::UnimplementedFields;
 use crate::flow::{FinishOut, FlowEvent, Head, RunMode, TokenOut};
 use crate::routing::FallbackReason;
 use tandem_proto::v1::FinishReason;
@@ -74,9 +75,9 @@ fn finish(reason: FinishReason, kv_bytes: u64, transport: Option<Transport>) -> 
 }
 
 /// A one-choice generation of `text` without tokens.
-fn whole(text: &str, finish: FinishOut) -> crate::api::CollectedAll {
-    crate::api::CollectedAll {
-        choices: vec![crate::api::Collected {
+fn whole(text: &str, finish: FinishOut) -> crate::api::launch::CollectedAll {
+    crate::api::launch::CollectedAll {
+        choices: vec![crate::api::launch::Collected {
             text: text.into(),
             finish: finish.clone(),
             last_token: None,

@@ -20,7 +20,7 @@ use axum::http::{HeaderMap, HeaderValue, header};
 use axum::response::Response;
 use tokio::sync::{mpsc, oneshot};
 
-use super::error::{ApiError, ApiFlavor};
+use crate::error::{ApiError, ApiFlavor};
 use crate::flow::{FlowEvent, FlowPending, Head, transport_name};
 use crate::metrics as m;
 

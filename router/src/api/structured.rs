@@ -5,12 +5,13 @@
 //! given. Shapes are checked here; whether the grammar compiles is checked after admission
 //! ([`crate::model::ServedModel::check_guide`]), with the workers' own compiler.
 
+use serde::Deserialize;
 use serde_json::Value;
 use tandem_proto::v1::{Choices, Guide, guide};
 use tandem_text::GuideSpec;
 
-use super::AppState;
-use super::error::ApiError;
+use super::state::AppState;
+use crate::error::ApiError;
 use crate::model::ServedModel;
 use std::sync::Arc;
 
@@ -50,8 +51,9 @@ pub async fn check(
         .await
 }
 
-/// The structured-output fields of an OpenAI (or vLLM) request.
-#[derive(Debug, Default)]
+/// The structured-output fields of an OpenAI (or vLLM) request. Typed as raw JSON, so any
+/// value parses and [`OpenAiStructured::parse`] names the field at fault.
+#[derive(Debug, Default, Deserialize)]
 pub struct OpenAiStructured {
     pub response_format: Option<Value>,
     pub guided_json: Option<Value>,

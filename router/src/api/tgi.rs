@@ -26,15 +26,14 @@ use axum::response::{IntoResponse, Response};
 use serde::{Deserialize, Serialize};
 use tandem_proto::v1::{FinishReason, StopParams};
 
-use super::error::{ApiError, ApiFlavor, TgiError};
-use super::extract::ApiJson;
+use super::extract::{ApiJson, JsonBody};
+use super::launch::{Collected, admit, collect, deadline_from, record_rejection, start};
 use super::sse::{StreamFormatter, data_event, stream_response, tandem_headers};
+use super::state::{AppState, RequestId};
 use super::structured;
 use super::validate::{self, StopField};
-use super::{
-    AppState, Collected, RequestId, admit, collect, deadline_from, record_rejection, start,
-};
 use crate::admission::InFlight;
+use crate::error::{ApiError, ApiFlavor, TgiError};
 use crate::flow::{FinishOut, FlowEvent, FlowRequest, TokenOut};
 use crate::model::ServedModel;
 
@@ -47,6 +46,8 @@ pub struct TgiRequest {
     pub inputs: String,
     pub parameters: Option<TgiParameters>,
 }
+
+impl JsonBody for TgiRequest {}
 
 /// TGI's `parameters`.
 #[derive(Debug, Default, Deserialize)]
@@ -368,6 +369,8 @@ pub struct TgiCompatRequest {
     #[serde(default)]
     pub stream: bool,
 }
+
+impl JsonBody for TgiCompatRequest {}
 
 /// `POST /`: what TGI's `Client(base_url)` calls; a non-streaming answer comes as a
 /// one-element list, as TGI sends it (its client reads `payload[0]`).

@@ -13,7 +13,7 @@ use tandem_proto::limits::{
 };
 use tandem_proto::v1::{LogitBias, SamplingParams};
 
-use super::error::ApiError;
+use crate::error::ApiError;
 use crate::model::ServedModel;
 
 /// The chat roles a conversation may use.

@@ -1,7 +1,7 @@
 //! Routing policy: which workers serve a request and in which mode. Pure functions over
 //! snapshots of worker load, with no I/O, so they are unit-tested here and could move to a
-//! crate of their own (as Dynamo's `kv-router` did). `workers.rs` builds the snapshots;
-//! `flow.rs` acts on the decisions. `prefix_index` follows what each worker's prefix cache
+//! crate of their own (as Dynamo's `kv-router` did). `workers` builds the snapshots;
+//! `flow` acts on the decisions. `prefix_index` follows what each worker's prefix cache
 //! holds, from the block events on its load reports.
 
 pub mod policy;

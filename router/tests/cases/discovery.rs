@@ -67,14 +67,7 @@ fn listeners_on_one_port(hosts: &[&str]) -> (u16, Vec<std::net::TcpListener>) {
 }
 
 async fn health(router: &TestRouter) -> Value {
-    client()
-        .get(format!("{}/health", router.url))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap()
+    get_json(&router.url, "/health").await
 }
 
 /// Waits (10 s at most) until `/health` counts `decode` and `prefill` workers in the pool.
@@ -93,15 +86,6 @@ async fn wait_pool_size(router: &TestRouter, decode: u64, prefill: u64) {
     }
 }
 
-async fn complete(router: &TestRouter, max_tokens: u32) -> reqwest::Response {
-    post(
-        &router.url,
-        "/v1/completions",
-        json!({"prompt": "Hello", "max_tokens": max_tokens}),
-    )
-    .await
-}
-
 #[tokio::test]
 async fn workers_behind_a_name_join_serve_and_leave() {
     let (port, decode_listeners) = listeners_on_one_port(&["127.0.0.1", "127.0.0.2", "127.0.0.3"]);
@@ -114,7 +98,7 @@ async fn workers_behind_a_name_join_serve_and_leave() {
         .map(|(l, d)| FakeServer::start_on(l, Service::Decode(d.clone())))
         .collect();
     let prefill = FakePrefill::new("prefill-0");
-    let ps = FakeServer::start(Service::Prefill(prefill.clone()));
+    let ps = FakeServer::prefill(&prefill);
     let resolver = Arc::new(ScriptedResolver::default());
     resolver.answer("decode.test", &["127.0.0.1", "127.0.0.2", "127.0.0.1"]);
     resolver.answer("prefill.test", &["127.0.0.1"]);
@@ -130,7 +114,7 @@ async fn workers_behind_a_name_join_serve_and_leave() {
         "duplicates count once"
     );
 
-    let r = complete(&router, 4).await;
+    let r = complete(&router.url, 4).await;
     assert_eq!(r.status(), 200);
     assert_eq!(header(&r, "x-tandem-mode"), "disaggregated");
     assert_eq!(prefill.calls().len(), 1);
@@ -163,12 +147,7 @@ async fn workers_behind_a_name_join_serve_and_leave() {
     let slow = {
         let url = router.url.clone();
         tokio::spawn(async move {
-            let r = post(
-                &url,
-                "/v1/completions",
-                json!({"prompt": "Hello", "max_tokens": 10}),
-            )
-            .await;
+            let r = complete(&url, 10).await;
             (r.status(), r.json::<Value>().await.unwrap())
         })
     };
@@ -187,7 +166,7 @@ async fn workers_behind_a_name_join_serve_and_leave() {
         "the slow request outlived its worker's membership"
     );
     for _ in 0..3 {
-        assert_eq!(complete(&router, 2).await.status(), 200);
+        assert_eq!(complete(&router.url, 2).await.status(), 200);
     }
     let (status, body) = slow.await.unwrap();
     assert_eq!(status, 200);
@@ -200,17 +179,17 @@ async fn workers_behind_a_name_join_serve_and_leave() {
     resolver.fail("decode.test");
     tokio::time::sleep(Duration::from_millis(150)).await;
     assert_eq!(health(&router).await["decode_workers_healthy"], 2);
-    assert_eq!(complete(&router, 2).await.status(), 200);
+    assert_eq!(complete(&router.url, 2).await.status(), 200);
 
     // An empty answer empties the pool: 503 until workers come back.
     resolver.answer("decode.test", &[]);
     wait_pool_size(&router, 0, 1).await;
-    let r = complete(&router, 2).await;
+    let r = complete(&router.url, 2).await;
     assert_eq!(r.status(), 503);
     assert_eq!(header(&r, "retry-after"), "1");
     resolver.answer("decode.test", &["127.0.0.2"]);
     router.wait_healthy(1, 1).await;
-    assert_eq!(complete(&router, 2).await.status(), 200);
+    assert_eq!(complete(&router.url, 2).await.status(), 200);
     router.stop().await;
 }
 
@@ -226,20 +205,20 @@ async fn a_name_with_no_workers_yet_answers_503_without_stopping_the_router() {
     c.startup_timeout = Duration::from_millis(300);
     let router = TestRouter::start_with_resolver(c, resolver.clone()).await;
     for _ in 0..3 {
-        let r = complete(&router, 2).await;
+        let r = complete(&router.url, 2).await;
         assert_eq!(r.status(), 503);
         assert_eq!(header(&r, "retry-after"), "1");
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     resolver.answer("decode.test", &[]);
     tokio::time::sleep(Duration::from_millis(100)).await;
-    assert_eq!(complete(&router, 2).await.status(), 503);
+    assert_eq!(complete(&router.url, 2).await.status(), 503);
 
     let decode = FakeDecode::new("late");
     let _server = FakeServer::start_on(listeners.remove(0), Service::Decode(decode.clone()));
     resolver.answer("decode.test", &["127.0.0.1"]);
     router.wait_healthy(1, 0).await;
-    let r = complete(&router, 2).await;
+    let r = complete(&router.url, 2).await;
     assert_eq!(r.status(), 200);
     assert_eq!(header(&r, "x-tandem-mode"), "aggregated");
     assert_eq!(decode.generate_calls().len(), 1);
@@ -261,32 +240,17 @@ async fn the_binary_resolves_dns_entries_with_the_system_resolver() {
         return;
     }
     let decode = FakeDecode::new("decode-0");
-    let ds = FakeServer::start(Service::Decode(decode.clone()));
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_tandem-router"))
-        .args(["--host", "127.0.0.1", "--port", &port.to_string()])
-        .args(["--decode", &format!("dns://localhost:{}", ds.addr.port())])
-        .args(["--health-interval-ms", "50", "--dns-refresh-ms", "100"])
-        .env_remove("TANDEM_API_KEY")
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .unwrap();
-    let url = format!("http://127.0.0.1:{port}");
-    let mut health = Value::Null;
-    for _ in 0..200 {
-        if let Ok(r) = client().get(format!("{url}/health")).send().await
-            && r.status() == 200
-        {
-            health = r.json().await.unwrap();
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(25)).await;
-    }
+    let ds = FakeServer::decode(&decode);
+    let decode_entry = format!("dns://localhost:{}", ds.addr.port());
+    let (mut child, url) = spawn_binary(&[
+        "--decode",
+        &decode_entry,
+        "--health-interval-ms",
+        "50",
+        "--dns-refresh-ms",
+        "100",
+    ]);
+    let health = binary_health(&url).await.unwrap_or(Value::Null);
     let completion = post(
         &url,
         "/v1/completions",

@@ -132,12 +132,7 @@ async fn failure_after_streaming_began_ends_with_an_error_event() {
     assert!(err["error"].is_string());
 
     // Not streaming: nothing was sent yet, so the status says it.
-    let r = post(
-        &router.url,
-        "/v1/completions",
-        json!({"prompt": "Hello", "max_tokens": 10}),
-    )
-    .await;
+    let r = complete(&router.url, 10).await;
     assert_eq!(r.status(), 502);
     router.stop().await;
 }
@@ -150,7 +145,7 @@ async fn full_queue_gets_429_with_retry_after() {
         token_delay: Duration::from_millis(50),
         ..Default::default()
     });
-    let ds = FakeServer::start(Service::Decode(decode.clone()));
+    let ds = FakeServer::decode(&decode);
     let mut c = config(&[], &[&ds]);
     c.max_concurrent_requests = 1;
     c.max_queued_requests = 1;
@@ -195,8 +190,8 @@ async fn dead_decode_worker_errors_its_streams_and_is_routed_around() {
     });
     // A has more free blocks, so it is chosen first.
     lock(&b.0.load).free_blocks = 32;
-    let mut sa = FakeServer::start(Service::Decode(a.clone()));
-    let sb = FakeServer::start(Service::Decode(b.clone()));
+    let mut sa = FakeServer::decode(&a);
+    let sb = FakeServer::decode(&b);
     let router = TestRouter::start(config(&[], &[&sa, &sb])).await;
     let mut r = post(
         &router.url,
@@ -226,12 +221,7 @@ async fn dead_decode_worker_errors_its_streams_and_is_routed_around() {
     let err: Value = serde_json::from_str(&events[events.len() - 2]).unwrap();
     assert!(err["error"]["message"].is_string(), "{rest}");
     for _ in 0..3 {
-        let r = post(
-            &router.url,
-            "/v1/completions",
-            json!({"prompt": "Hello", "max_tokens": 2}),
-        )
-        .await;
+        let r = complete(&router.url, 2).await;
         assert_eq!(r.status(), 200);
     }
     assert_eq!(b.generate_calls().len(), 3);
@@ -247,15 +237,10 @@ async fn unavailable_decode_worker_is_retried_elsewhere_before_the_first_token()
         ..Default::default()
     });
     lock(&b.0.load).free_blocks = 32;
-    let sa = FakeServer::start(Service::Decode(a.clone()));
-    let sb = FakeServer::start(Service::Decode(b.clone()));
+    let sa = FakeServer::decode(&a);
+    let sb = FakeServer::decode(&b);
     let router = TestRouter::start(config(&[], &[&sa, &sb])).await;
-    let r = post(
-        &router.url,
-        "/v1/completions",
-        json!({"prompt": "Hello", "max_tokens": 2}),
-    )
-    .await;
+    let r = complete(&router.url, 2).await;
     assert_eq!(r.status(), 200);
     assert_eq!((a.generate_calls().len(), b.generate_calls().len()), (1, 1));
     // A worker that answers InvalidArgument is not retried: the request itself is bad.
@@ -267,12 +252,7 @@ async fn unavailable_decode_worker_is_retried_elsewhere_before_the_first_token()
         generate_error: Some(Code::InvalidArgument),
         ..Default::default()
     });
-    let r = post(
-        &router.url,
-        "/v1/completions",
-        json!({"prompt": "Hello", "max_tokens": 2}),
-    )
-    .await;
+    let r = complete(&router.url, 2).await;
     assert_eq!(r.status(), 400);
     let err: Value = r.json().await.unwrap();
     assert!(

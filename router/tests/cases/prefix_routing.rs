@@ -30,13 +30,18 @@ fn report_cached(decode: &FakeDecode, tokens: &[u32], free: u32) {
     };
 }
 
-async fn complete_ids(router: &TestRouter) -> Value {
-    let r = post(
+/// A completion of [`ids`].
+async fn post_ids(router: &TestRouter) -> reqwest::Response {
+    post(
         &router.url,
         "/v1/completions",
         json!({"prompt": ids(), "max_tokens": 2}),
     )
-    .await;
+    .await
+}
+
+async fn complete_ids(router: &TestRouter) -> Value {
+    let r = post_ids(router).await;
     assert_eq!(r.status(), 200);
     r.json().await.unwrap()
 }
@@ -65,8 +70,8 @@ async fn kv_aware_routing_follows_the_reported_prefix_and_the_other_policies_do_
         ..Default::default()
     };
     report_cached(&d1, &ids(), 60);
-    let s0 = FakeServer::start(Service::Decode(d0.clone()));
-    let s1 = FakeServer::start(Service::Decode(d1.clone()));
+    let s0 = FakeServer::decode(&d0);
+    let s1 = FakeServer::decode(&d1);
     let mut picks = Vec::new();
     for policy in [
         RoutingPolicy::KvAware,
@@ -100,8 +105,8 @@ async fn kv_aware_routing_follows_the_reported_prefix_and_the_other_policies_do_
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_new_conversation_turn_follows_its_first_turn_before_any_report() {
     let (d0, d1) = (FakeDecode::new("decode-0"), FakeDecode::new("decode-1"));
-    let s0 = FakeServer::start(Service::Decode(d0.clone()));
-    let s1 = FakeServer::start(Service::Decode(d1.clone()));
+    let s0 = FakeServer::decode(&d0);
+    let s1 = FakeServer::decode(&d1);
     let router = TestRouter::start(config(&[], &[&s0, &s1])).await;
     // Two conversations; each later turn extends its first (the router noted what it sent
     // where, and the fakes never report blocks).
@@ -146,8 +151,8 @@ async fn the_decode_workers_cached_prefix_is_not_sent_and_a_short_rest_runs_ther
         pulled_bytes: 4096,
         ..PrefillScript::default()
     });
-    let ps = FakeServer::start(Service::Prefill(prefill.clone()));
-    let ds = FakeServer::start(Service::Decode(decode.clone()));
+    let ps = FakeServer::prefill(&prefill);
+    let ds = FakeServer::decode(&decode);
     let router = TestRouter::start(config(&[&ps], &[&ds])).await;
     let body = complete_ids(&router).await;
     let call = prefill.calls().pop().unwrap();
@@ -170,12 +175,7 @@ async fn the_decode_workers_cached_prefix_is_not_sent_and_a_short_rest_runs_ther
     c.agg_threshold = 10;
     let router = TestRouter::start(c).await;
     let calls_before = prefill.calls().len();
-    let r = post(
-        &router.url,
-        "/v1/completions",
-        json!({"prompt": ids(), "max_tokens": 2}),
-    )
-    .await;
+    let r = post_ids(&router).await;
     assert_eq!(r.status(), 200);
     assert_eq!(header(&r, "x-tandem-mode"), "aggregated");
     assert!(r.headers().get("x-tandem-fallback").is_none());

@@ -520,12 +520,7 @@ async fn cached_prompt_tokens_are_reported_in_the_usage() {
         cached_tokens: 3,
         ..Default::default()
     });
-    let r = post(
-        &router.url,
-        "/v1/completions",
-        json!({"prompt": "Hello", "max_tokens": 2}),
-    )
-    .await;
+    let r = complete(&router.url, 2).await;
     assert_eq!(r.status(), 200);
     let body: Value = r.json().await.unwrap();
     assert_eq!(
@@ -538,12 +533,7 @@ async fn cached_prompt_tokens_are_reported_in_the_usage() {
         cached_tokens: 1000,
         ..Default::default()
     });
-    let r = post(
-        &router.url,
-        "/v1/completions",
-        json!({"prompt": "Hello", "max_tokens": 2}),
-    )
-    .await;
+    let r = complete(&router.url, 2).await;
     let body: Value = r.json().await.unwrap();
     assert_eq!(body["usage"]["prompt_tokens_details"]["cached_tokens"], 5);
 }

@@ -214,12 +214,7 @@ async fn bad_input_matrix_never_reaches_a_worker() {
 async fn context_boundary_is_accepted() {
     let (decode, _prefill, _ds, _ps, router) = setup().await;
     // 5 prompt tokens + 123 = 128, exactly the context length.
-    let r = post(
-        &router.url,
-        "/v1/completions",
-        json!({"prompt": "Hello", "max_tokens": 123}),
-    )
-    .await;
+    let r = complete(&router.url, 123).await;
     assert_eq!(r.status(), 200);
     let r = post(
         &router.url,
@@ -238,7 +233,7 @@ async fn context_boundary_is_accepted() {
 #[tokio::test]
 async fn oversized_body_is_413() {
     let decode = FakeDecode::new("decode-0");
-    let ds = FakeServer::start(Service::Decode(decode.clone()));
+    let ds = FakeServer::decode(&decode);
     let mut c = config(&[], &[&ds]);
     c.body_limit_bytes = 4096;
     let router = TestRouter::start(c).await;

@@ -1,6 +1,11 @@
 //! `ApiError`: every way an HTTP request can fail, and the one table that turns each into a
 //! status code, an error type and a body, in OpenAI style (`/v1/*`) or TGI style (`/generate*`).
 //!
+//! It sits at the crate root, below every other module, because each layer makes these
+//! errors: admission (overload), the model (tokenization), the flow (worker failures) and the
+//! HTTP routes (validation). It imports none of them, so none of them has to import the HTTP
+//! layer to fail a request.
+//!
 //! Public messages never carry diagnostics from workers or the OS (paths, addresses, gRPC
 //! details): those are logged where the error is made, and the client gets a fixed sentence
 //! plus the request id it can quote (reliability.md, Dynamo `error.rs`).

@@ -1,0 +1,367 @@
+//! The disaggregated run, in three phases: open the lease (the decode worker reserves KV
+//! blocks for the prompt and says where they are), prefill while renewing it (the prefill
+//! worker computes the prompt and writes its KV there, while the lease is kept alive and the
+//! decode worker's first token awaited), and build the head (from the prefill's answer).
+//!
+//! Every early return drops the `Generate` stream, which makes the decode worker cancel the
+//! reservation and free its blocks at once.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tandem_auth::AuthChannel;
+use tandem_proto::v1::decode_service_client::DecodeServiceClient;
+use tandem_proto::v1::generate_event::Event;
+use tandem_proto::v1::{
+    GenerateEvent, KvDestination, Lease, Mode, PrefillRequest, PrefillResponse, RenewLeaseRequest,
+    Transport, WorkerInfo,
+};
+use tonic::Streaming;
+
+use super::aggregated::run_here;
+use super::decode::{
+    AttemptError, DecodeItem, Live, decode_failure, decode_protocol_error, generate_request,
+    grpc_request, next_item,
+};
+use super::events::{Head, RunMode, prompt_entries, transport_name};
+use super::outcome::Timing;
+use super::request::{FlowContext, FlowRequest};
+use crate::error::ApiError;
+use crate::metrics as m;
+use crate::routing::PromptNames;
+use crate::workers::Worker;
+
+/// Failure of a disaggregated attempt: which side failed decides what is tried next.
+pub(super) enum DisaggError {
+    Decode(AttemptError),
+    Prefill(ApiError),
+}
+
+/// What opening the lease gave: a reservation to prefill toward, or a request the decode
+/// worker took on itself. (Boxed: both are large, and one is made per request.)
+enum Opened {
+    Leased(Box<Reservation>),
+    /// Its prefix cache held all but a short suffix: it prefilled that itself, and the first
+    /// token is in.
+    RanHere(Box<Live>),
+}
+
+/// KV blocks reserved on the decode worker, and where the prefill worker is to write them.
+struct Reservation {
+    /// The decode worker's `Generate`: its tokens come once the KV has landed.
+    stream: Streaming<GenerateEvent>,
+    /// The decode worker's client, for renewals.
+    client: DecodeServiceClient<AuthChannel>,
+    /// The lease's capability, as granted.
+    token: Vec<u8>,
+    /// The lease period the decode worker granted.
+    granted_ttl_ms: u32,
+    destination: KvDestination,
+    /// The blocks the prefill worker is to move (the destination's).
+    kv_blocks: u32,
+    /// Prompt tokens whose KV the decode worker's prefix cache holds: they are not moved.
+    decode_cached_tokens: u32,
+}
+
+/// A reservation whose prefill has answered and whose first token is in.
+struct Prefilled {
+    answer: PrefillResponse,
+    stream: Streaming<GenerateEvent>,
+    early: VecDeque<DecodeItem>,
+    kv_blocks: u32,
+    decode_cached_tokens: u32,
+}
+
+/// Runs the request on `decode` with its prompt prefilled on `prefill`, up to the head.
+pub(super) async fn run_disaggregated(
+    ctx: &FlowContext,
+    req: &FlowRequest,
+    decode: &Arc<Worker>,
+    prefill: &Worker,
+    names: &mut PromptNames<'_>,
+    timing: &mut Timing,
+) -> Result<Live, DisaggError> {
+    let reservation = match open_lease(ctx, req, decode, prefill, timing).await? {
+        Opened::Leased(reservation) => *reservation,
+        Opened::RanHere(live) => return Ok(*live),
+    };
+    let prefilled =
+        prefill_while_renewing(req, decode, prefill, names, reservation, timing).await?;
+    Ok(build_head(ctx, req, decode, prefilled))
+}
+
+/// Phase 1: opens `Generate` on the decode worker, whose first event is the lease (or word
+/// that it runs the request itself), and turns the lease into the prefill's destination.
+async fn open_lease(
+    ctx: &FlowContext,
+    req: &FlowRequest,
+    decode: &Arc<Worker>,
+    prefill: &Worker,
+    timing: &mut Timing,
+) -> Result<Opened, DisaggError> {
+    let decode_info = decode
+        .info()
+        .ok_or(DisaggError::Decode(AttemptError::DecodeDown(
+            ApiError::WorkerUnavailable,
+        )))?;
+    let mut client = decode.decode_client();
+    let request = grpc_request(
+        generate_request(ctx, req, Mode::Disaggregated),
+        &req.request_id,
+    );
+    let mut stream = client
+        .generate(request)
+        .await
+        .map_err(|s| DisaggError::Decode(decode_failure(decode, &s)))?
+        .into_inner();
+    let lease = match stream.message().await {
+        Ok(Some(GenerateEvent {
+            event: Some(Event::Lease(lease)),
+        })) => lease,
+        Ok(Some(GenerateEvent {
+            event: Some(Event::Local(local)),
+        })) => return run_locally(req, decode, stream, local.cached_tokens, timing).await,
+        Ok(_) => {
+            return Err(DisaggError::Decode(decode_protocol_error(
+                decode,
+                "the first event of a disaggregated Generate was not a lease",
+            )));
+        }
+        Err(status) => return Err(DisaggError::Decode(decode_failure(decode, &status))),
+    };
+    let decode_cached_tokens = lease.cached_tokens.min(req.prompt.len() as u32);
+    let token = lease.token.clone();
+    // The period the decode worker granted (it caps what we ask); older workers say nothing.
+    let granted_ttl_ms = match lease.ttl_ms {
+        0 => ctx.lease_ttl_ms,
+        ms => ms,
+    };
+    let destination = destination(
+        ctx,
+        decode,
+        &decode_info,
+        prefill,
+        lease,
+        decode_cached_tokens,
+    );
+    Ok(Opened::Leased(Box::new(Reservation {
+        stream,
+        client,
+        token,
+        granted_ttl_ms,
+        kv_blocks: u32::try_from(destination.block_ids.len()).unwrap_or(u32::MAX),
+        destination,
+        decode_cached_tokens,
+    })))
+}
+
+/// The decode worker's cache holds all but a short suffix of the prompt: it prefills that
+/// itself, and the request runs there.
+async fn run_locally(
+    req: &FlowRequest,
+    decode: &Arc<Worker>,
+    stream: Streaming<GenerateEvent>,
+    cached_tokens: u32,
+    timing: &mut Timing,
+) -> Result<Opened, DisaggError> {
+    let cached = cached_tokens.min(req.prompt.len() as u32);
+    tracing::debug!(decode = %decode.url, cached_tokens = cached, "the decode worker runs the uncached suffix itself");
+    metrics::counter!(m::LOCAL_PREFILLS_TOTAL).increment(1);
+    run_here(req, decode, stream, None, cached, timing)
+        .await
+        .map(|live| Opened::RanHere(Box::new(live)))
+        .map_err(DisaggError::Decode)
+}
+
+/// Where the prefill worker is to write the prompt's KV: the lease's blocks on `decode`.
+fn destination(
+    ctx: &FlowContext,
+    decode: &Worker,
+    decode_info: &WorkerInfo,
+    prefill: &Worker,
+    lease: Lease,
+    decode_cached_tokens: u32,
+) -> KvDestination {
+    // The decode worker's cache holds the prompt's first blocks: they are not sent, and the
+    // lease's blocks start after them.
+    let block_size = decode_info
+        .kv_layout
+        .as_ref()
+        .map_or(tandem_kv::BLOCK_SIZE as u32, |l| l.block_size.max(1));
+    let first_block = decode_cached_tokens / block_size;
+    tracing::debug!(
+        decode = %decode.url,
+        prefill = %prefill.url,
+        blocks = lease.block_ids.len(),
+        first_block,
+        "lease granted"
+    );
+    // The prefill worker gets the decode worker (its endpoint and the instance we verified),
+    // never addresses: it verifies the worker itself and uses what that worker advertises.
+    KvDestination {
+        transport: ctx.pool.transport() as i32,
+        decode_endpoint: decode.url.clone(),
+        decode_instance: decode_info.instance_id.clone(),
+        lease: lease.token,
+        block_ids: lease.block_ids,
+        kv_layout_hash: decode_info.kv_layout_hash.clone(),
+        first_block,
+    }
+}
+
+/// Phase 2: runs `Prefill` toward the reservation until both its answer (the KV accounting
+/// in the head) and the decode worker's first token are in, renewing the lease meanwhile.
+async fn prefill_while_renewing(
+    req: &FlowRequest,
+    decode: &Worker,
+    prefill: &Worker,
+    names: &mut PromptNames<'_>,
+    reservation: Reservation,
+    timing: &mut Timing,
+) -> Result<Prefilled, DisaggError> {
+    let Reservation {
+        mut stream,
+        client,
+        token,
+        granted_ttl_ms,
+        destination,
+        kv_blocks,
+        decode_cached_tokens,
+    } = reservation;
+    // The prefill worker computes what its own cache lacks.
+    let uncached = req
+        .prompt
+        .len()
+        .saturating_sub(prefill.cached_blocks(names) * tandem_kv::BLOCK_SIZE);
+    prefill.note_dispatch(0, uncached as u64);
+    prefill.note_prompt(names);
+    let mut prefill_client = prefill.prefill_client();
+    let prefill_call = prefill_client.prefill(prefill_request(req, destination));
+    tokio::pin!(prefill_call);
+    let mut prefill_answer = None;
+    let mut early = VecDeque::new();
+    // While the prompt waits in the prefill worker's queue no KV moves, so the decode worker
+    // would expire the reservation: renew it a few times per granted lease period until the
+    // prefill answers. (If this router dies, the Generate stream closes and frees it anyway.)
+    let renew_every = Duration::from_millis(u64::from(granted_ttl_ms.max(300)) / 3);
+    let mut renew =
+        tokio::time::interval_at(tokio::time::Instant::now() + renew_every, renew_every);
+    // Both are needed before the head goes out; the decode stream stays open meanwhile.
+    while prefill_answer.is_none() || early.is_empty() {
+        tokio::select! {
+            answer = &mut prefill_call, if prefill_answer.is_none() => match answer {
+                Ok(response) => prefill_answer = Some(response.into_inner()),
+                // Returning drops the Generate stream, which cancels the reservation.
+                Err(status) => return Err(prefill_failure(&status, decode, prefill)),
+            },
+            item = next_item(&mut stream, decode), if early.is_empty() => {
+                early.push_back(item.map_err(DisaggError::Decode)?);
+                timing.on_token(RunMode::Disaggregated);
+            }
+            _ = renew.tick(), if prefill_answer.is_none() => {
+                renew_lease(&client, &token, &req.request_id);
+            }
+        }
+    }
+    Ok(Prefilled {
+        answer: prefill_answer.unwrap_or_default(),
+        stream,
+        early,
+        kv_blocks,
+        decode_cached_tokens,
+    })
+}
+
+/// Phase 3: the head, from the prefill's answer (KV bytes, transport, cached tokens) and the
+/// lease; records the KV transfer's metrics.
+fn build_head(
+    ctx: &FlowContext,
+    req: &FlowRequest,
+    decode: &Arc<Worker>,
+    prefilled: Prefilled,
+) -> Live {
+    let Prefilled {
+        mut answer,
+        stream,
+        early,
+        kv_blocks,
+        decode_cached_tokens,
+    } = prefilled;
+    let prompt_logprobs = prompt_entries(req, std::mem::take(&mut answer.prompt_logprobs));
+    let transport = Transport::try_from(answer.transport)
+        .ok()
+        .filter(|t| *t != Transport::Unspecified)
+        .unwrap_or(ctx.pool.transport());
+    let label = transport_name(Some(transport));
+    metrics::counter!(m::KV_TRANSFER_BYTES_TOTAL, "transport" => label).increment(answer.kv_bytes);
+    metrics::histogram!(m::KV_TRANSFER_SECONDS, "transport" => label)
+        .record(answer.transfer_seconds);
+    metrics::counter!(m::KV_PULLED_BYTES_TOTAL).increment(answer.pulled_bytes);
+    let cached_tokens = answer.cached_tokens.min(req.prompt.len() as u32);
+    Live {
+        head: Head {
+            mode: RunMode::Disaggregated,
+            kv_bytes: answer.kv_bytes,
+            transport: Some(transport),
+            fallback: None,
+            prompt_logprobs,
+            cached_tokens,
+            kv_blocks,
+            decode_cached_tokens,
+            prefill_pulled_tokens: answer.pulled_tokens.min(cached_tokens),
+        },
+        stream,
+        decode: Arc::clone(decode),
+        early,
+    }
+}
+
+/// The `Prefill` of `req` toward `destination`.
+fn prefill_request(
+    req: &FlowRequest,
+    destination: KvDestination,
+) -> tonic::Request<PrefillRequest> {
+    grpc_request(
+        PrefillRequest {
+            request_id: req.request_id.clone(),
+            prompt: req.prompt.clone(),
+            sampling: Some(req.sampling.clone()),
+            destination: Some(destination),
+            stop: Some(req.stop.clone()),
+        },
+        &req.request_id,
+    )
+}
+
+/// Classifies a failed `Prefill` by the side at fault.
+fn prefill_failure(status: &tonic::Status, decode: &Worker, prefill: &Worker) -> DisaggError {
+    if status.code() == tonic::Code::Aborted {
+        // The prefill worker is fine: the KV could not reach this decode worker (it refused,
+        // died, or could not be verified). Another decode worker may do; the decode worker's
+        // own poll finds out about it.
+        tracing::warn!(prefill = %prefill.url, decode = %decode.url, message = status.message(), "KV transfer to the decode worker failed");
+        decode.probe_now();
+        return DisaggError::Decode(AttemptError::DecodeDown(ApiError::WorkerUnavailable));
+    }
+    tracing::warn!(prefill = %prefill.url, code = ?status.code(), message = status.message(), "prefill failed");
+    prefill.report_failure(status);
+    DisaggError::Prefill(ApiError::from_worker_status(status))
+}
+
+/// Renews the lease without waiting for the answer: a slow renewal must not hold up the
+/// prefill's answer or the first token, and a failed one is the decode worker's to act on.
+fn renew_lease(client: &DecodeServiceClient<AuthChannel>, token: &[u8], request_id: &str) {
+    let mut renewer = client.clone();
+    let request = grpc_request(
+        RenewLeaseRequest {
+            lease: token.to_vec(),
+        },
+        request_id,
+    );
+    tokio::spawn(async move {
+        if let Err(status) = renewer.renew_lease(request).await {
+            tracing::debug!(code = ?status.code(), "lease renewal failed");
+        }
+    });
+}
