@@ -15,9 +15,22 @@ use super::*;
 #[derive(Debug, Default)]
 struct ScriptedResolver {
     answers: Mutex<HashMap<String, Result<Vec<&'static str>, ()>>>,
+    /// Lookups answered.
+    lookups: std::sync::atomic::AtomicU64,
 }
 
 impl ScriptedResolver {
+    /// Waits until the router has looked its names up twice more: the second lookup starts
+    /// only once the first answer was taken in.
+    async fn taken_in(&self) {
+        let lookups = || self.lookups.load(std::sync::atomic::Ordering::SeqCst);
+        let before = lookups();
+        assert!(
+            eventually(Duration::from_secs(10), || lookups() >= before + 2).await,
+            "the router stopped looking its names up"
+        );
+    }
+
     fn answer(&self, name: &str, ips: &[&'static str]) {
         lock(&self.answers).insert(name.into(), Ok(ips.to_vec()));
     }
@@ -34,6 +47,8 @@ impl Resolve for ScriptedResolver {
         port: u16,
     ) -> BoxFuture<'a, Result<Vec<SocketAddr>, ResolveError>> {
         let answer = lock(&self.answers).get(name).cloned();
+        self.lookups
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         Box::pin(async move {
             match answer {
                 Some(Ok(ips)) => Ok(ips
@@ -177,7 +192,7 @@ async fn workers_behind_a_name_join_serve_and_leave() {
 
     // A failing lookup keeps the last known workers.
     resolver.fail("decode.test");
-    tokio::time::sleep(Duration::from_millis(150)).await;
+    resolver.taken_in().await;
     assert_eq!(health(&router).await["decode_workers_healthy"], 2);
     assert_eq!(complete(&router.url, 2).await.status(), 200);
 
@@ -203,15 +218,17 @@ async fn a_name_with_no_workers_yet_answers_503_without_stopping_the_router() {
     c.dns_refresh = Duration::from_millis(20);
     // Past this a router with listed workers gives up; one that discovers them waits.
     c.startup_timeout = Duration::from_millis(300);
+    let started = Instant::now();
     let router = TestRouter::start_with_resolver(c, resolver.clone()).await;
-    for _ in 0..3 {
+    // Well past the startup timeout, while the name keeps failing: 503s, and the router runs.
+    while started.elapsed() < Duration::from_millis(600) {
         let r = complete(&router.url, 2).await;
         assert_eq!(r.status(), 503);
         assert_eq!(header(&r, "retry-after"), "1");
-        tokio::time::sleep(Duration::from_millis(200)).await;
+        tokio::time::sleep(Duration::from_millis(50)).await;
     }
     resolver.answer("decode.test", &[]);
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    resolver.taken_in().await;
     assert_eq!(complete(&router.url, 2).await.status(), 503);
 
     let decode = FakeDecode::new("late");

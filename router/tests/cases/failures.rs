@@ -156,14 +156,13 @@ async fn full_queue_gets_429_with_retry_after() {
     let url = router.url.clone();
     let queued_body = body.clone();
     let queued = tokio::spawn(async move { post(&url, "/v1/completions", queued_body).await });
-    assert!(
-        eventually(Duration::from_secs(2), || {
-            // The queued request is waiting: no second Generate yet.
-            decode.generate_calls().len() == 1
-        })
-        .await
-    );
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    // The second request waits in the queue (no second Generate) before the third arrives.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while series(&router.url, "tandem_router_queue_depth").await != Some(1.0) {
+        assert!(Instant::now() < deadline, "the second request never queued");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(decode.generate_calls().len(), 1);
     let started = Instant::now();
     let r = post(&router.url, "/v1/completions", body).await;
     assert_eq!(r.status(), 429);

@@ -2,6 +2,8 @@
 //! worker reports (load and round robin do not), a decode worker's cached prefix is left out
 //! of the KV destination, and a short uncached suffix runs on the decode worker.
 
+use std::sync::atomic::Ordering;
+
 use tandem_kv::prefix::{hashes, names_to_bytes, salt};
 use tandem_proto::v1::{BlockEvents, LoadReport};
 
@@ -28,6 +30,19 @@ fn report_cached(decode: &FakeDecode, tokens: &[u32], free: u32) {
         }),
         ..Default::default()
     };
+}
+
+/// Waits until the router has asked each of `workers` for its load twice more: it asks a
+/// worker again only once it has taken the last report in, so the block events of the
+/// reports set before this call are in its index.
+async fn reports_taken_in(workers: &[&FakeDecode]) {
+    let calls = |w: &FakeDecode| w.0.load_calls.load(Ordering::SeqCst);
+    let before: Vec<u64> = workers.iter().map(|w| calls(w)).collect();
+    let taken_in = eventually(Duration::from_secs(10), || {
+        workers.iter().zip(&before).all(|(w, &b)| calls(w) >= b + 2)
+    })
+    .await;
+    assert!(taken_in, "the router did not poll its workers' load");
 }
 
 /// A completion of [`ids`].
@@ -81,8 +96,7 @@ async fn kv_aware_routing_follows_the_reported_prefix_and_the_other_policies_do_
         let mut c = config(&[], &[&s0, &s1]);
         c.routing = policy;
         let router = TestRouter::start(c).await;
-        // A few polls, so the block events are in.
-        tokio::time::sleep(Duration::from_millis(300)).await;
+        reports_taken_in(&[&d0, &d1]).await;
         picks.push(destinations(&router, &[&d0, &d1], 4).await);
         router.stop().await;
     }
@@ -97,7 +111,7 @@ async fn kv_aware_routing_follows_the_reported_prefix_and_the_other_policies_do_
     let mut c = config(&[], &[&s0, &s1]);
     c.kv_overlap_weight = 0.0;
     let router = TestRouter::start(c).await;
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    reports_taken_in(&[&d0, &d1]).await;
     assert_eq!(destinations(&router, &[&d0, &d1], 1).await, [0]);
     router.stop().await;
 }

@@ -62,6 +62,8 @@ pub struct DecodeState {
     /// When a Generate stream was closed by the router before it finished.
     pub closed_early: Mutex<Vec<Instant>>,
     pub info_calls: AtomicU64,
+    /// GetLoad calls answered.
+    pub load_calls: AtomicU64,
     waiting: Mutex<HashMap<Vec<u8>, oneshot::Sender<KvCommit>>>,
     next_lease: AtomicU64,
 }
@@ -124,6 +126,7 @@ impl FakeDecode {
             renewals: Mutex::default(),
             closed_early: Mutex::default(),
             info_calls: AtomicU64::new(0),
+            load_calls: AtomicU64::new(0),
             waiting: Mutex::default(),
             next_lease: AtomicU64::new(100),
         }))
@@ -163,6 +166,7 @@ impl DecodeService for FakeDecode {
     }
 
     async fn get_load(&self, _: Request<LoadRequest>) -> Result<Response<LoadReport>, Status> {
+        self.0.load_calls.fetch_add(1, Ordering::SeqCst);
         Ok(Response::new(lock(&self.0.load).clone()))
     }
 
