@@ -41,6 +41,28 @@ fn read_until_closed(s: &mut std::net::TcpStream) -> (String, Duration) {
     )
 }
 
+/// The router's open client connections, less the one that asks: read over a connection the
+/// router itself closes once it answered (`Connection: close`), so that it is gone, slot
+/// included, by the time this returns.
+async fn open_connections_besides_this_one(dep: &Deployment) -> f64 {
+    let port = dep.router.port;
+    let reply = tokio::task::spawn_blocking(move || {
+        let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            .unwrap();
+        read_until_closed(&mut s).0
+    })
+    .await
+    .unwrap();
+    let open: f64 = reply
+        .lines()
+        .find_map(|l| l.strip_prefix("tandem_router_open_connections "))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(1.0);
+    open - 1.0
+}
+
 /// The value of one series on the router's `/metrics` (0 when absent).
 async fn router_metric(dep: &Deployment, series: &str) -> f64 {
     let text = reqwest::get(dep.url("/metrics"))
@@ -116,10 +138,18 @@ async fn connections_beyond_the_cap_are_closed_at_once() {
     let dep = Deployment::start(&spec(&["--max-connections", "8"]))
         .await
         .unwrap();
-    // The test's own health checks have finished; hold every slot with idle connections.
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    // The harness's health checks closed their connections; wait until the router has let
+    // go of them all, then hold every slot with idle connections. The router takes a slot as
+    // it accepts, in the order the connections arrived, so the ninth finds none.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while open_connections_besides_this_one(&dep).await > 0.0 {
+        assert!(
+            Instant::now() < deadline,
+            "the harness's connections stayed open"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     let idle: Vec<_> = (0..8).map(|_| raw(&dep, b"")).collect();
-    tokio::time::sleep(Duration::from_millis(200)).await;
     let mut over = raw(&dep, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n");
     let (reply, took) = tokio::task::spawn_blocking(move || read_until_closed(&mut over))
         .await

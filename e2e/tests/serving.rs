@@ -203,7 +203,23 @@ async fn client_disconnects_free_blocks_on_both_workers() {
         let url = dep.url("/v1/completions");
         async move { client.post(url).json(&body).send().await }
     });
-    tokio::time::sleep(Duration::from_millis(50)).await;
+    // Hang up once the request holds blocks (its lease on the decode worker, then the prompt's
+    // chunks on the prefill worker), not after a guess at how long that takes.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let mut used = 0;
+        for d in &dep.decode {
+            used += blocks_in_use(&d.endpoint(), true).await.unwrap_or(0);
+        }
+        if used > 0 || pending.is_finished() {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the long prompt never reserved blocks"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
     pending.abort();
     let took = wait_baseline(&dep, Duration::from_secs(2)).await;
     eprintln!("disconnect during prefill: blocks back in {took:?}");
