@@ -9,23 +9,7 @@ use tandem_kv::shm::default_shm_dir;
 use tandem_transfer::TcpLimits;
 
 /// Why the worker could not start or serve.
-#[derive(Debug, thiserror::Error)]
-pub enum DecodeError {
-    #[error("engine: {0}")]
-    Engine(#[from] tandem_engine::EngineError),
-    #[error("KV cache: {0}")]
-    Kv(#[from] tandem_kv::KvError),
-    #[error("KV transfer setup: {0}")]
-    Transfer(#[from] tandem_transfer::TransferError),
-    #[error("I/O: {0}")]
-    Io(#[from] std::io::Error),
-    #[error("gRPC server: {0}")]
-    Server(#[from] tonic::transport::Error),
-    #[error("internal authentication: {0}")]
-    Auth(#[from] tandem_auth::AuthError),
-    #[error("{0}")]
-    Config(String),
-}
+pub type DecodeError = tandem_worker::WorkerError;
 
 /// How this worker runs, beyond the engine's sizing.
 #[derive(Debug, Clone)]

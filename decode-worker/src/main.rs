@@ -11,15 +11,15 @@ use tandem_transfer::TcpLimits;
 use tandem_worker::Opened;
 
 fn main() -> anyhow::Result<()> {
-    tandem_worker::run_worker(Args::parse, |a| (&a.server, &a.engine), run)
+    tandem_worker::run_worker(Args::parse, |a| (&a.server, &a.engine), 7201, run)
 }
 
-async fn run(args: Args, engine_config: EngineConfig) -> anyhow::Result<()> {
+async fn run(args: Args, engine_config: EngineConfig, opened: Opened) -> anyhow::Result<()> {
     let Opened {
         mut shutdown,
         auth,
         grpc,
-    } = tandem_worker::open(&args.server, 7201).await?;
+    } = opened;
     let kv = if args.no_kv_tcp {
         None
     } else {

@@ -28,9 +28,7 @@ pub struct DecodeWorker {
 
 impl std::fmt::Debug for DecodeWorker {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("DecodeWorker")
-            .field("id", &self.inner.config.worker_id)
-            .finish()
+        self.inner.core.fmt(f)
     }
 }
 

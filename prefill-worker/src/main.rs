@@ -10,15 +10,15 @@ use tandem_prefill::{PrefillConfig, PrefillWorker, serve};
 use tandem_worker::Opened;
 
 fn main() -> anyhow::Result<()> {
-    tandem_worker::run_worker(Args::parse, |a| (&a.server, &a.engine), run)
+    tandem_worker::run_worker(Args::parse, |a| (&a.server, &a.engine), 7101, run)
 }
 
-async fn run(args: Args, engine_config: EngineConfig) -> anyhow::Result<()> {
+async fn run(args: Args, engine_config: EngineConfig, opened: Opened) -> anyhow::Result<()> {
     let Opened {
         mut shutdown,
         auth,
         grpc,
-    } = tandem_worker::open(&args.server, 7101).await?;
+    } = opened;
     let local = grpc.local_addr()?;
     let config = PrefillConfig {
         worker_id: args

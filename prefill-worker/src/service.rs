@@ -28,17 +28,7 @@ use tonic::{Request, Response, Status};
 use tracing::Instrument;
 
 /// Why the worker could not start or serve.
-#[derive(Debug, thiserror::Error)]
-pub enum PrefillError {
-    #[error("engine: {0}")]
-    Engine(#[from] tandem_engine::EngineError),
-    #[error("I/O: {0}")]
-    Io(#[from] std::io::Error),
-    #[error("gRPC server: {0}")]
-    Server(#[from] tonic::transport::Error),
-    #[error("internal authentication: {0}")]
-    Auth(#[from] tandem_auth::AuthError),
-}
+pub type PrefillError = tandem_worker::WorkerError;
 
 /// How this worker runs, beyond the engine's sizing.
 #[derive(Debug, Clone)]
@@ -96,9 +86,7 @@ pub struct PrefillWorker {
 
 impl std::fmt::Debug for PrefillWorker {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("PrefillWorker")
-            .field("id", &self.inner.config.worker_id)
-            .finish()
+        self.inner.core.fmt(f)
     }
 }
 

@@ -9,6 +9,7 @@
 pub mod actor;
 pub mod args;
 pub mod convert;
+mod error;
 pub mod service;
 pub mod startup;
 pub mod telemetry;
@@ -18,5 +19,6 @@ pub use args::{
     EngineArgs, ModelArgs, ServerArgs, engine_config, init_compute, internal_auth, load_model,
     load_model_until, shm_dir,
 };
+pub use error::WorkerError;
 pub use service::{Serving, WorkerCore, serve_until_drained, worker_info};
 pub use startup::{Opened, StartError, bind, open, run_worker};

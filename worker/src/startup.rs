@@ -35,13 +35,15 @@ pub enum StartError {
 
 /// Runs a worker binary: refuses a secret on its command line (`ps` shows every process's
 /// command line to every user), parses the flags, sets up tracing and the engine's
-/// configuration and compute threads from `server` and `engine` (parts of the flags), then
-/// `run(args, config)` on a runtime of its own. A model load still running on a blocking
-/// thread (stopped during startup) does not hold the exit.
+/// configuration and compute threads from `server` and `engine` (parts of the flags), then,
+/// on a runtime of its own, [`open`]s the worker (its gRPC port is the flag's, else
+/// `default_port`) and hands it to `run`. A model load still running on a blocking thread
+/// (stopped during startup) does not hold the exit.
 pub fn run_worker<A, E, Fut>(
     parse: fn() -> A,
     parts: fn(&A) -> (&ServerArgs, &EngineArgs),
-    run: impl FnOnce(A, EngineConfig) -> Fut,
+    default_port: u16,
+    run: impl FnOnce(A, EngineConfig, Opened) -> Fut,
 ) -> Result<(), E>
 where
     Fut: Future<Output = Result<(), E>>,
@@ -59,7 +61,10 @@ where
         .enable_all()
         .build()
         .map_err(StartError::Runtime)?;
-    let result = runtime.block_on(run(args, config));
+    let result = runtime.block_on(async {
+        let opened = open(parts(&args).0, default_port).await?;
+        run(args, config, opened).await
+    });
     runtime.shutdown_timeout(Duration::from_secs(2));
     result
 }
