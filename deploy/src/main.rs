@@ -161,7 +161,7 @@ fn up(
     let url = plan.router_url.clone();
     runtime.block_on(run(&plan, &opts, shutdown_signal(), || {
         println!("tandem is up: {url}");
-        println!("  curl {url}/v1/completions -H 'Content-Type: application/json' -d '{{\"prompt\": \"The capital of France is\", \"max_tokens\": 16}}'");
+        println!("  curl {url}/v1/completions -H 'Content-Type: application/json' -d '{{\"prompt\": \"The capital of France is\", \"max_tokens\": 16, \"temperature\": 0}}'");
         println!("  OpenAI API at {url}/v1, TGI at {url}/generate_stream, metrics at {url}/metrics. Ctrl-C stops everything.");
     }))?;
     Ok(())
