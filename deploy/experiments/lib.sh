@@ -1,24 +1,52 @@
-# Shared by the experiment scripts: build once, start and stop deployments with `tandem up`,
-# run tandem-bench, fetch the book text. Sourced, not run.
+# Shared by the experiment scripts (and scripts/bench-prefix, bench-structured, bench-peers,
+# bench-quant): build once, start and stop deployments with `tandem up`, run tandem-bench,
+# fetch the book text. Sourced, not run.
+#
+# SMOKE=1 (scripts/lib.sh): the dev-profile binaries CI has built, every deployment file's
+# model replaced by the built-in `tiny` (its weights storage and KV dtype dropped, its KV
+# budgets capped at 64 MB), the byte-level tokenizer for tandem-bench, and OUT under
+# .cache/smoke/ so a smoke run never overwrites a real run's files. The scripts shrink their
+# own sizes.
 set -euo pipefail
-ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
-export TANDEM_CACHE="${TANDEM_CACHE:-$ROOT/.cache}"
-BIN="$ROOT/target/release"
-OUT="${OUT:-$ROOT/.cache/experiments}"
+source "$(dirname "${BASH_SOURCE[0]}")/../../scripts/lib.sh"
+if smoke; then
+  OUT="${OUT:-$ROOT/.cache/smoke/experiments}"
+  TOKENIZER=byte-level
+else
+  OUT="${OUT:-$ROOT/.cache/experiments}"
+  TOKENIZER="$TANDEM_CACHE/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+fi
 mkdir -p "$OUT"
-TOKENIZER="$TANDEM_CACHE/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 PIDS=()
 
 build() {
-  (cd "$ROOT" && cargo build --release --quiet --bins) >&2
+  cargo_build --bins
+}
+
+# smoke_config CONFIG OUTFILE: CONFIG for smoke mode (see above), written to OUTFILE.
+smoke_config() {
+  awk '
+    /^\[/ { section = $0 }
+    section == "[model]" && /^[ \t]*name[ \t]*=/ { print "name = \"tiny\""; next }
+    section == "[model]" && /^[ \t]*(weights|kv_dtype)[ \t]*=/ { next }
+    /^[ \t]*kv_budget_mb[ \t]*=/ {
+      v = $0; sub(/^[^=]*=[ \t]*/, "", v); sub(/[ \t#].*$/, "", v)
+      if (v + 0 > 64) { print "kv_budget_mb = 64"; next }
+    }
+    { print }
+  ' "$1" >"$2"
 }
 
 # up NAME CONFIG: starts a deployment in the background and waits for its banner.
 up() {
   local name=$1 config=$2
+  if smoke; then
+    smoke_config "$config" "$OUT/$name.toml"
+    config="$OUT/$name.toml"
+  fi
   "$BIN/tandem" up "$config" --log-dir "$OUT/logs-$name" >"$OUT/$name.up" 2>"$OUT/$name.err" &
   PIDS+=($!)
-  for _ in $(seq 1 600); do
+  for _ in $(seq 1 3000); do # 10 minutes at most
     if grep -q "tandem is up" "$OUT/$name.up"; then
       echo "[experiment] $name is up" >&2
       return 0
@@ -28,7 +56,7 @@ up() {
       cat "$OUT/$name.err" >&2
       return 1
     fi
-    sleep 1
+    sleep 0.2
   done
   echo "[experiment] $name did not come up" >&2
   return 1
@@ -46,9 +74,14 @@ down() {
 }
 trap down EXIT
 
-# bench ARGS...: tandem-bench with this model's tokenizer, no progress bar.
+# bench ARGS...: tandem-bench with this model's tokenizer, no progress bar; its log goes to
+# $OUT/bench.err, whose end is shown when it fails.
 bench() {
-  "$BIN/tandem-bench" --tokenizer "$TOKENIZER" --disable-tqdm "$@" 2>>"$OUT/bench.err"
+  if ! "$BIN/tandem-bench" --tokenizer "$TOKENIZER" --disable-tqdm "$@" 2>>"$OUT/bench.err"; then
+    echo "[experiment] tandem-bench failed; the end of $OUT/bench.err:" >&2
+    tail -n 20 "$OUT/bench.err" >&2
+    return 1
+  fi
 }
 
 # book: prints the path of a long public-domain text (Shakespeare's plays from Project

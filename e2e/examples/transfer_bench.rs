@@ -8,7 +8,10 @@
 //!    decode worker alone over gRPC.
 //!
 //! Run by `scripts/bench-transfer`, which builds the release binaries first. Prints a table,
-//! then one JSON line. Everything runs as a deployment does: calls carry call tokens, the
+//! then one JSON line. Flags: `--transports-only` (1-2 only); `--model M` (the model of 3-4,
+//! default `smollm2`), `--tokens N` (the prompt's length, default 2048) and `--repeats N`
+//! (transfers per transport, default 5), which the smoke run (`SMOKE=1`) sets to `tiny`, 256
+//! and 2 so that it runs in seconds on debug builds. Everything runs as a deployment does: calls carry call tokens, the
 //! decode side proves the secret before the first transfer, TCP transfers answer the
 //! listener's challenge.
 
@@ -27,8 +30,47 @@ use tandem_transfer::{
 };
 use tokio::net::TcpListener;
 
-const TOKENS: usize = 2048;
-const REPEATS: usize = 5;
+/// What to measure: the flags.
+struct Opts {
+    /// The model the real binaries serve in 3-4.
+    model: String,
+    /// The prompt's length in tokens (a multiple of the 16-token block).
+    tokens: usize,
+    /// Best of how many runs, for each rate.
+    repeats: usize,
+    transports_only: bool,
+}
+
+const USAGE: &str = "transfer_bench [--transports-only] [--model M] [--tokens N] [--repeats N]";
+
+fn parse_opts() -> anyhow::Result<Opts> {
+    let mut opts = Opts {
+        model: "smollm2".into(),
+        tokens: 2048,
+        repeats: 5,
+        transports_only: false,
+    };
+    let mut args = std::env::args().skip(1);
+    while let Some(arg) = args.next() {
+        let mut value = || {
+            args.next()
+                .ok_or_else(|| anyhow::anyhow!("{arg} needs a value; usage: {USAGE}"))
+        };
+        match arg.as_str() {
+            "--transports-only" => opts.transports_only = true,
+            "--model" => opts.model = value()?,
+            "--tokens" => opts.tokens = value()?.parse()?,
+            "--repeats" => opts.repeats = value()?.parse()?,
+            other => anyhow::bail!("unknown argument `{other}`; usage: {USAGE}"),
+        }
+    }
+    anyhow::ensure!(
+        opts.tokens >= 64 && opts.tokens.is_multiple_of(16),
+        "--tokens must be a multiple of 16, at least 64"
+    );
+    anyhow::ensure!(opts.repeats >= 1, "--repeats must be at least 1");
+    Ok(opts)
+}
 
 fn smollm2_layout() -> KvLayout {
     KvLayout {
@@ -42,11 +84,11 @@ fn smollm2_layout() -> KvLayout {
 }
 
 /// Best-of-N rate of copying `bytes` bytes between two buffers (bytes copied per second).
-fn memcpy_rate(bytes: usize) -> f64 {
+fn memcpy_rate(bytes: usize, repeats: usize) -> f64 {
     let src = vec![7u8; bytes];
     let mut dst = vec![0u8; bytes];
     let mut best = f64::MAX;
-    for _ in 0..REPEATS {
+    for _ in 0..repeats {
         let t = Instant::now();
         dst.copy_from_slice(&src);
         best = best.min(t.elapsed().as_secs_f64());
@@ -56,14 +98,14 @@ fn memcpy_rate(bytes: usize) -> f64 {
 }
 
 /// Raw loopback TCP: one blocking stream, 4 MiB reads; the ceiling for the tcp transport.
-fn loopback_tcp_rate(bytes: usize) -> anyhow::Result<f64> {
+fn loopback_tcp_rate(bytes: usize, repeats: usize) -> anyhow::Result<f64> {
     use std::io::{Read, Write};
     let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
     let addr = listener.local_addr()?;
     let reader = std::thread::spawn(move || -> std::io::Result<()> {
         let (mut s, _) = listener.accept()?;
         let mut buf = vec![0u8; 4 << 20];
-        for _ in 0..REPEATS {
+        for _ in 0..repeats {
             let mut got = 0;
             while got < bytes {
                 got += s.read(&mut buf)?;
@@ -76,7 +118,7 @@ fn loopback_tcp_rate(bytes: usize) -> anyhow::Result<f64> {
     s.set_nodelay(true)?;
     let data = vec![7u8; bytes];
     let mut best = f64::MAX;
-    for _ in 0..REPEATS {
+    for _ in 0..repeats {
         let t = Instant::now();
         s.write_all(&data)?;
         let mut ack = [0u8];
@@ -177,18 +219,19 @@ async fn sink(
     })
 }
 
-/// Moves one prompt's KV over `transport`; returns (bytes, seconds from the first layer
-/// handed over to the commit's acknowledgement).
+/// Moves one `tokens`-token prompt's KV over `transport`; returns (bytes, seconds from the
+/// first layer handed over to the commit's acknowledgement).
 async fn transfer_once(
     sink: &Sink,
     source: &Arc<KvCache>,
     transport: Transport,
     peers: &Peers,
+    tokens: usize,
 ) -> anyhow::Result<(u64, f64)> {
     let layout = source.layout().clone();
-    let nblocks = TOKENS / layout.block_size;
+    let nblocks = tokens / layout.block_size;
     let blocks: Vec<u32> = (0..nblocks as u32).collect();
-    let (lease, done) = sink.table.create(blocks.clone(), TOKENS, "bench")?;
+    let (lease, done) = sink.table.create(blocks.clone(), tokens, "bench")?;
     let dest = KvDestination {
         transport: transport as i32,
         decode_endpoint: sink.endpoint.clone(),
@@ -197,7 +240,7 @@ async fn transfer_once(
         kv_layout_hash: layout.hash(),
         ..KvDestination::default()
     };
-    let sender = connect(peers, &dest, &layout, "bench", TOKENS, 0).await?;
+    let sender = connect(peers, &dest, &layout, "bench", tokens, 0).await?;
     let source = source.clone();
     let started = Instant::now();
     let sender: Box<dyn KvSender> =
@@ -287,12 +330,14 @@ fn median(mut v: Vec<f64>) -> f64 {
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() -> anyhow::Result<()> {
+    let opts = parse_opts()?;
+    let (tokens, repeats) = (opts.tokens, opts.repeats);
     // 1-2: transports in process.
     let layout = smollm2_layout();
-    let nblocks = TOKENS / layout.block_size;
+    let nblocks = tokens / layout.block_size;
     let kv_bytes = nblocks * layout.block_bytes();
-    let memcpy = memcpy_rate(kv_bytes);
-    let loopback = loopback_tcp_rate(kv_bytes)?;
+    let memcpy = memcpy_rate(kv_bytes, repeats);
+    let loopback = loopback_tcp_rate(kv_bytes, repeats)?;
     let mut source = KvCache::with_budget(layout.clone(), kv_bytes)?;
     for layer in 0..layout.num_layers {
         for b in 0..nblocks as u32 {
@@ -314,11 +359,11 @@ async fn main() -> anyhow::Result<()> {
     for transport in [Transport::Shm, Transport::Tcp, Transport::Grpc] {
         let (mut best, mut best_open) = (f64::MAX, f64::MAX);
         let mut bytes = 0;
-        for _ in 0..REPEATS {
-            let (b, s) = transfer_once(&sink_auth, &source, transport, &peers_auth).await?;
+        for _ in 0..repeats {
+            let (b, s) = transfer_once(&sink_auth, &source, transport, &peers_auth, tokens).await?;
             bytes = b;
             best = best.min(s);
-            let (_, s) = transfer_once(&sink_open, &source, transport, &peers_open).await?;
+            let (_, s) = transfer_once(&sink_open, &source, transport, &peers_open, tokens).await?;
             best_open = best_open.min(s);
         }
         rates.push((transport, bytes, best, bytes as f64 / best));
@@ -327,7 +372,7 @@ async fn main() -> anyhow::Result<()> {
     }
     let rate = |t: Transport| rates.iter().find(|r| r.0 == t).map_or(0.0, |r| r.3);
     let authenticated = |t: Transport| auth_cost.iter().find(|r| r.0 == t).map_or(0.0, |r| r.1);
-    if std::env::args().any(|a| a == "--transports-only") {
+    if opts.transports_only {
         for (t, bytes, secs, r) in &rates {
             println!(
                 "{}: {:.1} ms for {bytes} bytes, {:.2} GB/s ({:.2} of memcpy; {:.3} of the \
@@ -342,8 +387,8 @@ async fn main() -> anyhow::Result<()> {
         return Ok(());
     }
 
-    // 3-4: the real binaries on SmolLM2.
-    let model_args = ["--model", "smollm2", "--kv-budget-mb", "512"];
+    // 3-4: the real binaries on SmolLM2 (or --model).
+    let model_args = ["--model", opts.model.as_str(), "--kv-budget-mb", "512"];
     let decode = Proc::start("tandem-decode", &model_args)?;
     let prefill = Proc::start("tandem-prefill", &model_args)?;
     let (mut dclient, _) = decode_client(&decode.endpoint(), Duration::from_secs(300)).await?;
@@ -368,8 +413,15 @@ async fn main() -> anyhow::Result<()> {
         )
         .await?;
     }
-    let long: Vec<u32> = (0..TOKENS as u32)
-        .map(|i| 100 + (i * 7919) % 40_000)
+    // Token ids inside SmolLM2's vocabulary, or inside any of 203 ids or more (the tiny
+    // model's 259) for another model.
+    let (first_id, ids) = if opts.model == "smollm2" {
+        (100, 40_000)
+    } else {
+        (3, 200)
+    };
+    let long: Vec<u32> = (0..tokens as u32)
+        .map(|i| first_id + (i * 7919) % ids)
         .collect();
     let url = |p: &Proc| format!("http://127.0.0.1:{}/v1/completions", p.port);
     router_ttft(&client, &url(&disagg), &long[..64]).await?; // warm-up
@@ -382,7 +434,7 @@ async fn main() -> anyhow::Result<()> {
     let (td, ta) = (median(ttft_disagg), median(ttft_agg));
 
     // Router overhead: a short aggregated request via the router vs straight to the worker,
-    // on SmolLM2 (realistic, but the forward pass's noise is in both) and on the tiny model
+    // on SmolLM2 (or --model; realistic, but the forward pass's noise is in both) and on the tiny model
     // (forward pass ~1 ms, so the difference is the router's path).
     let short: Vec<u32> = long[..16].to_vec();
     let (via_router, direct) =
@@ -426,7 +478,7 @@ async fn main() -> anyhow::Result<()> {
     );
     for (t, bytes, secs, r) in &rates {
         println!(
-            "| {} transfer of a {TOKENS}-token SmolLM2 prompt ({:.1} MB) | {:.1} ms, {:.2} GB/s ({:.2} of memcpy; {:.3} of the same without authentication) |",
+            "| {} transfer of a {tokens}-token SmolLM2 prompt ({:.1} MB) | {:.1} ms, {:.2} GB/s ({:.2} of memcpy; {:.3} of the same without authentication) |",
             tandem_transfer::transport_name(*t),
             *bytes as f64 / 1e6,
             secs * 1e3,
@@ -436,11 +488,11 @@ async fn main() -> anyhow::Result<()> {
         );
     }
     println!(
-        "| TTFT, {TOKENS}-token prompt, disaggregated (shm) | {:.0} ms |",
+        "| TTFT, {tokens}-token prompt, disaggregated (shm) | {:.0} ms |",
         td * 1e3
     );
     println!(
-        "| TTFT, {TOKENS}-token prompt, aggregated | {:.0} ms |",
+        "| TTFT, {tokens}-token prompt, aggregated | {:.0} ms |",
         ta * 1e3
     );
     println!(

@@ -7,6 +7,9 @@
 //! otherwise than the file does (default `native`); the decode floor counts the bytes a step
 //! reads in that storage. `--kv-dtype bf16|f16` keeps the KV cache in half precision. `--isa avx2` (or `TANDEM_ISA=avx2`) runs the
 //! kernels of another instruction set than the CPU's best; both print the set that ran.
+//! `--prompt-len N`, `--decode-prompt-len N` (the decode runs' prompts, default 128) and
+//! `--decode-steps N` size the runs; `--copy-mib N` (default 512) and
+//! `--matmul-size N` (default 2048) size the floor measurements, which smoke runs shrink.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -26,7 +29,12 @@ struct Args {
     kv_dtype: tandem_kv::KvDtype,
     cache: PathBuf,
     prompt_len: usize,
+    decode_prompt_len: usize,
     decode_steps: usize,
+    /// Size of the bandwidth measurement's buffers.
+    copy_mib: usize,
+    /// Side of the square matmul that measures the peak.
+    matmul_size: usize,
 }
 
 fn parse_args() -> anyhow::Result<Args> {
@@ -37,7 +45,10 @@ fn parse_args() -> anyhow::Result<Args> {
         cache: std::env::var_os("TANDEM_CACHE")
             .map_or_else(tandem_engine::fetch::default_cache_dir, PathBuf::from),
         prompt_len: 512,
+        decode_prompt_len: 128,
         decode_steps: 16,
+        copy_mib: 512,
+        matmul_size: 2048,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -51,22 +62,29 @@ fn parse_args() -> anyhow::Result<Args> {
             "--kv-dtype" => args.kv_dtype = value()?.parse()?,
             "--cache" => args.cache = value()?.into(),
             "--prompt-len" => args.prompt_len = value()?.parse()?,
+            "--decode-prompt-len" => args.decode_prompt_len = value()?.parse()?,
             "--decode-steps" => args.decode_steps = value()?.parse()?,
+            "--copy-mib" => args.copy_mib = value()?.parse()?,
+            "--matmul-size" => args.matmul_size = value()?.parse()?,
             "--isa" => {
                 select_isa(Isa::parse(&value()?)?)?;
             }
             other => anyhow::bail!(
-                "unknown flag {other} (--model, --weights, --kv-dtype, --cache, --prompt-len, --decode-steps, --isa)"
+                "unknown flag {other} (--model, --weights, --kv-dtype, --cache, --prompt-len, --decode-prompt-len, --decode-steps, --copy-mib, --matmul-size, --isa)"
             ),
         }
     }
+    anyhow::ensure!(
+        args.copy_mib >= 4 && args.matmul_size >= 16,
+        "--copy-mib must be at least 4 and --matmul-size at least 16"
+    );
     Ok(args)
 }
 
-/// Best-of-5 parallel copy of a 512 MiB buffer; bytes read plus bytes written per second
-/// (STREAM's convention).
-fn copy_bandwidth() -> f64 {
-    let n = 128 << 20; // f32 elements = 512 MiB
+/// Best-of-5 parallel copy of a `mib` MiB buffer (512 by default); bytes read plus bytes
+/// written per second (STREAM's convention).
+fn copy_bandwidth(mib: usize) -> f64 {
+    let n = mib << 18; // f32 elements
     let src: Vec<f32> = (0..n).into_par_iter().map(|i| i as f32).collect();
     let mut dst = vec![0f32; n];
     let mut best = f64::MAX;
@@ -81,10 +99,10 @@ fn copy_bandwidth() -> f64 {
     (2 * n * 4) as f64 / best
 }
 
-/// Best-of-5 parallel read (sum) of a 512 MiB buffer, bytes per second: what a decode step
+/// Best-of-5 parallel read (sum) of a `mib` MiB buffer, bytes per second: what a decode step
 /// streaming weights can hope for; reported beside the copy figure.
-fn read_bandwidth() -> f64 {
-    let n = 128 << 20;
+fn read_bandwidth(mib: usize) -> f64 {
+    let n = mib << 18;
     let src: Vec<f32> = (0..n).into_par_iter().map(|i| (i % 7) as f32).collect();
     let mut best = f64::MAX;
     for _ in 0..5 {
@@ -107,10 +125,9 @@ fn read_bandwidth() -> f64 {
     (n * 4) as f64 / best
 }
 
-/// f32 matmul rate: candle's BLAS (gemm) on 2048³, and this crate's batch-invariant kernel on
-/// the same shape; the better of the two is the peak.
-fn matmul_rates() -> anyhow::Result<(f64, f64)> {
-    let s = 2048;
+/// f32 matmul rate: candle's BLAS (gemm) on `s`³ (2048³ by default), and this crate's
+/// batch-invariant kernel on the same shape; the better of the two is the peak.
+fn matmul_rates(s: usize) -> anyhow::Result<(f64, f64)> {
     let flops = 2.0 * (s * s * s) as f64;
     let a = Tensor::randn(0f32, 1.0, (s, s), &Device::Cpu)?;
     let b = Tensor::randn(0f32, 1.0, (s, s), &Device::Cpu)?;
@@ -143,9 +160,10 @@ fn main() -> anyhow::Result<()> {
         None => isa(),
     };
     eprintln!("measuring floors ({threads} threads, {isa} kernels)...");
-    let bandwidth = copy_bandwidth();
-    let read_bw = read_bandwidth();
-    let (candle_gflops, own_gflops) = matmul_rates()?;
+    let bandwidth = copy_bandwidth(args.copy_mib);
+    let read_bw = read_bandwidth(args.copy_mib);
+    let (candle_gflops, own_gflops) = matmul_rates(args.matmul_size)?;
+    let m = args.matmul_size;
     let peak = candle_gflops.max(own_gflops);
 
     let source: ModelSource = args.model.parse()?;
@@ -199,13 +217,14 @@ fn main() -> anyhow::Result<()> {
     let prefill_tok_s = t / prefill_s;
     let prefill_vs_peak = prefill_flops / prefill_s / peak;
 
-    // Decode: N sequences with 128-token prompts, timed over steps that are pure decode.
+    // Decode: N sequences with 128-token prompts (--decode-prompt-len), timed over steps that
+    // are pure decode.
     let mut decode = Vec::new();
     for &batch in &[1usize, 8, 32, 64] {
         let mut engine = Engine::new(model.clone(), tokenizer.clone(), config.clone())?;
         for i in 0..batch {
             engine.add_request(
-                prompt(i as u32, 128),
+                prompt(i as u32, args.decode_prompt_len),
                 greedy.clone(),
                 stop(args.decode_steps + 2),
             )?;
@@ -239,11 +258,11 @@ fn main() -> anyhow::Result<()> {
         read_bw / 1e9
     );
     println!(
-        "| f32 matmul 2048³, candle/gemm | {:.1} GFLOP/s |",
+        "| f32 matmul {m}³, candle/gemm | {:.1} GFLOP/s |",
         candle_gflops / 1e9
     );
     println!(
-        "| f32 matmul 2048³, tandem batch-invariant kernel | {:.1} GFLOP/s |",
+        "| f32 matmul {m}³, tandem batch-invariant kernel | {:.1} GFLOP/s |",
         own_gflops / 1e9
     );
     println!(

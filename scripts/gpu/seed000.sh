@@ -60,7 +60,7 @@ down() {
   for p in "${pids[@]}"; do wait "$p" 2>/dev/null; done
   pids=()
 }
-trap down EXIT
+trap 'down; rm -rf "$dir"' EXIT
 
 # pair NAME TITLE SHARE_A SHARE_B: two servers at once, one client each.
 pair() {

@@ -219,6 +219,7 @@ async fn guessed_capabilities(dep: &Deployment) -> anyhow::Result<Attack> {
         if let Outcome::Ok {
             text,
             disaggregated,
+            ..
         } = v.await?
         {
             intact += usize::from(&text == want);

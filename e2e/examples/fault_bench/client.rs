@@ -74,17 +74,30 @@ impl Call {
     fn body(&self) -> Value {
         let temperature = if self.sample { 0.8 } else { 0.0 };
         match self.route {
-            Route::Completions => json!({
-                "model": SERVED, "prompt": self.prompt, "max_tokens": self.max_tokens,
-                "stream": self.stream, "temperature": temperature, "seed": 7,
-                "ignore_eos": self.ignore_eos,
-                "stream_options": {"include_usage": self.stream},
-            }),
-            Route::Chat => json!({
-                "model": SERVED, "messages": [{"role": "user", "content": self.prompt}],
-                "max_tokens": self.max_tokens, "stream": self.stream,
-                "temperature": temperature, "seed": 7, "ignore_eos": self.ignore_eos,
-            }),
+            Route::Completions => {
+                let mut body = json!({
+                    "model": SERVED, "prompt": self.prompt, "max_tokens": self.max_tokens,
+                    "stream": self.stream, "temperature": temperature, "seed": 7,
+                    "ignore_eos": self.ignore_eos,
+                });
+                // Streaming options belong to streams only: the router (like OpenAI and
+                // vLLM) refuses `stream_options` on a request that does not stream.
+                if self.stream {
+                    body["stream_options"] = json!({"include_usage": true});
+                }
+                body
+            }
+            Route::Chat => {
+                let mut body = json!({
+                    "model": SERVED, "messages": [{"role": "user", "content": self.prompt}],
+                    "max_tokens": self.max_tokens, "stream": self.stream,
+                    "temperature": temperature, "seed": 7, "ignore_eos": self.ignore_eos,
+                });
+                if self.stream {
+                    body["stream_options"] = json!({"include_usage": true});
+                }
+                body
+            }
             Route::Generate | Route::GenerateStream => {
                 let mut parameters = json!({
                     "max_new_tokens": self.max_tokens, "details": true,
@@ -106,8 +119,15 @@ impl Call {
 #[derive(Debug, Clone, PartialEq)]
 pub enum Outcome {
     /// Complete: a 200 with a full body, or a stream that ended with `[DONE]` or a final
-    /// TGI event. `disaggregated` from `x-tandem-mode`.
-    Ok { disaggregated: bool, text: String },
+    /// TGI event. `disaggregated` from `x-tandem-mode`, or for an OpenAI stream whose head
+    /// went out before the mode was chosen (a keep-alive while the prompt waited), from its
+    /// usage chunk's `tandem.mode`; `mode_said`: one of the two said the mode (a TGI stream
+    /// with such an early head does not).
+    Ok {
+        disaggregated: bool,
+        mode_said: bool,
+        text: String,
+    },
     /// An explicit error: a status with an error body, or a stream's error event.
     Error { status: u16, in_stream: bool },
     /// Neither: a connection that broke, a stream that stopped without a terminal event, or
@@ -125,6 +145,8 @@ struct StreamState {
     error: bool,
     done: bool,
     text: String,
+    /// `usage.tandem.mode` of an OpenAI stream's usage chunk.
+    mode: Option<String>,
 }
 
 impl StreamState {
@@ -159,11 +181,16 @@ impl StreamState {
             }
             // TGI has no [DONE]: the last event is the one with the whole text.
             self.done |= v["generated_text"].is_string();
-        } else if let Some(t) = v["choices"][0]["text"]
-            .as_str()
-            .or_else(|| v["choices"][0]["delta"]["content"].as_str())
-        {
-            self.text.push_str(t);
+        } else {
+            if let Some(t) = v["choices"][0]["text"]
+                .as_str()
+                .or_else(|| v["choices"][0]["delta"]["content"].as_str())
+            {
+                self.text.push_str(t);
+            }
+            if let Some(mode) = v["usage"]["tandem"]["mode"].as_str() {
+                self.mode = Some(mode.to_string());
+            }
         }
     }
 
@@ -213,11 +240,17 @@ impl RouterClient {
         let request = request.json(&call.body()).send();
         // A request dropped before its head: a client that gives up early.
         if let (Some(after), false) = (call.cancel_after, call.stream) {
-            return match tokio::time::timeout(after, async { request.await?.bytes().await }).await {
+            let answer = async {
+                let response = request.await?;
+                let mode = response.headers().get("x-tandem-mode").cloned();
+                response.bytes().await.map(|_| mode)
+            };
+            return match tokio::time::timeout(after, answer).await {
                 Err(_) => Outcome::Cancelled,
                 // It finished before the client gave up; its body is not judged.
-                Ok(Ok(_)) => Outcome::Ok {
-                    disaggregated: false,
+                Ok(Ok(mode)) => Outcome::Ok {
+                    disaggregated: mode.as_ref().is_some_and(|m| m == "disaggregated"),
+                    mode_said: mode.is_some(),
                     text: String::new(),
                 },
                 Ok(Err(e)) => Outcome::Lost(format!("before the cancel: {e}")),
@@ -229,10 +262,12 @@ impl RouterClient {
             Ok(Ok(r)) => r,
         };
         let status = response.status().as_u16();
-        let disaggregated = response
+        let header_mode = response
             .headers()
             .get("x-tandem-mode")
-            .is_some_and(|v| v == "disaggregated");
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_string);
+        let disaggregated = header_mode.as_deref() == Some("disaggregated");
         if status != 200 {
             let body = tokio::time::timeout_at(deadline, response.text()).await;
             let error_body = match body {
@@ -280,8 +315,10 @@ impl RouterClient {
                 in_stream: true,
             }
         } else if state.done {
+            let mode = header_mode.or(state.mode);
             Outcome::Ok {
-                disaggregated,
+                disaggregated: mode.as_deref() == Some("disaggregated"),
+                mode_said: mode.is_some(),
                 text: state.text,
             }
         } else {
@@ -315,6 +352,7 @@ async fn whole_body(
     match text {
         Some(t) => Outcome::Ok {
             disaggregated,
+            mode_said: true,
             text: t.to_string(),
         },
         None => Outcome::Lost("a 200 without the generated text".into()),
@@ -326,6 +364,8 @@ async fn whole_body(
 pub struct Tally {
     pub ok: usize,
     pub disaggregated: usize,
+    /// Complete, but nothing in the response said the mode (see [`Outcome::Ok`]).
+    pub mode_unsaid: usize,
     pub errors: usize,
     /// Errors that arrived as an event of a stream already under way (after a 200).
     pub stream_errors: usize,
@@ -347,9 +387,14 @@ impl Tally {
 
     pub fn add(&mut self, o: &Outcome) {
         match o {
-            Outcome::Ok { disaggregated, .. } => {
+            Outcome::Ok {
+                disaggregated,
+                mode_said,
+                ..
+            } => {
                 self.ok += 1;
                 self.disaggregated += usize::from(*disaggregated);
+                self.mode_unsaid += usize::from(!*mode_said);
             }
             Outcome::Error { status, in_stream } => {
                 self.errors += 1;

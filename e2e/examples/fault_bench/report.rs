@@ -181,9 +181,13 @@ impl Report {
         let rate = t.total() as f64 / s.took.as_secs_f64().max(1e-9);
         let requests = format!("{} in {} ({rate:.1} req/s)", t.total(), secs(s.took));
         row(&["requests", &requests]);
+        let unsaid = match t.mode_unsaid {
+            0 => String::new(),
+            n => format!(", {n} whose response did not say the mode"),
+        };
         row(&[
             "ok",
-            &format!("{} ({} disaggregated)", t.ok, t.disaggregated),
+            &format!("{} ({} disaggregated{unsaid})", t.ok, t.disaggregated),
         ]);
         let errors = format!("{}{}", t.errors, parenthesized(&t.statuses()));
         row(&["explicit errors", &errors]);
