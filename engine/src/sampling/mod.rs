@@ -14,14 +14,14 @@
 //! with the temperature. (vLLM's default reports the raw model output instead; OpenAI does
 //! not say.)
 //!
-//! The bounds a request is checked against are `tandem_proto::limits`, the ones the router
+//! The bounds a request is checked against are `tandem_limits`, the ones the router
 //! refuses first: one definition, so a request the router admits is never refused by a worker
 //! for its parameters.
 
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use serde::{Deserialize, Serialize};
-use tandem_proto::limits::{
+use tandem_limits::{
     MAX_CHOICES, MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_VALUE, MAX_OPENAI_PENALTY, MAX_REPETITION_PENALTY,
     MAX_STOP_STRING_BYTES, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_TEMPERATURE, MAX_TOP_LOGPROBS,
 };

@@ -275,11 +275,11 @@ fn suppressed_ids_cannot_be_picked_even_when_biased() {
     }
 }
 
-/// The engine takes a request exactly up to `tandem_proto::limits`, the bounds the router
+/// The engine takes a request exactly up to `tandem_limits`, the bounds the router
 /// refuses by: nothing the router admits fails at a worker, nothing past them runs.
 #[test]
 fn requests_are_taken_exactly_up_to_the_shared_limits() {
-    use tandem_proto::limits as wire;
+    use tandem_limits as wire;
     let n = |n: usize| SamplingParams {
         n,
         ..SamplingParams::default()
