@@ -5,6 +5,7 @@
 
 pub mod device;
 
+use std::hash::{DefaultHasher, Hash, Hasher};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -27,41 +28,51 @@ pub enum Arg {
     F32(f32),
 }
 
-/// Compiles the harness once per test run. Without a C++ compiler the kernel tests cannot
-/// run, and fail saying so (every supported build machine has gcc).
+/// The harness, compiled on first use and kept beside the test binaries under a name that
+/// hashes its sources and the compiler, so the two kernel test binaries and later runs share
+/// one compile (seconds of C++). Without a C++ compiler the kernel tests cannot run, and fail
+/// saying so (every supported build machine has gcc).
 pub fn harness() -> &'static Path {
     static HARNESS: OnceLock<PathBuf> = OnceLock::new();
     HARNESS
         .get_or_init(|| {
             let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/cuda_on_cpu");
-            // One harness per test binary: binaries may run at once (nextest).
-            let binary = std::env::current_exe()
-                .ok()
-                .and_then(|p| p.file_stem().map(|s| s.to_string_lossy().into_owned()))
-                .unwrap_or_default();
-            let out = Path::new(env!("CARGO_TARGET_TMPDIR"))
-                .join(format!("cuda_on_cpu_harness-{binary}"));
             // $CXX, else the usual names of a C++ compiler.
             let candidates: Vec<String> = match std::env::var("CXX") {
                 Ok(cxx) => vec![cxx],
                 Err(_) => vec!["c++".into(), "g++".into(), "clang++".into()],
             };
+            let mut sources = DefaultHasher::new();
+            for file in [
+                dir.join("harness.cpp"),
+                dir.join("emu.h"),
+                dir.join("../../src/backend/cuda/kernels.cu"),
+            ] {
+                std::fs::read(&file)
+                    .unwrap_or_else(|e| panic!("read {}: {e}", file.display()))
+                    .hash(&mut sources);
+            }
+            candidates.hash(&mut sources);
+            let out = Path::new(env!("CARGO_TARGET_TMPDIR"))
+                .join(format!("cuda_on_cpu_harness-{:016x}", sources.finish()));
+            if out.is_file() {
+                return out;
+            }
+            // Binaries may compile at once (nextest): each into its own file, then renamed
+            // into place, which is atomic.
+            let partial = out.with_extension(format!("partial-{}", std::process::id()));
             let mut missing = Vec::new();
             for cxx in &candidates {
                 let status = Command::new(cxx)
-                    .args([
-                        "-std=c++20",
-                        "-O2",
-                        "-pthread",
-                        "-Wall",
-                        "-Wno-sign-compare",
-                        "-o",
-                    ])
-                    .arg(&out)
+                    .args(["-std=c++20", "-O2", "-Wall", "-Wno-sign-compare", "-o"])
+                    .arg(&partial)
                     .arg(dir.join("harness.cpp"))
                     .status();
                 match status {
-                    Ok(s) if s.success() => return out,
+                    Ok(s) if s.success() => {
+                        std::fs::rename(&partial, &out).expect("harness moved into place");
+                        return out;
+                    }
                     Ok(s) => panic!("the CUDA-on-CPU harness does not compile with {cxx}: {s}"),
                     Err(e) => missing.push(format!("{cxx}: {e}")),
                 }
