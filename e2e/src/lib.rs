@@ -12,9 +12,13 @@
 //! own), and the clients here sign their calls with it ([`test_auth`]); attack tests start
 //! clients without it.
 //!
-//! `netns`: several hosts on one machine (network namespaces) for multi-host tests.
+//! `netns`: several hosts on one machine (network namespaces) for multi-host tests; `tools`:
+//! the Python clients' interpreter.
 
 pub mod netns;
+mod tools;
+
+pub use tools::tools_python;
 
 use std::net::TcpListener;
 use std::path::PathBuf;

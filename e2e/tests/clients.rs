@@ -2,53 +2,15 @@
 //! completions, usage, model list), TGI's own `text-generation` package (`Client(base_url)`:
 //! `generate` and `generate_stream`), and curl on TGI's `/generate_stream` and `/generate`.
 
-use std::path::PathBuf;
 use std::process::Command;
 
 use serde_json::Value;
-use tandem_e2e::{Deployment, DeploymentSpec};
-
-/// A python with the `openai`, `text-generation` and `jsonschema` packages: `TANDEM_TOOLS_PYTHON`, else the
-/// tools venv, made on
-/// first use by `scripts/tools-venv` (pip, once), as the harness builds the binaries on first
-/// use. If neither works the test fails saying why: it never passes without running.
-fn tools_python() -> PathBuf {
-    let works = |python: &PathBuf| {
-        Command::new(python)
-            .args(["-c", "import openai, text_generation, jsonschema"])
-            .status()
-            .is_ok_and(|s| s.success())
-    };
-    if let Some(given) = std::env::var_os("TANDEM_TOOLS_PYTHON").map(PathBuf::from) {
-        assert!(
-            works(&given),
-            "TANDEM_TOOLS_PYTHON={} cannot import openai, text_generation and jsonschema",
-            given.display()
-        );
-        return given;
-    }
-    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../scripts/tools-venv");
-    let out = Command::new(&script)
-        .output()
-        .unwrap_or_else(|e| panic!("cannot run {}: {e}", script.display()));
-    assert!(
-        out.status.success(),
-        "scripts/tools-venv could not make the Python tools venv (pip needs PyPI once): {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let python = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
-    assert!(
-        works(&python),
-        "{} cannot import openai, text_generation and jsonschema",
-        python.display()
-    );
-    python
-}
+use tandem_e2e::{Deployment, DeploymentSpec, tools_python};
 
 /// Runs a client `script` with the tools python against a fresh deployment (its base URL as
 /// the argument) and parses the JSON line it prints.
 async fn run_client(script: &'static str) -> Value {
-    let python = tools_python();
+    let python = tools_python(&["openai", "text_generation", "jsonschema"]);
     let dep = Deployment::start(&DeploymentSpec::default()).await.unwrap();
     let base = dep.url("");
     let out = tokio::task::spawn_blocking(move || {

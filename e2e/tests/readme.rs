@@ -21,7 +21,7 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
-use tandem_e2e::{binary, free_port};
+use tandem_e2e::{binary, free_port, tools_python};
 
 /// How long the deployment may take to come up (the first run fetches the model).
 const STARTUP: Duration = Duration::from_secs(300);
@@ -430,42 +430,6 @@ fn check_curl(example: &CurlExample, out: &str) {
     }
 }
 
-/// A Python with the `openai` and `text-generation` clients: `TANDEM_TOOLS_PYTHON`, else the
-/// tools venv that `scripts/tools-venv` makes on first use (as `clients.rs` does). Without
-/// either the test fails saying why; it never passes without running the examples.
-fn tools_python() -> PathBuf {
-    let works = |python: &Path| {
-        Command::new(python)
-            .args(["-c", "import openai, text_generation"])
-            .status()
-            .is_ok_and(|s| s.success())
-    };
-    if let Some(given) = std::env::var_os("TANDEM_TOOLS_PYTHON").map(PathBuf::from) {
-        assert!(
-            works(&given),
-            "TANDEM_TOOLS_PYTHON={} lacks openai or text_generation",
-            given.display()
-        );
-        return given;
-    }
-    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../scripts/tools-venv");
-    let out = Command::new(&script)
-        .output()
-        .unwrap_or_else(|e| panic!("cannot run {}: {e}", script.display()));
-    assert!(
-        out.status.success(),
-        "scripts/tools-venv could not make the Python tools venv (pip needs PyPI once): {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let python = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
-    assert!(
-        works(&python),
-        "{} lacks openai or text_generation",
-        python.display()
-    );
-    python
-}
-
 fn check_python(python: &Path, example: &PythonExample, port: u16) {
     let code = here(&example.code, port, example.at);
     let mut cmd = Command::new(python);
@@ -531,7 +495,7 @@ fn the_readme_examples_print_what_the_readme_shows() {
         curls.len(),
         pythons.len()
     );
-    let python = tools_python();
+    let python = tools_python(&["openai", "text_generation"]);
 
     let up = Up::start();
     // The first example runs first on the fresh deployment: its KV numbers assume no cache.
