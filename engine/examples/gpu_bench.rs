@@ -1,10 +1,12 @@
-//! GPU benchmark (needs a CUDA device): the device's two ceilings measured in the same run (bf16
-//! matrix-multiply rate through cuBLAS on random data, device-to-device copy bandwidth counting
-//! bytes read plus written), then for SmolLM2 and a Llama-3.1-8B-shaped dummy model: prefill
-//! tokens/s of a 2048-token prompt and its fraction of the matmul peak (FLOPs as computed: the
-//! LM head for the last row only), and decode time per step at batch 1, 32 and 128 against the
-//! read floor (the bytes one step must read, over the measured streaming bandwidth). Prints a
-//! table, then one JSON line.
+//! GPU benchmark (needs a CUDA device): the device's ceilings measured in the same run (bf16
+//! matrix-multiply rate through cuBLAS on random data; a read-only stream's bandwidth; a
+//! device-to-device copy's, counting bytes read plus written), then for SmolLM2 and a
+//! Llama-3.1-8B-shaped dummy model: prefill tokens/s of 512-, 2048- and 8192-token prompts and
+//! their fraction of the matmul peak (FLOPs as computed: the LM head for the last row only),
+//! and decode time per step at batch 1, 8, 32 and 128 with contexts of 512 and 4096 against
+//! the read floor (the weight bytes one step must read, plus the batch's KV, over the
+//! read-only bandwidth). Decode runs attend over random KV written straight into the pool.
+//! Prints a table, then one JSON line.
 //!
 //! `--profile`: builds the 8B dummy, warms up, then runs one 2048-token prefill, one decode
 //! step at batch 1 and one at batch 128 between `cuProfilerStart`/`cuProfilerStop`, for
@@ -15,7 +17,9 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
-use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
+use cudarc::driver::{
+    CudaFunction, CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg,
+};
 use half::bf16;
 use tandem_engine::backend::cuda::forward::StepBuffers;
 use tandem_engine::backend::cuda::gpu::{GpuContext, GpuModel, PoolSize, available, device_pool};
@@ -115,102 +119,223 @@ fn decode_read_bytes(cfg: &ModelConfig) -> f64 {
     read * 2.0
 }
 
+/// The benchmark's own two kernels, compiled with NVRTC beside the engine's: a read-only
+/// stream (16-byte loads folded into one word, written only on an impossible value so the
+/// loads stay) for the decode floor, and a seeded bf16 fill that gives the KV pool random
+/// contents without running prompts through the model (decode timings at long contexts would
+/// otherwise wait on minutes of prefill).
+const BENCH_KERNELS: &str = r#"
+struct alignas(16) words4 { unsigned int x, y, z, w; };
+extern "C" __global__ void read_stream(const words4* __restrict__ src, long long n,
+                                       unsigned int* __restrict__ out) {
+    unsigned int acc = 0;
+    long long stride = (long long)gridDim.x * blockDim.x;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += stride) {
+        words4 v = src[i];
+        acc ^= v.x ^ v.y ^ v.z ^ v.w;
+    }
+    if (acc == 0x9e3779b9u) out[0] = acc;
+}
+extern "C" __global__ void fill_random(unsigned short* __restrict__ out, long long n,
+                                       unsigned long long seed) {
+    long long stride = (long long)gridDim.x * blockDim.x;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += stride) {
+        unsigned long long z = seed + (unsigned long long)i * 0x9E3779B97F4A7C15ull;
+        z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+        z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+        z ^= z >> 31;
+        float unit = (float)(z >> 40) / (float)(1ull << 24);
+        unsigned int u = __float_as_uint(unit * 2.f - 1.f);
+        out[i] = (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+    }
+}
+"#;
+
+struct BenchKernels {
+    read_stream: CudaFunction,
+    fill_random: CudaFunction,
+}
+
+impl BenchKernels {
+    fn new(gpu: &GpuContext) -> anyhow::Result<Self> {
+        let ptx = cudarc::nvrtc::compile_ptx(BENCH_KERNELS)?;
+        let module = gpu.ctx.load_module(ptx)?;
+        Ok(Self {
+            read_stream: module.load_function("read_stream")?,
+            fill_random: module.load_function("fill_random")?,
+        })
+    }
+
+    fn grid(gpu: &GpuContext) -> LaunchConfig {
+        LaunchConfig {
+            grid_dim: (gpu.sms * 8, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        }
+    }
+
+    /// Bytes per second of a stream that only reads (4 GiB, median of 10 passes).
+    fn read_bandwidth(&self, gpu: &GpuContext) -> anyhow::Result<f64> {
+        let bytes = 4usize << 30;
+        let mut src: CudaSlice<bf16> = gpu.stream.alloc_zeros(bytes / 2)?;
+        self.fill(gpu, &mut src, 7)?;
+        let mut out: CudaSlice<u32> = gpu.stream.alloc_zeros(1)?;
+        let words = (bytes / 16) as i64;
+        let mut times = Vec::new();
+        for pass in 0..11 {
+            let t = Instant::now();
+            let mut b = gpu.stream.launch_builder(&self.read_stream);
+            b.arg(&src).arg(&words).arg(&mut out);
+            // SAFETY: read_stream(const words4*, long long, unsigned*) reads `words` 16-byte
+            // words of `src` (bytes / 16 of them) and may write out[0].
+            unsafe { b.launch(Self::grid(gpu))? };
+            gpu.synchronize()?;
+            if pass > 0 {
+                times.push(t.elapsed().as_secs_f64());
+            }
+        }
+        Ok(bytes as f64 / median(&mut times))
+    }
+
+    /// Fills `buf` with seeded bf16 values in [-1, 1).
+    fn fill(&self, gpu: &GpuContext, buf: &mut CudaSlice<bf16>, seed: u64) -> anyhow::Result<()> {
+        let n = buf.len() as i64;
+        let mut b = gpu.stream.launch_builder(&self.fill_random);
+        b.arg(&mut *buf).arg(&n).arg(&seed);
+        // SAFETY: fill_random(unsigned short*, long long, unsigned long long) writes the n
+        // elements of `buf`.
+        unsafe { b.launch(Self::grid(gpu))? };
+        Ok(())
+    }
+}
+
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// Prompt lengths of the prefill runs, and (context, batch) pairs of the decode runs. A
+/// batch whose KV does not fit the benchmark's pool is reported as skipped.
+const PREFILL_LENGTHS: [usize; 3] = [512, 2048, 8192];
+const DECODE_CONTEXTS: [usize; 2] = [512, 4096];
+const DECODE_BATCHES: [usize; 4] = [1, 8, 32, 128];
+/// The KV pool of the benchmark (16 GB of 8B weights beside it fit an 80 GB card).
+const POOL_BYTES: usize = 40 << 30;
+
+struct Prefill {
+    tokens: usize,
+    tok_s: f64,
+    vs_peak: f64,
+}
+
+struct Decode {
+    context: usize,
+    batch: usize,
+    /// None: the batch's KV does not fit the pool.
+    ms: Option<f64>,
+    /// The weights and the batch's KV over the read-only bandwidth.
+    floor_ms: f64,
+}
+
 struct ModelResult {
     name: String,
-    prefill_tok_s: f64,
-    prefill_vs_peak: f64,
+    prefill: Vec<Prefill>,
     floor_ms: f64,
-    decode_ms: Vec<(usize, f64)>,
+    decode: Vec<Decode>,
 }
 
 fn bench_model(
     gpu: &Arc<GpuContext>,
+    bench: &BenchKernels,
     name: &str,
     model: &GpuModel,
     peak: f64,
-    bandwidth: f64,
+    read_bandwidth: f64,
 ) -> anyhow::Result<ModelResult> {
     let cfg = &model.cfg;
     let vocab = cfg.vocab_size as u32;
-    let mut cache = device_pool(gpu, cfg, PoolSize::Budget(40 << 30))?;
+    let mut cache = device_pool(gpu, cfg, PoolSize::Budget(POOL_BYTES))?;
+    bench.fill(gpu, cache.data_mut(), 11)?;
     let mut buffers = StepBuffers::default();
     let mut pool = BlockPool::new(cache.layout().num_blocks);
-    let prompt = |seed: u32, len: usize| -> Vec<u32> {
-        (0..len as u32)
-            .map(|i| (i * 7919 + seed * 104_729) % vocab)
-            .collect()
-    };
-    // Prefill: one 2048-token prompt (best of 3).
-    let p = prompt(1, 2048);
-    let table = pool.allocate(blocks_for(2048))?;
-    let mut best = f64::MAX;
-    for _ in 0..3 {
-        let t = Instant::now();
-        model.forward(
-            &mut cache,
-            &[SeqInput {
-                tokens: &p,
-                start_pos: 0,
-                block_table: &table,
-                logits: true,
-                all_logits: false,
-            }],
-            &mut buffers,
-        )?;
-        best = best.min(t.elapsed().as_secs_f64());
-    }
-    pool.release(&table)?;
-    let t = 2048.0;
-    let flops = prefill_flops(cfg, t);
-    let mut decode_ms = Vec::new();
-    for &batch in &[1usize, 32, 128] {
-        let ctx = 512;
-        let prompts: Vec<Vec<u32>> = (0..batch).map(|i| prompt(i as u32 + 2, ctx)).collect();
-        let tables: Vec<Vec<u32>> = (0..batch)
-            .map(|_| pool.allocate(blocks_for(ctx + 64)))
-            .collect::<Result<_, _>>()?;
-        for chunk in prompts.iter().zip(&tables).collect::<Vec<_>>().chunks(8) {
-            let inputs: Vec<SeqInput<'_>> = chunk
-                .iter()
-                .map(|(p, t)| SeqInput {
-                    tokens: p,
+    let mut prefill = Vec::new();
+    for &len in &PREFILL_LENGTHS {
+        let p: Vec<u32> = (0..len as u32)
+            .map(|i| (i * 7919 + 104_729) % vocab)
+            .collect();
+        let table = pool.allocate(blocks_for(len))?;
+        // The first run warms up (buffer growth, cuBLAS heuristics); the best of the rest.
+        let runs = if len > 2048 { 2 } else { 4 };
+        let mut times = Vec::new();
+        for _ in 0..runs {
+            let t = Instant::now();
+            model.forward(
+                &mut cache,
+                &[SeqInput {
+                    tokens: &p,
                     start_pos: 0,
-                    block_table: t,
-                    logits: false,
-                    all_logits: false,
-                })
-                .collect();
-            model.forward(&mut cache, &inputs, &mut buffers)?;
-        }
-        let steps = 16;
-        let next: Vec<Vec<u32>> = (0..batch).map(|i| vec![(i as u32 * 31) % vocab]).collect();
-        let t0 = Instant::now();
-        for s in 0..steps {
-            let inputs: Vec<SeqInput<'_>> = next
-                .iter()
-                .zip(&tables)
-                .map(|(n, t)| SeqInput {
-                    tokens: n,
-                    start_pos: ctx + s,
-                    block_table: t,
+                    block_table: &table,
                     logits: true,
                     all_logits: false,
-                })
-                .collect();
-            model.forward(&mut cache, &inputs, &mut buffers)?;
+                }],
+                &mut buffers,
+            )?;
+            times.push(t.elapsed().as_secs_f64());
         }
-        decode_ms.push((batch, t0.elapsed().as_secs_f64() * 1e3 / steps as f64));
-        for t in &tables {
-            pool.release(t)?;
+        pool.release(&table)?;
+        let best = times[1..].iter().copied().fold(f64::MAX, f64::min);
+        prefill.push(Prefill {
+            tokens: len,
+            tok_s: len as f64 / best,
+            vs_peak: prefill_flops(cfg, len as f64) / best / peak,
+        });
+    }
+    let mut decode = Vec::new();
+    for &context in &DECODE_CONTEXTS {
+        for &batch in &DECODE_BATCHES {
+            let steps = 16;
+            let blocks = blocks_for(context + steps + 1);
+            if batch * blocks > pool.free_count() {
+                decode.push(Decode {
+                    context,
+                    batch,
+                    ms: None,
+                    floor_ms: 0.0,
+                });
+                continue;
+            }
+            // The pool holds random KV: each sequence attends over `context` positions of
+            // it without a prefill.
+            let tables: Vec<Vec<u32>> = (0..batch)
+                .map(|_| pool.allocate(blocks))
+                .collect::<Result<_, _>>()?;
+            let next: Vec<Vec<u32>> = (0..batch).map(|i| vec![(i as u32 * 31) % vocab]).collect();
+            decode_step(model, &mut cache, &mut buffers, &next, &tables, context)?;
+            gpu.synchronize()?;
+            let t0 = Instant::now();
+            for s in 1..=steps {
+                decode_step(model, &mut cache, &mut buffers, &next, &tables, context + s)?;
+            }
+            gpu.synchronize()?;
+            let ms = t0.elapsed().as_secs_f64() * 1e3 / steps as f64;
+            let kv_bytes =
+                (batch * context * cfg.num_hidden_layers * 2 * cfg.kv_width() * 2) as f64;
+            decode.push(Decode {
+                context,
+                batch,
+                ms: Some(ms),
+                floor_ms: (decode_read_bytes(cfg) + kv_bytes) / read_bandwidth * 1e3,
+            });
+            for t in &tables {
+                pool.release(t)?;
+            }
         }
     }
     Ok(ModelResult {
         name: name.to_string(),
-        prefill_tok_s: t / best,
-        prefill_vs_peak: flops / best / peak,
-        // A copy's figure counts bytes read plus written, the rate a read-only stream gets.
-        floor_ms: decode_read_bytes(cfg) / bandwidth * 1e3,
-        decode_ms,
+        prefill,
+        floor_ms: decode_read_bytes(cfg) / read_bandwidth * 1e3,
+        decode,
     })
 }
 
@@ -313,7 +438,9 @@ fn main() -> anyhow::Result<()> {
     if std::env::args().any(|a| a == "--profile") {
         return profile(&gpu);
     }
-    let bandwidth = copy_bandwidth(&gpu)?;
+    let bench = BenchKernels::new(&gpu)?;
+    let copy = copy_bandwidth(&gpu)?;
+    let read = bench.read_bandwidth(&gpu)?;
     let peak = matmul_rate(&gpu)?;
     let mut results = Vec::new();
     if let Ok((cpu, _)) = load_model(
@@ -325,51 +452,76 @@ fn main() -> anyhow::Result<()> {
         },
     ) {
         let m = GpuModel::upload(gpu.clone(), &cpu)?;
-        results.push(bench_model(&gpu, "SmolLM2-135M", &m, peak, bandwidth)?);
+        results.push(bench_model(&gpu, &bench, "SmolLM2-135M", &m, peak, read)?);
     }
     let l8 = GpuModel::dummy(gpu.clone(), ModelConfig::preset("llama-3.1-8b")?, 0)?;
     results.push(bench_model(
         &gpu,
+        &bench,
         "dummy Llama-3.1-8B",
         &l8,
         peak,
-        bandwidth,
+        read,
     )?);
     println!("| measure | value |\n|---|---|");
     println!(
         "| device copy bandwidth (read + write) | {:.0} GB/s |",
-        bandwidth / 1e9
+        copy / 1e9
     );
+    println!("| read-only stream | {:.0} GB/s |", read / 1e9);
     println!(
-        "| bf16 matmul 8192³ (cuBLAS) | {:.0} TFLOP/s |",
+        "| bf16 matmul 8192³ (cuBLAS, random data) | {:.0} TFLOP/s |",
         peak / 1e12
     );
     let mut json = serde_json::Map::new();
-    json.insert(
-        "copy_bandwidth_gb_s".into(),
-        serde_json::json!(bandwidth / 1e9),
-    );
+    json.insert("copy_bandwidth_gb_s".into(), serde_json::json!(copy / 1e9));
+    json.insert("read_bandwidth_gb_s".into(), serde_json::json!(read / 1e9));
     json.insert("bf16_matmul_tflops".into(), serde_json::json!(peak / 1e12));
     for r in &results {
-        println!(
-            "| {}: prefill 2048 tokens | {:.0} tok/s ({:.2} of matmul peak) |",
-            r.name, r.prefill_tok_s, r.prefill_vs_peak
-        );
-        for (b, ms) in &r.decode_ms {
+        let mut prefill = serde_json::Map::new();
+        for p in &r.prefill {
             println!(
-                "| {}: decode batch {b} | {ms:.2} ms/step (weight floor {:.2} ms, {:.2} of it) |",
-                r.name,
-                r.floor_ms,
-                r.floor_ms / ms
+                "| {}: prefill {} tokens | {:.0} tok/s ({:.3} of matmul peak) |",
+                r.name, p.tokens, p.tok_s, p.vs_peak
             );
+            prefill.insert(
+                format!("t{}", p.tokens),
+                serde_json::json!({"tok_s": p.tok_s, "vs_matmul_peak": p.vs_peak}),
+            );
+        }
+        let mut decode = serde_json::Map::new();
+        for d in &r.decode {
+            let key = format!("c{}_b{}", d.context, d.batch);
+            match d.ms {
+                Some(ms) => {
+                    println!(
+                        "| {}: decode batch {} at context {} | {ms:.2} ms/step (read floor with KV {:.2} ms: {:.2}x it) |",
+                        r.name,
+                        d.batch,
+                        d.context,
+                        d.floor_ms,
+                        ms / d.floor_ms
+                    );
+                    decode.insert(key, serde_json::json!({"ms": ms, "floor_ms": d.floor_ms}));
+                }
+                None => {
+                    println!(
+                        "| {}: decode batch {} at context {} | skipped: its KV exceeds the {} GiB pool |",
+                        r.name,
+                        d.batch,
+                        d.context,
+                        POOL_BYTES >> 30
+                    );
+                    decode.insert(key, serde_json::Value::Null);
+                }
+            }
         }
         json.insert(
             r.name.clone(),
             serde_json::json!({
-                "prefill_tok_s": r.prefill_tok_s,
-                "prefill_vs_matmul_peak": r.prefill_vs_peak,
+                "prefill": prefill,
                 "decode_floor_ms": r.floor_ms,
-                "decode_ms": r.decode_ms.iter().map(|(b, ms)| (format!("b{b}"), serde_json::json!(ms))).collect::<serde_json::Map<_, _>>(),
+                "decode_ms": decode,
             }),
         );
     }

@@ -5,7 +5,8 @@
 # shapes through PyTorch/transformers, and a 1P1D deployment on one GPU (green contexts,
 # KV over cuda-ipc) under tandem-bench (seed 002's `# Prefill` and `# Decode` blocks), with
 # its greedy outputs compared to aggregated ones; then seed 000's shape (scripts/gpu/seed000.sh).
-# `profile` (not in the default list) times every kernel of one prefill and two decode steps
+# `torchs` runs the gpt-fast-style baselines (SDPA flash prefill, static-KV decode in CUDA
+# graphs, torch.compile). `profile` (not in the default list) times every kernel of one prefill and two decode steps
 # under ncu. STEPS picks a subset, e.g. STEPS="ipc serve"; PREFILL_PROMPTS, DECODE_PROMPTS and
 # GATE_PROMPTS size the serve step, LOG_DIR takes its workers' logs.
 # SMOKE=1 (scripts/smoke, on a machine without a GPU, from `SMOKE=1 scripts/build-gpu`'s
@@ -56,6 +57,11 @@ if want nccl; then
 fi
 if want bench; then echo "== gpu_bench"; "$bin/gpu_bench"; fi
 if want torch; then echo "== PyTorch/transformers, same shapes"; python3 "$here/torch_bench.py"; fi
+if want torchs; then
+  # gpt-fast's recipe: SDPA flash prefill, static-KV decode in CUDA graphs, torch.compile.
+  echo "== PyTorch, static KV cache: graphs and torch.compile"
+  PYTHONUNBUFFERED=1 python3 "$here/torch_static.py"
+fi
 if want profile; then
   # ncu times every kernel of one prefill and two decode steps (gpu_bench --profile), at the
   # clocks the card runs at; kernel_profile.py splits them per pass and ranks them.

@@ -12,6 +12,7 @@
 # (see on-device.sh) at small sizes, and nothing is killed by name afterwards: on a shared
 # machine that would hit other people's processes (each step stops its own deployment, and
 # the time limit's signal reaches the launcher, which stops its workers).
+# Last, scripts/gpu/summary.py prints one JSON line of the goal ratios from the steps' logs.
 set -uo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 out="${OUT:?OUT names the folder that comes back}"
@@ -55,3 +56,8 @@ for spec in $plan; do
   grep -vE '^\s*$' "$out/$step.log" | tail -n 40
 done
 rm -rf "$scratch"
+# The run's verdict: one JSON line of ratios from the steps' logs (BENCHMARKS.md quotes it).
+if ! smoke; then
+  echo "### summary"
+  python3 "$here/summary.py" "$out" | tee "$out/summary.json"
+fi
