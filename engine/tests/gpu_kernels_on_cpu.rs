@@ -19,6 +19,7 @@ use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 use tandem_engine::backend::cpu::kernels::attention::{AttnParams, AttnSeq, paged_attention};
 use tandem_engine::backend::cpu::kernels::{RopeTable, rms_norm, silu_mul};
+use tandem_engine::backend::cuda::attention::Plan;
 use tandem_engine::config::ModelConfig;
 use tandem_kv::{BLOCK_SIZE, KvCache, KvDtype, KvLayout, KvStorage, staging};
 
@@ -29,6 +30,9 @@ use cuda_on_cpu::{
 
 /// Rounding a result to bf16 costs at most 2^-9 of it: anything past that is a kernel's error.
 const BF16_OUTPUT: f32 = 1.0 / 256.0;
+/// The tensor-core attention also rounds Q and the softmax weights to bf16 (as FlashAttention
+/// does): about one bf16 step of the largest output (2.7e-3 seen), with a margin.
+const FLASH_BF16: f32 = 1.0 / 128.0;
 
 fn random(rng: &mut StdRng, n: usize, amp: f32) -> Vec<f32> {
     (0..n).map(|_| rng.random_range(-amp..amp)).collect()
@@ -254,29 +258,6 @@ fn attention_step(
         ],
     );
     *device_cache = out[4].clone();
-    let scale = 1.0 / (d as f32).sqrt();
-    let out = launch(
-        "paged_attention",
-        blocks_for(rows * q_heads * 32, 128),
-        128,
-        &[
-            Arg::Buf(f32_bytes(&qkv)),
-            Arg::Buf(i32_bytes(&positions)),
-            Arg::Buf(i32_bytes(&token_seq)),
-            Arg::Buf(i32_bytes(&table_rows)),
-            Arg::I32(max_blocks as i32),
-            Arg::Buf(device_cache.clone()),
-            Arg::I64(layer_offset),
-            Arg::Buf(vec![0; rows * qw * 2]),
-            Arg::I32(rows as i32),
-            Arg::I32(width as i32),
-            Arg::I32(q_heads as i32),
-            Arg::I32(kvh as i32),
-            Arg::I32(d as i32),
-            Arg::F32(scale),
-        ],
-    );
-    let got = to_f32(&bf16s(&out[5]));
 
     // The CPU engine's view: the device cache converted block by block (the staging
     // conversion the transports rely on).
@@ -337,19 +318,126 @@ fn attention_step(
         AttnParams::causal(d),
         &mut want,
     );
+    let scale = 1.0 / (d as f32).sqrt();
+    let what = format!("{q_heads} heads over {kvh}, head_dim {d}");
+    let paged = launch(
+        "paged_attention",
+        blocks_for(rows * q_heads * 32, 128),
+        128,
+        &[
+            Arg::Buf(f32_bytes(&qkv)),
+            Arg::Buf(i32_bytes(&positions)),
+            Arg::Buf(i32_bytes(&token_seq)),
+            Arg::Buf(i32_bytes(&table_rows)),
+            Arg::I32(max_blocks as i32),
+            Arg::Buf(device_cache.clone()),
+            Arg::I64(layer_offset),
+            Arg::Buf(poisoned_bf16(rows * qw)),
+            Arg::I32(rows as i32),
+            Arg::I32(width as i32),
+            Arg::I32(q_heads as i32),
+            Arg::I32(kvh as i32),
+            Arg::I32(d as i32),
+            Arg::F32(scale),
+        ],
+    );
+    let got = to_f32(&bf16s(&paged[5]));
     assert_close(
-        &format!("attention, {q_heads} heads over {kvh}, head_dim {d}"),
+        &format!("paged attention, {what}"),
         &got,
         &want,
         BF16_OUTPUT,
     );
+    if !matches!(d, 64 | 128) {
+        return;
+    }
+    // The tensor-core kernel: bf16 Q and P on top of the bf16 output (FlashAttention's
+    // rounding), once reading whole contexts and once split into many parts.
+    let cfg = ModelConfig {
+        num_attention_heads: q_heads,
+        num_key_value_heads: kvh,
+        head_dim: d,
+        ..ModelConfig::preset("tiny").expect("preset")
+    };
+    let spans: Vec<(usize, usize, usize)> = {
+        let mut first = 0;
+        batch
+            .entries
+            .iter()
+            .map(|&(_, start, n)| {
+                first += n;
+                (first - n, n, start)
+            })
+            .collect()
+    };
+    for multiprocessors in [1, 64] {
+        let plan = Plan::new(&cfg, &spans, multiprocessors);
+        let partial_len = rows * q_heads * plan.splits * (d + 2);
+        let flash = launch(
+            "flash_attention",
+            (plan.tile_count() * kvh * plan.splits) as u32,
+            128,
+            &[
+                Arg::Buf(f32_bytes(&qkv)),
+                Arg::Buf(i32_bytes(&positions)),
+                Arg::Buf(i32_bytes(&token_seq)),
+                Arg::Buf(i32_bytes(&table_rows)),
+                Arg::I32(max_blocks as i32),
+                Arg::Buf(device_cache.clone()),
+                Arg::I64(layer_offset),
+                Arg::Buf(i32_bytes(&plan.tiles)),
+                Arg::I32(plan.splits as i32),
+                Arg::I32(plan.keys_per_split as i32),
+                Arg::Buf(poisoned_bf16(rows * qw)),
+                Arg::Buf(f32_bytes(&vec![f32::NAN; partial_len])),
+                Arg::I32(width as i32),
+                Arg::I32(q_heads as i32),
+                Arg::I32(kvh as i32),
+                Arg::I32(d as i32),
+                Arg::F32(scale),
+            ],
+        );
+        let mut out = flash[6].clone();
+        if plan.splits > 1 {
+            let combined = launch(
+                "attention_combine",
+                per_row(rows * q_heads),
+                128,
+                &[
+                    Arg::Buf(flash[7].clone()),
+                    Arg::Buf(poisoned_bf16(rows * qw)),
+                    Arg::I32(rows as i32),
+                    Arg::I32(q_heads as i32),
+                    Arg::I32(d as i32),
+                    Arg::I32(plan.splits as i32),
+                ],
+            );
+            out = combined[1].clone();
+        }
+        let got = to_f32(&bf16s(&out));
+        assert_close(
+            &format!("flash attention, {what}, {} splits", plan.splits),
+            &got,
+            &want,
+            FLASH_BF16,
+        );
+    }
+}
+
+/// NaN in every element, so that one a kernel leaves unwritten fails the comparison.
+fn poisoned_bf16(n: usize) -> Vec<u8> {
+    bf16_bytes(&vec![bf16::NAN; n])
 }
 
 #[test]
-fn kv_write_and_paged_attention_match_the_cpu_engine() {
+fn kv_write_and_both_attention_kernels_match_the_cpu_engine() {
     let mut rng = StdRng::seed_from_u64(4);
-    // SmolLM2's heads, Llama's head_dim 128 with GQA, and plain multi-head attention.
-    for (q_heads, kv_heads, head_dim) in [(9, 3, 64), (4, 2, 128), (2, 2, 32)] {
+    // SmolLM2's heads, Llama's head_dim 128 with its GQA group of 4 and with 2, plain
+    // multi-head attention (64 tokens a tensor-core tile), and a head size only the CUDA-core
+    // kernel takes.
+    for (q_heads, kv_heads, head_dim) in
+        [(9, 3, 64), (8, 2, 128), (4, 2, 128), (2, 2, 64), (2, 2, 32)]
+    {
         let layout = KvLayout {
             num_layers: 2,
             num_kv_heads: kv_heads,
@@ -358,19 +446,23 @@ fn kv_write_and_paged_attention_match_the_cpu_engine() {
             dtype: KvDtype::F32,
             model_fingerprint: String::new(),
         };
-        let num_blocks = 9;
+        let num_blocks = 14;
         let mut cache = vec![0u8; 2 * layout.num_layers * num_blocks * layout.block_layer_elems()];
-        // Scattered physical blocks: sequence 0 reaches 45 tokens (3 blocks), 1 reaches 21 (2).
+        // Scattered physical blocks: sequence 0 reaches 150 tokens (10 blocks), 1 reaches 21 (2).
         let mut ids: Vec<u32> = (0..num_blocks as u32).collect();
         ids.shuffle(&mut rng);
-        let tables = vec![ids[..3].to_vec(), ids[3..5].to_vec()];
-        // Two prefills, then a decode step beside a prefill chunk that continues at 37.
+        let tables = vec![ids[..10].to_vec(), ids[10..12].to_vec()];
+        // Two prefills (sequence 0 over several query and key tiles), then a prefill chunk
+        // that continues at 100 beside a decode step, then a decode step at 137.
         let steps = [
             Batch {
-                entries: vec![(0, 0, 37), (1, 0, 20)],
+                entries: vec![(0, 0, 100), (1, 0, 20)],
             },
             Batch {
-                entries: vec![(1, 20, 1), (0, 37, 8)],
+                entries: vec![(1, 20, 1), (0, 100, 37)],
+            },
+            Batch {
+                entries: vec![(0, 137, 1)],
             },
         ];
         for step in &steps {

@@ -42,6 +42,13 @@ impl LaunchDevice for EmulatedDevice {
     type Event = ();
     type Pool = Bytes;
 
+    /// Few, so that short batches take the split-context path in the tests.
+    fn multiprocessors(&self) -> usize {
+        2
+    }
+    fn bf16_mma(&self) -> bool {
+        true
+    }
     fn alloc_pool(&self, layout: DevicePoolLayout) -> Result<Bytes> {
         Ok(vec![0; layout.bytes()])
     }

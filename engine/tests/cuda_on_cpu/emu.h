@@ -38,6 +38,8 @@ inline dim3 blockIdx;
 inline dim3 blockDim;
 inline dim3 gridDim;
 
+// kernels.cu leaves its inline PTX out and takes this file's stand-ins instead.
+#define CUDA_ON_CPU 1
 #define __global__
 #define __device__
 #define __forceinline__ inline
@@ -93,6 +95,7 @@ struct Fiber {
 struct Team {
     std::vector<Fiber> fibers;
     std::vector<float> warp_values;  // 32 per warp, for `__shfl_xor_sync`
+    std::vector<unsigned int> mma_fragments;  // 6 words per thread, for `mma_bf16_16816`
 #if EMU_STACK_SWITCH
     void* scheduler_sp = nullptr;
 #else
@@ -207,6 +210,7 @@ void launch(unsigned int grid, unsigned int threads, Kernel kernel, Args... args
     // Uninitialised: only the few pages a kernel's frames touch are ever mapped.
     for (Fiber& f : block.fibers) f.stack.reset(new char[kStackBytes]);
     block.warp_values.assign((threads + 31) / 32 * 32, 0.f);
+    block.mma_fragments.assign((threads + 31) / 32 * 32 * 6, 0u);
     block.body = [&] { kernel(args...); };
     team = &block;
     for (unsigned int b = 0; b < grid; b++) {
@@ -241,6 +245,42 @@ inline float __shfl_xor_sync(unsigned int, float value, int lane_mask) {
     float other = values[lane ^ (unsigned int)lane_mask];
     emu::wait(emu::State::AtWarpBarrier);
     return other;
+}
+
+// mma.sync.m16n8k16.row.col.f32.bf16.bf16.f32 of one warp (its fragment layout is described
+// in kernels.cu): every lane posts its A and B words, then computes its own four outputs from
+// the whole warp's, in f32.
+inline void mma_bf16_16816(float* c, const unsigned int* a, const unsigned int* b) {
+    unsigned int warp = threadIdx.x / 32 * 32, lane = threadIdx.x % 32;
+    unsigned int* words = emu::team->mma_fragments.data() + warp * 6;
+    for (int i = 0; i < 4; i++) words[lane * 6 + i] = a[i];
+    words[lane * 6 + 4] = b[0];
+    words[lane * 6 + 5] = b[1];
+    emu::wait(emu::State::AtWarpBarrier);
+    auto half_of = [](unsigned int w, int hi) {
+        unsigned int bits = (hi ? w >> 16 : w & 0xffffu) << 16;
+        float f;
+        std::memcpy(&f, &bits, sizeof f);
+        return f;
+    };
+    // A[row][k]: lane 4 * (row % 8) + (k % 8) / 2, word (row >= 8) + 2 * (k >= 8).
+    auto a_at = [&](int row, int k) {
+        int l = 4 * (row % 8) + (k % 8) / 2;
+        return half_of(words[l * 6 + (row >= 8) + 2 * (k >= 8)], k & 1);
+    };
+    // B[k][col]: lane 4 * col + (k % 8) / 2, word 4 + (k >= 8).
+    auto b_at = [&](int k, int col) {
+        int l = 4 * col + (k % 8) / 2;
+        return half_of(words[l * 6 + 4 + (k >= 8)], k & 1);
+    };
+    int group = lane / 4, t = lane % 4;
+    for (int i = 0; i < 4; i++) {
+        int row = group + (i >= 2 ? 8 : 0), col = 2 * t + (i & 1);
+        float sum = 0.f;
+        for (int k = 0; k < 16; k++) sum += a_at(row, k) * b_at(k, col);
+        c[i] += sum;
+    }
+    emu::wait(emu::State::AtWarpBarrier);
 }
 
 inline float __uint_as_float(unsigned int u) {

@@ -64,7 +64,14 @@ pub fn harness() -> &'static Path {
             let mut missing = Vec::new();
             for cxx in &candidates {
                 let status = Command::new(cxx)
-                    .args(["-std=c++20", "-O2", "-Wall", "-Wno-sign-compare", "-o"])
+                    .args([
+                        "-std=c++20",
+                        "-O2",
+                        "-Wall",
+                        "-Wno-sign-compare",
+                        "-Wno-unknown-pragmas",
+                        "-o",
+                    ])
                     .arg(&partial)
                     .arg(dir.join("harness.cpp"))
                     .status();

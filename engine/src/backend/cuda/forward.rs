@@ -17,6 +17,7 @@ use half::bf16;
 
 use tandem_kv::BLOCK_SIZE;
 
+use super::attention::{self, Partials, Plan, StepInputs};
 use super::launch::{Kernel, KernelArg, Launch, LaunchDevice};
 use crate::backend::cpu::kernels::{Matrix, RopeTable};
 use crate::config::ModelConfig;
@@ -84,6 +85,7 @@ pub struct StepBuffers<D: LaunchDevice> {
     rows: usize,
     allocations: usize,
     act: Option<Activations<D>>,
+    partials: Partials<D>,
 }
 
 struct Activations<D: LaunchDevice> {
@@ -104,6 +106,7 @@ impl<D: LaunchDevice> Default for StepBuffers<D> {
             rows: 0,
             allocations: 0,
             act: None,
+            partials: Partials::default(),
         }
     }
 }
@@ -122,7 +125,12 @@ impl<D: LaunchDevice> StepBuffers<D> {
     /// Buffers for at least `rows` rows: the current ones, or new ones of the next power of
     /// two. Kernels write every row they are given before anything reads it, so reused
     /// buffers need no clearing.
-    fn ensure(&mut self, dev: &D, cfg: &ModelConfig, rows: usize) -> Result<&mut Activations<D>> {
+    fn ensure(
+        &mut self,
+        dev: &D,
+        cfg: &ModelConfig,
+        rows: usize,
+    ) -> Result<(&mut Activations<D>, &mut Partials<D>)> {
         if self.act.is_none() || rows > self.rows {
             let n = rows.next_power_of_two().max(16);
             let (h, f) = (cfg.hidden_size, cfg.intermediate_size);
@@ -141,9 +149,11 @@ impl<D: LaunchDevice> StepBuffers<D> {
             self.rows = n;
             self.allocations += 1;
         }
-        self.act
+        let act = self
+            .act
             .as_mut()
-            .ok_or_else(|| EngineError::Unsupported("step buffers missing".into()))
+            .ok_or_else(|| EngineError::Unsupported("step buffers missing".into()))?;
+        Ok((act, &mut self.partials))
     }
 }
 
@@ -161,6 +171,8 @@ struct HostBatch {
     tables: Vec<i32>,
     max_blocks: usize,
     wanted: Vec<i32>,
+    /// Per sequence: first row, token count, first position.
+    spans: Vec<(usize, usize, usize)>,
 }
 
 fn describe_batch(
@@ -181,6 +193,7 @@ fn describe_batch(
         tables: vec![0i32; seqs.len() * max_blocks],
         max_blocks,
         wanted: Vec::new(),
+        spans: Vec::with_capacity(seqs.len()),
     };
     for (si, s) in seqs.iter().enumerate() {
         let end = s.start_pos + s.tokens.len();
@@ -212,6 +225,7 @@ fn describe_batch(
             b.token_seq.push(si as i32);
         }
         let first_row = b.tokens.len() - s.tokens.len();
+        b.spans.push((first_row, s.tokens.len(), s.start_pos));
         b.wanted
             .extend(s.logit_rows().map(|r| (first_row + r) as i32));
     }
@@ -286,7 +300,7 @@ pub fn forward<D: LaunchDevice>(
     let qkv_w = qw + 2 * kw;
     let f = cfg.intermediate_size;
     if d > 256 {
-        // The attention kernel keeps head_dim / 32 values per lane in 8 registers.
+        // The CUDA-core attention keeps head_dim / 32 values per lane in 8 registers.
         return Err(EngineError::Unsupported(format!(
             "head_dim {d} > 256 on the GPU"
         )));
@@ -298,17 +312,26 @@ pub fn forward<D: LaunchDevice>(
     let token_seq = dev.upload_i32(&host.token_seq)?;
     let tables = dev.upload_i32(&host.tables)?;
     let max_blocks = host.max_blocks as i32;
-    let Activations {
-        x,
-        normed,
-        qkv,
-        attn,
-        proj,
-        gate_up,
-        act,
-        last,
-        last_normed,
-    } = buffers.ensure(dev, cfg, t)?;
+    let plan = attention::tensor_core_path(dev, cfg)
+        .then(|| Plan::new(cfg, &host.spans, dev.multiprocessors()));
+    let tiles = plan
+        .as_ref()
+        .map(|p| dev.upload_i32(&p.tiles))
+        .transpose()?;
+    let (
+        Activations {
+            x,
+            normed,
+            qkv,
+            attn,
+            proj,
+            gate_up,
+            act,
+            last,
+            last_normed,
+        },
+        partials,
+    ) = buffers.ensure(dev, cfg, t)?;
     let (rows, hidden, eps) = (t as i32, h as i32, cfg.rms_norm_eps as f32);
     let (row_width, q_width) = (qkv_w as i32, qw as i32);
     let (q_heads, kv_heads, head_dim) = (
@@ -316,7 +339,6 @@ pub fn forward<D: LaunchDevice>(
         cfg.num_key_value_heads as i32,
         d as i32,
     );
-    let scale = 1.0 / (d as f32).sqrt();
     // SAFETY (every launch below): each argument list is its kernel's parameter list in
     // `kernels.cu` (the emulated device of the tests checks every type), and every buffer was
     // sized above for this batch; `describe_batch` checked the tokens against the vocabulary
@@ -372,27 +394,18 @@ pub fn forward<D: LaunchDevice>(
                     Int(head_dim),
                 ],
             )?;
-            // One warp per (token, query head).
-            dev.launch(
-                Kernel::PagedAttention,
-                Launch::covering(t * cfg.num_attention_heads * 32, 128),
-                &mut [
-                    F32(qkv),
-                    I32s(&positions),
-                    I32s(&token_seq),
-                    I32s(&tables),
-                    Int(max_blocks),
-                    Bf16(cache),
-                    Long(layer_offset),
-                    Bf16Mut(attn),
-                    Int(rows),
-                    Int(row_width),
-                    Int(q_heads),
-                    Int(kv_heads),
-                    Int(head_dim),
-                    Float(scale),
-                ],
-            )?;
+        }
+        let inputs = StepInputs {
+            qkv,
+            positions: &positions,
+            token_seq: &token_seq,
+            tables: &tables,
+            max_blocks,
+            rows: t,
+            tiles: tiles.as_ref().zip(plan.as_ref()),
+        };
+        unsafe {
+            attention::launch(dev, cfg, &inputs, cache, layer_offset, attn, partials)?;
         }
         dev.gemm(attn, &layer.o, proj, t, h, qw)?;
         add_in_place(dev, x, proj, t * h)?;

@@ -53,10 +53,13 @@ pub enum Kernel {
     FillUniformBf16,
     GatherKvBlocks,
     ScatterKvBlocks,
+    FlashAttention,
+    AttentionCombine,
 }
 
 impl Kernel {
-    pub const ALL: [Kernel; 11] = [
+    /// Every kernel, in declaration order (`kernel as usize` indexes it).
+    pub const ALL: [Kernel; 13] = [
         Kernel::EmbedRows,
         Kernel::RmsNormBf16,
         Kernel::RopeQk,
@@ -68,6 +71,8 @@ impl Kernel {
         Kernel::FillUniformBf16,
         Kernel::GatherKvBlocks,
         Kernel::ScatterKvBlocks,
+        Kernel::FlashAttention,
+        Kernel::AttentionCombine,
     ];
 
     /// The kernel's name in `kernels.cu`.
@@ -84,6 +89,8 @@ impl Kernel {
             Kernel::FillUniformBf16 => "fill_uniform_bf16",
             Kernel::GatherKvBlocks => "gather_kv_blocks",
             Kernel::ScatterKvBlocks => "scatter_kv_blocks",
+            Kernel::FlashAttention => "flash_attention",
+            Kernel::AttentionCombine => "attention_combine",
         }
     }
 }
@@ -114,6 +121,13 @@ pub trait LaunchDevice {
     type Event;
     /// A device KV pool ([`DevicePoolLayout`]'s geometry, bf16).
     type Pool;
+
+    /// Streaming multiprocessors: how many blocks fill the device (attention splits long
+    /// contexts until a launch has about two per multiprocessor).
+    fn multiprocessors(&self) -> usize;
+    /// Whether the tensor-core kernels run here (bf16 `mma.sync`, compute capability 8.0+);
+    /// where not, attention takes the CUDA-core kernel.
+    fn bf16_mma(&self) -> bool;
 
     /// A zeroed KV pool of `layout`.
     fn alloc_pool(&self, layout: DevicePoolLayout) -> Result<Self::Pool>;
@@ -184,6 +198,13 @@ mod tests {
         assert_eq!(Launch::covering(257, 256).blocks, 2);
         assert_eq!(Launch::per_row(0, 128).blocks, 1);
         assert_eq!(Launch::per_row(5, 128).blocks, 5);
+    }
+
+    #[test]
+    fn all_lists_the_kernels_in_declaration_order() {
+        for (i, k) in Kernel::ALL.into_iter().enumerate() {
+            assert_eq!(k as usize, i, "{k:?}");
+        }
     }
 
     #[test]

@@ -8,9 +8,11 @@
 //!
 //! - [`launch`]: the device interface and the kernels' names and argument lists.
 //! - [`forward`]: the Llama forward pass and its reused step buffers.
+//! - [`attention`]: one layer's attention: tiles and context splits of the tensor-core kernel.
 //! - [`staging`]: packing the pool's blocks for the host and back.
 //! - [`blas`]: how the pass's row-major products map onto cuBLAS's column-major GEMM.
 
+pub mod attention;
 pub mod blas;
 mod device_backend;
 pub mod forward;

@@ -36,6 +36,12 @@ impl LaunchDevice for CudaDevice {
     type Event = CudaEvent;
     type Pool = DevicePool;
 
+    fn multiprocessors(&self) -> usize {
+        self.gpu.sms as usize
+    }
+    fn bf16_mma(&self) -> bool {
+        self.gpu.bf16_mma
+    }
     fn alloc_pool(&self, layout: DevicePoolLayout) -> Result<DevicePool> {
         Ok(DevicePool::new(&self.gpu.stream, layout)?)
     }

@@ -91,36 +91,12 @@ pub fn compile_kernels(arch: Option<&'static str>) -> Result<cudarc::nvrtc::Ptx>
     compile_ptx_with_opts(KERNELS_SRC, opts).map_err(|e| cuda_err("kernel compilation", e))
 }
 
-/// The compiled kernels of one context.
-pub(crate) struct Kernels {
-    pub embed_rows: CudaFunction,
-    pub rms_norm_bf16: CudaFunction,
-    pub rope_qk: CudaFunction,
-    pub kv_write: CudaFunction,
-    pub paged_attention: CudaFunction,
-    pub silu_mul_bf16: CudaFunction,
-    pub add_in_place: CudaFunction,
-    pub gather_rows: CudaFunction,
-    pub fill_uniform_bf16: CudaFunction,
-    pub gather_kv_blocks: CudaFunction,
-    pub scatter_kv_blocks: CudaFunction,
-}
+/// The compiled kernels of one context, in [`Kernel::ALL`]'s order.
+pub(crate) struct Kernels(Vec<CudaFunction>);
 
 impl Kernels {
     pub(crate) fn function(&self, kernel: Kernel) -> &CudaFunction {
-        match kernel {
-            Kernel::EmbedRows => &self.embed_rows,
-            Kernel::RmsNormBf16 => &self.rms_norm_bf16,
-            Kernel::RopeQk => &self.rope_qk,
-            Kernel::KvWrite => &self.kv_write,
-            Kernel::PagedAttention => &self.paged_attention,
-            Kernel::SiluMulBf16 => &self.silu_mul_bf16,
-            Kernel::AddInPlace => &self.add_in_place,
-            Kernel::GatherRows => &self.gather_rows,
-            Kernel::FillUniformBf16 => &self.fill_uniform_bf16,
-            Kernel::GatherKvBlocks => &self.gather_kv_blocks,
-            Kernel::ScatterKvBlocks => &self.scatter_kv_blocks,
-        }
+        &self.0[kernel as usize]
     }
 }
 
@@ -134,6 +110,8 @@ pub struct GpuContext {
     pub(crate) kernels: Kernels,
     /// Streaming multiprocessors this context computes on (all of them, or a green share).
     pub sms: u32,
+    /// Compute capability 8.0 or later: bf16 `mma.sync` (the tensor-core attention).
+    pub bf16_mma: bool,
 }
 
 impl std::fmt::Debug for GpuContext {
@@ -181,19 +159,7 @@ impl GpuContext {
                 .load_function(kernel.name())
                 .map_err(|e| cuda_err(&format!("kernel {}", kernel.name()), e))
         };
-        let kernels = Kernels {
-            embed_rows: f(Kernel::EmbedRows)?,
-            rms_norm_bf16: f(Kernel::RmsNormBf16)?,
-            rope_qk: f(Kernel::RopeQk)?,
-            kv_write: f(Kernel::KvWrite)?,
-            paged_attention: f(Kernel::PagedAttention)?,
-            silu_mul_bf16: f(Kernel::SiluMulBf16)?,
-            add_in_place: f(Kernel::AddInPlace)?,
-            gather_rows: f(Kernel::GatherRows)?,
-            fill_uniform_bf16: f(Kernel::FillUniformBf16)?,
-            gather_kv_blocks: f(Kernel::GatherKvBlocks)?,
-            scatter_kv_blocks: f(Kernel::ScatterKvBlocks)?,
-        };
+        let kernels = Kernels(Kernel::ALL.into_iter().map(f).collect::<Result<_>>()?);
         let blas = CudaBlas::new(stream.clone()).map_err(|e| cuda_err("cuBLAS", e))?;
         let copy_stream = stream
             .context()
@@ -206,6 +172,7 @@ impl GpuContext {
             blas,
             kernels,
             sms,
+            bf16_mma: major >= 8,
         })
     }
 
@@ -237,6 +204,73 @@ mod tests {
         for kernel in Kernel::ALL {
             let name = kernel.name();
             assert!(text.contains(name), "{name} missing from the PTX");
+        }
+    }
+
+    /// ptxas' resource report for the kernels compiled to sm_90 machine code: the lines
+    /// after each "Compiling entry function" line, per kernel.
+    fn ptxas_report() -> Vec<(String, String)> {
+        use cudarc::nvrtc::result;
+        let src = std::ffi::CString::new(KERNELS_SRC).expect("no NUL in the source");
+        let prog = result::create_program(&src, None).expect("program");
+        let opts = ["--gpu-architecture=sm_90", "--ptxas-options=-v"];
+        // SAFETY: `prog` is live until destroyed below; the options are plain strings.
+        let log = unsafe {
+            let compiled = result::compile_program(prog, &opts);
+            let log = result::get_program_log(prog).expect("log");
+            result::destroy_program(prog).expect("destroy");
+            (compiled, log)
+        };
+        let text: String = log
+            .1
+            .iter()
+            .take_while(|&&c| c != 0)
+            .map(|&c| c as u8 as char)
+            .collect();
+        if let Err(e) = log.0 {
+            panic!("kernels do not compile to sm_90: {e:?}\n{text}");
+        }
+        let mut out: Vec<(String, String)> = Vec::new();
+        for line in text.lines() {
+            if let Some(rest) = line.split("Compiling entry function '").nth(1) {
+                let name = rest.split('\'').next().unwrap_or_default().to_string();
+                out.push((name, String::new()));
+            } else if let Some((_, report)) = out.last_mut() {
+                report.push_str(line);
+                report.push('\n');
+            }
+        }
+        out
+    }
+
+    /// The hot kernels keep everything in registers: a zero-byte stack frame and no spills
+    /// in ptxas' report (a register array indexed at run time would land in local memory).
+    #[test]
+    fn hot_kernels_have_no_stack_frame_or_spills() {
+        if !nvrtc_available() {
+            assert!(
+                std::env::var_os("TANDEM_REQUIRE_NVRTC").is_none(),
+                "TANDEM_REQUIRE_NVRTC is set but libnvrtc cannot be loaded"
+            );
+            eprintln!("skipping: libnvrtc not found");
+            return;
+        }
+        let report = ptxas_report();
+        for kernel in [
+            Kernel::FlashAttention,
+            Kernel::AttentionCombine,
+            Kernel::RmsNormBf16,
+        ] {
+            let (_, lines) = report
+                .iter()
+                .find(|(name, _)| name == kernel.name())
+                .unwrap_or_else(|| panic!("{} not in ptxas' report:\n{report:?}", kernel.name()));
+            eprintln!("{}: {}", kernel.name(), lines.replace('\n', " "));
+            assert!(
+                lines.contains("0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads"),
+                "{}: {lines}",
+                kernel.name()
+            );
         }
     }
 
