@@ -74,20 +74,22 @@ impl Plan {
     }
 }
 
-/// The f32 buffer the splits write their partial results to (grown, never shrunk).
-pub struct Partials<D: LaunchDevice> {
+/// A device f32 buffer kept across steps, grown when a step needs more, never shrunk: the
+/// splits' partial results, the logits.
+pub struct Scratch<D: LaunchDevice> {
     buf: Option<D::F32>,
     len: usize,
 }
 
-impl<D: LaunchDevice> Default for Partials<D> {
+impl<D: LaunchDevice> Default for Scratch<D> {
     fn default() -> Self {
         Self { buf: None, len: 0 }
     }
 }
 
-impl<D: LaunchDevice> Partials<D> {
-    fn at_least(&mut self, dev: &D, n: usize) -> Result<&mut D::F32> {
+impl<D: LaunchDevice> Scratch<D> {
+    /// The buffer, of `n` elements at least (contents unspecified).
+    pub fn at_least(&mut self, dev: &D, n: usize) -> Result<&mut D::F32> {
         if self.buf.is_none() || n > self.len {
             self.len = n.max(1);
             self.buf = Some(dev.zeros_f32(self.len)?);
@@ -121,7 +123,7 @@ pub unsafe fn launch<D: LaunchDevice>(
     cache: &D::Bf16,
     layer_offset: i64,
     out: &mut D::Bf16,
-    partials: &mut Partials<D>,
+    partials: &mut Scratch<D>,
 ) -> Result<()> {
     use KernelArg::*;
     let row_width = (cfg.q_width() + 2 * cfg.kv_width()) as i32;

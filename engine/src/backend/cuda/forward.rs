@@ -17,7 +17,7 @@ use half::bf16;
 
 use tandem_kv::BLOCK_SIZE;
 
-use super::attention::{self, Partials, Plan, StepInputs};
+use super::attention::{self, Plan, Scratch, StepInputs};
 use super::launch::{Kernel, KernelArg, Launch, LaunchDevice};
 use crate::backend::cpu::kernels::{Matrix, RopeTable};
 use crate::config::ModelConfig;
@@ -85,7 +85,8 @@ pub struct StepBuffers<D: LaunchDevice> {
     rows: usize,
     allocations: usize,
     act: Option<Activations<D>>,
-    partials: Partials<D>,
+    partials: Scratch<D>,
+    logits: Scratch<D>,
 }
 
 struct Activations<D: LaunchDevice> {
@@ -106,7 +107,8 @@ impl<D: LaunchDevice> Default for StepBuffers<D> {
             rows: 0,
             allocations: 0,
             act: None,
-            partials: Partials::default(),
+            partials: Scratch::default(),
+            logits: Scratch::default(),
         }
     }
 }
@@ -130,7 +132,7 @@ impl<D: LaunchDevice> StepBuffers<D> {
         dev: &D,
         cfg: &ModelConfig,
         rows: usize,
-    ) -> Result<(&mut Activations<D>, &mut Partials<D>)> {
+    ) -> Result<(&mut Activations<D>, &mut Scratch<D>, &mut Scratch<D>)> {
         if self.act.is_none() || rows > self.rows {
             let n = rows.next_power_of_two().max(16);
             let (h, f) = (cfg.hidden_size, cfg.intermediate_size);
@@ -153,7 +155,7 @@ impl<D: LaunchDevice> StepBuffers<D> {
             .act
             .as_mut()
             .ok_or_else(|| EngineError::Unsupported("step buffers missing".into()))?;
-        Ok((act, &mut self.partials))
+        Ok((act, &mut self.partials, &mut self.logits))
     }
 }
 
@@ -331,6 +333,7 @@ pub fn forward<D: LaunchDevice>(
             last_normed,
         },
         partials,
+        logits,
     ) = buffers.ensure(dev, cfg, t)?;
     let (rows, hidden, eps) = (t as i32, h as i32, cfg.rms_norm_eps as f32);
     let (row_width, q_width) = (qkv_w as i32, qw as i32);
@@ -438,12 +441,9 @@ pub fn forward<D: LaunchDevice>(
     }
     rms_norm(dev, last, &w.final_norm, last_normed, count, hidden, eps)?;
     let vocab = cfg.vocab_size;
-    let mut logits = dev.zeros_f32(s * vocab)?;
+    // Kept across steps: the GEMM writes every element it is given.
+    let logits = logits.at_least(dev, s * vocab)?;
     let head = w.lm_head.as_ref().unwrap_or(&w.embed);
-    dev.gemm(last_normed, head, &mut logits, s, vocab, h)?;
-    let host_logits = dev.download_f32(&logits)?;
-    Ok(host_logits
-        .chunks_exact(vocab)
-        .map(<[f32]>::to_vec)
-        .collect())
+    dev.gemm(last_normed, head, logits, s, vocab, h)?;
+    dev.download_rows_f32(logits, s, vocab)
 }

@@ -14,10 +14,10 @@ mod model;
 pub use device::CudaDevice;
 pub use model::GpuModel;
 
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use cudarc::cublas::CudaBlas;
-use cudarc::driver::{CudaContext, CudaFunction, CudaStream};
+use cudarc::driver::{CudaContext, CudaFunction, CudaStream, PinnedHostSlice};
 use cudarc::nvrtc::{CompileOptions, compile_ptx_with_opts};
 
 use super::KERNELS_SRC;
@@ -112,6 +112,8 @@ pub struct GpuContext {
     pub sms: u32,
     /// Compute capability 8.0 or later: bf16 `mma.sync` (the tensor-core attention).
     pub bf16_mma: bool,
+    /// Page-locked host memory the logits come down through, kept across steps.
+    pub(crate) logits_staging: Mutex<Option<PinnedHostSlice<f32>>>,
 }
 
 impl std::fmt::Debug for GpuContext {
@@ -173,6 +175,7 @@ impl GpuContext {
             kernels,
             sms,
             bf16_mma: major >= 8,
+            logits_staging: Mutex::new(None),
         })
     }
 
