@@ -162,6 +162,7 @@ impl LaunchDevice for EmulatedDevice {
         Ok(())
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn gemm(
         &self,
         x: &Bytes,
@@ -170,6 +171,7 @@ impl LaunchDevice for EmulatedDevice {
         rows: usize,
         n: usize,
         k: usize,
+        accumulate: bool,
     ) -> Result<()> {
         count_launch();
         let widen = |b: &Bytes| -> Vec<f32> { bf16s(b).iter().map(|v| v.to_f32()).collect() };
@@ -181,7 +183,8 @@ impl LaunchDevice for EmulatedDevice {
         let mut c = f32s(out);
         assert!(c.len() >= rows * n, "gemm output too small");
         // A = W, B = x, C = out: the CUDA device's cublasGemmEx arguments.
-        reference_gemm(&linear_call(rows, n, k), &w, &x, &mut c);
+        let beta = if accumulate { 1.0 } else { 0.0 };
+        reference_gemm(&linear_call(rows, n, k), &w, &x, beta, &mut c);
         *out = f32_bytes(&c);
         Ok(())
     }

@@ -42,10 +42,11 @@ pub fn linear_call(rows: usize, n: usize, k: usize) -> GemmCall {
     }
 }
 
-/// `C = op(A) · op(B)` exactly as cuBLAS defines it (column-major, leading dimensions),
-/// checking the leading-dimension rules cuBLAS enforces (it panics where cuBLAS would
-/// refuse the call). Slow: for tests and emulated devices.
-pub fn reference_gemm(c: &GemmCall, a: &[f32], b: &[f32], out: &mut [f32]) {
+/// `C = op(A) · op(B) + beta · C` exactly as cuBLAS defines it (column-major, leading
+/// dimensions; beta 0 ignores what C held), checking the leading-dimension rules cuBLAS
+/// enforces (it panics where cuBLAS would refuse the call). Slow: for tests and emulated
+/// devices.
+pub fn reference_gemm(c: &GemmCall, a: &[f32], b: &[f32], beta: f32, out: &mut [f32]) {
     let (a_rows, b_rows) = (
         if c.transa == Op::N { c.m } else { c.k },
         if c.transb == Op::N { c.k } else { c.n },
@@ -63,7 +64,13 @@ pub fn reference_gemm(c: &GemmCall, a: &[f32], b: &[f32], out: &mut [f32]) {
     };
     for j in 0..c.n {
         for i in 0..c.m {
-            out[i + j * c.ldc] = (0..c.k).map(|p| op_a(i, p) * op_b(p, j)).sum();
+            let product: f32 = (0..c.k).map(|p| op_a(i, p) * op_b(p, j)).sum();
+            let at = i + j * c.ldc;
+            out[at] = if beta == 0.0 {
+                product
+            } else {
+                product + beta * out[at]
+            };
         }
     }
 }
@@ -79,7 +86,7 @@ mod tests {
         let x: Vec<f32> = (0..rows * k).map(|i| (i as f32 * 0.37).sin()).collect();
         let w: Vec<f32> = (0..n * k).map(|i| (i as f32 * 0.91).cos()).collect();
         let mut out = vec![0f32; rows * n];
-        reference_gemm(&linear_call(rows, n, k), &w, &x, &mut out);
+        reference_gemm(&linear_call(rows, n, k), &w, &x, 0.0, &mut out);
         for r in 0..rows {
             for j in 0..n {
                 let want: f32 = (0..k).map(|p| x[r * k + p] * w[j * k + p]).sum();
@@ -98,7 +105,10 @@ mod tests {
         assert_eq!((call.m, call.n, call.k), (7, 1, 2));
         let w: Vec<f32> = (0..14).map(|i| i as f32).collect();
         let mut out = vec![0f32; 7];
-        reference_gemm(&call, &w, &[1.0, -1.0], &mut out);
+        reference_gemm(&call, &w, &[1.0, -1.0], 0.0, &mut out);
         assert_eq!(out, vec![-1.0; 7]);
+        // beta 1 adds to what the output held (the residual folded into a projection).
+        reference_gemm(&call, &w, &[1.0, -1.0], 1.0, &mut out);
+        assert_eq!(out, vec![-2.0; 7]);
     }
 }

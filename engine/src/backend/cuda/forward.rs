@@ -94,7 +94,6 @@ struct Activations<D: LaunchDevice> {
     normed: D::Bf16,
     qkv: D::F32,
     attn: D::Bf16,
-    proj: D::F32,
     gate_up: D::F32,
     act: D::Bf16,
     last: D::F32,
@@ -142,7 +141,6 @@ impl<D: LaunchDevice> StepBuffers<D> {
                 normed: dev.zeros_bf16(n * h)?,
                 qkv: dev.zeros_f32(n * qkv_w)?,
                 attn: dev.zeros_bf16(n * cfg.q_width())?,
-                proj: dev.zeros_f32(n * h)?,
                 gate_up: dev.zeros_f32(n * 2 * f)?,
                 act: dev.zeros_bf16(n * f)?,
                 last: dev.zeros_f32(n * h)?,
@@ -268,19 +266,6 @@ fn rms_norm<D: LaunchDevice>(
     }
 }
 
-/// `x += y` over `n` elements (the residual stream).
-fn add_in_place<D: LaunchDevice>(dev: &D, x: &mut D::F32, y: &D::F32, n: usize) -> Result<()> {
-    use KernelArg::*;
-    // SAFETY: add_in_place(float*, float*, long long); x and y hold n elements.
-    unsafe {
-        dev.launch(
-            Kernel::AddInPlace,
-            elementwise(n),
-            &mut [F32Mut(x), F32(y), Long(n as i64)],
-        )
-    }
-}
-
 /// Runs one batch (same contract as [`Model::forward`]): K/V of every token into `cache`
 /// (`cache_blocks` blocks per layer), the logits rows every sequence asked for, in order.
 /// `after_layer(l, cache)` runs once layer `l`'s work is queued (its KV written on the
@@ -326,7 +311,6 @@ pub fn forward<D: LaunchDevice>(
             normed,
             qkv,
             attn,
-            proj,
             gate_up,
             act,
             last,
@@ -363,7 +347,7 @@ pub fn forward<D: LaunchDevice>(
     for (l, layer) in w.layers.iter().enumerate() {
         let layer_offset = (l * layer_elems) as i64;
         rms_norm(dev, x, &layer.attn_norm, normed, rows, hidden, eps)?;
-        dev.gemm(normed, &layer.qkv, qkv, t, qkv_w, h)?;
+        dev.gemm(normed, &layer.qkv, qkv, t, qkv_w, h, false)?;
         unsafe {
             dev.launch(
                 Kernel::RopeQk,
@@ -410,10 +394,10 @@ pub fn forward<D: LaunchDevice>(
         unsafe {
             attention::launch(dev, cfg, &inputs, cache, layer_offset, attn, partials)?;
         }
-        dev.gemm(attn, &layer.o, proj, t, h, qw)?;
-        add_in_place(dev, x, proj, t * h)?;
+        // The residual adds are the o and down projections' beta = 1.
+        dev.gemm(attn, &layer.o, x, t, h, qw, true)?;
         rms_norm(dev, x, &layer.ffn_norm, normed, rows, hidden, eps)?;
-        dev.gemm(normed, &layer.gate_up, gate_up, t, 2 * f, h)?;
+        dev.gemm(normed, &layer.gate_up, gate_up, t, 2 * f, h, false)?;
         unsafe {
             dev.launch(
                 Kernel::SiluMulBf16,
@@ -421,8 +405,7 @@ pub fn forward<D: LaunchDevice>(
                 &mut [F32(gate_up), Bf16Mut(act), Int(rows), Int(f as i32)],
             )?;
         }
-        dev.gemm(act, &layer.down, proj, t, h, f)?;
-        add_in_place(dev, x, proj, t * h)?;
+        dev.gemm(act, &layer.down, x, t, h, f, true)?;
         after_layer(l, cache)?;
     }
     if host.wanted.is_empty() {
@@ -444,6 +427,6 @@ pub fn forward<D: LaunchDevice>(
     // Kept across steps: the GEMM writes every element it is given.
     let logits = logits.at_least(dev, s * vocab)?;
     let head = w.lm_head.as_ref().unwrap_or(&w.embed);
-    dev.gemm(last_normed, head, logits, s, vocab, h)?;
+    dev.gemm(last_normed, head, logits, s, vocab, h, false)?;
     dev.download_rows_f32(logits, s, vocab)
 }

@@ -183,7 +183,10 @@ pub trait LaunchDevice {
     ) -> Result<()>;
 
     /// `out[rows × n] (f32) = x[rows × k] (bf16) · Wᵀ`, `W` row-major `n × k`
-    /// ([`crate::backend::cuda::blas::linear_call`] on cuBLAS).
+    /// ([`crate::backend::cuda::blas::linear_call`] on cuBLAS); with `accumulate`, added to
+    /// what `out` holds (beta 1: the residual stream takes a projection without a kernel of
+    /// its own).
+    #[allow(clippy::too_many_arguments)]
     fn gemm(
         &self,
         x: &Self::Bf16,
@@ -192,6 +195,7 @@ pub trait LaunchDevice {
         rows: usize,
         n: usize,
         k: usize,
+        accumulate: bool,
     ) -> Result<()>;
 }
 

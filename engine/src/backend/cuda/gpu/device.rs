@@ -208,6 +208,7 @@ impl LaunchDevice for CudaDevice {
             .map_err(|e| cuda_err(&format!("{} launch", kernel.name()), e))
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn gemm(
         &self,
         x: &Self::Bf16,
@@ -216,9 +217,10 @@ impl LaunchDevice for CudaDevice {
         rows: usize,
         n: usize,
         k: usize,
+        accumulate: bool,
     ) -> Result<()> {
         let stream = &self.gpu.stream;
-        let (alpha, beta) = (1f32, 0f32);
+        let (alpha, beta) = (1f32, if accumulate { 1f32 } else { 0f32 });
         let call = linear_call(rows, n, k);
         let op = |o: Op| match o {
             Op::N => blas_sys::cublasOperation_t::CUBLAS_OP_N,
