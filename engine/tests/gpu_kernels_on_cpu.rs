@@ -116,8 +116,9 @@ fn embed_rows_and_gather_rows_copy_the_right_rows() {
 #[test]
 fn rms_norm_matches_the_cpu_engine() {
     let mut rng = StdRng::seed_from_u64(2);
-    // SmolLM2's width (not a multiple of the 256 threads) and a narrow one.
-    for hidden in [576, 64] {
+    // SmolLM2's width (not a multiple of the threads) and a narrow one, at the forward
+    // pass's 1024 threads and at 256.
+    for (hidden, threads) in [(576, 1024), (64, 1024), (576, 256)] {
         let rows = 3;
         let x = random(&mut rng, rows * hidden, 4.0);
         let w = random(&mut rng, hidden, 2.0);
@@ -125,7 +126,7 @@ fn rms_norm_matches_the_cpu_engine() {
         let out = launch(
             "rms_norm_bf16",
             per_row(rows),
-            256,
+            threads,
             &[
                 Arg::Buf(f32_bytes(&x)),
                 Arg::Buf(f32_bytes(&w)),

@@ -38,7 +38,9 @@ pub fn export_handle(pool: &DeviceKv) -> Result<[u8; 64]> {
 }
 
 /// One CUDA block per run (grid-stride over runs), 16-byte words; offsets and lengths are
-/// multiples of 16 (checked by the host before it launches this).
+/// multiples of 16 (checked by the host before it launches this), runs at most
+/// [`PIECE_BYTES`] (the host cuts longer ones, so a layer of consecutive blocks, one run,
+/// still spreads over the whole GPU).
 const COPY_RUNS_SRC: &str = r#"
 struct alignas(16) words4 { unsigned int x, y, z, w; };
 extern "C" __global__ void copy_runs(unsigned long long dst_base, unsigned long long src_base,
@@ -47,8 +49,16 @@ extern "C" __global__ void copy_runs(unsigned long long dst_base, unsigned long 
         const unsigned long long* run = runs + 3ull * r;
         words4* dst = (words4*)(dst_base + run[0]);
         const words4* src = (const words4*)(src_base + run[1]);
-        unsigned long long words = run[2] / 16;
-        for (unsigned long long i = threadIdx.x; i < words; i += blockDim.x) dst[i] = src[i];
+        unsigned long long words = run[2] / 16, i = threadIdx.x, step = blockDim.x;
+        // Four loads in flight per thread before their stores.
+        for (; i + 3 * step < words; i += 4 * step) {
+            words4 a = src[i], b = src[i + step], c = src[i + 2 * step], d = src[i + 3 * step];
+            dst[i] = a;
+            dst[i + step] = b;
+            dst[i + 2 * step] = c;
+            dst[i + 3 * step] = d;
+        }
+        for (; i < words; i += step) dst[i] = src[i];
     }
 }
 "#;
@@ -67,11 +77,26 @@ pub fn runs_fit_the_kernel(runs: &[CopyRun]) -> bool {
         .all(|r| r.src_offset % 16 == 0 && r.dst_offset % 16 == 0 && r.bytes % 16 == 0)
 }
 
-/// `runs` as the kernel reads them: (destination offset, source offset, bytes) triples.
+/// The most bytes one CUDA block of the copy kernel moves.
+const PIECE_BYTES: usize = 64 << 10;
+
+/// `runs` as the kernel reads them: (destination offset, source offset, bytes) triples, each
+/// run cut into pieces of at most [`PIECE_BYTES`].
 fn encode_runs(runs: &[CopyRun]) -> Vec<u64> {
-    runs.iter()
-        .flat_map(|r| [r.dst_offset as u64, r.src_offset as u64, r.bytes as u64])
-        .collect()
+    let mut out = Vec::with_capacity(runs.len() * 3);
+    for r in runs {
+        let mut done = 0;
+        while done < r.bytes {
+            let bytes = PIECE_BYTES.min(r.bytes - done);
+            out.extend([
+                (r.dst_offset + done) as u64,
+                (r.src_offset + done) as u64,
+                bytes as u64,
+            ]);
+            done += bytes;
+        }
+    }
+    out
 }
 
 /// A peer's allocation mapped into this process (closed on drop, never freed here).
@@ -145,14 +170,16 @@ impl OpenedPeer {
             .filter(|_| runs_fit_the_kernel(runs))
         {
             let stream = src.stream();
+            let pieces = encode_runs(runs);
+            let count = (pieces.len() / 3) as i32;
             let table = stream
-                .clone_htod(&encode_runs(runs))
+                .clone_htod(&pieces)
                 .map_err(|e| cuda_err("copy table upload", e))?;
-            let (dst_base, src_base, count) = (self.ptr, src.base(), runs.len() as i32);
+            let (dst_base, src_base) = (self.ptr, src.base());
             let mut launch = stream.launch_builder(kernel);
             launch.arg(&dst_base).arg(&src_base).arg(&table).arg(&count);
             let config = LaunchConfig {
-                grid_dim: (runs.len().min(1024) as u32, 1, 1),
+                grid_dim: (count.min(1024) as u32, 1, 1),
                 block_dim: (256, 1, 1),
                 shared_mem_bytes: 0,
             };
@@ -205,6 +232,23 @@ mod tests {
         assert_eq!(
             encode_runs(&[run(1, 2, 3), run(4, 5, 6)]),
             vec![2, 1, 3, 5, 4, 6]
+        );
+        // A run of a layer's consecutive blocks is cut into pieces for many CUDA blocks.
+        let long = encode_runs(&[run(16, 32, 2 * PIECE_BYTES + 48)]);
+        let piece = PIECE_BYTES as u64;
+        assert_eq!(
+            long,
+            vec![
+                32,
+                16,
+                piece,
+                32 + piece,
+                16 + piece,
+                piece,
+                32 + 2 * piece,
+                16 + 2 * piece,
+                48
+            ]
         );
     }
 

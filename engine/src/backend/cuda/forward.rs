@@ -253,7 +253,7 @@ fn rms_norm<D: LaunchDevice>(
     unsafe {
         dev.launch(
             Kernel::RmsNormBf16,
-            Launch::per_row(rows as usize, 256),
+            Launch::per_row(rows as usize, 1024),
             &mut [
                 F32(x),
                 F32(weight),

@@ -57,7 +57,8 @@ extern "C" __global__ void rms_norm_bf16(const float* __restrict__ x, const floa
 }
 
 // Rotate-half RoPE on the Q and K parts of fused QKV rows, in place.
-// One block per token; threads walk (head, pair).
+// One block per token; a thread takes one frequency (pair index) and rotates that pair in
+// every Q and K head, so each cosine and sine is computed once per token, not once per head.
 extern "C" __global__ void rope_qk(float* __restrict__ qkv, const int* __restrict__ positions,
                                    const float* __restrict__ inv_freq, int rows, int row_width,
                                    int q_heads, int kv_heads, int head_dim) {
@@ -66,14 +67,16 @@ extern "C" __global__ void rope_qk(float* __restrict__ qkv, const int* __restric
     int half = head_dim / 2;
     float pos = (float)positions[t];
     int heads = q_heads + kv_heads;
-    for (int idx = threadIdx.x; idx < heads * half; idx += blockDim.x) {
-        int h = idx / half, i = idx % half;
-        float* base = qkv + (size_t)t * row_width + h * head_dim;
+    float* row = qkv + (size_t)t * row_width;
+    for (int i = threadIdx.x; i < half; i += blockDim.x) {
         float angle = pos * inv_freq[i];
         float c = cosf(angle), s = sinf(angle);
-        float x1 = base[i], x2 = base[i + half];
-        base[i] = x1 * c - x2 * s;
-        base[i + half] = x2 * c + x1 * s;
+        for (int h = 0; h < heads; h++) {
+            float* base = row + h * head_dim;
+            float x1 = base[i], x2 = base[i + half];
+            base[i] = x1 * c - x2 * s;
+            base[i + half] = x2 * c + x1 * s;
+        }
     }
 }
 
@@ -253,7 +256,11 @@ __device__ __forceinline__ void flash_tile(const float* __restrict__ qkv, const 
         // 16-byte loads of ATTN_KEYS keys' K and V (whole cache blocks: k_begin is a multiple
         // of 64), zeros past the keys this split reads.
         constexpr int PER_BLOCK = BLOCK_SLOTS * D / 8;  // 16-byte words of one block's K (or V)
-        for (int v = threadIdx.x; v < (ATTN_KEYS / BLOCK_SLOTS) * 2 * PER_BLOCK; v += ATTN_THREADS) {
+        constexpr int LOADS = (ATTN_KEYS / BLOCK_SLOTS) * 2 * PER_BLOCK / ATTN_THREADS;
+        // Unrolled so that several independent 16-byte loads are in flight per thread.
+#pragma unroll 4
+        for (int n = 0; n < LOADS; n++) {
+            int v = threadIdx.x + n * ATTN_THREADS;
             int j = v / (2 * PER_BLOCK), rem = v % (2 * PER_BLOCK);
             int is_v = rem / PER_BLOCK, w = rem % PER_BLOCK;
             int slot = w / (D / 8), d = (w % (D / 8)) * 8;
@@ -430,7 +437,16 @@ extern "C" __global__ void silu_mul_bf16(const float* __restrict__ gate_up, bf16
                                          int rows, int f) {
     size_t n = (size_t)rows * f;
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
-        size_t r = i / f, c = i % f;
+        // 32-bit division where the index fits (a 64-bit one is a long software sequence).
+        size_t r, c;
+        if (n <= 0xffffffffull) {
+            unsigned int q = (unsigned int)i / (unsigned int)f;
+            r = q;
+            c = (unsigned int)i - q * (unsigned int)f;
+        } else {
+            r = i / f;
+            c = i % f;
+        }
         float g = gate_up[r * 2 * f + c];
         float u = gate_up[r * 2 * f + f + c];
         out[i] = f2bf(g / (1.f + __expf(-g)) * u);
