@@ -22,7 +22,10 @@ use cudarc::driver::{
 };
 use half::bf16;
 use tandem_engine::backend::cuda::forward::StepBuffers;
-use tandem_engine::backend::cuda::gpu::{GpuContext, GpuModel, PoolSize, available, device_pool};
+use tandem_engine::backend::cuda::gpu::{
+    CudaDevice, GpuContext, GpuModel, PoolSize, available, device_pool,
+};
+use tandem_engine::backend::cuda::launch::{Kernel, KernelArg, Launch, LaunchDevice};
 use tandem_engine::config::ModelConfig;
 use tandem_engine::{LoadOptions, ModelSource, SeqInput, WeightFormat, load_model};
 use tandem_kv::{BlockPool, blocks_for};
@@ -119,10 +122,10 @@ fn decode_read_bytes(cfg: &ModelConfig) -> f64 {
     read * 2.0
 }
 
-/// The benchmark's own two kernels, compiled with NVRTC beside the engine's: a read-only
-/// stream (16-byte loads folded into one word, written only on an impossible value so the
-/// loads stay) for the decode floor, and a seeded bf16 fill that gives the KV pool random
-/// contents without running prompts through the model (decode timings at long contexts would
+/// The benchmark's own kernel, compiled with NVRTC beside the engine's: a read-only stream
+/// (16-byte loads folded into one word, written only on an impossible value so the loads
+/// stay) for the decode floor. The KV pool gets random contents from the engine's seeded
+/// fill instead of prompts run through the model (decode timings at long contexts would
 /// otherwise wait on minutes of prefill).
 const BENCH_KERNELS: &str = r#"
 struct alignas(16) words4 { unsigned int x, y, z, w; };
@@ -136,24 +139,10 @@ extern "C" __global__ void read_stream(const words4* __restrict__ src, long long
     }
     if (acc == 0x9e3779b9u) out[0] = acc;
 }
-extern "C" __global__ void fill_random(unsigned short* __restrict__ out, long long n,
-                                       unsigned long long seed) {
-    long long stride = (long long)gridDim.x * blockDim.x;
-    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += stride) {
-        unsigned long long z = seed + (unsigned long long)i * 0x9E3779B97F4A7C15ull;
-        z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-        z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-        z ^= z >> 31;
-        float unit = (float)(z >> 40) / (float)(1ull << 24);
-        unsigned int u = __float_as_uint(unit * 2.f - 1.f);
-        out[i] = (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-    }
-}
 "#;
 
 struct BenchKernels {
     read_stream: CudaFunction,
-    fill_random: CudaFunction,
 }
 
 impl BenchKernels {
@@ -162,7 +151,6 @@ impl BenchKernels {
         let module = gpu.ctx.load_module(ptx)?;
         Ok(Self {
             read_stream: module.load_function("read_stream")?,
-            fill_random: module.load_function("fill_random")?,
         })
     }
 
@@ -175,7 +163,7 @@ impl BenchKernels {
     }
 
     /// Bytes per second of a stream that only reads (4 GiB, median of 10 passes).
-    fn read_bandwidth(&self, gpu: &GpuContext) -> anyhow::Result<f64> {
+    fn read_bandwidth(&self, gpu: &Arc<GpuContext>) -> anyhow::Result<f64> {
         let bytes = 4usize << 30;
         let mut src: CudaSlice<bf16> = gpu.stream.alloc_zeros(bytes / 2)?;
         self.fill(gpu, &mut src, 7)?;
@@ -197,14 +185,29 @@ impl BenchKernels {
         Ok(bytes as f64 / median(&mut times))
     }
 
-    /// Fills `buf` with seeded bf16 values in [-1, 1).
-    fn fill(&self, gpu: &GpuContext, buf: &mut CudaSlice<bf16>, seed: u64) -> anyhow::Result<()> {
-        let n = buf.len() as i64;
-        let mut b = gpu.stream.launch_builder(&self.fill_random);
-        b.arg(&mut *buf).arg(&n).arg(&seed);
-        // SAFETY: fill_random(unsigned short*, long long, unsigned long long) writes the n
-        // elements of `buf`.
-        unsafe { b.launch(Self::grid(gpu))? };
+    /// Fills `buf` with seeded bf16 values in [-1, 1) (the engine's dummy-weight kernel).
+    fn fill(
+        &self,
+        gpu: &Arc<GpuContext>,
+        buf: &mut CudaSlice<bf16>,
+        seed: u64,
+    ) -> anyhow::Result<()> {
+        let n = buf.len();
+        let device = CudaDevice::new(gpu.clone());
+        // SAFETY: fill_uniform_bf16(bf16*, long long, unsigned long long, float) writes the
+        // n elements of `buf`.
+        unsafe {
+            device.launch(
+                Kernel::FillUniformBf16,
+                Launch::covering(n.min(1 << 24), 256),
+                &mut [
+                    KernelArg::Bf16Mut(buf),
+                    KernelArg::Long(n as i64),
+                    KernelArg::ULong(seed),
+                    KernelArg::Float(1.0),
+                ],
+            )?;
+        }
         Ok(())
     }
 }
