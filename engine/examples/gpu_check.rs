@@ -11,6 +11,7 @@
 use std::path::PathBuf;
 use std::sync::Arc;
 
+use tandem_engine::backend::Logits;
 use tandem_engine::backend::cuda::forward::StepBuffers;
 use tandem_engine::backend::cuda::gpu::{GpuContext, GpuModel, PoolSize, available, device_pool};
 use tandem_engine::{
@@ -72,8 +73,16 @@ fn main() -> anyhow::Result<()> {
             .collect()
     };
     let mut worst = 0f32;
-    let mut check = |label: &str, cpu_out: Vec<Vec<f32>>, gpu_out: Vec<Vec<f32>>| {
-        for (i, (c, g)) in cpu_out.iter().zip(&gpu_out).enumerate() {
+    let mut check = |label: &str, cpu_out: Vec<Vec<f32>>, gpu_out: Logits| {
+        if cpu_out.len() != gpu_out.len() {
+            println!(
+                "{label}: {} logits rows, want {}",
+                gpu_out.len(),
+                cpu_out.len()
+            );
+            worst = f32::INFINITY;
+        }
+        for (i, (c, g)) in cpu_out.iter().zip(gpu_out.iter()).enumerate() {
             let e = rel_err(g, c);
             worst = worst.max(e);
             println!("{label} row {i}: relative error {e:.2e}");

@@ -15,6 +15,7 @@
 
 pub mod cpu;
 pub mod cuda;
+mod logits;
 mod select;
 
 use tandem_kv::{DeviceKv, ExportedKv, KvCache, KvLocation};
@@ -23,6 +24,7 @@ use crate::error::Result;
 use crate::model::SeqInput;
 use crate::types::ChunkInfo;
 
+pub use logits::Logits;
 pub use select::for_device;
 
 /// One forward pass as the scheduler planned it.
@@ -66,7 +68,13 @@ pub trait ComputeBackend: Send {
         host: &mut KvCache,
         batch: &Batch<'_>,
         on_layer: &mut OnLayer<'_>,
-    ) -> Result<Vec<Vec<f32>>>;
+    ) -> Result<Logits>;
+
+    /// Takes back a pass's logits once sampled: a backend may fill the same buffer next
+    /// pass instead of new memory (a device backend's are tens of MB a step).
+    fn recycle_logits(&mut self, logits: Logits) {
+        drop(logits);
+    }
 
     /// Makes the KV of `blocks` that arrived at `location` visible to later passes (a device
     /// backend uploads host KV; the CPU refuses KV that is in device memory).

@@ -11,7 +11,7 @@ use tandem_text::{Allowed, Guide, TextError};
 
 use super::Engine;
 use super::schedule::Planned;
-use crate::backend::Batch;
+use crate::backend::{Batch, Logits};
 use crate::error::Result;
 use crate::model::SeqInput;
 use crate::sampling::PromptLogprob;
@@ -49,9 +49,11 @@ impl Engine {
         let guides = self.take_guides(&rows);
         let (logits, masked) = self.forward(&rows, guides, on_layer);
         let allowed = self.restore_guides(masked);
-        let logits = logits?;
+        let mut logits = logits?;
         self.stats.steps += 1;
-        Ok(self.absorb(&rows, logits, allowed))
+        let outputs = self.absorb(&rows, &mut logits, allowed);
+        self.backend.recycle_logits(logits);
+        Ok(outputs)
     }
 
     /// Runs steps until request `id` finishes (every choice of it); returns its outputs
@@ -109,7 +111,7 @@ impl Engine {
         rows: &[Row],
         guides: Vec<(SeqId, Guide)>,
         on_layer: &mut dyn FnMut(usize, &KvCache, &[ChunkInfo]),
-    ) -> (Result<Vec<Vec<f32>>>, Vec<Masked>) {
+    ) -> (Result<Logits>, Vec<Masked>) {
         let chunks: Vec<ChunkInfo> = rows
             .iter()
             .map(|r| ChunkInfo {
@@ -181,11 +183,11 @@ impl Engine {
     fn absorb(
         &mut self,
         rows: &[Row],
-        logits: Vec<Vec<f32>>,
+        logits: &mut Logits,
         mut allowed: HashMap<SeqId, Allowed>,
     ) -> Vec<StepOutput> {
         let mut outputs = Vec::new();
-        let mut logits = logits.into_iter();
+        let mut logits = logits.iter_mut();
         for row in rows {
             let Planned { id, start, len } = row.planned;
             if !self.advance(id, len) {
@@ -201,7 +203,7 @@ impl Engine {
                     };
                     if let Some(&next) = seq.tokens.get(p + 1).filter(|_| p + 1 < seq.prompt_len) {
                         seq.prompt_logprobs
-                            .push(PromptLogprob::of(&logits_row, next, k));
+                            .push(PromptLogprob::of(logits_row, next, k));
                     }
                 }
             }
@@ -259,19 +261,19 @@ impl Engine {
     fn sample(
         &mut self,
         id: SeqId,
-        mut logits_row: Vec<f32>,
+        logits_row: &mut [f32],
         mask: Option<Allowed>,
         outputs: &mut Vec<StepOutput>,
     ) {
         if self.seqs.get(&id).is_some_and(|seq| seq.forks_now()) {
-            let choices = self.fork_choices(id, &logits_row, mask.as_ref());
+            let choices = self.fork_choices(id, logits_row, mask.as_ref());
             outputs.extend(choices);
         }
         let context = self.context_len();
         let Some(seq) = self.seqs.get_mut(&id) else {
             return;
         };
-        let sampled = seq.sample(&mut logits_row, mask);
+        let sampled = seq.sample(logits_row, mask);
         let out = seq.push_token(sampled, &self.tokenizer, context);
         if out.finish.is_some() {
             self.finish(id);

@@ -89,15 +89,14 @@ impl LaunchDevice for EmulatedDevice {
     fn zeros_bf16(&self, n: usize) -> Result<Bytes> {
         Ok(vec![0; n * 2])
     }
-    fn download_rows_f32(&self, buf: &Bytes, rows: usize, width: usize) -> Result<Vec<Vec<f32>>> {
+    fn download_f32_into(&self, buf: &Bytes, n: usize, host: &mut Vec<f32>) -> Result<()> {
         let values = f32s(buf);
-        if values.len() < rows * width {
+        if values.len() < n {
             return Err(EngineError::InvalidKv("download beyond the buffer".into()));
         }
-        Ok(values[..rows * width]
-            .chunks_exact(width.max(1))
-            .map(<[f32]>::to_vec)
-            .collect())
+        host.clear();
+        host.extend_from_slice(&values[..n]);
+        Ok(())
     }
     fn download_bf16_into(&self, buf: &Bytes, host: &mut [bf16]) -> Result<()> {
         let values = bf16s(buf);

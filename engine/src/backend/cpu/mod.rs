@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use tandem_kv::{KvCache, KvLocation};
 
-use super::{Batch, ComputeBackend, OnLayer};
+use super::{Batch, ComputeBackend, Logits, OnLayer};
 use crate::error::{EngineError, Result};
 use crate::model::Model;
 
@@ -44,10 +44,11 @@ impl ComputeBackend for CpuBackend {
         host: &mut KvCache,
         batch: &Batch<'_>,
         on_layer: &mut OnLayer<'_>,
-    ) -> Result<Vec<Vec<f32>>> {
-        self.model.forward(host, batch.seqs, &mut |layer, cache| {
+    ) -> Result<Logits> {
+        let rows = self.model.forward(host, batch.seqs, &mut |layer, cache| {
             on_layer(layer, cache, batch.chunks)
-        })
+        })?;
+        Logits::from_rows(rows)
     }
 
     fn copy_block(&mut self, host: &mut KvCache, src: u32, dst: u32) -> Result<()> {

@@ -20,7 +20,7 @@ use tandem_kv::{BLOCK_SIZE, DeviceKv, DevicePoolLayout, ExportedKv, KvCache, KvL
 use super::forward::{self, DeviceWeights, StepBuffers};
 use super::launch::LaunchDevice;
 use super::staging::KvStaging;
-use crate::backend::{Batch, ComputeBackend, OnLayer};
+use crate::backend::{Batch, ComputeBackend, Logits, OnLayer};
 use crate::config::ModelConfig;
 use crate::error::{EngineError, Result};
 use crate::model::Model;
@@ -117,7 +117,7 @@ where
         host: &mut KvCache,
         batch: &Batch<'_>,
         on_layer: &mut OnLayer<'_>,
-    ) -> Result<Vec<Vec<f32>>> {
+    ) -> Result<Logits> {
         let Self {
             dev,
             cfg,
@@ -184,6 +184,10 @@ where
             finish(dev, staging, host, last, on_layer)?;
         }
         Ok(logits)
+    }
+
+    fn recycle_logits(&mut self, logits: Logits) {
+        self.buffers.recycle_logits(logits);
     }
 
     fn import_blocks(

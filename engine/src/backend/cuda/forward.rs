@@ -19,6 +19,7 @@ use tandem_kv::BLOCK_SIZE;
 
 use super::attention::{self, Plan, Scratch, StepInputs};
 use super::launch::{Kernel, KernelArg, Launch, LaunchDevice};
+use crate::backend::Logits;
 use crate::backend::cpu::kernels::{Matrix, RopeTable};
 use crate::config::ModelConfig;
 use crate::error::{EngineError, Result};
@@ -87,6 +88,8 @@ pub struct StepBuffers<D: LaunchDevice> {
     act: Option<Activations<D>>,
     partials: Scratch<D>,
     logits: Scratch<D>,
+    /// The host buffer the next pass's logits come down into (handed back after sampling).
+    host_logits: Vec<f32>,
 }
 
 struct Activations<D: LaunchDevice> {
@@ -108,6 +111,7 @@ impl<D: LaunchDevice> Default for StepBuffers<D> {
             act: None,
             partials: Scratch::default(),
             logits: Scratch::default(),
+            host_logits: Vec::new(),
         }
     }
 }
@@ -118,6 +122,15 @@ impl<D: LaunchDevice> StepBuffers<D> {
         self.rows
     }
 
+    /// Takes back a pass's logits buffer (see [`Logits`]), to fill next pass (the larger of
+    /// it and the one kept: a pass without logits hands back an empty one).
+    pub fn recycle_logits(&mut self, logits: Logits) {
+        let buffer = logits.into_buffer();
+        if buffer.capacity() > self.host_logits.capacity() {
+            self.host_logits = buffer;
+        }
+    }
+
     /// How many times the buffers were (re)allocated.
     pub fn allocations(&self) -> usize {
         self.allocations
@@ -126,12 +139,7 @@ impl<D: LaunchDevice> StepBuffers<D> {
     /// Buffers for at least `rows` rows: the current ones, or new ones of the next power of
     /// two. Kernels write every row they are given before anything reads it, so reused
     /// buffers need no clearing.
-    fn ensure(
-        &mut self,
-        dev: &D,
-        cfg: &ModelConfig,
-        rows: usize,
-    ) -> Result<(&mut Activations<D>, &mut Scratch<D>, &mut Scratch<D>)> {
+    fn ensure(&mut self, dev: &D, cfg: &ModelConfig, rows: usize) -> Result<StepParts<'_, D>> {
         if self.act.is_none() || rows > self.rows {
             let n = rows.next_power_of_two().max(16);
             let (h, f) = (cfg.hidden_size, cfg.intermediate_size);
@@ -153,9 +161,23 @@ impl<D: LaunchDevice> StepBuffers<D> {
             .act
             .as_mut()
             .ok_or_else(|| EngineError::Unsupported("step buffers missing".into()))?;
-        Ok((act, &mut self.partials, &mut self.logits))
+        Ok((
+            act,
+            &mut self.partials,
+            &mut self.logits,
+            &mut self.host_logits,
+        ))
     }
 }
+
+/// What [`StepBuffers::ensure`] lends a pass: the activations, the attention's partial
+/// results, the device logits and the host buffer they come down into.
+type StepParts<'a, D> = (
+    &'a mut Activations<D>,
+    &'a mut Scratch<D>,
+    &'a mut Scratch<D>,
+    &'a mut Vec<f32>,
+);
 
 /// Elements of one block of one layer (K and V) in the device cache.
 pub fn block_layer_elems(cfg: &ModelConfig) -> usize {
@@ -280,7 +302,7 @@ pub fn forward<D: LaunchDevice>(
     seqs: &[SeqInput<'_>],
     buffers: &mut StepBuffers<D>,
     after_layer: &mut dyn FnMut(usize, &D::Bf16) -> Result<()>,
-) -> Result<Vec<Vec<f32>>> {
+) -> Result<Logits> {
     use KernelArg::*;
     let (h, d) = (cfg.hidden_size, cfg.head_dim);
     let (qw, kw) = (cfg.q_width(), cfg.kv_width());
@@ -318,6 +340,7 @@ pub fn forward<D: LaunchDevice>(
         },
         partials,
         logits,
+        host_logits,
     ) = buffers.ensure(dev, cfg, t)?;
     let (rows, hidden, eps) = (t as i32, h as i32, cfg.rms_norm_eps as f32);
     let (row_width, q_width) = (qkv_w as i32, qw as i32);
@@ -410,7 +433,7 @@ pub fn forward<D: LaunchDevice>(
     }
     if host.wanted.is_empty() {
         dev.synchronize()?;
-        return Ok(Vec::new());
+        return Ok(Logits::default());
     }
     let s = host.wanted.len();
     let wanted = dev.upload_i32(&host.wanted)?;
@@ -428,5 +451,7 @@ pub fn forward<D: LaunchDevice>(
     let logits = logits.at_least(dev, s * vocab)?;
     let head = w.lm_head.as_ref().unwrap_or(&w.embed);
     dev.gemm(last_normed, head, logits, s, vocab, h, false)?;
-    dev.download_rows_f32(logits, s, vocab)
+    let mut out = std::mem::take(host_logits);
+    dev.download_f32_into(logits, s * vocab, &mut out)?;
+    Logits::new(out, vocab)
 }

@@ -144,15 +144,9 @@ pub trait LaunchDevice {
     fn upload_u32(&self, host: &[u32]) -> Result<Self::U32>;
     fn zeros_f32(&self, n: usize) -> Result<Self::F32>;
     fn zeros_bf16(&self, n: usize) -> Result<Self::Bf16>;
-    /// Waits for queued work, then copies `buf` to the host.
-    /// Waits for queued work, then copies the first `rows` x `width` elements of `buf` to the
-    /// host, one vector per row.
-    fn download_rows_f32(
-        &self,
-        buf: &Self::F32,
-        rows: usize,
-        width: usize,
-    ) -> Result<Vec<Vec<f32>>>;
+    /// Waits for queued work, then copies the first `n` elements of `buf` into `host`, which
+    /// ends up `n` long (its memory reused where it has the room).
+    fn download_f32_into(&self, buf: &Self::F32, n: usize, host: &mut Vec<f32>) -> Result<()>;
     /// Waits for queued work, then copies `buf` into `host` (of the same length).
     fn download_bf16_into(&self, buf: &Self::Bf16, host: &mut [bf16]) -> Result<()>;
     /// Copies `host` into `buf` (of the same length); `host` may be reused on return.

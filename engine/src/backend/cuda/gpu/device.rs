@@ -114,13 +114,7 @@ impl LaunchDevice for CudaDevice {
             .alloc_zeros::<bf16>(n)
             .map_err(|e| cuda_err("allocation", e))
     }
-    fn download_rows_f32(
-        &self,
-        buf: &Self::F32,
-        rows: usize,
-        width: usize,
-    ) -> Result<Vec<Vec<f32>>> {
-        let n = rows * width;
+    fn download_f32_into(&self, buf: &Self::F32, n: usize, out: &mut Vec<f32>) -> Result<()> {
         if n > buf.len() {
             return Err(cuda_err("download", "beyond the buffer"));
         }
@@ -148,10 +142,11 @@ impl LaunchDevice for CudaDevice {
             .map_err(|e| cuda_err("download", e))?;
         // as_slice waits for the copy (an event recorded after it on the stream).
         let values = host.as_slice().map_err(|e| cuda_err("download", e))?;
-        Ok(values[..n]
-            .chunks_exact(width.max(1))
-            .map(<[f32]>::to_vec)
-            .collect())
+        // Only a longer buffer than last time touches new memory.
+        out.truncate(n);
+        out.resize(n, 0.0);
+        out.copy_from_slice(&values[..n]);
+        Ok(())
     }
     fn synchronize(&self) -> Result<()> {
         self.gpu.synchronize()

@@ -16,6 +16,7 @@ use tandem_kv::cuda::DevicePool;
 use super::super::forward::{self, DeviceLayer, DeviceWeights, StepBuffers};
 use super::super::launch::{Kernel, KernelArg, Launch, LaunchDevice};
 use super::GpuContext;
+use crate::backend::Logits;
 use crate::config::ModelConfig;
 use crate::error::Result;
 use crate::model::{Model, SeqInput};
@@ -128,7 +129,7 @@ impl GpuModel {
         cache: &mut DevicePool,
         seqs: &[SeqInput<'_>],
         buffers: &mut StepBuffers<CudaDevice>,
-    ) -> Result<Vec<Vec<f32>>> {
+    ) -> Result<Logits> {
         let blocks = cache.layout().num_blocks;
         forward::forward(
             &self.device,
