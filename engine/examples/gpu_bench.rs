@@ -272,7 +272,7 @@ fn bench_model(
         let mut times = Vec::new();
         for _ in 0..runs {
             let t = Instant::now();
-            model.forward(
+            let logits = model.forward(
                 &mut cache,
                 &[SeqInput {
                     tokens: &p,
@@ -284,6 +284,7 @@ fn bench_model(
                 &mut buffers,
             )?;
             times.push(t.elapsed().as_secs_f64());
+            buffers.recycle_logits(logits);
         }
         pool.release(&table)?;
         let best = times[1..].iter().copied().fold(f64::MAX, f64::min);
@@ -362,7 +363,9 @@ fn decode_step(
             all_logits: false,
         })
         .collect();
-    model.forward(cache, &inputs, buffers)?;
+    // As the engine does once it has sampled: the next step fills the same buffer.
+    let logits = model.forward(cache, &inputs, buffers)?;
+    buffers.recycle_logits(logits);
     Ok(())
 }
 
@@ -383,8 +386,9 @@ fn profile(gpu: &Arc<GpuContext>) -> anyhow::Result<()> {
     let prefill = |cache: &mut tandem_kv::cuda::DevicePool,
                    buffers: &mut StepBuffers<tandem_engine::backend::cuda::gpu::CudaDevice>,
                    tokens: &[u32],
-                   table: &[u32]| {
-        model.forward(
+                   table: &[u32]|
+     -> anyhow::Result<()> {
+        let logits = model.forward(
             cache,
             &[SeqInput {
                 tokens,
@@ -394,7 +398,9 @@ fn profile(gpu: &Arc<GpuContext>) -> anyhow::Result<()> {
                 all_logits: false,
             }],
             buffers,
-        )
+        )?;
+        buffers.recycle_logits(logits);
+        Ok(())
     };
     for t in &tables {
         prefill(&mut cache, &mut buffers, &prompt[..ctx], t)?;

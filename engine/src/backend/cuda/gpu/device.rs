@@ -142,10 +142,10 @@ impl LaunchDevice for CudaDevice {
             .map_err(|e| cuda_err("download", e))?;
         // as_slice waits for the copy (an event recorded after it on the stream).
         let values = host.as_slice().map_err(|e| cuda_err("download", e))?;
-        // Only a longer buffer than last time touches new memory.
-        out.truncate(n);
-        out.resize(n, 0.0);
-        out.copy_from_slice(&values[..n]);
+        // One pass over the values: a recycled buffer keeps its memory (clear frees nothing),
+        // a fresh one is written once, not zeroed first.
+        out.clear();
+        out.extend_from_slice(&values[..n]);
         Ok(())
     }
     fn synchronize(&self) -> Result<()> {
