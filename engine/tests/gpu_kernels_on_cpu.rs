@@ -148,7 +148,7 @@ fn rms_norm_matches_the_cpu_engine() {
 }
 
 #[test]
-fn rope_matches_the_cpu_engine() {
+fn rope_and_kv_write_match_the_cpu_engine() {
     let mut rng = StdRng::seed_from_u64(3);
     // Plain RoPE (SmolLM2) and Llama 3.1's scaled frequencies.
     for preset in ["smollm2-135m", "llama-3.1-8b"] {
@@ -159,19 +159,53 @@ fn rope_matches_the_cpu_engine() {
             cfg.head_dim,
         );
         let width = cfg.q_width() + 2 * cfg.kv_width();
+        // One sequence; its block table points the blocks these positions fall in at four
+        // physical blocks (positions 0 and 1 share one), everything else at block 0.
         let positions: Vec<usize> = vec![0, 1, 17, 4095, 8191];
         let rows = positions.len();
+        let max_blocks = 8192 / BLOCK_SIZE;
+        let mut table = vec![0i32; max_blocks];
+        let physical = [
+            (0, 2),
+            (1, 0),
+            (4095 / BLOCK_SIZE, 3),
+            (8191 / BLOCK_SIZE, 1),
+        ];
+        for &(logical, block) in &physical {
+            table[logical] = block;
+        }
+        let layout = KvLayout {
+            num_layers: 2,
+            num_kv_heads: kvh,
+            head_dim: d,
+            block_size: BLOCK_SIZE,
+            dtype: KvDtype::F32,
+            model_fingerprint: String::new(),
+        };
+        let num_blocks = 4;
+        let block_elems = layout.block_layer_elems();
+        let layer = 1;
+        let layer_offset = (layer * num_blocks * block_elems) as i64;
+        let cache = bf16_bytes(&vec![
+            bf16::NAN;
+            layout.num_layers * num_blocks * block_elems
+        ]);
         let qkv = random(&mut rng, rows * width, 1.0);
-        let table = RopeTable::new(&cfg);
+        let rope = RopeTable::new(&cfg);
         let pos_i32: Vec<i32> = positions.iter().map(|&p| p as i32).collect();
         let out = launch(
-            "rope_qk",
+            "rope_kv_write",
             per_row(rows),
             128,
             &[
                 Arg::Buf(f32_bytes(&qkv)),
                 Arg::Buf(i32_bytes(&pos_i32)),
-                Arg::Buf(f32_bytes(table.inv_freq())),
+                Arg::Buf(f32_bytes(rope.inv_freq())),
+                Arg::Buf(i32_bytes(&vec![0; rows])),
+                Arg::Buf(i32_bytes(&table)),
+                Arg::I32(max_blocks as i32),
+                Arg::Buf(cache),
+                Arg::I64(layer_offset),
                 Arg::I32(rows as i32),
                 Arg::I32(width as i32),
                 Arg::I32(qh as i32),
@@ -181,11 +215,11 @@ fn rope_matches_the_cpu_engine() {
         );
         let got = f32s(&out[0]);
         let mut want = qkv.clone();
-        let (cos, sin) = table.cos_sin(&positions);
+        let (cos, sin) = rope.cos_sin(&positions);
         // K follows Q in a fused row, so one call rotates both.
-        table.apply(&mut want, width, 0, qh + kvh, &cos, &sin);
+        rope.apply(&mut want, width, 0, qh + kvh, &cos, &sin);
         assert_close(&format!("rope, {preset}"), &got, &want, 1e-4);
-        let v_start = cfg.q_width() + cfg.kv_width();
+        let (k_start, v_start) = (cfg.q_width(), cfg.q_width() + cfg.kv_width());
         for r in 0..rows {
             assert_eq!(
                 &got[r * width + v_start..(r + 1) * width],
@@ -193,6 +227,34 @@ fn rope_matches_the_cpu_engine() {
                 "{preset}: V must not be rotated"
             );
         }
+        // Each token's rotated K and its V, in bf16, in its slot; nothing else written (the
+        // cache was NaN) but in the layer asked for.
+        let device = bf16s(&out[5]);
+        let part = kvh * BLOCK_SIZE * d;
+        let mut written = vec![false; device.len()];
+        for (r, &pos) in positions.iter().enumerate() {
+            let block = table[pos / BLOCK_SIZE] as usize;
+            let base = layer_offset as usize + block * block_elems;
+            for h in 0..kvh {
+                for i in 0..d {
+                    let at = base + (h * BLOCK_SIZE + pos % BLOCK_SIZE) * d + i;
+                    let k = got[r * width + k_start + h * d + i];
+                    let v = qkv[r * width + v_start + h * d + i];
+                    assert_eq!(device[at], bf16::from_f32(k), "{preset}: K of row {r}");
+                    assert_eq!(
+                        device[at + part],
+                        bf16::from_f32(v),
+                        "{preset}: V of row {r}"
+                    );
+                    written[at] = true;
+                    written[at + part] = true;
+                }
+            }
+        }
+        assert!(
+            device.iter().zip(&written).all(|(v, &w)| w || v.is_nan()),
+            "{preset}: a write outside the tokens' slots"
+        );
     }
 }
 
@@ -202,9 +264,9 @@ struct Batch {
     entries: Vec<(usize, usize, usize)>,
 }
 
-/// Runs `kv_write` then `paged_attention` for `batch` on the emulated device cache; returns
-/// the attention output (bf16 as f32) and checks it against the CPU engine's attention over
-/// the same cache converted to the CPU layout.
+/// Runs `rope_kv_write`, then both attention kernels for `batch` on the emulated device
+/// cache, and checks them against the CPU engine's attention over the same cache converted
+/// to the CPU layout.
 #[allow(clippy::too_many_arguments)]
 fn attention_step(
     rng: &mut StdRng,
@@ -239,13 +301,20 @@ fn attention_step(
         }
     }
     let layer_offset = (layer * num_blocks * layout.block_layer_elems()) as i64;
+    let cfg = ModelConfig {
+        num_attention_heads: q_heads,
+        num_key_value_heads: kvh,
+        head_dim: d,
+        ..ModelConfig::preset("tiny").expect("preset")
+    };
     let out = launch(
-        "kv_write",
+        "rope_kv_write",
         per_row(rows),
         128,
         &[
             Arg::Buf(f32_bytes(&qkv)),
             Arg::Buf(i32_bytes(&positions)),
+            Arg::Buf(f32_bytes(RopeTable::new(&cfg).inv_freq())),
             Arg::Buf(i32_bytes(&token_seq)),
             Arg::Buf(i32_bytes(&table_rows)),
             Arg::I32(max_blocks as i32),
@@ -253,12 +322,14 @@ fn attention_step(
             Arg::I64(layer_offset),
             Arg::I32(rows as i32),
             Arg::I32(width as i32),
-            Arg::I32(qw as i32),
+            Arg::I32(q_heads as i32),
             Arg::I32(kvh as i32),
             Arg::I32(d as i32),
         ],
     );
-    *device_cache = out[4].clone();
+    *device_cache = out[5].clone();
+    // The rows as RoPE left them: what attention reads (Q) and what went to the cache (K).
+    let qkv = f32s(&out[0]);
 
     // The CPU engine's view: the device cache converted block by block (the staging
     // conversion the transports rely on).
@@ -277,7 +348,7 @@ fn attention_step(
             staging::from_device_layout(layout, &device[off..off + n], host).expect("convert");
         }
     }
-    // kv_write put each token's K and V (bf16-rounded) in its slot of its own layer only.
+    // rope_kv_write put each token's K and V (bf16-rounded) in its slot of its own layer only.
     for (r, (&pos, &bi)) in positions.iter().zip(&token_seq).enumerate() {
         let seq = batch.entries[bi as usize].0;
         let block = tables[seq][pos as usize / BLOCK_SIZE];
@@ -354,12 +425,6 @@ fn attention_step(
     }
     // The tensor-core kernel: bf16 Q and P on top of the bf16 output (FlashAttention's
     // rounding), once reading whole contexts and once split into many parts.
-    let cfg = ModelConfig {
-        num_attention_heads: q_heads,
-        num_key_value_heads: kvh,
-        head_dim: d,
-        ..ModelConfig::preset("tiny").expect("preset")
-    };
     let spans: Vec<(usize, usize, usize)> = {
         let mut first = 0;
         batch
@@ -431,7 +496,7 @@ fn poisoned_bf16(n: usize) -> Vec<u8> {
 }
 
 #[test]
-fn kv_write_and_both_attention_kernels_match_the_cpu_engine() {
+fn rope_kv_write_and_both_attention_kernels_match_the_cpu_engine() {
     let mut rng = StdRng::seed_from_u64(4);
     // SmolLM2's heads, Llama's head_dim 128 with its GQA group of 4 and with 2, plain
     // multi-head attention (64 tokens a tensor-core tile), and a head size only the CUDA-core

@@ -343,7 +343,7 @@ pub fn forward<D: LaunchDevice>(
         host_logits,
     ) = buffers.ensure(dev, cfg, t)?;
     let (rows, hidden, eps) = (t as i32, h as i32, cfg.rms_norm_eps as f32);
-    let (row_width, q_width) = (qkv_w as i32, qw as i32);
+    let row_width = qkv_w as i32;
     let (q_heads, kv_heads, head_dim) = (
         cfg.num_attention_heads as i32,
         cfg.num_key_value_heads as i32,
@@ -373,25 +373,12 @@ pub fn forward<D: LaunchDevice>(
         dev.gemm(normed, &layer.qkv, qkv, t, qkv_w, h, false)?;
         unsafe {
             dev.launch(
-                Kernel::RopeQk,
+                Kernel::RopeKvWrite,
                 Launch::per_row(t, 128),
                 &mut [
                     F32Mut(qkv),
                     I32s(&positions),
                     F32(&w.inv_freq),
-                    Int(rows),
-                    Int(row_width),
-                    Int(q_heads),
-                    Int(kv_heads),
-                    Int(head_dim),
-                ],
-            )?;
-            dev.launch(
-                Kernel::KvWrite,
-                Launch::per_row(t, 128),
-                &mut [
-                    F32(qkv),
-                    I32s(&positions),
                     I32s(&token_seq),
                     I32s(&tables),
                     Int(max_blocks),
@@ -399,7 +386,7 @@ pub fn forward<D: LaunchDevice>(
                     Long(layer_offset),
                     Int(rows),
                     Int(row_width),
-                    Int(q_width),
+                    Int(q_heads),
                     Int(kv_heads),
                     Int(head_dim),
                 ],

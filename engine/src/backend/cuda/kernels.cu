@@ -56,49 +56,51 @@ extern "C" __global__ void rms_norm_bf16(const float* __restrict__ x, const floa
     }
 }
 
-// Rotate-half RoPE on the Q and K parts of fused QKV rows, in place.
-// One block per token; a thread takes one frequency (pair index) and rotates that pair in
-// every Q and K head, so each cosine and sine is computed once per token, not once per head.
-extern "C" __global__ void rope_qk(float* __restrict__ qkv, const int* __restrict__ positions,
-                                   const float* __restrict__ inv_freq, int rows, int row_width,
-                                   int q_heads, int kv_heads, int head_dim) {
+// Rotate-half RoPE on the Q and K parts of fused QKV rows, in place, and each token's
+// rotated K and its V (bf16) into its slot of the paged cache: one launch where there were
+// two, and K is rounded and stored straight from the rotation. One block per token; a thread
+// takes one frequency (pair index) and rotates that pair in every Q and K head, so each
+// cosine and sine is computed once per token, not once per head.
+extern "C" __global__ void rope_kv_write(float* __restrict__ qkv, const int* __restrict__ positions,
+                                         const float* __restrict__ inv_freq, const int* __restrict__ token_seq,
+                                         const int* __restrict__ block_tables, int max_blocks,
+                                         bf16* __restrict__ cache, long long layer_offset, int rows,
+                                         int row_width, int q_heads, int kv_heads, int head_dim) {
     int t = blockIdx.x;
     if (t >= rows) return;
     int half = head_dim / 2;
-    float pos = (float)positions[t];
-    int heads = q_heads + kv_heads;
+    int pos = positions[t];
     float* row = qkv + (size_t)t * row_width;
+    float* k = row + (size_t)q_heads * head_dim;
+    const float* v = k + (size_t)kv_heads * head_dim;
+    int block = block_tables[token_seq[t] * max_blocks + pos / BLOCK_SLOTS];
+    int slot = pos % BLOCK_SLOTS;
+    size_t part = (size_t)kv_heads * BLOCK_SLOTS * head_dim;
+    bf16* blk = cache + layer_offset + (size_t)block * 2 * part;
     for (int i = threadIdx.x; i < half; i += blockDim.x) {
-        float angle = pos * inv_freq[i];
+        float angle = (float)pos * inv_freq[i];
         float c = cosf(angle), s = sinf(angle);
-        for (int h = 0; h < heads; h++) {
+        for (int h = 0; h < q_heads; h++) {
             float* base = row + h * head_dim;
             float x1 = base[i], x2 = base[i + half];
             base[i] = x1 * c - x2 * s;
             base[i + half] = x2 * c + x1 * s;
         }
+        for (int h = 0; h < kv_heads; h++) {
+            float* base = k + h * head_dim;
+            float x1 = base[i], x2 = base[i + half];
+            float r1 = x1 * c - x2 * s, r2 = x2 * c + x1 * s;
+            // Kept in the row too: the rows stay what RoPE makes them, whoever reads them.
+            base[i] = r1;
+            base[i + half] = r2;
+            bf16* dst = blk + ((size_t)h * BLOCK_SLOTS + slot) * head_dim;
+            dst[i] = f2bf(r1);
+            dst[i + half] = f2bf(r2);
+        }
     }
-}
-
-// Writes each token's K and V (from fused QKV rows) into its slot of the paged cache.
-extern "C" __global__ void kv_write(const float* __restrict__ qkv, const int* __restrict__ positions,
-                                    const int* __restrict__ token_seq, const int* __restrict__ block_tables,
-                                    int max_blocks, bf16* __restrict__ cache, long long layer_offset,
-                                    int rows, int row_width, int q_width, int kv_heads, int head_dim) {
-    int t = blockIdx.x;
-    if (t >= rows) return;
-    int pos = positions[t];
-    int block = block_tables[token_seq[t] * max_blocks + pos / BLOCK_SLOTS];
-    int slot = pos % BLOCK_SLOTS;
-    size_t part = (size_t)kv_heads * BLOCK_SLOTS * head_dim;
-    bf16* blk = cache + layer_offset + (size_t)block * 2 * part;
-    const float* k = qkv + (size_t)t * row_width + q_width;
-    const float* v = k + kv_heads * head_dim;
     for (int idx = threadIdx.x; idx < kv_heads * head_dim; idx += blockDim.x) {
         int h = idx / head_dim, d = idx % head_dim;
-        size_t off = ((size_t)h * BLOCK_SLOTS + slot) * head_dim + d;
-        blk[off] = f2bf(k[idx]);
-        blk[part + off] = f2bf(v[idx]);
+        blk[part + ((size_t)h * BLOCK_SLOTS + slot) * head_dim + d] = f2bf(v[idx]);
     }
 }
 

@@ -44,8 +44,7 @@ impl Launch {
 pub enum Kernel {
     EmbedRows,
     RmsNormBf16,
-    RopeQk,
-    KvWrite,
+    RopeKvWrite,
     PagedAttention,
     SiluMulBf16,
     AddInPlace,
@@ -59,11 +58,10 @@ pub enum Kernel {
 
 impl Kernel {
     /// Every kernel, in declaration order (`kernel as usize` indexes it).
-    pub const ALL: [Kernel; 13] = [
+    pub const ALL: [Kernel; 12] = [
         Kernel::EmbedRows,
         Kernel::RmsNormBf16,
-        Kernel::RopeQk,
-        Kernel::KvWrite,
+        Kernel::RopeKvWrite,
         Kernel::PagedAttention,
         Kernel::SiluMulBf16,
         Kernel::AddInPlace,
@@ -80,8 +78,7 @@ impl Kernel {
         match self {
             Kernel::EmbedRows => "embed_rows",
             Kernel::RmsNormBf16 => "rms_norm_bf16",
-            Kernel::RopeQk => "rope_qk",
-            Kernel::KvWrite => "kv_write",
+            Kernel::RopeKvWrite => "rope_kv_write",
             Kernel::PagedAttention => "paged_attention",
             Kernel::SiluMulBf16 => "silu_mul_bf16",
             Kernel::AddInPlace => "add_in_place",
