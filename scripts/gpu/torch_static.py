@@ -170,7 +170,6 @@ def main():
     cfg = dict(LLAMA_8B)
     if args.small:
         cfg["layers"] = 2
-    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = True
     dev = "cuda"
     results = {"shape": "Llama-3.1-8B" if not args.small else "Llama-3.1-8B, 2 layers",
                "torch": torch.__version__, "device": torch.cuda.get_device_name()}

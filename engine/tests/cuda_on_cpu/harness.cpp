@@ -88,7 +88,7 @@ using Runner = void (*)(std::vector<Arg>&, unsigned, unsigned);
 
 const std::map<std::string, Runner> kernels = {
     KERNEL(embed_rows),    KERNEL(rms_norm_bf16), KERNEL(rope_kv_write),
-    KERNEL(paged_attention), KERNEL(silu_mul_bf16), KERNEL(add_in_place), KERNEL(gather_rows),
+    KERNEL(paged_attention), KERNEL(silu_mul_bf16), KERNEL(gather_rows),
     KERNEL(fill_uniform_bf16), KERNEL(gather_kv_blocks), KERNEL(scatter_kv_blocks),
     KERNEL(flash_attention), KERNEL(attention_combine),
 };

@@ -4,7 +4,7 @@
 //! into query tiles, choosing how many context splits fill the device, and the partial-result
 //! buffer the splits are merged from.
 
-use super::launch::{Kernel, KernelArg, Launch, LaunchDevice};
+use super::launch::{Kernel, KernelArg, Launch, LaunchDevice, Scratch};
 use crate::config::ModelConfig;
 use crate::error::Result;
 
@@ -71,30 +71,6 @@ impl Plan {
 
     pub fn tile_count(&self) -> usize {
         self.tiles.len() / 2
-    }
-}
-
-/// A device f32 buffer kept across steps, grown when a step needs more, never shrunk: the
-/// splits' partial results, the logits.
-pub struct Scratch<D: LaunchDevice> {
-    buf: Option<D::F32>,
-    len: usize,
-}
-
-impl<D: LaunchDevice> Default for Scratch<D> {
-    fn default() -> Self {
-        Self { buf: None, len: 0 }
-    }
-}
-
-impl<D: LaunchDevice> Scratch<D> {
-    /// The buffer, of `n` elements at least (contents unspecified).
-    pub fn at_least(&mut self, dev: &D, n: usize) -> Result<&mut D::F32> {
-        if self.buf.is_none() || n > self.len {
-            self.len = n.max(1);
-            self.buf = Some(dev.zeros_f32(self.len)?);
-        }
-        Ok(self.buf.as_mut().expect("allocated just above"))
     }
 }
 

@@ -17,8 +17,8 @@ use half::bf16;
 
 use tandem_kv::BLOCK_SIZE;
 
-use super::attention::{self, Plan, Scratch, StepInputs};
-use super::launch::{Kernel, KernelArg, Launch, LaunchDevice};
+use super::attention::{self, Plan, StepInputs};
+use super::launch::{Kernel, KernelArg, Launch, LaunchDevice, Scratch};
 use crate::backend::Logits;
 use crate::backend::cpu::kernels::{Matrix, RopeTable};
 use crate::config::ModelConfig;

@@ -455,12 +455,6 @@ extern "C" __global__ void silu_mul_bf16(const float* __restrict__ gate_up, bf16
     }
 }
 
-extern "C" __global__ void add_in_place(float* __restrict__ x, const float* __restrict__ y, long long n) {
-    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
-        x[i] += y[i];
-    }
-}
-
 // Copies selected rows of x (f32) into a dense f32 buffer.
 extern "C" __global__ void gather_rows(const float* __restrict__ x, const int* __restrict__ rows_idx,
                                        float* __restrict__ out, int count, int width) {

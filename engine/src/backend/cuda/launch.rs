@@ -47,7 +47,6 @@ pub enum Kernel {
     RopeKvWrite,
     PagedAttention,
     SiluMulBf16,
-    AddInPlace,
     GatherRows,
     FillUniformBf16,
     GatherKvBlocks,
@@ -58,13 +57,12 @@ pub enum Kernel {
 
 impl Kernel {
     /// Every kernel, in declaration order (`kernel as usize` indexes it).
-    pub const ALL: [Kernel; 12] = [
+    pub const ALL: [Kernel; 11] = [
         Kernel::EmbedRows,
         Kernel::RmsNormBf16,
         Kernel::RopeKvWrite,
         Kernel::PagedAttention,
         Kernel::SiluMulBf16,
-        Kernel::AddInPlace,
         Kernel::GatherRows,
         Kernel::FillUniformBf16,
         Kernel::GatherKvBlocks,
@@ -81,7 +79,6 @@ impl Kernel {
             Kernel::RopeKvWrite => "rope_kv_write",
             Kernel::PagedAttention => "paged_attention",
             Kernel::SiluMulBf16 => "silu_mul_bf16",
-            Kernel::AddInPlace => "add_in_place",
             Kernel::GatherRows => "gather_rows",
             Kernel::FillUniformBf16 => "fill_uniform_bf16",
             Kernel::GatherKvBlocks => "gather_kv_blocks",
@@ -188,6 +185,30 @@ pub trait LaunchDevice {
         k: usize,
         accumulate: bool,
     ) -> Result<()>;
+}
+
+/// A device f32 buffer kept across steps, grown when a step needs more, never shrunk: the
+/// splits' partial results, the logits.
+pub struct Scratch<D: LaunchDevice> {
+    buf: Option<D::F32>,
+    len: usize,
+}
+
+impl<D: LaunchDevice> Default for Scratch<D> {
+    fn default() -> Self {
+        Self { buf: None, len: 0 }
+    }
+}
+
+impl<D: LaunchDevice> Scratch<D> {
+    /// The buffer, of `n` elements at least (contents unspecified).
+    pub fn at_least(&mut self, dev: &D, n: usize) -> Result<&mut D::F32> {
+        if self.buf.is_none() || n > self.len {
+            self.len = n.max(1);
+            self.buf = Some(dev.zeros_f32(self.len)?);
+        }
+        Ok(self.buf.as_mut().expect("allocated just above"))
+    }
 }
 
 #[cfg(test)]
