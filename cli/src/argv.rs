@@ -123,6 +123,7 @@ mod tests {
         prefill.engine.threads = Some(3);
         prefill.engine.kv_budget_mb = 77;
         prefill.engine.isa = Some("avx2".into());
+        prefill.engine.compute = "exact".into();
         prefill.server.port = Some(7101);
         prefill.server.log.log_format = LogFormat::Json;
         prefill.server.auth.insecure_no_internal_auth = true;

@@ -90,6 +90,12 @@ pub struct EngineArgs {
     /// this CPU runs). Every set gives the same bits; a set the CPU lacks is refused.
     #[arg(long, env = "TANDEM_ISA")]
     pub isa: Option<String>,
+    /// How quantized weights compute: `exact` (their f32 widening, bit for bit), `fast` (8-bit
+    /// activations, integer dot products) or `auto` (the faster on this instruction set, see
+    /// BENCHMARKS.md). Workers exchanging KV must compute alike: the mode is part of the
+    /// model's identity.
+    #[arg(long, env = "TANDEM_COMPUTE", default_value = "auto")]
+    pub compute: String,
 }
 
 /// Where the gRPC server listens, and the credentials it requires.

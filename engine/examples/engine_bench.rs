@@ -249,6 +249,11 @@ fn main() -> anyhow::Result<()> {
     println!("|---|---|");
     println!("| threads | {threads} |");
     println!("| kernels (instruction set) | {isa} |");
+    let compute = tandem_engine::backend::cpu::kernels::compute_decision();
+    println!(
+        "| quantized weights compute (TANDEM_COMPUTE) | {} ({}) |",
+        compute.mode, compute.reason
+    );
     println!(
         "| memory bandwidth (copy, read+write) | {:.1} GB/s |",
         bandwidth / 1e9
@@ -299,6 +304,7 @@ fn main() -> anyhow::Result<()> {
         "storage": model.storage_summary(),
         "threads": threads,
         "isa": isa.name(),
+        "compute": compute.mode.name(),
         "bandwidth_gb_s": bandwidth / 1e9,
         "read_bandwidth_gb_s": read_bw / 1e9,
         "matmul_peak_gflops": peak / 1e9,

@@ -102,6 +102,10 @@ fn main() -> anyhow::Result<()> {
     }
     let base = rows[0].3;
     println!(
+        "quantized weights compute in {} mode (TANDEM_COMPUTE)",
+        tandem_engine::backend::cpu::kernels::compute_mode()
+    );
+    println!(
         "| --weights | storage | MB read per decode step | perplexity | vs {} |",
         rows[0].0
     );
@@ -118,6 +122,7 @@ fn main() -> anyhow::Result<()> {
         "text": args.text.file_name().and_then(|n| n.to_str()),
         "tokens": tokens.len(),
         "kv_dtype": args.kv_dtype.name(),
+        "compute": tandem_engine::backend::cpu::kernels::compute_mode().name(),
         "baseline": rows[0].0.name(),
         "results": rows.iter().map(|(f, s, b, p)| serde_json::json!({
             "weights": f.name(),

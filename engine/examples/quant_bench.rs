@@ -4,24 +4,28 @@
 //! whether a storage's tile is bound by memory or by its own arithmetic: a tile whose cached
 //! rate is near the machine's bandwidth cannot reach that bandwidth from memory.
 //!
-//! `cargo run --release -p tandem-engine --example quant_bench -- [--formats q4_1,q8_0,f32]
-//! [--rows 3072] [--cols 576] [--isa avx2]` prints a table and one JSON line. The default
-//! shape is SmolLM2's fused gate/up projection.
+//! Then the same matrix against `--batch` rows (default 64) from cache, in multiply-adds per
+//! second: the compute rate of prefill and batched decode.
+//!
+//! `cargo run --release -p tandem-engine --example quant_bench -- [--formats q4_1,q4_1:fast,f32]
+//! [--rows 3072] [--cols 576] [--batch 64] [--isa avx2]` prints a table and one JSON line. A
+//! GGML format runs in `exact` mode, or with `:fast` in `fast` mode (integer dot products).
+//! The default shape is SmolLM2's fused gate/up projection.
 
 use std::time::Instant;
 
 use candle_core::quantized::QTensor;
 use candle_core::{Device, Tensor};
 use tandem_engine::backend::cpu::kernels::{
-    Isa, Matrix, QuantKind, QuantPanels, WeightData, isa, linear, select_isa,
+    Arrangement, Isa, Matrix, QuantKind, QuantPanels, WeightData, isa, linear, select_isa,
 };
 
 /// Bytes of matrices streamed per pass of the "memory" case: several times any L3 here.
 const MEMORY_BYTES: usize = 512 << 20;
 
 fn main() -> anyhow::Result<()> {
-    let mut formats = "q4_1,q8_0,q4_0,bf16,f32".to_string();
-    let (mut rows, mut cols) = (3072usize, 576usize);
+    let mut formats = "q4_1,q4_1:fast,q8_0,q8_0:fast,q4_0,bf16,f32".to_string();
+    let (mut rows, mut cols, mut batch) = (3072usize, 576usize, 64usize);
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
         let mut value = || {
@@ -32,21 +36,28 @@ fn main() -> anyhow::Result<()> {
             "--formats" => formats = value()?,
             "--rows" => rows = value()?.parse()?,
             "--cols" => cols = value()?.parse()?,
+            "--batch" => batch = value()?.parse()?,
             "--isa" => {
                 select_isa(Isa::parse(&value()?)?)?;
             }
-            other => anyhow::bail!("unknown flag {other} (--formats, --rows, --cols, --isa)"),
+            other => {
+                anyhow::bail!("unknown flag {other} (--formats, --rows, --cols, --batch, --isa)")
+            }
         }
     }
     // Values in [-1, 1), deterministic: the rate does not depend on them.
     let values: Vec<f32> = (0..rows * cols)
         .map(|i| ((i as u64).wrapping_mul(2_654_435_761) % 2000) as f32 / 1000.0 - 1.0)
         .collect();
-    let x: Vec<f32> = (0..cols).map(|i| (i % 17) as f32 / 17.0 - 0.5).collect();
-    let mut out = vec![0f32; rows];
+    let x: Vec<f32> = (0..cols * batch.max(1))
+        .map(|i| (i % 17) as f32 / 17.0 - 0.5)
+        .collect();
+    let mut out = vec![0f32; rows * batch.max(1)];
 
-    println!("| storage | {rows}×{cols}, bytes | from memory | from cache |");
-    println!("|---|---:|---:|---:|");
+    println!(
+        "| storage | {rows}×{cols}, bytes | from memory | from cache | {batch} rows, from cache |"
+    );
+    println!("|---|---:|---:|---:|---:|");
     let mut json = Vec::new();
     for name in formats.split(',') {
         let one = matrix(name, rows, cols, &values)?;
@@ -55,14 +66,17 @@ fn main() -> anyhow::Result<()> {
         let many: Vec<Matrix> = (0..copies).map(|_| one.clone()).collect();
         let memory = rate(&many, &x, &mut out, bytes);
         let cache = rate(std::slice::from_ref(&one), &x, &mut out, bytes);
+        let macs = batch_rate(&one, &x, batch, &mut out);
         println!(
-            "| {name} | {bytes} | {:.1} GB/s | {:.1} GB/s |",
+            "| {name} | {bytes} | {:.1} GB/s | {:.1} GB/s | {:.1} GMAC/s |",
             memory / 1e9,
-            cache / 1e9
+            cache / 1e9,
+            macs / 1e9
         );
         json.push(serde_json::json!({
             "storage": name, "bytes": bytes,
             "memory_gb_s": memory / 1e9, "cache_gb_s": cache / 1e9,
+            "batch": batch, "batch_gmac_s": macs / 1e9,
         }));
     }
     println!(
@@ -91,13 +105,38 @@ fn matrix(name: &str, rows: usize, cols: usize, values: &[f32]) -> anyhow::Resul
             WeightData::F16(values.iter().map(|&v| half::f16::from_f32(v)).collect()),
         ),
         other => {
-            let kind = QuantKind::parse(other)
+            let (format, arrangement) = match other.split_once(':') {
+                Some((format, "fast")) => (format, Arrangement::Quads),
+                Some((_, mode)) => anyhow::bail!("unknown mode {mode} in {other} (fast)"),
+                None => (other, Arrangement::InputMajor),
+            };
+            let kind = QuantKind::parse(format)
                 .ok_or_else(|| anyhow::anyhow!("unknown storage {other}"))?;
             let t = Tensor::from_slice(values, (rows, cols), &Device::Cpu)?;
             let q = QTensor::quantize(&t, kind.to_ggml())?;
-            Matrix::quantized(QuantPanels::from_ggml(kind, rows, cols, &q.data()?)?)
+            let panels = QuantPanels::from_ggml_in(arrangement, kind, rows, cols, &q.data()?)?;
+            Matrix::quantized(panels)
         }
     })
+}
+
+/// Multiply-adds per second of `batch`-row `linear` over one matrix, best of three passes of
+/// at least ~0.3 s each (0 when `batch` is 0).
+fn batch_rate(w: &Matrix, x: &[f32], batch: usize, out: &mut [f32]) -> f64 {
+    if batch == 0 {
+        return 0.0;
+    }
+    let macs = (batch * w.rows * w.cols) as f64;
+    let per_pass = (3e8 / macs).ceil().max(1.0) as usize;
+    let mut best = 0f64;
+    for _ in 0..3 {
+        let t = Instant::now();
+        for _ in 0..per_pass {
+            linear(x, batch, w, out);
+        }
+        best = best.max(per_pass as f64 * macs / t.elapsed().as_secs_f64());
+    }
+    best
 }
 
 /// Weight bytes per second of one-row `linear` over `matrices` in turn, best of three passes

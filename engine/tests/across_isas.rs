@@ -9,14 +9,17 @@
 //! of every logit's bits with `golden/logits.sha256`, which was written on x86-64. CI runs it
 //! under each x86 instruction set (`TANDEM_ISA`) and on aarch64 under qemu.
 //!
-//! If a change to the kernels alters the order of a sum on purpose, rewrite the file with
-//! `TANDEM_BLESS=1 cargo test -p tandem-engine --test across_isas` and say why in the commit.
+//! Quantized weights compute per the process's mode (`TANDEM_COMPUTE`): their lines carry
+//! `@exact` or `@fast`, and a run checks the lines of its own mode (scripts/test-isas runs
+//! both). If a change to the kernels alters the order of a sum on purpose, rewrite the mode's
+//! lines with `TANDEM_BLESS=1 TANDEM_COMPUTE=<mode> cargo test -p tandem-engine --test
+//! across_isas` and say why in the commit.
 
 use std::fmt::Write;
 use std::sync::Arc;
 
 use sha2::{Digest, Sha256};
-use tandem_engine::backend::cpu::kernels::{QuantKind, isa};
+use tandem_engine::backend::cpu::kernels::{QuantKind, compute_mode, isa};
 use tandem_engine::config::{ModelConfig, WeightFormat};
 use tandem_engine::model::dummy_model;
 use tandem_engine::{Model, SeqInput};
@@ -126,7 +129,7 @@ fn digest(logits: &[Vec<f32>]) -> String {
 
 #[test]
 fn logits_match_the_x86_golden_digests_bit_for_bit() {
-    let mut lines = String::new();
+    let mut lines = Vec::new();
     let q = |k| WeightFormat::Quant(k);
     for (dtype, kv) in [
         (WeightFormat::F32, KvDtype::F32),
@@ -140,23 +143,47 @@ fn logits_match_the_x86_golden_digests_bit_for_bit() {
     ] {
         let logits = scenario(&model(dtype, kv));
         assert!(logits.iter().flatten().all(|v| v.is_finite()));
-        let name = match kv {
+        let mut name = match kv {
             KvDtype::F32 => dtype.name().to_string(),
             other => format!("{}+kv-{}", dtype.name(), other.name()),
         };
-        let _ = writeln!(lines, "{name} {}", digest(&logits));
+        if matches!(dtype, WeightFormat::Quant(_)) {
+            name = format!("{name}@{}", compute_mode());
+        }
+        lines.push((name, digest(&logits)));
     }
+    let golden = std::fs::read_to_string(GOLDEN).unwrap_or_default();
+    let mut known: Vec<(String, String)> = golden
+        .lines()
+        .filter_map(|l| l.split_once(' '))
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
     if std::env::var_os("TANDEM_BLESS").is_some() {
-        std::fs::write(GOLDEN, &lines).unwrap();
+        for (name, digest) in lines {
+            match known.iter_mut().find(|(k, _)| *k == name) {
+                Some(entry) => entry.1 = digest,
+                None => known.push((name, digest)),
+            }
+        }
+        let text = known.iter().fold(String::new(), |mut s, (k, v)| {
+            let _ = writeln!(s, "{k} {v}");
+            s
+        });
+        std::fs::write(GOLDEN, text).unwrap();
         return;
     }
-    let golden = std::fs::read_to_string(GOLDEN).unwrap();
-    assert_eq!(
-        lines,
-        golden,
-        "logits on {} kernels ({}) differ from the x86-64 golden digests: the kernels no \
-         longer sum in the promised order on this path (see this file's docs)",
-        isa(),
-        std::env::consts::ARCH
-    );
+    for (name, digest) in &lines {
+        let want = known
+            .iter()
+            .find(|(k, _)| k == name)
+            .map(|(_, v)| v.as_str());
+        assert_eq!(
+            want,
+            Some(digest.as_str()),
+            "{name}: logits on {} kernels ({}) differ from the x86-64 golden digests: the \
+             kernels no longer sum in the promised order on this path (see this file's docs)",
+            isa(),
+            std::env::consts::ARCH
+        );
+    }
 }

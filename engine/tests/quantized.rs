@@ -1,11 +1,13 @@
-//! Weights kept in GGML formats: each format computes the logits of its own tensors widened
-//! to f32 bit for bit (tolerance zero: the kernels dequantize exactly as ggml does and sum
-//! in the f32 kernels' order), stays batch-invariant, and hands its KV from one engine to
-//! another with the same greedy tokens as one engine alone.
+//! Weights kept in GGML formats: in `exact` mode each format computes the logits of its own
+//! tensors widened to f32 bit for bit (tolerance zero: the kernels dequantize exactly as ggml
+//! does and sum in the f32 kernels' order); in `fast` mode (8-bit activations) it stays close
+//! to them. In both modes a format is batch-invariant (chunked or not, in any batch) and hands
+//! its KV from one engine to another with the same greedy tokens as one engine alone. The
+//! process's mode is `TANDEM_COMPUTE`'s (`scripts/test-isas` runs this file in both).
 
 use std::sync::Arc;
 
-use tandem_engine::backend::cpu::kernels::QuantKind;
+use tandem_engine::backend::cpu::kernels::{ComputeMode, QuantKind, compute_mode};
 use tandem_engine::config::{ModelConfig, WeightFormat};
 use tandem_engine::model::dummy_model;
 use tandem_engine::{Engine, EngineConfig, Model, SamplingParams, SeqInput, StopParams};
@@ -113,7 +115,20 @@ fn every_format_computes_the_logits_of_its_weights_widened_to_f32() {
         );
         let got = batch_logits(&native, &prompts, 1000);
         let want = batch_logits(&widened, &prompts, 1000);
-        assert_eq!(got, want, "{kind}: logits differ from the f32 copy");
+        match compute_mode() {
+            ComputeMode::Exact => assert_eq!(got, want, "{kind}: logits differ from the f32 copy"),
+            ComputeMode::Fast => {
+                for (g, w) in got.iter().zip(&want) {
+                    let err: f32 = g.iter().zip(w).map(|(a, b)| (a - b).powi(2)).sum();
+                    let norm: f32 = w.iter().map(|b| b * b).sum();
+                    let relative = (err / norm).sqrt();
+                    assert!(
+                        relative < 0.05,
+                        "{kind}: fast logits {relative} away from f32"
+                    );
+                }
+            }
+        }
         // Chunked prefill in a mixed batch gives the same bits too.
         assert_eq!(batch_logits(&native, &prompts, 16), got, "{kind}: chunking");
     }

@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use tandem_auth::LoadInternalAuth;
 pub use tandem_cli::{EngineArgs, ModelArgs, ServerArgs};
-use tandem_engine::backend::cpu::kernels::{Isa, isa, select_isa};
+use tandem_engine::backend::cpu::kernels::{ComputeChoice, Isa, isa, select_compute, select_isa};
 use tandem_engine::{
     Device, EngineConfig, EngineError, LoadOptions, Model, ModelSource, WeightFormat,
 };
@@ -60,6 +60,9 @@ pub fn engine_config(args: &EngineArgs) -> Result<EngineConfig, String> {
     if let Some(name) = &args.isa {
         Isa::require(name).map_err(|e| format!("--isa: {e}"))?;
     }
+    args.compute
+        .parse::<ComputeChoice>()
+        .map_err(|e| format!("--compute: {e}"))?;
     let mut device: Device = args
         .device
         .parse()
@@ -99,7 +102,18 @@ pub fn init_compute(args: &EngineArgs) -> Result<(), String> {
             .map_err(|e| format!("--isa: {e}"))?,
         None => isa(),
     };
-    tracing::info!(isa = %chosen, best = %Isa::best(), "CPU kernels");
+    let compute = args
+        .compute
+        .parse::<ComputeChoice>()
+        .and_then(select_compute)
+        .map_err(|e| format!("--compute: {e}"))?;
+    tracing::info!(
+        isa = %chosen,
+        best = %Isa::best(),
+        compute = %compute.mode,
+        why = %compute.reason,
+        "CPU kernels"
+    );
     if let Some(n) = args.threads {
         tandem_engine::backend::cpu::kernels::team::set_threads(n);
     }
@@ -175,6 +189,12 @@ mod tests {
             "{err}"
         );
         assert!(engine_config(&parse(&["--isa", "scalar"])).is_ok());
+        let err = engine_config(&parse(&["--compute", "int4"])).unwrap_err();
+        assert!(
+            err.contains("--compute: unknown compute mode `int4`"),
+            "{err}"
+        );
+        assert!(engine_config(&parse(&["--compute", "exact"])).is_ok());
         let gpu = engine_config(&parse(&["--device", "cuda:1", "--green-context-sms", "64"]));
         if tandem_engine::CUDA_SUPPORT {
             assert_eq!(

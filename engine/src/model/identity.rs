@@ -34,6 +34,13 @@ pub(super) fn file_identity(path: &Path) -> Result<String> {
     Ok(format!("{name}:{len}:{:x}", hasher.finalize()))
 }
 
+/// A fingerprint for the same weights computed in `fast` mode (8-bit activations: other
+/// logits and other KV than `exact` mode's, so peers in different modes must not mix KV).
+pub(super) fn fast_fingerprint(fingerprint: &str) -> String {
+    let digest = Sha256::digest(format!("{fingerprint};compute=fast").as_bytes());
+    digest.iter().take(12).map(|b| format!("{b:02x}")).collect()
+}
+
 /// The fingerprint of a model of `cfg`'s shape in `format`, loaded from `source` (its
 /// files' identities, or a dummy model's seed).
 pub(super) fn fingerprint(cfg: &ModelConfig, format: WeightFormat, source: &str) -> String {

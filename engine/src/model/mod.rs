@@ -20,7 +20,7 @@ pub use weights::{LayerExtras, LayerWeights, Weights};
 
 use tandem_kv::{BLOCK_SIZE, KvDtype, KvLayout};
 
-use crate::backend::cpu::kernels::RopeTable;
+use crate::backend::cpu::kernels::{Arrangement, RopeTable};
 use crate::config::{ModelConfig, WeightFormat};
 
 /// A loaded model: configuration, weights and the identity that KV peers compare.
@@ -74,6 +74,14 @@ impl Model {
     ) -> Self {
         let rope = RopeTable::new(&cfg);
         let rope_local = RopeTable::local(&cfg);
+        let fast = weights
+            .matrices()
+            .any(|m| m.arrangement() == Some(Arrangement::Quads));
+        let fingerprint = if fast {
+            identity::fast_fingerprint(&fingerprint)
+        } else {
+            fingerprint
+        };
         Self {
             cfg,
             weights,
@@ -119,15 +127,8 @@ impl Model {
     /// The storage formats the matrices ended up in, with how many matrix parts use each
     /// (`q4_1×210 q8_0×1` for SmolLM2's Q4_1 GGUF).
     pub fn storage_summary(&self) -> String {
-        let w = &self.weights;
         let mut counts: Vec<(&'static str, usize)> = Vec::new();
-        let matrices = w
-            .layers
-            .iter()
-            .flat_map(|l| [&l.qkv, &l.o, &l.gate_up, &l.down])
-            .chain(std::iter::once(&w.embed))
-            .chain(w.lm_head.as_ref());
-        for m in matrices {
+        for m in self.weights.matrices() {
             for f in m.formats() {
                 match counts.iter_mut().find(|(name, _)| *name == f) {
                     Some((_, n)) => *n += 1,

@@ -5,7 +5,7 @@ use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{DType, Device, Tensor};
 use half::{bf16, f16};
 
-use crate::backend::cpu::kernels::{Matrix, QuantKind, QuantPanels, WeightData};
+use crate::backend::cpu::kernels::{Matrix, QuantKind, QuantPanels, WeightData, compute_mode};
 use crate::config::WeightFormat;
 use crate::error::{EngineError, Result};
 
@@ -232,9 +232,13 @@ pub(crate) fn into_matrix(t: Loaded) -> Result<Matrix> {
         TensorData::F32(v) => dense(WeightData::F32(v)),
         TensorData::F16(v) => dense(WeightData::F16(v)),
         TensorData::Bf16(v) => dense(WeightData::Bf16(v)),
-        TensorData::Ggml(kind, bytes) => QuantPanels::from_ggml(kind, rows, cols, &bytes)
-            .map(Matrix::quantized)
-            .map_err(|e| EngineError::Config(format!("{}: {e}", t.name))),
+        TensorData::Ggml(kind, bytes) => {
+            // Packed for the process's compute mode (`exact` or `fast`: see `compute`).
+            let arrangement = compute_mode().arrangement();
+            QuantPanels::from_ggml_in(arrangement, kind, rows, cols, &bytes)
+        }
+        .map(Matrix::quantized)
+        .map_err(|e| EngineError::Config(format!("{}: {e}", t.name))),
     }
 }
 

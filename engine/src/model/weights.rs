@@ -93,6 +93,15 @@ impl Weights {
         self.lm_head.as_ref().unwrap_or(&self.embed)
     }
 
+    /// Every matrix: the layers' projections, the embeddings, the LM head when untied.
+    pub fn matrices(&self) -> impl Iterator<Item = &Matrix> {
+        self.layers
+            .iter()
+            .flat_map(|l| [&l.qkv, &l.o, &l.gate_up, &l.down])
+            .chain(std::iter::once(&self.embed))
+            .chain(self.lm_head.as_ref())
+    }
+
     /// Bytes of all matrices and vectors (tied embeddings once).
     pub fn size_in_bytes(&self) -> usize {
         let m = |x: &Matrix| x.size_in_bytes();

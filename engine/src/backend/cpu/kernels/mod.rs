@@ -15,18 +15,23 @@
 //! a prefill host and a decode host with different CPUs still agree bit for bit.
 
 pub mod attention;
+pub mod compute;
 pub mod isa;
 pub mod matmul;
 pub(crate) mod ops;
 pub mod quant;
 pub mod team;
 
+pub use compute::{
+    COMPUTE_ENV, ComputeChoice, ComputeDecision, ComputeError, ComputeMode, compute_decision,
+    compute_mode, select_compute,
+};
 pub use isa::{ISA_ENV, Isa, IsaError, isa, isa_from_env, select_isa};
 pub use matmul::{Matrix, PANEL, WeightData, linear, linear_on};
 pub use ops::{
     RopeTable, add_in_place, gelu_tanh_mul, rms_norm, rms_norm_heads, silu_mul, softcap, sum_exp,
 };
-pub use quant::{QuantError, QuantKind, QuantPanels};
+pub use quant::{Arrangement, QuantError, QuantKind, QuantPanels};
 
 /// A raw output pointer shared by parallel tasks that write disjoint elements.
 #[derive(Clone, Copy)]

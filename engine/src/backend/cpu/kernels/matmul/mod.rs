@@ -1,6 +1,7 @@
 //! `linear`: `out[m×n] = x[m×k] · Wᵀ` for a weight matrix W of `n` output features by `k`
 //! input features (every Llama projection), f32 activations, f32/f16/bf16 weights or GGML
-//! formats (`quant`, which feeds the same f32 tiles).
+//! formats (`quant`: in `exact` mode through the same f32 tiles, in `fast` mode as integer
+//! dot products over the activations quantized once per call).
 //!
 //! W is repacked at load into panels of 16 output features: panel `p` holds, for every input
 //! feature `i`, the 16 weights `W[16p..16p+16][i]` side by side (zero-padded past `n`). The
@@ -14,7 +15,8 @@
 
 use half::{bf16, f16};
 
-use super::quant::{QuantPanels, dequant_panel};
+use super::quant::{Arrangement, QuantPanels, QuantizedActs, dequant_panel};
+use super::quant::{IntOut, int_block};
 use super::{Isa, SharedMut, isa};
 use tile::{PREFETCH_LINE, Tile};
 
@@ -208,6 +210,14 @@ impl Matrix {
         Matrix::new(self.rows, self.cols, WeightData::F32(values))
     }
 
+    /// How the quantized parts' integers are arranged (`None` when no part is quantized).
+    pub fn arrangement(&self) -> Option<Arrangement> {
+        self.parts.iter().find_map(|p| match &p.storage {
+            Storage::Quant(q) => Some(q.arrangement()),
+            Storage::Dense(_) => None,
+        })
+    }
+
     /// The storage formats of the parts, top to bottom (`f32`, `q4_k`, ...).
     pub fn formats(&self) -> Vec<&'static str> {
         self.parts
@@ -246,14 +256,29 @@ pub fn linear_on(isa: Isa, x: &[f32], m: usize, w: &Matrix, out: &mut [f32]) {
     if m == 0 || n == 0 {
         return;
     }
-    for part in &w.parts {
-        let cols = Columns {
-            first: part.first_row,
-            count: part.rows,
-            ldo: n,
-        };
-        linear_part(isa, x, m, k, &part.storage, cols, out);
-    }
+    let integer = w
+        .parts
+        .iter()
+        .any(|p| matches!(&p.storage, Storage::Quant(q) if q.arrangement() == Arrangement::Quads));
+    ACTIVATIONS.with_borrow_mut(|acts| {
+        if integer {
+            acts.quantize(x, m, k);
+        }
+        for part in &w.parts {
+            let cols = Columns {
+                first: part.first_row,
+                count: part.rows,
+                ldo: n,
+            };
+            linear_part(isa, x, m, k, &part.storage, cols, out, acts);
+        }
+    });
+}
+
+thread_local! {
+    /// The activations of the current call quantized for the integer tiles (`fast` mode).
+    static ACTIVATIONS: std::cell::RefCell<QuantizedActs> =
+        std::cell::RefCell::new(QuantizedActs::default());
 }
 
 /// The output columns one part writes: `first..first + count` of rows `ldo` apart.
@@ -264,6 +289,7 @@ struct Columns {
     ldo: usize,
 }
 
+#[allow(clippy::too_many_arguments)]
 fn linear_part(
     isa: Isa,
     x: &[f32],
@@ -272,6 +298,7 @@ fn linear_part(
     storage: &Storage,
     cols: Columns,
     out: &mut [f32],
+    acts: &QuantizedActs,
 ) {
     let panels = cols.count.div_ceil(PANEL);
     let threads = super::team::threads();
@@ -288,6 +315,14 @@ fn linear_part(
         unsafe {
             match storage {
                 Storage::Dense(w) => panel_block(isa, x, m, k, cols, w, p0, p1, out_ptr),
+                Storage::Quant(w) if w.arrangement() == Arrangement::Quads => {
+                    let to = IntOut {
+                        out: out_ptr,
+                        ldo: cols.ldo,
+                        count: cols.count,
+                    };
+                    int_block(isa, acts, w, p0, p1, to)
+                }
                 Storage::Quant(w) => quant_block(isa, x, m, k, cols, w, p0, p1, out_ptr),
             }
         }

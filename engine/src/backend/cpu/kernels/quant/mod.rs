@@ -28,23 +28,32 @@
 //!   into place (`h·l` to 4) in one instruction.
 
 //!
+//! That is `exact` mode. In `fast` mode (see `compute`) the panels hold the same bytes with
+//! each lane's consecutive inputs side by side ([`Arrangement::Quads`]), and `int8` runs them
+//! as integer dot products over 8-bit activations.
+//!
 //! The files: `panels` (the packed storage), `ggml` (GGML's blocks, decoded), `x86` (the
-//! vector dequantizers), `fused` (tiles that dequantize in registers); this file picks the
-//! dequantizer for an instruction set.
+//! vector dequantizers), `fused` (tiles that dequantize in registers), `int8` and `x86_int`
+//! (the integer tiles); this file picks the dequantizer for an instruction set.
 
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod fused;
 pub mod ggml;
+pub(crate) mod int8;
 mod panels;
 #[cfg(target_arch = "x86_64")]
 mod x86;
+#[cfg(target_arch = "x86_64")]
+mod x86_int;
 
 pub use ggml::{DecodedRow, QuantKind, SUPER_BLOCK, decode_row};
+pub use int8::QuantizedActs;
 pub(crate) use panels::PanelView;
-pub use panels::{QuantError, QuantPanels};
+pub use panels::{Arrangement, QuantError, QuantPanels};
 
-use super::Isa;
 use super::matmul::PANEL;
+use super::{Isa, SharedMut};
+use int8::PanelRows;
 
 /// Writes panel `p` of `w` dequantized into `out` in the f32 panel layout (`cols × 16`, input
 /// `i` at `16·i`), on `isa` (NEON uses the portable loop; the f32 tiles that follow are
@@ -55,6 +64,11 @@ use super::matmul::PANEL;
 pub fn dequant_panel(isa: Isa, w: &QuantPanels, p: usize, out: &mut [f32]) {
     assert!(out.len() >= w.cols * PANEL, "dequant_panel: output size");
     assert!(p < w.rows.div_ceil(PANEL), "dequant_panel: panel {p}");
+    assert_eq!(
+        w.arrangement,
+        Arrangement::InputMajor,
+        "dequant_panel reads input-major panels"
+    );
     let view = PanelView::new(w, p);
     match isa {
         // SAFETY: the CPU runs `isa` (chosen against it); the view's pointers cover the panel
@@ -64,6 +78,78 @@ pub fn dequant_panel(isa: Isa, w: &QuantPanels, p: usize, out: &mut [f32]) {
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 if isa.supported() => unsafe { x86::dequant_avx2(&view, out.as_mut_ptr()) },
         _ => dequant_portable(&view, out),
+    }
+}
+
+/// Rows of x per cache block of the integer tiles: the block's activations stay in cache
+/// while a task's panels pass under them.
+const ROW_BLOCK: usize = 64;
+
+/// Where a block of integer tiles writes: output columns `first..first + count` (of the
+/// part's matrix) in rows `ldo` apart, from `out`.
+#[derive(Clone, Copy)]
+pub(crate) struct IntOut {
+    pub out: SharedMut,
+    pub ldo: usize,
+    pub count: usize,
+}
+
+/// Panels `p0..p1` of `w` (in quads) against every row of `acts`: row blocks outside, so a
+/// block's activations stay in cache while the task's panels pass under them.
+///
+/// # Safety
+/// `out.out` may be written at `r·ldo + c` for `r < acts.rows` and `c < count`, where `count`
+/// counts from panel 0's first column; `p1` is at most the matrix's panel count.
+pub(crate) unsafe fn int_block(
+    isa: Isa,
+    acts: &QuantizedActs,
+    w: &QuantPanels,
+    p0: usize,
+    p1: usize,
+    out: IntOut,
+) {
+    assert_eq!(
+        w.arrangement(),
+        Arrangement::Quads,
+        "integer tiles read quads"
+    );
+    assert_eq!(
+        w.arrangement,
+        Arrangement::Quads,
+        "integer tiles read quads"
+    );
+    assert_eq!(acts.k, w.cols(), "activations and weights disagree on k");
+    let m = acts.rows;
+    let mut i0 = 0;
+    while i0 < m {
+        let i1 = (i0 + ROW_BLOCK).min(m);
+        for p in p0..p1 {
+            let cols = (out.count - p * PANEL).min(PANEL);
+            let mut r = i0;
+            while r < i1 {
+                let rows = (i1 - r).min(4);
+                // SAFETY: rows `r..r + rows` and the panel's columns lie inside the output
+                // the caller hands over.
+                let dst = unsafe { out.out.0.add(r * out.ldo + p * PANEL) };
+                let tile = PanelRows {
+                    row: r,
+                    rows,
+                    out: dst,
+                    ldo: out.ldo,
+                    cols,
+                };
+                match isa {
+                    // SAFETY: AVX2 is part of both sets, checked against the CPU when the
+                    // set was chosen; the tile lies inside the caller's output.
+                    #[cfg(target_arch = "x86_64")]
+                    Isa::Avx512 | Isa::Avx2 => unsafe { x86_int::panel_avx2(acts, w, p, tile) },
+                    // SAFETY: as above.
+                    _ => unsafe { int8::panel_portable(acts, w, p, tile) },
+                }
+                r += rows;
+            }
+        }
+        i0 = i1;
     }
 }
 
@@ -80,5 +166,7 @@ fn dequant_portable(v: &PanelView, out: &mut [f32]) {
     }
 }
 
+#[cfg(test)]
+mod int_tests;
 #[cfg(test)]
 mod tests;

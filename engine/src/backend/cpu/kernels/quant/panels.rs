@@ -28,10 +28,25 @@ pub enum QuantError {
     },
 }
 
+/// How a panel's integers are ordered: for the f32 tiles, or for integer dot products.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Arrangement {
+    /// Input-major (the module docs): what the dequantizers and the `exact` tiles read.
+    InputMajor,
+    /// Each lane's consecutive inputs side by side, for the integer tiles of `fast` mode
+    /// (`int8`): byte formats (Q8_0, and Q5_K and Q6_K, whose high bits are joined to the
+    /// nibble, a byte per weight) hold input `4t + j` of lane `l` at byte `64t + 4l + j` of
+    /// their group's integers; the 4-bit formats hold, per 8 inputs `8t..8t + 8`, lane `l`'s
+    /// inputs `8t + j` (low nibble) and `8t + 4 + j` (high) at byte `64t + 4l + j`. So 32
+    /// bytes are four consecutive inputs of 8 lanes: one operand of `vpmaddubsw`.
+    Quads,
+}
+
 /// A `rows × cols` matrix in a GGML format, packed in panels (see the module docs).
 #[derive(Debug, Clone)]
 pub struct QuantPanels {
     pub(super) kind: QuantKind,
+    pub(super) arrangement: Arrangement,
     pub(super) rows: usize,
     pub(super) cols: usize,
     pub(super) layout: Layout,
@@ -41,6 +56,9 @@ pub struct QuantPanels {
 /// Where things lie inside one panel's bytes, for a format and row length.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Layout {
+    pub arrangement: Arrangement,
+    /// Whether the integers are nibbles (else one byte each).
+    pub nibbles: bool,
     /// Groups per scale block: 1, or a K format's groups per super-block.
     pub(super) groups_per_block: usize,
     /// Bytes of a scale block's `d` and `m`.
@@ -59,9 +77,28 @@ pub(crate) struct Layout {
     pub panel_bytes: usize,
 }
 
+/// One group's offsets in its panel (see [`Layout::walk`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct GroupOffsets {
+    /// Its scale block's `d`.
+    pub block: usize,
+    /// Its own header (`sc`, `−m`).
+    pub head: usize,
+    /// Its integers.
+    pub q: usize,
+    /// `start..end`: the bytes it brings with it (its block's header when it is the first).
+    pub start: usize,
+    pub end: usize,
+}
+
 impl Layout {
-    pub(super) fn new(kind: QuantKind, cols: usize) -> Self {
+    pub(super) fn new(kind: QuantKind, cols: usize, arrangement: Arrangement) -> Self {
         let lanes16 = |bytes_per_lane: usize| PANEL * bytes_per_lane;
+        // Quads join a K format's high bits to its nibble (see `Arrangement::Quads`).
+        let (nibbles, high_bits) = match arrangement {
+            Arrangement::InputMajor => (kind.nibbles(), kind.high_bits()),
+            Arrangement::Quads => (kind.nibbles() && kind.high_bits() == 0, 0),
+        };
         let group = kind.group();
         let groups_per_block = if kind.super_blocks() {
             SUPER_BLOCK / group
@@ -75,25 +112,23 @@ impl Layout {
         } else {
             0
         };
-        let group_nibbles = if kind.nibbles() {
-            lanes16(group) / 2
-        } else {
-            0
-        };
-        let group_q = if kind.nibbles() {
-            group_nibbles + kind.high_bits() * 2 * group
+        let group_nibbles = if nibbles { lanes16(group) / 2 } else { 0 };
+        let group_q = if nibbles {
+            group_nibbles + high_bits * 2 * group
         } else {
             lanes16(group)
         };
         let block_bytes = block_header + groups_per_block * (group_header + group_q);
         let blocks = cols / (group * groups_per_block);
         Layout {
+            arrangement,
+            nibbles,
             groups_per_block,
             block_header,
             group_header,
             group_q,
             group_nibbles,
-            high_bits: kind.high_bits(),
+            high_bits,
             block_bytes,
             panel_bytes: blocks * block_bytes,
         }
@@ -126,6 +161,31 @@ impl Layout {
         self.q_at(g) + self.group_nibbles + 2 * self.high_bits * within
     }
 
+    /// Every group's offsets in input order, with no division per group (a tile visiting
+    /// groups in turn would otherwise spend more on `g / groups_per_block` than on a group).
+    pub fn walk(&self) -> impl Iterator<Item = GroupOffsets> + use<> {
+        let layout = *self;
+        let mut block = 0;
+        let mut within = 0;
+        std::iter::from_fn(move || {
+            let head =
+                block + layout.block_header + within * (layout.group_header + layout.group_q);
+            let offsets = GroupOffsets {
+                block,
+                head,
+                q: head + layout.group_header,
+                start: if within == 0 { block } else { head },
+                end: head + layout.group_header + layout.group_q,
+            };
+            within += 1;
+            if within == layout.groups_per_block {
+                within = 0;
+                block += layout.block_bytes;
+            }
+            Some(offsets)
+        })
+    }
+
     /// The bytes group `g` brings with it: from its scale block's start when it is the
     /// block's first group, else from its own header, to the end of its integers (what the
     /// x86-64 kernels prefetch).
@@ -151,8 +211,19 @@ impl QuantPanels {
         Ok(rows * (cols / block) * kind.block_bytes())
     }
 
-    /// Packs a row-major tensor given as its GGML blocks.
+    /// Packs a row-major tensor given as its GGML blocks, input-major (`exact` mode).
     pub fn from_ggml(
+        kind: QuantKind,
+        rows: usize,
+        cols: usize,
+        bytes: &[u8],
+    ) -> Result<Self, QuantError> {
+        Self::from_ggml_in(Arrangement::InputMajor, kind, rows, cols, bytes)
+    }
+
+    /// Packs a row-major tensor given as its GGML blocks, its integers in `arrangement`.
+    pub fn from_ggml_in(
+        arrangement: Arrangement,
         kind: QuantKind,
         rows: usize,
         cols: usize,
@@ -169,13 +240,21 @@ impl QuantPanels {
             });
         }
         let row_bytes = expected / rows.max(1);
-        let layout = Layout::new(kind, cols);
+        let layout = Layout::new(kind, cols, arrangement);
         let mut data = vec![0u8; rows.div_ceil(PANEL) * layout.panel_bytes];
+        let shape = Shape {
+            kind,
+            rows,
+            cols,
+            row_bytes,
+            layout,
+        };
         data.par_chunks_mut(layout.panel_bytes.max(1))
             .enumerate()
-            .for_each(|(p, panel)| pack_panel(kind, rows, cols, row_bytes, bytes, p, panel));
+            .for_each(|(p, panel)| pack_panel(&shape, bytes, p, panel));
         Ok(QuantPanels {
             kind,
+            arrangement,
             rows,
             cols,
             layout,
@@ -185,6 +264,10 @@ impl QuantPanels {
 
     pub fn kind(&self) -> QuantKind {
         self.kind
+    }
+
+    pub fn arrangement(&self) -> Arrangement {
+        self.arrangement
     }
 
     pub fn rows(&self) -> usize {
@@ -208,30 +291,47 @@ impl QuantPanels {
         view.weight(view.q(c, lane), scale, offset)
     }
 
-    /// The panels' layout, for the x86-64 tiles that read them in place.
-    #[cfg(target_arch = "x86_64")]
+    /// The panels' layout, for the tiles that read them in place.
     pub(crate) fn layout(&self) -> &Layout {
         &self.layout
     }
 
     /// The first byte of panel `p` (panels follow each other `layout().panel_bytes` apart).
-    #[cfg(target_arch = "x86_64")]
     pub(crate) fn panel_ptr(&self, p: usize) -> *const u8 {
         self.data.as_ptr().wrapping_add(p * self.layout.panel_bytes)
     }
 }
 
-/// Writes panel `p` of a row-major GGML tensor into `out` (one panel's bytes, zeroed).
-fn pack_panel(
+/// What `pack_panel` needs to know of the whole tensor.
+struct Shape {
     kind: QuantKind,
     rows: usize,
     cols: usize,
     row_bytes: usize,
-    bytes: &[u8],
-    p: usize,
-    out: &mut [u8],
-) {
-    let layout = Layout::new(kind, cols);
+    layout: Layout,
+}
+
+/// Where input `within` (counted from its group's first) of `lane` sits among a group's
+/// integers in quads, and whether it is the high nibble of its byte.
+#[inline(always)]
+pub(super) fn quad_at(nibbles: bool, within: usize, lane: usize) -> (usize, bool) {
+    if nibbles {
+        let (t, j) = (within / 8, within % 8);
+        (64 * t + 4 * lane + j % 4, j >= 4)
+    } else {
+        (64 * (within / 4) + 4 * lane + within % 4, false)
+    }
+}
+
+/// Writes panel `p` of a row-major GGML tensor into `out` (one panel's bytes, zeroed).
+fn pack_panel(shape: &Shape, bytes: &[u8], p: usize, out: &mut [u8]) {
+    let Shape {
+        kind,
+        rows,
+        cols,
+        row_bytes,
+        layout,
+    } = *shape;
     let group = kind.group();
     let mut row = DecodedRow::default();
     for lane in 0..PANEL {
@@ -249,8 +349,11 @@ fn pack_panel(
         for (i, &q) in row.q.iter().enumerate() {
             let (g, within) = (i / group, i % group);
             let base = layout.q_at(g);
-            if kind.nibbles() {
-                let stored = (q as i32 + bias) as u8;
+            let stored = (q as i32 + bias) as u8;
+            if layout.arrangement == Arrangement::Quads {
+                let (at, high) = quad_at(layout.nibbles, within, lane);
+                out[base + at] |= if high { stored << 4 } else { stored };
+            } else if kind.nibbles() {
                 let nibble = stored & 0xF;
                 let at = base + (within / 2) * PANEL + lane;
                 out[at] |= if within.is_multiple_of(2) {
@@ -312,6 +415,17 @@ impl<'a> PanelView<'a> {
     pub(super) fn q(&self, i: usize, lane: usize) -> i8 {
         let group = self.kind.group();
         let (base, within) = (self.layout.q_at(i / group), i % group);
+        if self.layout.arrangement == Arrangement::Quads {
+            let (at, high) = quad_at(self.layout.nibbles, within, lane);
+            let byte = self.bytes[base + at];
+            let stored = match (self.layout.nibbles, high) {
+                (false, _) => i32::from(byte),
+                (true, false) => i32::from(byte & 0xF),
+                (true, true) => i32::from(byte >> 4),
+            };
+            // Q8_0's byte is the signed integer itself (its bias is 0).
+            return (stored - self.kind.nibble_bias()) as u8 as i8;
+        }
         if self.kind.nibbles() {
             let byte = self.bytes[base + (within / 2) * PANEL + lane];
             let mut stored = i32::from(if within.is_multiple_of(2) {

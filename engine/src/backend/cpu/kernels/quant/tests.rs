@@ -8,14 +8,19 @@ use rand::{Rng, SeedableRng, rngs::StdRng};
 use super::*;
 use crate::backend::cpu::kernels::matmul::{Matrix, WeightData, linear_on};
 
-fn random(n: usize, seed: u64) -> Vec<f32> {
+pub(super) fn random(n: usize, seed: u64) -> Vec<f32> {
     let mut rng = StdRng::seed_from_u64(seed);
     (0..n).map(|_| rng.random_range(-1.0f32..1.0)).collect()
 }
 
 /// A random `rows × cols` tensor quantized by candle: its GGML bytes and candle's
 /// dequantized values.
-fn quantized(kind: QuantKind, rows: usize, cols: usize, seed: u64) -> (Vec<u8>, Vec<f32>) {
+pub(super) fn quantized(
+    kind: QuantKind,
+    rows: usize,
+    cols: usize,
+    seed: u64,
+) -> (Vec<u8>, Vec<f32>) {
     let t = Tensor::from_vec(random(rows * cols, seed), (rows, cols), &Device::Cpu).unwrap();
     let q = QTensor::quantize(&t, kind.to_ggml()).unwrap();
     let bytes = q.data().unwrap().to_vec();
