@@ -20,6 +20,6 @@ pub use auth::InternalAuthArgs;
 pub use log::{LogArgs, LogFormat};
 pub use router::{FallbackPolicy, RouterArgs, RoutingPolicy, TransportArg};
 pub use worker::{
-    DecodeArgs, EngineArgs, KV_DTYPES, MODEL_PRESETS, ModelArgs, PrefillArgs, ServerArgs,
-    WEIGHT_FORMATS,
+    COMPUTE_MODES, DecodeArgs, EngineArgs, KV_DTYPES, MODEL_PRESETS, ModelArgs, PrefillArgs,
+    ServerArgs, WEIGHT_FORMATS,
 };

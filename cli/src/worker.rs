@@ -17,6 +17,9 @@ pub const WEIGHT_FORMATS: [&str; 10] = [
 /// The values `--kv-dtype` takes (`tandem_kv::KvDtype` names).
 pub const KV_DTYPES: [&str; 3] = ["f32", "bf16", "f16"];
 
+/// The values `--compute` takes (how quantized weights compute).
+pub const COMPUTE_MODES: [&str; 3] = ["auto", "exact", "fast"];
+
 /// The shapes `--model dummy:<preset>` takes (the engine's `ModelConfig::PRESETS`), for the
 /// launcher's manifest check.
 pub const MODEL_PRESETS: [&str; 11] = [
@@ -94,7 +97,7 @@ pub struct EngineArgs {
     /// activations, integer dot products) or `auto` (the faster on this instruction set, see
     /// BENCHMARKS.md). Workers exchanging KV must compute alike: the mode is part of the
     /// model's identity.
-    #[arg(long, env = "TANDEM_COMPUTE", default_value = "auto")]
+    #[arg(long, env = "TANDEM_COMPUTE", default_value = "auto", value_parser = clap::builder::PossibleValuesParser::new(COMPUTE_MODES))]
     pub compute: String,
 }
 

@@ -45,6 +45,10 @@ pub struct ModelSection {
     /// Element type of every worker's KV cache (their `--kv-dtype`): f32, bf16 or f16.
     #[serde(default = "default_kv_dtype")]
     pub kv_dtype: String,
+    /// How the workers compute quantized weights (their `--compute`): auto, exact or fast.
+    /// One value for every worker, since the mode is part of the model's identity.
+    #[serde(default = "default_compute")]
+    pub compute: String,
     /// A tokenizer to use instead of the model's own.
     pub tokenizer: Option<String>,
     /// Where the workers cache the default model (`tandem up --cache-dir` overrides it).
@@ -63,12 +67,17 @@ fn default_kv_dtype() -> String {
     "f32".into()
 }
 
+fn default_compute() -> String {
+    "auto".into()
+}
+
 impl Default for ModelSection {
     fn default() -> Self {
         Self {
             name: default_model(),
             weights: default_weights(),
             kv_dtype: default_kv_dtype(),
+            compute: default_compute(),
             tokenizer: None,
             cache_dir: None,
         }
@@ -386,6 +395,13 @@ impl DeployConfig {
                 tandem_cli::KV_DTYPES.join(", ")
             ));
         }
+        if !tandem_cli::COMPUTE_MODES.contains(&self.model.compute.as_str()) {
+            return bad(format!(
+                "model.compute `{}`: use one of {}",
+                self.model.compute,
+                tandem_cli::COMPUTE_MODES.join(", ")
+            ));
+        }
         if !tandem_cli::WEIGHT_FORMATS.contains(&self.model.weights.as_str()) {
             return bad(format!(
                 "model.weights `{}`: use one of {}",
@@ -630,6 +646,10 @@ mod tests {
             (
                 "[model]\nname = \"gpt-9\"\n[[decode]]\nport = 7201\n",
                 "model.name",
+            ),
+            (
+                "[model]\ncompute = \"int4\"\n[[decode]]\nport = 7201\n",
+                "model.compute `int4`: use one of auto, exact, fast",
             ),
             (
                 "[router]\ntransport = \"cuda-ipc\"\n[gpu]\ncount = 1\nsms = 132\n[[prefill]]\nport = 7101\n[[decode]]\nport = 7201\ngpu = 0\n",

@@ -69,6 +69,7 @@ const MODEL_KEYS: &[Key<ModelSection>] = &[
     ("`name`", |m| m.name = "tiny".into()),
     ("`weights`", |m| m.weights = "f32".into()),
     ("`kv_dtype`", |m| m.kv_dtype = "bf16".into()),
+    ("`compute`", |m| m.compute = "exact".into()),
     ("`tokenizer`", |m| {
         m.tokenizer = Some("tokenizer.json".into())
     }),

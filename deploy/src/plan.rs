@@ -74,6 +74,7 @@ fn fill_worker(
     model.model = cfg.model.name.clone();
     model.weights = cfg.model.weights.clone();
     model.kv_dtype = cfg.model.kv_dtype.clone();
+    engine.compute = cfg.model.compute.clone();
     model.tokenizer = cfg.model.tokenizer.as_ref().map(PathBuf::from);
     model.cache_dir = cfg.model.cache_dir.clone();
     server.host = w.host.clone();

@@ -4,6 +4,7 @@
 use std::path::PathBuf;
 use std::sync::Arc;
 
+use tandem_engine::backend::cpu::kernels::{ComputeMode, compute_mode};
 use tandem_engine::{
     Engine, EngineConfig, LoadOptions, ModelSource, SamplingParams, StopParams, load_model,
 };
@@ -136,17 +137,35 @@ fn the_q4_1_file_runs_in_its_own_size_with_the_logits_of_its_f32_widening() {
     let prompt = tok
         .encode("The quick brown fox jumps over the lazy dog.", true)
         .unwrap();
-    assert_eq!(
-        logits(&native, &prompt),
-        logits(&widened, &prompt),
-        "native Q4_1 and f32-widened weights give the same bits"
-    );
+    let (got, want) = (logits(&native, &prompt), logits(&widened, &prompt));
+    match compute_mode() {
+        ComputeMode::Exact => assert_eq!(
+            got, want,
+            "native Q4_1 and f32-widened weights give the same bits"
+        ),
+        // 8-bit activations: close, and the same greedy token.
+        ComputeMode::Fast => {
+            let err: f32 = got.iter().zip(&want).map(|(a, b)| (a - b).powi(2)).sum();
+            let norm: f32 = want.iter().map(|b| b * b).sum();
+            // Measured 0.063 (RMS of the difference over the logits' RMS).
+            assert!(
+                (err / norm).sqrt() < 0.1,
+                "fast logits {}",
+                (err / norm).sqrt()
+            );
+            let argmax = |v: &[f32]| (0..v.len()).max_by(|&i, &j| v[i].total_cmp(&v[j]));
+            assert_eq!(argmax(&got), argmax(&want), "fast mode's greedy token");
+        }
+    }
 }
 
 /// The opening of A Tale of Two Cities (public domain): perplexity of each storage on the
 /// same 150 tokens, against the f32 widening of the file. The kernels give the same bits on
 /// every CPU, so these figures are exact, not noisy; the margins are the formats' own
-/// rounding (measured: bf16 −0.07 %, q8_0 −0.49 %, q4_0 +16.1 %; a bf16 KV cache +0.03 %).
+/// rounding, and in `fast` mode the activations' too (measured, exact: bf16 −0.07 %, q8_0
+/// −0.49 %, q4_0 +16.1 %, native with a bf16 KV cache −0.004 %; fast: native +2.51 %, q8_0
+/// −0.20 %, q4_0 +17.0 %, native with a bf16 KV cache +1.54 %; on 1024 tokens of the book
+/// text fast mode adds 0.81 % to native: BENCHMARKS.md).
 #[test]
 fn each_storage_keeps_the_perplexity_within_its_stated_margin() {
     let text = include_str!("golden/tale-of-two-cities.txt");
@@ -169,13 +188,18 @@ fn each_storage_keeps_the_perplexity_within_its_stated_margin() {
     let base = tandem_engine::eval::perplexity(&f32_model, &tokens).unwrap();
     assert!((10.0..25.0).contains(&base), "f32 perplexity {base}");
     drop(f32_model);
-    for (format, kv, margin) in [
-        (W::Native, KvDtype::F32, 0.0),
-        (W::Bf16, KvDtype::F32, 0.01),
-        (W::Quant(QuantKind::Q8_0), KvDtype::F32, 0.02),
-        (W::Quant(QuantKind::Q4_0), KvDtype::F32, 0.25),
-        (W::Native, KvDtype::Bf16, 0.005),
+    // (format, KV, margin in exact mode, margin in fast mode)
+    for (format, kv, exact, fast) in [
+        (W::Native, KvDtype::F32, 0.0, 0.03),
+        (W::Bf16, KvDtype::F32, 0.01, 0.01),
+        (W::Quant(QuantKind::Q8_0), KvDtype::F32, 0.02, 0.01),
+        (W::Quant(QuantKind::Q4_0), KvDtype::F32, 0.25, 0.25),
+        (W::Native, KvDtype::Bf16, 0.005, 0.03),
     ] {
+        let margin = match compute_mode() {
+            ComputeMode::Exact => exact,
+            ComputeMode::Fast => fast,
+        };
         let (model, _) = load_as(format, kv);
         let ppl = tandem_engine::eval::perplexity(&model, &tokens).unwrap();
         let change = ppl / base - 1.0;

@@ -131,23 +131,21 @@ pub fn compute_mode() -> ComputeMode {
     compute_decision().mode
 }
 
-/// `auto`'s choice for an instruction set: a table, so every process of a deployment on one
-/// machine picks the same mode (a prefill worker and a decode worker that disagreed would
-/// compute different KV for the same tokens; the mode is part of the model's identity, so
-/// they would refuse each other's). The entries are measured (BENCHMARKS.md, "Compute
-/// modes", `scripts/bench-quant`): on AVX2 the integer tiles read the 4-bit formats about 3x
-/// faster per row than the dequantizing f32 tiles (a batch-1 decode step takes half the
-/// time) and match them within a few percent at 16-64 rows; AVX-512's in-register f32 tiles
-/// have not yet been measured against integer tiles of their width, and NEON has none.
+/// `auto`'s choice for an instruction set: a table rather than a timing, so that every
+/// process of a deployment picks the same mode (a prefill worker and a decode worker that
+/// disagreed would compute different KV for the same tokens; the mode is part of the model's
+/// identity, so they would refuse each other's) and so that x86-64 hosts of different
+/// generations still agree bit for bit: every x86-64 set with AVX2 gets `fast` (AVX-512
+/// machines run the AVX2 integer tiles). Measured on Zen 1 (BENCHMARKS.md, "Compute modes"):
+/// the integer tiles stream a 4-bit matrix about 3.5x faster per row, a batch-1 decode step
+/// takes a third of the time, and batches of 8-64 rows run within about 15 % of the f32
+/// tiles. NEON and portable code have no integer tiles of their own (the portable ones are
+/// slower than NEON's f32 tiles), so they keep `exact`.
 fn decide_auto(isa: Isa) -> ComputeDecision {
     let (mode, reason) = match isa {
-        Isa::Avx2 => (
+        Isa::Avx2 | Isa::Avx512 => (
             ComputeMode::Fast,
-            "avx2: integer tiles measured faster than the f32 tiles for decode",
-        ),
-        Isa::Avx512 => (
-            ComputeMode::Exact,
-            "avx512: the in-register f32 tiles; no integer tiles of that width yet",
+            "x86-64 with AVX2: integer tiles, measured faster than the f32 tiles for decode",
         ),
         Isa::Neon | Isa::Scalar => (
             ComputeMode::Exact,
@@ -183,6 +181,8 @@ mod tests {
             assert!(first.reason.starts_with("auto: "), "{first:?}");
         }
         assert_eq!(decide_auto(Isa::Avx2).mode, ComputeMode::Fast);
+        // x86-64 hosts of different generations compute alike.
+        assert_eq!(decide_auto(Isa::Avx512), decide_auto(Isa::Avx2));
         assert_eq!(decide_auto(Isa::Scalar).mode, ComputeMode::Exact);
     }
 }
