@@ -179,6 +179,9 @@ pub(crate) struct PanelRows {
     pub ldo: usize,
     /// Columns of the panel to store (1..=16).
     pub cols: usize,
+    /// Whether to prefetch the weights ahead (the first tile of a row block: the later
+    /// ones find the panel in cache).
+    pub prefetch: bool,
 }
 
 /// The portable integer tile, which defines the order of operations (see the module docs).
@@ -194,11 +197,11 @@ pub(crate) unsafe fn panel_portable(acts: &QuantizedActs, w: &QuantPanels, p: us
     for r in t.row..t.row + t.rows {
         let x = acts.row(r);
         let mut acc = [0f32; PANEL];
-        for g in 0..w.cols() / group {
+        for (g, at) in layout.walk().take(w.cols() / group).enumerate() {
             let first = g * group;
             let q_sum = acts.q_sum(r, first, group);
             let dx = acts.scale_at(r, first);
-            let base = layout.q_at(g);
+            let base = at.q;
             for (lane, a) in acc.iter_mut().enumerate() {
                 let mut dot = 0i32;
                 for within in 0..group {

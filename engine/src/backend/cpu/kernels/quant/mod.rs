@@ -137,6 +137,7 @@ pub(crate) unsafe fn int_block(
                     out: dst,
                     ldo: out.ldo,
                     cols,
+                    prefetch: r == i0,
                 };
                 match isa {
                     // SAFETY: AVX2 is part of both sets, checked against the CPU when the

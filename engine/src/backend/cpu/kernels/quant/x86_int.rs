@@ -101,7 +101,7 @@ unsafe fn rows<
     let mut acc = [[_mm256_setzero_ps(); H]; R];
     for (g, at) in layout.walk().take(w.cols() / G).enumerate() {
         let (block, head, q) = (at.block, at.head, at.q);
-        if first_half == 0 {
+        if t.prefetch && first_half == 0 {
             let ahead = base.wrapping_add(at.start + PREFETCH_AHEAD);
             for line in (0..at.end - at.start).step_by(64) {
                 // A hint: it never faults, whatever the address.
