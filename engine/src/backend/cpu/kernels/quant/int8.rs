@@ -180,7 +180,8 @@ pub(crate) struct PanelRows {
     /// Columns of the panel to store (1..=16).
     pub cols: usize,
     /// Whether to prefetch the weights ahead (the first tile of a row block: the later
-    /// ones find the panel in cache).
+    /// ones find the panel in cache). Only the x86-64 tiles prefetch.
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     pub prefetch: bool,
 }
 
