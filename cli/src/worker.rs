@@ -45,7 +45,7 @@ pub struct ModelArgs {
     pub model: String,
     /// How to store the weights: `native` (a GGUF's own formats, an HF folder's dtype), `f32`,
     /// `f16`, `bf16`, or a GGML format to quantize to at load (`q8_0`, `q4_0`, `q4_1`, `q4_k`,
-    /// `q5_k`, `q6_k`). Compute is f32 on the CPU whatever the storage.
+    /// `q5_k`, `q6_k`). f16 and bf16 compute in f32; GGML formats as `--compute` says.
     #[arg(long, env = "TANDEM_WEIGHTS", default_value = "native", value_parser = clap::builder::PossibleValuesParser::new(WEIGHT_FORMATS))]
     pub weights: String,
     /// Element type of the KV cache: `f32`, or `bf16`/`f16` for half the memory and half the

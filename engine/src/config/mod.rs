@@ -13,9 +13,10 @@ use serde::{Deserialize, Serialize};
 use crate::backend::cpu::kernels::QuantKind;
 use crate::error::{EngineError, Result};
 
-/// How the weight matrices are stored. Compute is f32 on the CPU whatever the storage: f16 and
-/// bf16 weights are widened inside the matmul kernel and GGML formats dequantized there (see
-/// `backend::cpu::kernels::quant`), so fewer bytes are read per decode step.
+/// How the weight matrices are stored, so that fewer bytes are read per decode step. f16 and
+/// bf16 weights are widened to f32 inside the matmul kernel; GGML formats are dequantized
+/// there (`exact` mode) or run as integer dot products over 8-bit activations (`fast`; see
+/// `backend::cpu::kernels::compute` and `quant`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub enum WeightFormat {
     /// As the file stores them: a GGUF's tensors in their own formats (Q8_0, Q4_0, Q4_1,

@@ -6,7 +6,7 @@ use half::f16;
 
 use super::ggml::decode_row;
 use super::int8::ACT_BLOCK;
-use super::tests::{quantized, random};
+use super::tests::{every_isa_gives, quantized, random};
 use super::*;
 use crate::backend::cpu::kernels::matmul::{Matrix, linear_on};
 
@@ -112,19 +112,7 @@ fn integer_tiles_compute_the_quantized_arithmetic_on_every_instruction_set() {
                         "{kind} {m}x{n}x{k} [{i}]: {got} vs {sum}"
                     );
                 }
-                for isa in Isa::available() {
-                    let mut got = vec![f32::NAN; m * n + 1];
-                    linear_on(isa, &x, m, &w, &mut got);
-                    assert!(
-                        got[m * n].is_nan(),
-                        "{kind} on {isa}: wrote past the output"
-                    );
-                    let same = got[..m * n]
-                        .iter()
-                        .zip(&scalar)
-                        .all(|(a, b)| a.to_bits() == b.to_bits());
-                    assert!(same, "{kind} on {isa}, {m}x{n}x{k}: differs from scalar");
-                }
+                every_isa_gives(&scalar, &x, m, &w, &format!("{kind}, {m}x{n}x{k}, scalar"));
             }
         }
     }

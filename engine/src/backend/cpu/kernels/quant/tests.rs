@@ -34,6 +34,25 @@ pub(super) fn quantized(
     (bytes, values)
 }
 
+/// `linear` of `m` rows of `x` by `w` on every instruction set this CPU runs writes exactly
+/// `want`'s bits and nothing past them (`what` names the case and what `want` came from).
+pub(super) fn every_isa_gives(want: &[f32], x: &[f32], m: usize, w: &Matrix, what: &str) {
+    let n = w.rows;
+    for isa in Isa::available() {
+        let mut got = vec![f32::NAN; m * n + 1];
+        linear_on(isa, x, m, w, &mut got);
+        assert!(
+            got[m * n].is_nan(),
+            "{what} on {isa}: wrote past the output"
+        );
+        let same = got[..m * n]
+            .iter()
+            .zip(want)
+            .all(|(a, b)| a.to_bits() == b.to_bits());
+        assert!(same, "{what} on {isa}: differs");
+    }
+}
+
 #[test]
 fn every_format_dequantizes_to_candles_bits() {
     let (rows, cols) = (37, 512);
@@ -93,19 +112,7 @@ fn a_quantized_matrix_computes_the_bits_of_its_dequantized_copy() {
                 let x = random(m * k, 3);
                 let mut want = vec![0f32; m * n];
                 linear_on(Isa::Scalar, &x, m, &dense, &mut want);
-                for isa in Isa::available() {
-                    let mut got = vec![f32::NAN; m * n + 1];
-                    linear_on(isa, &x, m, &native, &mut got);
-                    assert!(
-                        got[m * n].is_nan(),
-                        "{kind} on {isa}: wrote past the output"
-                    );
-                    let same = got[..m * n]
-                        .iter()
-                        .zip(&want)
-                        .all(|(a, b)| a.to_bits() == b.to_bits());
-                    assert!(same, "{kind} on {isa}, {m}x{n}x{k}: differs from f32");
-                }
+                every_isa_gives(&want, &x, m, &native, &format!("{kind}, {m}x{n}x{k}, f32"));
             }
         }
     }
