@@ -250,8 +250,9 @@ fn main() -> anyhow::Result<()> {
     println!("| threads | {threads} |");
     println!("| kernels (instruction set) | {isa} |");
     let compute = tandem_engine::backend::cpu::kernels::compute_decision();
+    let int_tile = tandem_engine::backend::cpu::kernels::IntTile::for_isa(isa);
     println!(
-        "| quantized weights compute (TANDEM_COMPUTE) | {} ({}) |",
+        "| quantized weights compute (TANDEM_COMPUTE) | {} ({}); integer tile {int_tile} |",
         compute.mode, compute.reason
     );
     println!(
@@ -305,6 +306,7 @@ fn main() -> anyhow::Result<()> {
         "threads": threads,
         "isa": isa.name(),
         "compute": compute.mode.name(),
+        "int_tile": int_tile.name(),
         "bandwidth_gb_s": bandwidth / 1e9,
         "read_bandwidth_gb_s": read_bw / 1e9,
         "matmul_peak_gflops": peak / 1e9,

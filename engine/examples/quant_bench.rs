@@ -17,7 +17,7 @@ use std::time::Instant;
 use candle_core::quantized::QTensor;
 use candle_core::{Device, Tensor};
 use tandem_engine::backend::cpu::kernels::{
-    Arrangement, Isa, Matrix, QuantKind, QuantPanels, WeightData, isa, linear, select_isa,
+    Arrangement, IntTile, Isa, Matrix, QuantKind, QuantPanels, WeightData, isa, linear, select_isa,
 };
 
 /// Bytes of matrices streamed per pass of the "memory" case: several times any L3 here.
@@ -83,6 +83,7 @@ fn main() -> anyhow::Result<()> {
         "{}",
         serde_json::json!({
             "isa": isa().to_string(),
+            "int_tile": IntTile::for_isa(isa()).name(),
             "threads": tandem_engine::backend::cpu::kernels::team::threads(),
             "rows": rows, "cols": cols, "results": json,
         })

@@ -7,7 +7,9 @@ use std::sync::Arc;
 
 use tandem_auth::LoadInternalAuth;
 pub use tandem_cli::{EngineArgs, ModelArgs, ServerArgs};
-use tandem_engine::backend::cpu::kernels::{ComputeChoice, Isa, isa, select_compute, select_isa};
+use tandem_engine::backend::cpu::kernels::{
+    ComputeChoice, ComputeMode, IntTile, Isa, isa, select_compute, select_isa,
+};
 use tandem_engine::{
     Device, EngineConfig, EngineError, LoadOptions, Model, ModelSource, WeightFormat,
 };
@@ -107,11 +109,17 @@ pub fn init_compute(args: &EngineArgs) -> Result<(), String> {
         .parse::<ComputeChoice>()
         .and_then(select_compute)
         .map_err(|e| format!("--compute: {e}"))?;
+    // The integer tile `fast` mode runs: the instruction set's best dot-product sequence.
+    let integer_tile = match compute.mode {
+        ComputeMode::Fast => IntTile::for_isa(chosen).name(),
+        ComputeMode::Exact => "none (exact mode)",
+    };
     tracing::info!(
         isa = %chosen,
         best = %Isa::best(),
         compute = %compute.mode,
         why = %compute.reason,
+        integer_tile,
         "CPU kernels"
     );
     if let Some(n) = args.threads {

@@ -135,8 +135,8 @@ pub fn compute_mode() -> ComputeMode {
 /// process of a deployment picks the same mode (a prefill worker and a decode worker that
 /// disagreed would compute different KV for the same tokens; the mode is part of the model's
 /// identity, so they would refuse each other's) and so that x86-64 hosts of different
-/// generations still agree bit for bit: every x86-64 set with AVX2 gets `fast` (AVX-512
-/// machines run the AVX2 integer tiles). Measured on Zen 1 (BENCHMARKS.md, "Compute modes"):
+/// generations still agree bit for bit: every x86-64 set with AVX2 gets `fast` (its integer
+/// tiles, `vpmaddubsw` or VNNI's `vpdpbusd`, give the same bits). Measured on Zen 1 (BENCHMARKS.md, "Compute modes"):
 /// the integer tiles stream a 4-bit matrix about 3.5x faster per row, a batch-1 decode step
 /// takes a third of the time, and batches of 8-64 rows run within about 15 % of the f32
 /// tiles. NEON and portable code have no integer tiles of their own (the portable ones are

@@ -31,7 +31,7 @@ pub use matmul::{Matrix, PANEL, WeightData, linear, linear_on};
 pub use ops::{
     RopeTable, add_in_place, gelu_tanh_mul, rms_norm, rms_norm_heads, silu_mul, softcap, sum_exp,
 };
-pub use quant::{Arrangement, QuantError, QuantKind, QuantPanels};
+pub use quant::{Arrangement, IntTile, QuantError, QuantKind, QuantPanels};
 
 /// A raw output pointer shared by parallel tasks that write disjoint elements.
 #[derive(Clone, Copy)]

@@ -16,7 +16,7 @@
 use half::{bf16, f16};
 
 use super::quant::{Arrangement, QuantPanels, QuantizedActs, dequant_panel};
-use super::quant::{IntOut, int_block};
+use super::quant::{IntOut, IntTile, int_block};
 use super::{Isa, SharedMut, isa};
 use tile::{PREFETCH_LINE, Tile};
 
@@ -305,6 +305,7 @@ fn linear_part(
     // Enough tasks to balance, each a whole number of micro-tile column groups.
     let per_task = panels.div_ceil(threads * 4).next_multiple_of(NP).max(NP);
     let tasks = panels.div_ceil(per_task);
+    let tile = IntTile::for_isa(isa);
     // SAFETY: `first` lies inside every output row (parts stack inside the matrix's rows).
     let out_ptr = SharedMut(unsafe { out.as_mut_ptr().add(cols.first) });
     let run = |t: usize| {
@@ -321,7 +322,7 @@ fn linear_part(
                         ldo: cols.ldo,
                         count: cols.count,
                     };
-                    int_block(isa, acts, w, p0, p1, to)
+                    int_block(tile, acts, w, p0, p1, to)
                 }
                 Storage::Quant(w) => quant_block(isa, x, m, k, cols, w, p0, p1, out_ptr),
             }

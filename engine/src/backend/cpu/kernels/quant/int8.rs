@@ -28,7 +28,7 @@ use crate::backend::cpu::kernels::matmul::PANEL;
 /// Inputs per activation block (one scale).
 pub const ACT_BLOCK: usize = 32;
 /// Inputs per partial sum of an activation's integers (the smallest weight group, Q6_K's).
-const SUM_BLOCK: usize = 16;
+pub(super) const SUM_BLOCK: usize = 16;
 
 /// Rows of activations quantized for the integer tiles.
 #[derive(Debug, Default, Clone)]

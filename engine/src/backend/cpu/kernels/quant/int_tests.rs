@@ -8,10 +8,47 @@ use super::ggml::decode_row;
 use super::int8::ACT_BLOCK;
 use super::tests::{every_isa_gives, quantized, random};
 use super::*;
-use crate::backend::cpu::kernels::matmul::{Matrix, linear_on};
+use crate::backend::cpu::kernels::matmul::{Matrix, PANEL, linear_on};
+
+fn quad_panels(kind: QuantKind, n: usize, k: usize, bytes: &[u8]) -> QuantPanels {
+    QuantPanels::from_ggml_in(Arrangement::Quads, kind, n, k, bytes).unwrap()
+}
 
 fn quads(kind: QuantKind, n: usize, k: usize, bytes: &[u8]) -> Matrix {
-    Matrix::quantized(QuantPanels::from_ggml_in(Arrangement::Quads, kind, n, k, bytes).unwrap())
+    Matrix::quantized(quad_panels(kind, n, k, bytes))
+}
+
+/// `m` rows of `x` against `w` on `tile`, one output element past the end left NaN (to
+/// catch a tile writing past its columns).
+fn on_tile(tile: IntTile, w: &QuantPanels, x: &[f32], m: usize) -> Vec<f32> {
+    let (n, k) = (w.rows, w.cols());
+    let mut acts = QuantizedActs::default();
+    acts.quantize(x, m, k);
+    let mut out = vec![f32::NAN; m * n + 1];
+    let to = IntOut {
+        out: crate::backend::cpu::kernels::SharedMut(out.as_mut_ptr()),
+        ldo: n,
+        count: n,
+    };
+    // SAFETY: the tile is supported (callers check); the output holds `m` rows of `n`.
+    unsafe { int_block(tile, &acts, w, 0, n.div_ceil(PANEL), to) };
+    assert!(
+        out.pop().is_some_and(f32::is_nan),
+        "{tile}: wrote past the output"
+    );
+    out
+}
+
+/// Every integer tile this CPU runs (not only each instruction set's best) gives `want`.
+fn every_tile_gives(want: &[f32], w: &QuantPanels, x: &[f32], m: usize, what: &str) {
+    for tile in IntTile::ALL.into_iter().filter(|t| t.supported()) {
+        let got = on_tile(tile, w, x, m);
+        let same = got
+            .iter()
+            .zip(want)
+            .all(|(a, b)| a.to_bits() == b.to_bits());
+        assert!(same, "{what} on the {tile} tile: differs");
+    }
 }
 
 /// The module docs' formula in f64 from the GGML bytes (decoded independently of the
@@ -112,7 +149,9 @@ fn integer_tiles_compute_the_quantized_arithmetic_on_every_instruction_set() {
                         "{kind} {m}x{n}x{k} [{i}]: {got} vs {sum}"
                     );
                 }
-                every_isa_gives(&scalar, &x, m, &w, &format!("{kind}, {m}x{n}x{k}, scalar"));
+                let what = format!("{kind}, {m}x{n}x{k}, scalar");
+                every_isa_gives(&scalar, &x, m, &w, &what);
+                every_tile_gives(&scalar, &quad_panels(kind, n, k, &bytes), &x, m, &what);
             }
         }
     }
@@ -202,19 +241,18 @@ fn the_largest_integers_do_not_saturate() {
     let k = 512;
     for kind in [QuantKind::Q8_0, QuantKind::Q4_1, QuantKind::Q6K] {
         let bytes = extreme_row(kind, k).repeat(16);
-        let w = quads(kind, 16, k, &bytes);
+        let w = quad_panels(kind, 16, k, &bytes);
         // Full-scale activations of both signs: every x quantizes to ±127.
         let x: Vec<f32> = (0..2 * k)
             .map(|i| if i % 3 == 0 { -1.0 } else { 1.0 })
             .collect();
         let want = reference(kind, 16, k, &bytes, &x, 2);
-        for isa in Isa::available() {
-            let mut got = vec![0f32; 2 * 16];
-            linear_on(isa, &x, 2, &w, &mut got);
+        for tile in IntTile::ALL.into_iter().filter(|t| t.supported()) {
+            let got = on_tile(tile, &w, &x, 2);
             for (&g, &(sum, magnitude)) in got.iter().zip(&want) {
                 assert!(
                     (f64::from(g) - sum).abs() <= 1e-6 * magnitude,
-                    "{kind} on {isa}: {g} vs {sum}"
+                    "{kind} on the {tile} tile: {g} vs {sum}"
                 );
             }
         }

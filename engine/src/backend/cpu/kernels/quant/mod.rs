@@ -94,25 +94,91 @@ pub(crate) struct IntOut {
     pub count: usize,
 }
 
-/// Panels `p0..p1` of `w` (in quads) against every row of `acts`: row blocks outside, so a
-/// block's activations stay in cache while the task's panels pass under them.
+/// The integer tile a `fast` matmul runs. Every tile computes the same bits (exact integer
+/// sums, then the same f32 operations), so the choice is only about speed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum IntTile {
+    /// `int8::panel_portable`: any CPU.
+    Portable,
+    /// x86-64 with AVX2: `vpmaddubsw` and `vpmaddwd`.
+    Avx2,
+    /// x86-64 with AVX-VNNI: `vpdpbusd` on 256-bit vectors.
+    AvxVnni,
+    /// x86-64 with AVX512_VNNI and AVX512_VL: `vpdpbusd` on 256-bit vectors.
+    Avx512Vnni,
+}
+
+impl IntTile {
+    /// Every tile, best first.
+    pub const ALL: [IntTile; 4] = [
+        IntTile::Avx512Vnni,
+        IntTile::AvxVnni,
+        IntTile::Avx2,
+        IntTile::Portable,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            IntTile::Portable => "portable",
+            IntTile::Avx2 => "avx2 vpmaddubsw",
+            IntTile::AvxVnni => "avx-vnni vpdpbusd",
+            IntTile::Avx512Vnni => "avx512-vnni vpdpbusd",
+        }
+    }
+
+    /// Whether this CPU runs the tile.
+    pub fn supported(self) -> bool {
+        match self {
+            IntTile::Portable => true,
+            #[cfg(target_arch = "x86_64")]
+            IntTile::Avx2 => x86_int::Dot::Maddubs.supported(),
+            #[cfg(target_arch = "x86_64")]
+            IntTile::AvxVnni => x86_int::Dot::AvxVnni.supported(),
+            #[cfg(target_arch = "x86_64")]
+            IntTile::Avx512Vnni => x86_int::Dot::Avx512Vnni.supported(),
+            #[cfg(not(target_arch = "x86_64"))]
+            _ => false,
+        }
+    }
+
+    /// The tile kernels on `isa` run: the best one of that instruction set the CPU has
+    /// (an AVX2 run on an AVX-512 machine takes AVX-VNNI where present, never the EVEX
+    /// `vpdpbusd`, so `TANDEM_ISA=avx2` still shows what an AVX2-only CPU runs).
+    pub fn for_isa(isa: Isa) -> IntTile {
+        let candidates: &[IntTile] = match isa {
+            Isa::Avx512 => &[IntTile::Avx512Vnni, IntTile::AvxVnni, IntTile::Avx2],
+            Isa::Avx2 => &[IntTile::AvxVnni, IntTile::Avx2],
+            Isa::Neon | Isa::Scalar => &[],
+        };
+        candidates
+            .iter()
+            .copied()
+            .find(|tile| tile.supported())
+            .unwrap_or(IntTile::Portable)
+    }
+}
+
+impl std::fmt::Display for IntTile {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Panels `p0..p1` of `w` (in quads) against every row of `acts` on `tile`: row blocks
+/// outside, so a block's activations stay in cache while the task's panels pass under them.
 ///
 /// # Safety
-/// `out.out` may be written at `r·ldo + c` for `r < acts.rows` and `c < count`, where `count`
-/// counts from panel 0's first column; `p1` is at most the matrix's panel count.
+/// The CPU runs `tile` ([`IntTile::supported`]); `out.out` may be written at `r·ldo + c` for
+/// `r < acts.rows` and `c < count`, where `count` counts from panel 0's first column; `p1` is
+/// at most the matrix's panel count.
 pub(crate) unsafe fn int_block(
-    isa: Isa,
+    tile: IntTile,
     acts: &QuantizedActs,
     w: &QuantPanels,
     p0: usize,
     p1: usize,
     out: IntOut,
 ) {
-    assert_eq!(
-        w.arrangement(),
-        Arrangement::Quads,
-        "integer tiles read quads"
-    );
     assert_eq!(
         w.arrangement,
         Arrangement::Quads,
@@ -127,27 +193,34 @@ pub(crate) unsafe fn int_block(
             let cols = (out.count - p * PANEL).min(PANEL);
             let mut r = i0;
             while r < i1 {
-                let rows = (i1 - r).min(4);
-                // SAFETY: rows `r..r + rows` and the panel's columns lie inside the output
+                let count = (i1 - r).min(4);
+                // SAFETY: rows `r..r + count` and the panel's columns lie inside the output
                 // the caller hands over.
                 let dst = unsafe { out.out.0.add(r * out.ldo + p * PANEL) };
-                let tile = PanelRows {
+                let rows = PanelRows {
                     row: r,
-                    rows,
+                    rows: count,
                     out: dst,
                     ldo: out.ldo,
                     cols,
                     prefetch: r == i0,
                 };
-                match isa {
-                    // SAFETY: AVX2 is part of both sets, checked against the CPU when the
-                    // set was chosen; the tile lies inside the caller's output.
-                    #[cfg(target_arch = "x86_64")]
-                    Isa::Avx512 | Isa::Avx2 => unsafe { x86_int::panel_avx2(acts, w, p, tile) },
-                    // SAFETY: as above.
-                    _ => unsafe { int8::panel_portable(acts, w, p, tile) },
+                // SAFETY: the caller checked the tile against the CPU; the rows lie inside the
+                // caller's output.
+                unsafe {
+                    match tile {
+                        #[cfg(target_arch = "x86_64")]
+                        IntTile::Avx2 => x86_int::panel(x86_int::Dot::Maddubs, acts, w, p, rows),
+                        #[cfg(target_arch = "x86_64")]
+                        IntTile::AvxVnni => x86_int::panel(x86_int::Dot::AvxVnni, acts, w, p, rows),
+                        #[cfg(target_arch = "x86_64")]
+                        IntTile::Avx512Vnni => {
+                            x86_int::panel(x86_int::Dot::Avx512Vnni, acts, w, p, rows)
+                        }
+                        _ => int8::panel_portable(acts, w, p, rows),
+                    }
                 }
-                r += rows;
+                r += count;
             }
         }
         i0 = i1;
