@@ -139,8 +139,9 @@ pub fn compute_mode() -> ComputeMode {
 /// tiles, `vpmaddubsw` or VNNI's `vpdpbusd`, give the same bits). Measured on Zen 1 (BENCHMARKS.md, "Compute modes"):
 /// the integer tiles stream a 4-bit matrix about 3.5x faster per row, a batch-1 decode step
 /// takes a third of the time, and batches of 8-64 rows run within about 15 % of the f32
-/// tiles. NEON and portable code have no integer tiles of their own (the portable ones are
-/// slower than NEON's f32 tiles), so they keep `exact`.
+/// tiles. NEON's integer tile (`sdot`, on CPUs with the dot-product extension) is checked
+/// for its bits under emulation but has not been timed on an ARM machine, and the portable
+/// tile is slower than NEON's f32 tiles, so NEON and portable code keep `exact`.
 fn decide_auto(isa: Isa) -> ComputeDecision {
     let (mode, reason) = match isa {
         Isa::Avx2 | Isa::Avx512 => (
@@ -149,7 +150,7 @@ fn decide_auto(isa: Isa) -> ComputeDecision {
         ),
         Isa::Neon | Isa::Scalar => (
             ComputeMode::Exact,
-            "no integer tiles for this instruction set",
+            "no integer tile measured faster on this instruction set",
         ),
     };
     ComputeDecision {

@@ -534,7 +534,7 @@ unsafe fn tile_scalar<W: Widen>(mr: usize, np: usize, t: Tile, w: *const W) {
 }
 
 #[cfg(target_arch = "aarch64")]
-mod neon;
+pub(super) mod neon;
 #[cfg(target_arch = "x86_64")]
 mod x86;
 

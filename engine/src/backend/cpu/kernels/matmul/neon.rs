@@ -8,8 +8,8 @@
 use super::tile::{PANEL, Tile};
 use std::arch::aarch64::*;
 
-/// Four consecutive weights widened to f32.
-pub(super) trait Load4: Copy {
+/// Four consecutive weights widened to f32 (the f16 ones also for `quant`'s integer tile).
+pub(in crate::backend::cpu::kernels) trait Load4: Copy {
     unsafe fn load4(p: *const Self) -> float32x4_t;
 }
 

@@ -158,6 +158,27 @@ fn integer_tiles_compute_the_quantized_arithmetic_on_every_instruction_set() {
 }
 
 #[test]
+fn each_instruction_set_runs_its_best_tile_the_cpu_has() {
+    for isa in Isa::available() {
+        let tile = IntTile::for_isa(isa);
+        assert!(
+            tile.supported(),
+            "{isa} picked {tile}, which this CPU cannot run"
+        );
+        // The tile a dot-product CPU should run is the one chosen (so the bit checks above
+        // cover it).
+        let best = match isa {
+            Isa::Avx512 => [IntTile::Avx512Vnni, IntTile::AvxVnni, IntTile::Avx2].as_slice(),
+            Isa::Avx2 => &[IntTile::AvxVnni, IntTile::Avx2],
+            Isa::Neon => &[IntTile::NeonDot],
+            Isa::Scalar => &[],
+        };
+        let want = best.iter().copied().find(|t| t.supported());
+        assert_eq!(tile, want.unwrap_or(IntTile::Portable), "{isa}");
+    }
+}
+
+#[test]
 fn a_row_computes_the_same_bits_alone_and_in_any_batch() {
     let (n, k, m) = (50, 256, 23);
     for kind in QuantKind::ALL {

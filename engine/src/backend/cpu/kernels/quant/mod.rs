@@ -33,13 +33,16 @@
 //! as integer dot products over 8-bit activations.
 //!
 //! The files: `panels` (the packed storage), `ggml` (GGML's blocks, decoded), `x86` (the
-//! vector dequantizers), `fused` (tiles that dequantize in registers), `int8` and `x86_int`
-//! (the integer tiles); this file picks the dequantizer for an instruction set.
+//! vector dequantizers), `fused` (tiles that dequantize in registers), `int8`, `x86_int` and
+//! `neon_int` (the integer tiles); this file picks the dequantizer and the integer tile for
+//! an instruction set.
 
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod fused;
 pub mod ggml;
 pub(crate) mod int8;
+#[cfg(target_arch = "aarch64")]
+mod neon_int;
 mod panels;
 #[cfg(target_arch = "x86_64")]
 mod x86;
@@ -106,14 +109,17 @@ pub enum IntTile {
     AvxVnni,
     /// x86-64 with AVX512_VNNI and AVX512_VL: `vpdpbusd` on 256-bit vectors.
     Avx512Vnni,
+    /// aarch64 with the dot-product extension: `sdot` by element.
+    NeonDot,
 }
 
 impl IntTile {
     /// Every tile, best first.
-    pub const ALL: [IntTile; 4] = [
+    pub const ALL: [IntTile; 5] = [
         IntTile::Avx512Vnni,
         IntTile::AvxVnni,
         IntTile::Avx2,
+        IntTile::NeonDot,
         IntTile::Portable,
     ];
 
@@ -123,6 +129,7 @@ impl IntTile {
             IntTile::Avx2 => "avx2 vpmaddubsw",
             IntTile::AvxVnni => "avx-vnni vpdpbusd",
             IntTile::Avx512Vnni => "avx512-vnni vpdpbusd",
+            IntTile::NeonDot => "neon sdot",
         }
     }
 
@@ -136,7 +143,9 @@ impl IntTile {
             IntTile::AvxVnni => x86_int::Dot::AvxVnni.supported(),
             #[cfg(target_arch = "x86_64")]
             IntTile::Avx512Vnni => x86_int::Dot::Avx512Vnni.supported(),
-            #[cfg(not(target_arch = "x86_64"))]
+            #[cfg(target_arch = "aarch64")]
+            IntTile::NeonDot => neon_int::supported(),
+            #[allow(unreachable_patterns)]
             _ => false,
         }
     }
@@ -148,7 +157,8 @@ impl IntTile {
         let candidates: &[IntTile] = match isa {
             Isa::Avx512 => &[IntTile::Avx512Vnni, IntTile::AvxVnni, IntTile::Avx2],
             Isa::Avx2 => &[IntTile::AvxVnni, IntTile::Avx2],
-            Isa::Neon | Isa::Scalar => &[],
+            Isa::Neon => &[IntTile::NeonDot],
+            Isa::Scalar => &[],
         };
         candidates
             .iter()
@@ -217,6 +227,8 @@ pub(crate) unsafe fn int_block(
                         IntTile::Avx512Vnni => {
                             x86_int::panel(x86_int::Dot::Avx512Vnni, acts, w, p, rows)
                         }
+                        #[cfg(target_arch = "aarch64")]
+                        IntTile::NeonDot => neon_int::panel_sdot(acts, w, p, rows),
                         _ => int8::panel_portable(acts, w, p, rows),
                     }
                 }

@@ -298,7 +298,7 @@ impl QuantPanels {
     }
 
     /// The first byte of panel `p` (panels follow each other `layout().panel_bytes` apart).
-    #[cfg(target_arch = "x86_64")]
+    #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
     pub(crate) fn panel_ptr(&self, p: usize) -> *const u8 {
         self.data.as_ptr().wrapping_add(p * self.layout.panel_bytes)
     }
