@@ -17,7 +17,9 @@ use std::time::Instant;
 
 use candle_core::{Device, Tensor};
 use rayon::prelude::*;
-use tandem_engine::backend::cpu::kernels::{Isa, Matrix, WeightData, isa, linear, select_isa};
+use tandem_engine::backend::cpu::kernels::{
+    ComputeMode, IntTile, Isa, Matrix, WeightData, isa, linear, select_isa,
+};
 use tandem_engine::{
     Engine, EngineConfig, LoadOptions, ModelSource, SamplingParams, StopParams, WeightFormat,
     load_model,
@@ -250,9 +252,13 @@ fn main() -> anyhow::Result<()> {
     println!("| threads | {threads} |");
     println!("| kernels (instruction set) | {isa} |");
     let compute = tandem_engine::backend::cpu::kernels::compute_decision();
-    let int_tile = tandem_engine::backend::cpu::kernels::IntTile::for_isa(isa);
+    // The integer tile runs in fast mode only.
+    let int_tile = match compute.mode {
+        ComputeMode::Fast => IntTile::for_isa(isa).name(),
+        ComputeMode::Exact => "none",
+    };
     println!(
-        "| quantized weights compute (TANDEM_COMPUTE) | {} ({}); integer tile {int_tile} |",
+        "| quantized weights compute (TANDEM_COMPUTE) | {} ({}; integer tile: {int_tile}) |",
         compute.mode, compute.reason
     );
     println!(
@@ -306,7 +312,7 @@ fn main() -> anyhow::Result<()> {
         "threads": threads,
         "isa": isa.name(),
         "compute": compute.mode.name(),
-        "int_tile": int_tile.name(),
+        "int_tile": int_tile,
         "bandwidth_gb_s": bandwidth / 1e9,
         "read_bandwidth_gb_s": read_bw / 1e9,
         "matmul_peak_gflops": peak / 1e9,
