@@ -18,7 +18,7 @@ use std::time::Instant;
 use candle_core::{Device, Tensor};
 use rayon::prelude::*;
 use tandem_engine::backend::cpu::kernels::{
-    ComputeMode, IntTile, Isa, Matrix, WeightData, isa, linear, select_isa,
+    IntTile, Isa, Matrix, WeightData, isa, linear, select_isa,
 };
 use tandem_engine::{
     Engine, EngineConfig, LoadOptions, ModelSource, SamplingParams, StopParams, WeightFormat,
@@ -252,11 +252,7 @@ fn main() -> anyhow::Result<()> {
     println!("| threads | {threads} |");
     println!("| kernels (instruction set) | {isa} |");
     let compute = tandem_engine::backend::cpu::kernels::compute_decision();
-    // The integer tile runs in fast mode only.
-    let int_tile = match compute.mode {
-        ComputeMode::Fast => IntTile::for_isa(isa).name(),
-        ComputeMode::Exact => "none",
-    };
+    let int_tile = compute.mode.integer_tile(isa).map_or("none", IntTile::name);
     println!(
         "| quantized weights compute (TANDEM_COMPUTE) | {} ({}; integer tile: {int_tile}) |",
         compute.mode, compute.reason

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use tandem_auth::LoadInternalAuth;
 pub use tandem_cli::{EngineArgs, ModelArgs, ServerArgs};
 use tandem_engine::backend::cpu::kernels::{
-    ComputeChoice, ComputeMode, IntTile, Isa, isa, select_compute, select_isa,
+    ComputeChoice, IntTile, Isa, isa, select_compute, select_isa,
 };
 use tandem_engine::{
     Device, EngineConfig, EngineError, LoadOptions, Model, ModelSource, WeightFormat,
@@ -109,11 +109,10 @@ pub fn init_compute(args: &EngineArgs) -> Result<(), String> {
         .parse::<ComputeChoice>()
         .and_then(select_compute)
         .map_err(|e| format!("--compute: {e}"))?;
-    // The integer tile `fast` mode runs: the instruction set's best dot-product sequence.
-    let integer_tile = match compute.mode {
-        ComputeMode::Fast => IntTile::for_isa(chosen).name(),
-        ComputeMode::Exact => "none (exact mode)",
-    };
+    let integer_tile = compute
+        .mode
+        .integer_tile(chosen)
+        .map_or("none (exact mode)", IntTile::name);
     tracing::info!(
         isa = %chosen,
         best = %Isa::best(),

@@ -10,7 +10,7 @@
 
 use std::sync::OnceLock;
 
-use super::quant::Arrangement;
+use super::quant::{Arrangement, IntTile};
 use super::{Isa, isa};
 
 /// The environment variable that picks the compute mode when no flag did.
@@ -46,6 +46,14 @@ impl ComputeMode {
         match self {
             ComputeMode::Exact => "exact",
             ComputeMode::Fast => "fast",
+        }
+    }
+
+    /// The integer tile this mode runs on `isa`: none in `exact` mode.
+    pub fn integer_tile(self, isa: Isa) -> Option<IntTile> {
+        match self {
+            ComputeMode::Exact => None,
+            ComputeMode::Fast => Some(IntTile::for_isa(isa)),
         }
     }
 

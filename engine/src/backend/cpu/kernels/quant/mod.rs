@@ -138,11 +138,11 @@ impl IntTile {
         match self {
             IntTile::Portable => true,
             #[cfg(target_arch = "x86_64")]
-            IntTile::Avx2 => x86_int::Dot::Maddubs.supported(),
+            IntTile::Avx2 => x86_int::has_avx2(),
             #[cfg(target_arch = "x86_64")]
-            IntTile::AvxVnni => x86_int::Dot::AvxVnni.supported(),
+            IntTile::AvxVnni => x86_int::has_avx_vnni(),
             #[cfg(target_arch = "x86_64")]
-            IntTile::Avx512Vnni => x86_int::Dot::Avx512Vnni.supported(),
+            IntTile::Avx512Vnni => x86_int::has_avx512_vnni(),
             #[cfg(target_arch = "aarch64")]
             IntTile::NeonDot => neon_int::supported(),
             #[allow(unreachable_patterns)]
@@ -220,13 +220,11 @@ pub(crate) unsafe fn int_block(
                 unsafe {
                     match tile {
                         #[cfg(target_arch = "x86_64")]
-                        IntTile::Avx2 => x86_int::panel(x86_int::Dot::Maddubs, acts, w, p, rows),
+                        IntTile::Avx2 => x86_int::panel_maddubs(acts, w, p, rows),
                         #[cfg(target_arch = "x86_64")]
-                        IntTile::AvxVnni => x86_int::panel(x86_int::Dot::AvxVnni, acts, w, p, rows),
+                        IntTile::AvxVnni => x86_int::panel_avx_vnni(acts, w, p, rows),
                         #[cfg(target_arch = "x86_64")]
-                        IntTile::Avx512Vnni => {
-                            x86_int::panel(x86_int::Dot::Avx512Vnni, acts, w, p, rows)
-                        }
+                        IntTile::Avx512Vnni => x86_int::panel_avx512_vnni(acts, w, p, rows),
                         #[cfg(target_arch = "aarch64")]
                         IntTile::NeonDot => neon_int::panel_sdot(acts, w, p, rows),
                         _ => int8::panel_portable(acts, w, p, rows),

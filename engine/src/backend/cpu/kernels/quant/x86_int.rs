@@ -1,17 +1,17 @@
 //! The integer tiles on x86-64, in 256-bit vectors: 32 bytes of quads are four consecutive
 //! inputs of 8 lanes, so one instruction sequence gives each lane its dot product over 4
-//! inputs (unsigned weights × signed activations). Three sequences, one tile body
-//! ([`Dot`]): `vpdpbusd` where the CPU has AVX512_VNNI (EVEX, with AVX512_VL) or AVX-VNNI
+//! inputs (unsigned weights × signed activations). Three sequences, one tile body compiled
+//! for each (`panel_maddubs`, `panel_avx512_vnni`, `panel_avx_vnni`): `vpdpbusd` where the CPU has AVX512_VNNI (EVEX, with AVX512_VL) or AVX-VNNI
 //! (VEX), else AVX2's `vpmaddubsw` (adjacent pairs summed to i16) and `vpmaddwd` by ones
 //! (pairs of those to i32). Q8_0's weights are signed: their magnitudes multiply the
 //! activations carrying the weights' signs (`vpsignb`), as GGML does. The sums are exact
 //! integers in every sequence and the f32 operations after each group are those of
 //! `int8::panel_portable`, so every tile gives the same bits.
 //!
-//! No i16 sum of the AVX2 sequence can saturate: `vpmaddubsw` gives at most 2·u·127 per lane for stored integers
-//! up to u, and the tiles add only as many of those as stay under 32767 before widening:
-//! a whole group of nibbles (8 · 3810), four of Q5_K's (4 · 7874), two of Q6_K's
-//! (2 · 16002); Q8_0's (up to 2·128·127 = 32512) widen one by one.
+//! No i16 sum of the AVX2 sequence can saturate: `vpmaddubsw` gives at most 2·u·127 per lane
+//! for stored integers up to u, and the tiles add only as many of those as stay under 32767
+//! before widening: a whole group of nibbles (8 · 3810), four of Q5_K's (4 · 7874), two of
+//! Q6_K's (2 · 16002); Q8_0's (up to 2·128·127 = 32512) widen one by one.
 
 use std::arch::x86_64::*;
 
@@ -24,55 +24,26 @@ use crate::backend::cpu::kernels::matmul::PANEL;
 /// dequantizers do: a decode step streams every weight once).
 const PREFETCH_AHEAD: usize = 16384;
 
-/// The dot-product instructions of a tile (see the module docs).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Dot {
-    /// AVX2: `vpmaddubsw`, i16 sums, `vpmaddwd`.
-    Maddubs,
-    /// AVX512_VNNI with AVX512_VL: `vpdpbusd` on 256-bit vectors.
-    Avx512Vnni,
-    /// AVX-VNNI: the VEX `vpdpbusd`.
-    AvxVnni,
-}
-
-/// [`Dot::Maddubs`] as the tiles' const parameter (enums cannot be one).
+/// The dot-product sequences as the tile bodies' `$dot` (one compiled copy each).
 const MADDUBS: u8 = 0;
 const AVX512_VNNI: u8 = 1;
 const AVX_VNNI: u8 = 2;
 
-impl Dot {
-    /// Whether this CPU runs the sequence (AVX2, FMA and F16C included).
-    pub(crate) fn supported(self) -> bool {
-        use std::arch::is_x86_feature_detected as has;
-        let base = has!("avx2") && has!("fma") && has!("f16c");
-        base && match self {
-            Dot::Maddubs => true,
-            Dot::Avx512Vnni => has!("avx512f") && has!("avx512vl") && has!("avx512vnni"),
-            Dot::AvxVnni => has!("avxvnni"),
-        }
-    }
+/// Whether this CPU runs the AVX2 tile ([`panel_maddubs`]): AVX2, FMA and F16C.
+pub(crate) fn has_avx2() -> bool {
+    use std::arch::is_x86_feature_detected as has;
+    has!("avx2") && has!("fma") && has!("f16c")
 }
 
-/// One panel against `t.rows` (1..=4) rows with the `dot` sequence.
-///
-/// # Safety
-/// The CPU runs `dot` ([`Dot::supported`]); `w` is in quads; the tile may write `t.cols`
-/// columns of its rows.
-pub(crate) unsafe fn panel(
-    dot: Dot,
-    acts: &QuantizedActs,
-    w: &QuantPanels,
-    p: usize,
-    t: PanelRows,
-) {
-    // SAFETY: the caller's promises.
-    unsafe {
-        match dot {
-            Dot::Maddubs => panel_maddubs(acts, w, p, t),
-            Dot::Avx512Vnni => panel_avx512_vnni(acts, w, p, t),
-            Dot::AvxVnni => panel_avx_vnni(acts, w, p, t),
-        }
-    }
+/// Whether this CPU runs [`panel_avx512_vnni`].
+pub(crate) fn has_avx512_vnni() -> bool {
+    use std::arch::is_x86_feature_detected as has;
+    has_avx2() && has!("avx512f") && has!("avx512vl") && has!("avx512vnni")
+}
+
+/// Whether this CPU runs [`panel_avx_vnni`].
+pub(crate) fn has_avx_vnni() -> bool {
+    has_avx2() && std::arch::is_x86_feature_detected!("avxvnni")
 }
 
 /// Calls tile body `$rows` with `R` = `$r`, `H` = `$h` from half `$half`, with the
@@ -103,13 +74,14 @@ macro_rules! by_kind {
 /// is a property of the function that holds it.
 macro_rules! integer_tile {
     ($panel:ident, $rows:ident, $features:literal, $dot:expr) => {
-        /// [`panel`] for one dot sequence: both halves of the panel in one pass for up to
+        /// One panel against `t.rows` (1..=4) rows with this copy's dot sequence: both halves of the panel in one pass for up to
         /// two rows, one half per pass beyond (16 registers hold 4 rows' sums of one half).
         ///
         /// # Safety
-        /// As [`panel`]'s.
+        /// The CPU has `$features` (the `has_` function of this copy); `w` is in quads; the
+        /// tile may write `t.cols` columns of its rows.
         #[target_feature(enable = $features)]
-        unsafe fn $panel(acts: &QuantizedActs, w: &QuantPanels, p: usize, t: PanelRows) {
+        pub(crate) unsafe fn $panel(acts: &QuantizedActs, w: &QuantPanels, p: usize, t: PanelRows) {
             // SAFETY: the caller's promises.
             unsafe {
                 match t.rows {
