@@ -18,8 +18,8 @@ mod worker;
 pub use argv::{defaults, parse_without_env, to_args};
 pub use auth::InternalAuthArgs;
 pub use log::{LogArgs, LogFormat};
-pub use router::{FallbackPolicy, RouterArgs, RoutingPolicy, TransportArg};
+pub use router::{FallbackPolicy, PlacementPolicy, RouterArgs, RoutingPolicy, TransportArg};
 pub use worker::{
-    COMPUTE_MODES, DecodeArgs, EngineArgs, KV_DTYPES, MODEL_PRESETS, ModelArgs, PrefillArgs,
-    ServerArgs, WEIGHT_FORMATS,
+    COMPUTE_MODES, CPU_PRIORITIES, DecodeArgs, EngineArgs, KV_DTYPES, MODEL_PRESETS, ModelArgs,
+    PrefillArgs, ServerArgs, WEIGHT_FORMATS,
 };

@@ -31,6 +31,17 @@ pub enum RoutingPolicy {
     RoundRobin,
 }
 
+/// How the router places a request: disaggregated or aggregated, and where.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum PlacementPolicy {
+    /// By the prompt's length: shorter than `--agg-threshold` aggregated, else disaggregated.
+    Static,
+    /// By the latency targets: the placement predicted to meet the request's TTFT and the
+    /// streams' TPOT targets (`--slo-*`), from the workers' measured costs.
+    Slo,
+}
+
 /// The KV transport the router asks prefill workers to use.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -79,6 +90,21 @@ pub struct RouterArgs {
     /// always disaggregates [default: 0].
     #[arg(long, env = "TANDEM_ROUTER_AGG_THRESHOLD")]
     pub agg_threshold: Option<u32>,
+    /// How requests are placed: static (by `--agg-threshold`) or slo (by the latency
+    /// targets and the workers' measured costs) [default: static].
+    #[arg(long, env = "TANDEM_ROUTER_PLACEMENT", value_enum)]
+    pub placement: Option<PlacementPolicy>,
+    /// TTFT target, fixed part, in milliseconds; a request's header `x-tandem-slo-ttft-ms`
+    /// sets its whole target instead [default: 1000].
+    #[arg(long, env = "TANDEM_ROUTER_SLO_TTFT_MS")]
+    pub slo_ttft_ms: Option<f64>,
+    /// TTFT target, part per prompt token, in milliseconds [default: 1.5].
+    #[arg(long, env = "TANDEM_ROUTER_SLO_TTFT_PER_TOKEN_MS")]
+    pub slo_ttft_per_token_ms: Option<f64>,
+    /// TPOT target in milliseconds; a request's header `x-tandem-slo-tpot-ms` sets its own
+    /// [default: 60].
+    #[arg(long, env = "TANDEM_ROUTER_SLO_TPOT_MS")]
+    pub slo_tpot_ms: Option<f64>,
     /// When no prefill worker is healthy: run aggregated, or answer 503 [default: aggregated].
     #[arg(long, env = "TANDEM_ROUTER_FALLBACK", value_enum)]
     pub fallback: Option<FallbackPolicy>,

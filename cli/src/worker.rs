@@ -61,6 +61,9 @@ pub struct ModelArgs {
     pub cache_dir: Option<PathBuf>,
 }
 
+/// The values of `--cpu-priority`.
+pub const CPU_PRIORITIES: [&str; 2] = ["normal", "idle"];
+
 /// Engine sizing and threads.
 #[derive(Debug, Clone, PartialEq, Args, Serialize, Deserialize)]
 pub struct EngineArgs {
@@ -81,6 +84,12 @@ pub struct EngineArgs {
     /// Compute threads (default: one per available core).
     #[arg(long, env = "TANDEM_THREADS")]
     pub threads: Option<usize>,
+    /// CPU scheduling priority of the worker's threads: `normal`, or `idle` (Linux
+    /// SCHED_IDLE: it runs only on cycles no normal thread wants). An idle prefill worker
+    /// on the decode worker's cores lends it their slack: the decode worker preempts it for
+    /// every step, and it computes prompts in between.
+    #[arg(long, env = "TANDEM_CPU_PRIORITY", default_value = "normal", value_parser = clap::builder::PossibleValuesParser::new(CPU_PRIORITIES))]
+    pub cpu_priority: String,
     /// Where the engine computes: `cpu`, `cuda` or `cuda:N` (binaries built with the `cuda`
     /// feature, see scripts/build-gpu).
     #[arg(long, env = "TANDEM_DEVICE", default_value = "cpu")]

@@ -51,6 +51,8 @@ pub(crate) async fn start(
 ) -> Result<ReceiverStream<Result<GenerateEvent, Status>>, Status> {
     let sampling = sampling_from_proto(req.sampling.as_ref());
     let stop = stop_from_proto(req.stop.as_ref());
+    let tpot_target =
+        (req.tpot_target_ms > 0).then(|| Duration::from_millis(u64::from(req.tpot_target_ms)));
     let pool = inner.core.engine.pool();
     validate_request(
         inner.core.model.config(),
@@ -95,7 +97,7 @@ pub(crate) async fn start(
                         })),
                     };
                     let _ = out.try_send(Ok(event));
-                    run_here(&inner, req.prompt, sampling, stop, out, span).await?;
+                    run_here(&inner, req.prompt, sampling, stop, tpot_target, out, span).await?;
                     return Ok(ReceiverStream::new(rx));
                 }
                 match reserve(&inner, &caller, &req, cached.clone()) {
@@ -142,14 +144,18 @@ pub(crate) async fn start(
             };
             // The channel is fresh and has room; a failure means the client is gone already.
             let _ = out.try_send(Ok(event));
-            let held = Reserved { lease, ttl };
+            let held = Reserved {
+                lease,
+                ttl,
+                tpot_target,
+            };
             tokio::spawn(
                 disaggregated(inner, held, commit, out, req.prompt, sampling, stop)
                     .instrument(span),
             );
         }
         Mode::Aggregated | Mode::Unspecified => {
-            run_here(&inner, req.prompt, sampling, stop, out, span).await?;
+            run_here(&inner, req.prompt, sampling, stop, tpot_target, out, span).await?;
         }
     }
     Ok(ReceiverStream::new(rx))
@@ -232,6 +238,7 @@ async fn run_here(
     prompt: Vec<u32>,
     sampling: SamplingParams,
     stop: StopParams,
+    tpot_target: Option<Duration>,
     out: Out,
     span: tracing::Span,
 ) -> Result<(), Status> {
@@ -240,7 +247,7 @@ async fn run_here(
     inner
         .core
         .engine
-        .add(prompt, sampling, stop, None, events_tx)
+        .add(prompt, sampling, stop, None, tpot_target, events_tx)
         .await
         .map_err(|e| engine_status(&e))?;
     let report = KvReport {
@@ -257,6 +264,8 @@ async fn run_here(
 struct Reserved {
     lease: Arc<Lease>,
     ttl: Duration,
+    /// The stream's TPOT target, for its admission.
+    tpot_target: Option<Duration>,
 }
 
 impl Reserved {
@@ -398,6 +407,7 @@ async fn disaggregated(
             sampling,
             stop,
             guide,
+            held.tpot_target,
             events_tx,
         )
         .await;

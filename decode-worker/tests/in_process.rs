@@ -90,6 +90,7 @@ fn request(prompt: Vec<u32>, mode: Mode, max_tokens: u32, lease_ttl_ms: u32) -> 
         mode: mode as i32,
         lease_ttl_ms,
         local_prefill_below: 0,
+        tpot_target_ms: 0,
     }
 }
 

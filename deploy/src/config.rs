@@ -3,15 +3,16 @@
 //! that do not exist, an unknown transport, a missing secret or TLS file), and warnings for
 //! what runs but is risky.
 
-use std::collections::{BTreeMap, HashSet};
-use std::net::IpAddr;
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use serde::Deserialize;
 
-use crate::security::{self, INTERNAL_ENV, SecuritySection};
+use crate::security::SecuritySection;
 use crate::supervise::RestartPolicy;
+
+mod validate;
 
 /// Why a deployment file is refused.
 #[derive(Debug, thiserror::Error)]
@@ -104,6 +105,13 @@ pub struct RouterSection {
     /// How the router picks workers: kv-aware (default), load or round-robin.
     #[serde(default)]
     pub routing: Option<String>,
+    /// How the router places requests: static (by `agg_threshold`, the default) or slo (by
+    /// the latency targets of `[router.slo]` and the workers' measured costs).
+    #[serde(default)]
+    pub placement: Option<String>,
+    /// The latency targets (each absent: the router's default).
+    #[serde(default)]
+    pub slo: SloSection,
     /// CPU cores for the router process.
     #[serde(default)]
     pub cpus: Vec<usize>,
@@ -114,6 +122,18 @@ pub struct RouterSection {
     /// ([`crate::environment::check_env_tables`]).
     #[serde(default)]
     pub env: BTreeMap<String, String>,
+}
+
+/// `[router.slo]`: the deployment's latency targets, in milliseconds.
+#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct SloSection {
+    /// TTFT target, fixed part.
+    pub ttft_ms: Option<f64>,
+    /// TTFT target, part per prompt token.
+    pub ttft_per_token_ms: Option<f64>,
+    /// Time per output token.
+    pub tpot_ms: Option<f64>,
 }
 
 fn localhost() -> String {
@@ -136,6 +156,8 @@ impl Default for RouterSection {
             transport: default_transport(),
             agg_threshold: 0,
             routing: None,
+            placement: None,
+            slo: SloSection::default(),
             cpus: Vec::new(),
             extra_args: Vec::new(),
             env: BTreeMap::new(),
@@ -159,6 +181,9 @@ pub struct WorkerSpec {
     pub cpus: Vec<usize>,
     /// Compute threads (default: one per pinned core, else all cores).
     pub threads: Option<usize>,
+    /// CPU scheduling priority: `normal` (default) or `idle` (runs only on cycles the
+    /// other workers on its cores leave; see `--cpu-priority`).
+    pub cpu_priority: Option<String>,
     pub kv_budget_mb: Option<usize>,
     pub max_batch_tokens: Option<usize>,
     pub max_running: Option<usize>,
@@ -287,15 +312,6 @@ fn default_startup_timeout() -> u64 {
     600
 }
 
-/// The values a router flag of type `T` accepts, by name.
-fn flag_values<T: clap::ValueEnum>() -> Vec<String> {
-    T::value_variants()
-        .iter()
-        .filter_map(|t| t.to_possible_value())
-        .map(|v| v.get_name().to_string())
-        .collect()
-}
-
 impl DeployConfig {
     pub fn from_file(path: &Path) -> Result<Self, ConfigError> {
         let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
@@ -349,253 +365,11 @@ impl DeployConfig {
             ..DeployConfig::default()
         }
     }
-
-    /// Checks everything that can be checked without starting anything. `cores` is the
-    /// number of CPUs of the machine the deployment will run on (CPU lists must exist there).
-    pub fn validate(&self, cores: usize) -> Result<(), ConfigError> {
-        let bad = |m: String| Err(ConfigError::Invalid(m));
-        if self.decode.is_empty() {
-            return bad("a deployment needs at least one [[decode]] worker".into());
-        }
-        let known = flag_values::<tandem_cli::TransportArg>();
-        if !known.contains(&self.router.transport) {
-            return bad(format!(
-                "router.transport `{}`: use one of {known:?}",
-                self.router.transport
-            ));
-        }
-        if let Some(routing) = &self.router.routing {
-            let known = flag_values::<tandem_cli::RoutingPolicy>();
-            if !known.contains(routing) {
-                return bad(format!("router.routing `{routing}`: use one of {known:?}"));
-            }
-        }
-        let transport = self.router.transport.as_str();
-        if transport == "cuda-ipc" || transport == "nccl" {
-            // Device-to-device transports: every worker on a GPU (cuda-ipc: on one node).
-            let workers = || self.prefill.iter().chain(&self.decode);
-            if let Some(w) = workers().find(|w| !w.uses_gpu()) {
-                return bad(format!(
-                    "router.transport `{transport}` needs every worker on a GPU; the worker on port {} has no GPU setting",
-                    w.port
-                ));
-            }
-            let hosts: HashSet<&str> = workers().map(|w| w.host.as_str()).collect();
-            if transport == "cuda-ipc" && hosts.len() > 1 {
-                return bad(format!(
-                    "router.transport `cuda-ipc` works within one node; workers are on {} hosts (use tcp or grpc)",
-                    hosts.len()
-                ));
-            }
-        }
-        if !tandem_cli::KV_DTYPES.contains(&self.model.kv_dtype.as_str()) {
-            return bad(format!(
-                "model.kv_dtype `{}`: use one of {}",
-                self.model.kv_dtype,
-                tandem_cli::KV_DTYPES.join(", ")
-            ));
-        }
-        if !tandem_cli::COMPUTE_MODES.contains(&self.model.compute.as_str()) {
-            return bad(format!(
-                "model.compute `{}`: use one of {}",
-                self.model.compute,
-                tandem_cli::COMPUTE_MODES.join(", ")
-            ));
-        }
-        if !tandem_cli::WEIGHT_FORMATS.contains(&self.model.weights.as_str()) {
-            return bad(format!(
-                "model.weights `{}`: use one of {}",
-                self.model.weights,
-                tandem_cli::WEIGHT_FORMATS.join(", ")
-            ));
-        }
-        let name = self.model.name.as_str();
-        let known = ["smollm2", "default", "smollm2-135m-instruct", "tiny"].contains(&name)
-            || name.strip_prefix("dummy:").is_some_and(|rest| {
-                tandem_cli::MODEL_PRESETS.contains(&rest.split(':').next().unwrap_or(""))
-            })
-            || Path::new(name).exists();
-        if !known {
-            return bad(format!(
-                "model.name `{name}` is neither smollm2, tiny, dummy:<{}> nor an existing path",
-                tandem_cli::MODEL_PRESETS.join("|")
-            ));
-        }
-        let mut ports = HashSet::new();
-        let mut claim = |port: u16, what: &str| -> Result<(), ConfigError> {
-            if port == 0 || !ports.insert(port) {
-                return Err(ConfigError::Invalid(format!(
-                    "{what}: port {port} is zero or used twice"
-                )));
-            }
-            Ok(())
-        };
-        claim(self.router.port, "router")?;
-        for (role, workers) in [("prefill", &self.prefill), ("decode", &self.decode)] {
-            for (i, w) in workers.iter().enumerate() {
-                let what = format!("{role}[{i}]");
-                claim(w.port, &what)?;
-                if role == "decode" {
-                    claim(
-                        w.kv_tcp_port.unwrap_or(w.port.wrapping_add(1)),
-                        &format!("{what} kv_tcp_port"),
-                    )?;
-                }
-                if let Some(&c) = w.cpus.iter().find(|&&c| c >= cores) {
-                    return bad(format!(
-                        "{what}: CPU {c} does not exist (this machine has {cores})"
-                    ));
-                }
-                if w.threads == Some(0) {
-                    return bad(format!("{what}: threads must be at least 1"));
-                }
-                self.validate_gpu(&what, w)?;
-            }
-        }
-        if let Some(&c) = self.router.cpus.iter().find(|&&c| c >= cores) {
-            return bad(format!(
-                "router: CPU {c} does not exist (this machine has {cores})"
-            ));
-        }
-        self.validate_supervise()?;
-        self.validate_security()?;
-        if let Some(gpu) = &self.gpu {
-            // Green contexts on one GPU must fit in its SMs together.
-            for g in 0..gpu.count {
-                let total: u32 = self
-                    .prefill
-                    .iter()
-                    .chain(&self.decode)
-                    .filter(|w| w.gpu.unwrap_or(0) == g)
-                    .filter_map(|w| w.green_context_sms)
-                    .sum();
-                if total > gpu.sms {
-                    return bad(format!(
-                        "GPU {g}: green contexts ask for {total} SMs, it has {}",
-                        gpu.sms
-                    ));
-                }
-            }
-        }
-        Ok(())
-    }
-
-    /// Every process's label (`router`, `prefill[0]`, …), host and extra environment.
-    fn processes(&self) -> impl Iterator<Item = (String, &str, &BTreeMap<String, String>)> {
-        let router = std::iter::once((
-            "router".to_string(),
-            self.router.host.as_str(),
-            &self.router.env,
-        ));
-        let workers = [("prefill", &self.prefill), ("decode", &self.decode)]
-            .into_iter()
-            .flat_map(|(role, ws)| {
-                ws.iter()
-                    .enumerate()
-                    .map(move |(i, w)| (format!("{role}[{i}]"), w.host.as_str(), &w.env))
-            });
-        router.chain(workers)
-    }
-
-    fn validate_supervise(&self) -> Result<(), ConfigError> {
-        let s = &self.supervise;
-        if s.backoff_initial_ms > s.backoff_max_ms {
-            return Err(ConfigError::Invalid(format!(
-                "supervise.backoff_initial_ms ({}) exceeds supervise.backoff_max_ms ({})",
-                s.backoff_initial_ms, s.backoff_max_ms
-            )));
-        }
-        Ok(())
-    }
-
-    /// The `[security]` section is consistent and its files exist here; no process's `env`
-    /// sets the internal variables behind its back (they would bypass the section and be
-    /// printed by `tandem plan`).
-    fn validate_security(&self) -> Result<(), ConfigError> {
-        let sec = &self.security;
-        let invalid = |e: security::SecurityError| ConfigError::Invalid(e.to_string());
-        security::check(sec).map_err(invalid)?;
-        security::check_files(sec).map_err(invalid)?;
-        for (what, _, env) in self.processes() {
-            if let Some(var) = INTERNAL_ENV.iter().find(|v| env.contains_key(**v)) {
-                return Err(ConfigError::Invalid(format!(
-                    "{what}.env sets {var}: use the [security] section instead"
-                )));
-            }
-        }
-        Ok(())
-    }
-
-    /// What runs but deserves a second look: an insecure deployment listening beyond
-    /// loopback, secret or key files others can read. Call after [`Self::validate`].
-    pub fn warnings(&self) -> Vec<String> {
-        let mut out = Vec::new();
-        let sec = &self.security;
-        if sec.insecure {
-            for (what, host, _) in self.processes().filter(|(_, h, _)| !is_loopback(h)) {
-                out.push(format!(
-                    "security.insecure = true but {what} listens on {host}: internal requests go unauthenticated beyond this machine"
-                ));
-            }
-        }
-        out.extend(security::file_warnings(sec));
-        out
-    }
-
-    fn validate_gpu(&self, what: &str, w: &WorkerSpec) -> Result<(), ConfigError> {
-        let bad = |m: String| Err(ConfigError::Invalid(m));
-        let Some(gpu) = &self.gpu else {
-            if w.uses_gpu() {
-                return bad(format!("{what}: GPU settings need a [gpu] section"));
-            }
-            return Ok(());
-        };
-        if let Some(g) = w.gpu
-            && g >= gpu.count
-        {
-            return bad(format!(
-                "{what}: GPU {g} does not exist ([gpu] count = {})",
-                gpu.count
-            ));
-        }
-        if let Some(p) = w.mps_thread_percentage {
-            if !(1..=100).contains(&p) {
-                return bad(format!(
-                    "{what}: mps_thread_percentage {p} is not in 1..=100"
-                ));
-            }
-            if !gpu.mps {
-                return bad(format!(
-                    "{what}: mps_thread_percentage needs `mps = true` in [gpu]"
-                ));
-            }
-        }
-        if let Some(sms) = w.green_context_sms
-            && (sms == 0 || sms > gpu.sms)
-        {
-            return bad(format!(
-                "{what}: green_context_sms {sms} is not in 1..={}",
-                gpu.sms
-            ));
-        }
-        if w.green_context_sms.is_some() && w.mps_thread_percentage.is_some() {
-            return bad(format!("{what}: choose green contexts or MPS, not both"));
-        }
-        Ok(())
-    }
-}
-
-/// Whether `host` (an address or `localhost`) is a loopback address.
-fn is_loopback(host: &str) -> bool {
-    host == "localhost"
-        || host
-            .trim_matches(['[', ']'])
-            .parse::<IpAddr>()
-            .is_ok_and(|ip| ip.is_loopback())
 }
 
 #[cfg(test)]
 mod tests {
+    use super::validate::is_loopback;
     use super::*;
 
     #[test]

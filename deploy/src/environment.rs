@@ -82,6 +82,12 @@ const ROUTER_KEYS: &[Key<RouterSection>] = &[
     ("`transport`", |r| r.transport = "grpc".into()),
     ("`agg_threshold`", |r| r.agg_threshold += 64),
     ("`routing`", |r| r.routing = Some("round-robin".into())),
+    ("`placement`", |r| r.placement = Some("slo".into())),
+    ("`slo.ttft_ms`", |r| r.slo.ttft_ms = Some(123.0)),
+    ("`slo.ttft_per_token_ms`", |r| {
+        r.slo.ttft_per_token_ms = Some(0.5)
+    }),
+    ("`slo.tpot_ms`", |r| r.slo.tpot_ms = Some(33.0)),
 ];
 
 /// In order of precedence: the key that sets a flag alone comes before one that also does.
@@ -94,6 +100,7 @@ const WORKER_KEYS: &[Key<WorkerSpec>] = &[
         w.threads = Some(w.threads.unwrap_or(1) + 2)
     }),
     ("`kv_budget_mb`", |w| w.kv_budget_mb = Some(3)),
+    ("`cpu_priority`", |w| w.cpu_priority = Some("idle".into())),
     ("`max_batch_tokens`", |w| w.max_batch_tokens = Some(3)),
     ("`max_running`", |w| w.max_running = Some(3)),
     ("`prefix_caching`", |w| w.prefix_caching = Some(false)),

@@ -10,8 +10,8 @@ use std::path::PathBuf;
 
 use clap::ValueEnum;
 use tandem_cli::{
-    DecodeArgs, EngineArgs, ModelArgs, PrefillArgs, RouterArgs, RoutingPolicy, ServerArgs,
-    TransportArg, defaults, to_args,
+    DecodeArgs, EngineArgs, ModelArgs, PlacementPolicy, PrefillArgs, RouterArgs, RoutingPolicy,
+    ServerArgs, TransportArg, defaults, to_args,
 };
 
 use crate::config::{DeployConfig, WorkerSpec};
@@ -94,6 +94,9 @@ fn fill_worker(
     if let Some(on) = w.prefix_caching {
         engine.no_prefix_caching = !on;
     }
+    if let Some(priority) = &w.cpu_priority {
+        engine.cpu_priority = priority.clone();
+    }
     // Any GPU setting puts the worker's engine on the GPU (device 0 of what
     // CUDA_VISIBLE_DEVICES leaves it).
     if w.uses_gpu() {
@@ -167,6 +170,13 @@ pub fn plan_with(cfg: &DeployConfig, security: &InternalSecurity) -> Plan {
         .routing
         .as_deref()
         .and_then(|name| RoutingPolicy::from_str(name, true).ok());
+    router.placement = r
+        .placement
+        .as_deref()
+        .and_then(|name| PlacementPolicy::from_str(name, true).ok());
+    router.slo_ttft_ms = r.slo.ttft_ms;
+    router.slo_ttft_per_token_ms = r.slo.ttft_per_token_ms;
+    router.slo_tpot_ms = r.slo.tpot_ms;
     router.decode = cfg.decode.iter().map(url).collect();
     router.prefill = cfg.prefill.iter().map(url).collect();
     router.log.log_format = cfg.log_format;
@@ -240,6 +250,15 @@ mod tests {
         let p = plan(&rr).unwrap();
         let router = p.processes[2].args.join(" ");
         assert!(router.contains("--routing round-robin"), "{router}");
+        let mut slo = DeployConfig::default_local(2);
+        slo.router.placement = Some("slo".into());
+        slo.router.slo.tpot_ms = Some(45.0);
+        let router = plan(&slo).unwrap().processes[2].args.join(" ");
+        assert!(
+            router.contains("--placement slo") && router.contains("--slo-tpot-ms 45"),
+            "{router}"
+        );
+        assert!(!router.contains("--slo-ttft-ms"), "{router}");
     }
 
     #[test]

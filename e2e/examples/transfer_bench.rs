@@ -309,6 +309,7 @@ async fn router_overhead(
                 mode: Mode::Aggregated as i32,
                 lease_ttl_ms: 0,
                 local_prefill_below: 0,
+                tpot_target_ms: 0,
             })
             .await?
             .into_inner();

@@ -50,6 +50,7 @@ fn generate(prompt_len: usize, mode: Mode, lease_ttl_ms: u32) -> GenerateRequest
         mode: mode as i32,
         lease_ttl_ms,
         local_prefill_below: 0,
+        tpot_target_ms: 0,
     }
 }
 

@@ -66,6 +66,7 @@ fn request(prompt: Vec<u32>, mode: Mode, max_tokens: u32) -> GenerateRequest {
         mode: mode as i32,
         lease_ttl_ms: 0,
         local_prefill_below: 0,
+        tpot_target_ms: 0,
     }
 }
 

@@ -116,6 +116,65 @@ fn continuous_batching_gives_each_sequence_its_solo_tokens() {
 }
 
 #[test]
+fn a_prompt_beside_streams_runs_in_allowance_sized_chunks_with_the_same_tokens() {
+    let model = model();
+    let mut e = engine(&model, 256);
+    let mut ids = Vec::new();
+    // Two streams decoding, then a long prompt joins them.
+    for i in 0..2 {
+        let (s, st) = greedy(40);
+        ids.push((e.add_request(prompt(i, 20), s, st).unwrap(), i, 20, 40));
+    }
+    let mut outs: HashMap<u64, Vec<StepOutput>> = HashMap::new();
+    for _ in 0..2 {
+        for o in e.step().unwrap() {
+            outs.entry(o.id).or_default().push(o);
+        }
+    }
+    e.set_prompt_allowance(Some(32));
+    let (s, st) = greedy(8);
+    ids.push((e.add_request(prompt(7, 200), s, st).unwrap(), 7, 200, 8));
+    let (decode, _) = e.decode_load();
+    assert_eq!(decode.sampled_rows, 2.0, "both streams decode");
+    // While the prompt runs beside the streams, each pass adds at most 32 of its tokens,
+    // and every stream still gets its row.
+    let mut prompt_passes = 0;
+    while !outs.contains_key(&ids[2].0) {
+        let produced = e.step().unwrap();
+        let pass = e.last_pass();
+        let streams = produced.iter().filter(|o| o.id != ids[2].0).count();
+        if pass.other_tokens > 0.0 {
+            prompt_passes += 1;
+            assert!(
+                pass.other_tokens + pass.sampled_rows <= 2.0 + 32.0,
+                "{pass:?}"
+            );
+            assert_eq!(streams, 2, "a stream lost its step to a prompt chunk");
+        }
+        for o in produced {
+            outs.entry(o.id).or_default().push(o);
+        }
+    }
+    assert!(prompt_passes >= 200 / 32, "{prompt_passes} passes");
+    // Without decode rows the allowance does not apply.
+    e.set_prompt_allowance(Some(16));
+    let (s, st) = greedy(1);
+    let mut alone = engine(&model, 64);
+    alone.set_prompt_allowance(Some(16));
+    alone.add_request(prompt(9, 100), s, st).unwrap();
+    alone.step().unwrap();
+    assert_eq!(alone.last_pass().other_tokens, 99.0);
+    for (id, o) in drain(&mut e) {
+        outs.entry(id).or_default().extend(o);
+    }
+    for (id, i, len, n) in ids {
+        let got: Vec<u32> = outs[&id].iter().map(|o| o.token).collect();
+        assert_eq!(got, run_alone(&model, &prompt(i, len), n), "sequence {i}");
+    }
+    assert_eq!(e.used_blocks(), 0, "every block returned");
+}
+
+#[test]
 fn preemption_recomputes_without_changing_tokens() {
     let model = model();
     // 12 blocks: four sequences of 40-token prompts growing to 80 tokens cannot all fit.

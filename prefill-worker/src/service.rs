@@ -259,6 +259,7 @@ async fn prefill(inner: &Inner, req: PrefillRequest) -> Result<PrefillResponse, 
                 first_block,
                 pulled,
             }),
+            None,
             events_tx,
         )
         .await

@@ -7,11 +7,14 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use tandem_auth::{InternalAuth, LoadInternalAuth};
-pub use tandem_cli::{FallbackPolicy, LogFormat, RouterArgs, RoutingPolicy, TransportArg};
+pub use tandem_cli::{
+    FallbackPolicy, LogFormat, PlacementPolicy, RouterArgs, RoutingPolicy, TransportArg,
+};
 use tandem_proto::v1::Transport;
 
 use crate::auth::ApiKey;
 use crate::discovery::WorkerEntry;
+use crate::routing::SloTargets;
 
 /// The wire value of a transport flag.
 pub fn transport_of(t: TransportArg) -> Transport {
@@ -54,6 +57,9 @@ pub struct RouterConfig {
     pub decode_urls: Vec<String>,
     pub transport: Transport,
     pub agg_threshold: u32,
+    pub placement: PlacementPolicy,
+    /// The deployment's latency targets (what `--placement slo` places by).
+    pub slo: SloTargets,
     pub fallback: FallbackPolicy,
     pub routing: RoutingPolicy,
     /// kv-aware routing's price of a missing prompt block, in free blocks.
@@ -90,6 +96,8 @@ impl RouterConfig {
             decode_urls,
             transport: Transport::Shm,
             agg_threshold: 0,
+            placement: PlacementPolicy::Static,
+            slo: SloTargets::default(),
             fallback: FallbackPolicy::Aggregated,
             routing: RoutingPolicy::KvAware,
             kv_overlap_weight: 2.0,
@@ -136,6 +144,24 @@ impl RouterConfig {
                 .agg_threshold
                 .or(file.agg_threshold)
                 .unwrap_or(defaults.agg_threshold),
+            placement: args
+                .placement
+                .or(file.placement)
+                .unwrap_or(defaults.placement),
+            slo: SloTargets {
+                ttft_ms: args
+                    .slo_ttft_ms
+                    .or(file.slo_ttft_ms)
+                    .unwrap_or(defaults.slo.ttft_ms),
+                ttft_per_token_ms: args
+                    .slo_ttft_per_token_ms
+                    .or(file.slo_ttft_per_token_ms)
+                    .unwrap_or(defaults.slo.ttft_per_token_ms),
+                tpot_ms: args
+                    .slo_tpot_ms
+                    .or(file.slo_tpot_ms)
+                    .unwrap_or(defaults.slo.tpot_ms),
+            },
             fallback: args.fallback.or(file.fallback).unwrap_or(defaults.fallback),
             routing: args.routing.or(file.routing).unwrap_or(defaults.routing),
             kv_overlap_weight: args
@@ -237,6 +263,7 @@ impl RouterConfig {
         if !(0.0..=1000.0).contains(&self.kv_overlap_weight) {
             return invalid("--kv-overlap-weight must be in [0, 1000]");
         }
+        self.slo.validate().map_err(ConfigError::Invalid)?;
         if self.lease_ttl_ms == 0 {
             return invalid("--lease-ttl-ms must be at least 1");
         }
@@ -418,5 +445,39 @@ mod tests {
         );
         assert!(parse(&["--decode", "http://a:1", "--max-concurrent-requests", "0"]).is_err());
         assert!(parse(&["--decode", "http://a:1", "--api-key", ""]).is_err());
+        assert!(parse(&["--decode", "http://a:1", "--slo-tpot-ms", "0"]).is_err());
+        assert!(parse(&["--decode", "http://a:1", "--slo-ttft-ms", "NaN"]).is_err());
+    }
+
+    #[test]
+    fn placement_and_slo_from_flags_and_file() {
+        let c = parse(&["--decode", "http://a:1"]).unwrap();
+        assert_eq!(c.placement, PlacementPolicy::Static);
+        assert_eq!(c.slo, SloTargets::default());
+        let dir = std::env::temp_dir().join(format!("tandem-router-slo-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("router.toml");
+        std::fs::write(
+            &path,
+            "decode = [\"http://a:1\"]\nplacement = \"slo\"\nslo_tpot_ms = 45\nslo_ttft_ms = 800.5\n",
+        )
+        .unwrap();
+        let c = parse(&[
+            "--config",
+            path.to_str().unwrap(),
+            "--slo-ttft-per-token-ms",
+            "0",
+        ])
+        .unwrap();
+        let _ = std::fs::remove_dir_all(&dir);
+        assert_eq!(c.placement, PlacementPolicy::Slo);
+        assert_eq!(
+            c.slo,
+            SloTargets {
+                ttft_ms: 800.5,
+                ttft_per_token_ms: 0.0,
+                tpot_ms: 45.0
+            }
+        );
     }
 }

@@ -76,6 +76,7 @@ pub async fn run_with_resolver(
     config.validate()?;
     let prometheus = metrics::prometheus();
     metrics::register_static_series();
+    metrics::register_slo(&config.slo);
     let pool = Arc::new(
         workers::WorkerPool::new(
             &config.prefill_urls,

@@ -64,11 +64,23 @@ pub const CONNECTIONS_REFUSED_TOTAL: &str = "tandem_router_connections_refused_t
 /// SSE keep-alive comments sent on streams that had nothing else to send.
 pub const SSE_KEEPALIVES_TOTAL: &str = "tandem_router_sse_keepalives_total";
 
+/// The deployment's latency targets, by target (`ttft`, `ttft_per_token`, `tpot`).
+pub const SLO_TARGET_MS: &str = "tandem_router_slo_target_ms";
+/// Finished requests by target (`ttft`, `tpot`) and whether they met it (`yes`, `no`).
+pub const SLO_REQUESTS_TOTAL: &str = "tandem_router_slo_requests_total";
+/// Requests SLO placement placed, by placement and whether the prediction met both targets.
+pub const PLACEMENTS_TOTAL: &str = "tandem_router_placements_total";
+/// |predicted − measured| / measured of SLO placement's predictions, by metric and placement.
+pub const PREDICTION_ERROR: &str = "tandem_router_placement_prediction_error";
+
 /// Histogram buckets (seconds) shared by the latency metrics: 1 ms to 5 minutes.
 const LATENCY_BUCKETS: &[f64] = &[
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
     120.0, 300.0,
 ];
+
+/// Buckets of relative prediction errors: 2 % to 5 times off.
+const ERROR_BUCKETS: &[f64] = &[0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 1.0, 2.0, 5.0];
 
 static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
 
@@ -80,7 +92,9 @@ pub fn prometheus() -> PrometheusHandle {
 fn install() -> PrometheusHandle {
     let builder = match PrometheusBuilder::new()
         .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), LATENCY_BUCKETS)
-    {
+        .and_then(|b| {
+            b.set_buckets_for_metric(Matcher::Full(PREDICTION_ERROR.into()), ERROR_BUCKETS)
+        }) {
         Ok(b) => b,
         Err(e) => {
             tracing::warn!(error = %e, "invalid histogram buckets; using summaries");
@@ -129,6 +143,33 @@ fn describe() {
         "Workers in the pool (listed or found through DNS), by role"
     );
     describe_counter!(TOKENS_TOTAL, "Tokens of finished requests by kind");
+    describe_gauge!(
+        SLO_TARGET_MS,
+        "The deployment's latency targets in milliseconds"
+    );
+    describe_counter!(
+        SLO_REQUESTS_TOTAL,
+        "Finished requests by latency target and whether they met it"
+    );
+    describe_counter!(
+        PLACEMENTS_TOTAL,
+        "Requests placed by SLO placement, by placement and predicted outcome"
+    );
+    describe_histogram!(
+        PREDICTION_ERROR,
+        "Relative error of SLO placement's TTFT and TPOT predictions"
+    );
+}
+
+/// Exports the deployment's latency targets (at startup; they do not change).
+pub fn register_slo(slo: &crate::routing::SloTargets) {
+    for (target, ms) in [
+        ("ttft", slo.ttft_ms),
+        ("ttft_per_token", slo.ttft_per_token_ms),
+        ("tpot", slo.tpot_ms),
+    ] {
+        metrics::gauge!(SLO_TARGET_MS, "target" => target).set(ms);
+    }
 }
 
 /// Registers the series that exist before any request, so `/metrics` lists them at once.

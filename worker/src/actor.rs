@@ -21,6 +21,8 @@ use tandem_engine::{
 };
 use tandem_kv::{KvCache, SharedPool, prefix};
 use tandem_proto::v1::{BlockEvents, LoadReport};
+
+use crate::pacing::{CostBoard, Pacer};
 use tandem_text::{Guide, GuideFactory};
 use tandem_transfer::{KvSender, PulledPrefix};
 use tokio::sync::{mpsc as tmpsc, oneshot};
@@ -81,6 +83,7 @@ enum Command {
         stop: StopParams,
         guide: Option<Guide>,
         kv: Option<KvShipment>,
+        tpot_target: Option<Duration>,
         events: tmpsc::UnboundedSender<SeqEvent>,
         reply: oneshot::Sender<Result<SeqId, EngineError>>,
     },
@@ -91,6 +94,7 @@ enum Command {
         sampling: SamplingParams,
         stop: StopParams,
         guide: Option<Guide>,
+        tpot_target: Option<Duration>,
         events: tmpsc::UnboundedSender<SeqEvent>,
         reply: oneshot::Sender<Result<SeqId, EngineError>>,
     },
@@ -107,6 +111,8 @@ pub struct LoadSnapshot {
     /// The prefix cache: prompt tokens looked up, and found.
     pub prefix_query_tokens: AtomicU64,
     pub prefix_hit_tokens: AtomicU64,
+    /// What a pass costs here and the decode work under way (see `pacing`).
+    pub cost: CostBoard,
 }
 
 /// A cheap, cloneable way to reach the engine thread.
@@ -149,12 +155,14 @@ impl EngineHandle {
     }
 
     /// Queues a whole request (aggregated), or a prompt whose KV goes to `kv` (prefill).
+    /// `tpot_target`: the stream's TPOT target, which paces the prompt chunks beside it.
     pub async fn add(
         &self,
         prompt: Vec<u32>,
         sampling: SamplingParams,
         stop: StopParams,
         kv: Option<KvShipment>,
+        tpot_target: Option<Duration>,
         events: tmpsc::UnboundedSender<SeqEvent>,
     ) -> Result<SeqId, EngineError> {
         let guide = self.compile_guide(&sampling).await?;
@@ -166,6 +174,7 @@ impl EngineHandle {
                 stop,
                 guide,
                 kv,
+                tpot_target,
                 events,
                 reply,
             })
@@ -185,6 +194,7 @@ impl EngineHandle {
         sampling: SamplingParams,
         stop: StopParams,
         guide: Option<Guide>,
+        tpot_target: Option<Duration>,
         events: tmpsc::UnboundedSender<SeqEvent>,
     ) -> Result<SeqId, EngineError> {
         let (reply, rx) = oneshot::channel();
@@ -196,6 +206,7 @@ impl EngineHandle {
                 sampling,
                 stop,
                 guide,
+                tpot_target,
                 events,
                 reply,
             })
@@ -266,6 +277,7 @@ impl EngineHandle {
             draining,
             instance_id: instance_id.to_vec(),
             block_events,
+            step_cost: Some(self.load.cost.report()),
         }
     }
 
@@ -307,6 +319,8 @@ struct Entry {
     /// The step in which its first chunk ran: that step also ships the prompt's blocks
     /// before the chunk (a prefix the engine found cached and did not compute).
     first_step: Option<u64>,
+    /// The stream's TPOT target (decode-side sequences), which paces prompt chunks.
+    tpot_target: Option<Duration>,
 }
 
 /// Starts the engine thread. It ends when every handle is dropped.
@@ -329,6 +343,7 @@ pub fn spawn_engine(engine: Engine) -> std::io::Result<EngineHandle> {
 
 fn run(mut engine: Engine, rx: mpsc::Receiver<Command>, load: &LoadSnapshot) {
     let mut entries: HashMap<SeqId, Entry> = HashMap::new();
+    let mut pacer = Pacer::default();
     loop {
         // Block while idle; otherwise take whatever arrived since the last step.
         if !engine.has_work() {
@@ -354,8 +369,10 @@ fn run(mut engine: Engine, rx: mpsc::Receiver<Command>, load: &LoadSnapshot) {
         }
         if !engine.has_work() {
             publish(&engine, load);
+            pacer.publish(&engine, &load.cost);
             continue;
         }
+        pacer.before_pass(&mut engine, tightest_tpot(&entries));
         let now = Instant::now();
         // A GPU engine stages prompt KV on the host only for senders that read host bytes.
         let device_kv = engine.device_kv();
@@ -365,6 +382,7 @@ fn run(mut engine: Engine, rx: mpsc::Receiver<Command>, load: &LoadSnapshot) {
                 .any(|e| e.kv.as_ref().is_some_and(|kv| !kv.reads_device())),
         );
         let step = engine.stats().steps;
+        let started = Instant::now();
         let result =
             engine.step_with(&mut |layer: usize, cache: &KvCache, chunks: &[ChunkInfo]| {
                 for chunk in chunks {
@@ -425,6 +443,9 @@ fn run(mut engine: Engine, rx: mpsc::Receiver<Command>, load: &LoadSnapshot) {
                     }
                 }
             });
+        if engine.stats().steps > step {
+            pacer.after_pass(&engine, started.elapsed(), &load.cost);
+        }
         match result {
             Ok(outputs) => {
                 for out in outputs {
@@ -469,6 +490,7 @@ fn handle_command(engine: &mut Engine, entries: &mut HashMap<SeqId, Entry>, cmd:
             stop,
             guide,
             kv,
+            tpot_target,
             events,
             reply,
         } => {
@@ -505,6 +527,7 @@ fn handle_command(engine: &mut Engine, entries: &mut HashMap<SeqId, Entry>, cmd:
                         added: Instant::now(),
                         first_run: None,
                         first_step: None,
+                        tpot_target,
                     },
                 );
             }
@@ -517,6 +540,7 @@ fn handle_command(engine: &mut Engine, entries: &mut HashMap<SeqId, Entry>, cmd:
             sampling,
             stop,
             guide,
+            tpot_target,
             events,
             reply,
         } => {
@@ -538,6 +562,7 @@ fn handle_command(engine: &mut Engine, entries: &mut HashMap<SeqId, Entry>, cmd:
                             added: Instant::now(),
                             first_run: None,
                             first_step: None,
+                            tpot_target,
                         },
                     );
                 }
@@ -616,6 +641,15 @@ fn deliver(engine: &mut Engine, entries: &mut HashMap<SeqId, Entry>, out: StepOu
         // A closed channel is handled before the next step.
         let _ = events.send(ev);
     }
+}
+
+/// The tightest TPOT target of the streams here (prefill-only sequences have none).
+fn tightest_tpot(entries: &HashMap<SeqId, Entry>) -> Option<Duration> {
+    entries
+        .values()
+        .filter(|e| e.kv.is_none())
+        .filter_map(|e| e.tpot_target)
+        .min()
 }
 
 fn publish(engine: &Engine, load: &LoadSnapshot) {
@@ -699,6 +733,7 @@ mod tests {
                     first_block: 0,
                     pulled: None,
                 }),
+                None,
                 events,
             )
             .await

@@ -98,6 +98,9 @@ pub fn engine_config(args: &EngineArgs) -> Result<EngineConfig, String> {
 /// Chooses the kernels' instruction set and sizes the compute threads (the kernels' team and
 /// rayon's pool); call once, after [`engine_config`] and before loading.
 pub fn init_compute(args: &EngineArgs) -> Result<(), String> {
+    // First, so that every thread started from here on (the runtime, the compute pools,
+    // the engine's thread) inherits it.
+    set_cpu_priority(&args.cpu_priority)?;
     let chosen = match &args.isa {
         Some(name) => Isa::require(name)
             .and_then(select_isa)
@@ -132,6 +135,32 @@ pub fn init_compute(args: &EngineArgs) -> Result<(), String> {
         tracing::warn!(error = %e, "compute pool already initialised");
     }
     Ok(())
+}
+
+/// Puts the calling thread, and every thread it starts afterwards, at `priority`
+/// (`--cpu-priority`): `idle` is Linux's SCHED_IDLE, which runs only on cycles that no
+/// normal-priority thread wants.
+fn set_cpu_priority(priority: &str) -> Result<(), String> {
+    match priority {
+        "normal" => Ok(()),
+        #[cfg(target_os = "linux")]
+        "idle" => {
+            let param = libc::sched_param { sched_priority: 0 };
+            // SAFETY: pid 0 is the calling thread; `param` is a valid sched_param for it.
+            let rc = unsafe { libc::sched_setscheduler(0, libc::SCHED_IDLE, &param) };
+            if rc != 0 {
+                return Err(format!(
+                    "--cpu-priority idle: {}",
+                    std::io::Error::last_os_error()
+                ));
+            }
+            tracing::info!("CPU priority idle: this worker runs on cycles the others leave");
+            Ok(())
+        }
+        other => Err(format!(
+            "--cpu-priority `{other}` is not available on this system (normal only)"
+        )),
+    }
 }
 
 /// The credentials, after refusing a non-loopback listen address without a secret. (The

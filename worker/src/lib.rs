@@ -10,6 +10,7 @@ pub mod actor;
 pub mod args;
 pub mod convert;
 mod error;
+pub mod pacing;
 pub mod service;
 pub mod startup;
 pub mod telemetry;

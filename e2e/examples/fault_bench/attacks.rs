@@ -72,6 +72,7 @@ fn endless_generate(request_id: &str, prompt_tokens: u32) -> GenerateRequest {
         mode: Mode::Disaggregated as i32,
         lease_ttl_ms: u32::MAX,
         local_prefill_below: 0,
+        tpot_target_ms: 0,
     }
 }
 

@@ -59,6 +59,7 @@ use crate::types::SeqId;
 
 pub use admission::{first_token_output, validate_request};
 pub use kv_io::ReceivedKv;
+pub use tandem_cost::StepShape;
 
 /// Engine sizing.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -141,6 +142,11 @@ pub struct Engine {
     prefix_salt: Option<tandem_kv::BlockHash>,
     /// Where the forward pass runs (`cache` is the KV itself on the CPU, staging on a GPU).
     backend: Box<dyn ComputeBackend>,
+    /// Prompt tokens a pass may add beside its decode rows (`None`: the token budget alone;
+    /// see [`Engine::set_prompt_allowance`]).
+    prompt_allowance: Option<usize>,
+    /// The shape of the last pass (for the worker's cost fit).
+    last_pass: StepShape,
 }
 
 impl std::fmt::Debug for Engine {
@@ -218,6 +224,8 @@ impl Engine {
             guides,
             stats: EngineStats::default(),
             backend,
+            prompt_allowance: None,
+            last_pass: StepShape::default(),
         })
     }
 
@@ -279,6 +287,36 @@ impl Engine {
 
     pub fn context_len(&self) -> usize {
         self.model.config().max_position_embeddings
+    }
+
+    /// Caps the prompt tokens of each pass that also runs decode rows (`None`: only the
+    /// token budget does; 0: the next pass runs its decode rows alone). A decode worker sizes
+    /// it so its streams' steps stay within their TPOT target, lending prompts the rest
+    /// (Sarathi-Serve's stall-free batching). A pass without decode rows is not capped:
+    /// nobody waits on its length but the prompt itself.
+    pub fn set_prompt_allowance(&mut self, tokens: Option<usize>) {
+        self.prompt_allowance = tokens;
+    }
+
+    /// The shape of the last pass: its sampled rows, other tokens and attention pairs.
+    pub fn last_pass(&self) -> StepShape {
+        self.last_pass
+    }
+
+    /// The decode rows the next pass runs (running sequences past their prompt) and their
+    /// context, as a pass shape; and where the first prompt under way stands (its computed
+    /// tokens), for sizing the chunk beside them.
+    pub fn decode_load(&self) -> (StepShape, u64) {
+        let (mut rows, mut context, mut prompt_at) = (0u64, 0u64, None);
+        for seq in self.running.iter().filter_map(|id| self.seqs.get(id)) {
+            if seq.pending() <= 1 {
+                rows += 1;
+                context += seq.tokens.len() as u64;
+            } else {
+                prompt_at.get_or_insert(seq.computed as u64);
+            }
+        }
+        (StepShape::decode(rows, context), prompt_at.unwrap_or(0))
     }
 
     /// Removes a request (every choice of it) wherever it is and frees its blocks. Returns

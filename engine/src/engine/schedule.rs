@@ -21,35 +21,60 @@ pub(super) struct Planned {
 const PROMPT_LOGPROBS_CHUNK: usize = 256;
 
 impl Engine {
-    /// Picks this step's work: running sequences first (decode tokens, then the next chunk
-    /// of prompts under way), then waiting ones as the budget, the running limit and the pool
+    /// Picks this step's work: the decode rows of running sequences first (a prompt chunk
+    /// must never crowd a stream out of its step), then the next chunk of prompts under way,
+    /// then waiting ones, as the budget, the prompt allowance, the running limit and the pool
     /// allow.
     pub(super) fn schedule(&mut self) -> Vec<Planned> {
         let mut plan = Vec::new();
         let mut budget = self.config.max_batch_tokens;
-        self.plan_running(&mut plan, &mut budget);
+        let ids = self.running.clone();
+        self.plan_running(&ids, true, &mut plan, &mut budget);
+        // Beside decode rows, prompts get what the allowance lends them.
+        if !plan.is_empty()
+            && let Some(allowance) = self.prompt_allowance
+        {
+            budget = budget.min(allowance);
+        }
+        self.plan_running(&ids, false, &mut plan, &mut budget);
         self.admit_waiting(&mut plan, &mut budget);
+        // A prompt chunk's growth may have preempted a sequence planned before it.
+        plan.retain(|p| self.running.contains(&p.id));
         plan
     }
 
-    /// Running sequences: decode tokens, and the next chunk of prompts in progress.
-    fn plan_running(&mut self, plan: &mut Vec<Planned>, budget: &mut usize) {
-        let mut i = 0;
-        while i < self.running.len() && *budget > 0 {
-            let id = self.running[i];
+    /// Running sequences among `ids` (a snapshot, oldest first): their decode rows
+    /// (`decoding`), or the next chunk of their prompts.
+    fn plan_running(
+        &mut self,
+        ids: &[SeqId],
+        decoding: bool,
+        plan: &mut Vec<Planned>,
+        budget: &mut usize,
+    ) {
+        for &id in ids {
+            if *budget == 0 {
+                break;
+            }
+            // Preempted since the snapshot (by another's growth).
+            if !self.running.contains(&id) {
+                continue;
+            }
             let seq = &self.seqs[&id];
+            if (seq.pending() <= 1) != decoding {
+                continue;
+            }
             let start = seq.computed;
             let len = chunk_len(seq.pending(), row_budget(seq, *budget));
             if len == 0 {
-                break;
+                continue;
             }
             if !self.grow(id, start + len) {
-                // `id` itself was preempted; everything after it in `running` too.
-                break;
+                // `id` itself was preempted, and every younger sequence with it.
+                continue;
             }
             plan.push(Planned { id, start, len });
             *budget -= len;
-            i += 1;
         }
     }
 

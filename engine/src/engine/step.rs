@@ -9,8 +9,8 @@ use std::collections::HashMap;
 use tandem_kv::{FREED_BLOCK, KvCache};
 use tandem_text::{Allowed, Guide, TextError};
 
-use super::Engine;
 use super::schedule::Planned;
+use super::{Engine, StepShape};
 use crate::backend::{Batch, Logits};
 use crate::error::Result;
 use crate::model::SeqInput;
@@ -25,6 +25,20 @@ struct Row {
     samples: bool,
     /// Every row that predicts a prompt token comes back too (prompt logprobs).
     all_rows: bool,
+}
+
+/// What a pass computes, for the cost fit: a chunk's rows that return logits count as
+/// sampled rows (the head runs on them), the rest as other tokens.
+fn pass_shape(rows: &[Row]) -> StepShape {
+    rows.iter().fold(StepShape::default(), |shape, row| {
+        let (start, len) = (row.planned.start as u64, row.planned.len as u64);
+        let mut chunk = StepShape::chunk(start, len, row.samples);
+        if row.all_rows {
+            chunk.sampled_rows += chunk.other_tokens;
+            chunk.other_tokens = 0.0;
+        }
+        shape.plus(chunk)
+    })
 }
 
 /// A grammar taken from its sequence for the pass, with the mask it computed.
@@ -46,6 +60,7 @@ impl Engine {
         if rows.is_empty() {
             return Ok(Vec::new());
         }
+        self.last_pass = pass_shape(&rows);
         let guides = self.take_guides(&rows);
         let (logits, masked) = self.forward(&rows, guides, on_layer);
         let allowed = self.restore_guides(masked);

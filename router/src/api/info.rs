@@ -13,6 +13,8 @@ use super::extract::ApiJson;
 use super::state::AppState;
 use super::validate;
 use crate::error::{ApiError, TgiError};
+use crate::routing::PlacementKind;
+use clap::ValueEnum;
 
 /// `GET /v1/models/{id}`: the served model's object, or 404 `model_not_found`.
 pub async fn model(State(state): State<AppState>, Path(id): Path<String>) -> Response {
@@ -174,13 +176,25 @@ pub async fn detokenize(
     }
 }
 
-/// `GET /info`: TGI's description of the deployment, with the limits tandem enforces.
+/// `GET /info`: TGI's description of the deployment, with the limits tandem enforces, and
+/// its placement, latency targets and what SLO placement has learned.
 pub async fn tgi_info(State(state): State<AppState>) -> Response {
     let model = match state.model() {
         Ok(m) => m,
         Err(e) => return TgiError(e).into_response(),
     };
     let context = model.context_length;
+    let slo = state.config().slo;
+    let calibration = state
+        .flow()
+        .calibration
+        .lock()
+        .map(|c| *c)
+        .unwrap_or_default();
+    let ratios = |kind| {
+        let [ttft, tpot] = calibration.ratios(kind);
+        json!({ "ttft": ttft, "tpot": tpot })
+    };
     axum::Json(json!({
         "model_id": model.name,
         "model_sha": null,
@@ -196,6 +210,17 @@ pub async fn tgi_info(State(state): State<AppState>) -> Response {
         "version": env!("CARGO_PKG_VERSION"),
         "sha": null,
         "docker_label": null,
+        "placement": state.config().placement.to_possible_value().map(|v| v.get_name().to_string()),
+        "slo": {
+            "ttft_ms": slo.ttft_ms,
+            "ttft_per_token_ms": slo.ttft_per_token_ms,
+            "tpot_ms": slo.tpot_ms,
+        },
+        // Measured over predicted, as SLO placement has learned it (1: as the model says).
+        "slo_calibration": {
+            "aggregated": ratios(PlacementKind::Aggregated),
+            "disaggregated": ratios(PlacementKind::Disaggregated),
+        },
     }))
     .into_response()
 }

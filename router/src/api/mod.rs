@@ -32,6 +32,7 @@ use tracing::Instrument;
 
 use crate::error::{ApiError, ApiFlavor};
 use crate::metrics as m;
+use crate::routing::SloAsked;
 use launch::record_rejection;
 use state::{AppState, RequestId};
 
@@ -91,7 +92,8 @@ fn new_request_id() -> String {
     format!("{:032x}", rand::random::<u128>())
 }
 
-/// Assigns the request id, opens the request's span, and echoes the id on the response.
+/// Assigns the request id, reads the request's latency targets (400 for a bad one), opens
+/// the request's span, and echoes the id on the response.
 async fn request_context(mut req: Request, next: Next) -> Response {
     let id = req
         .headers()
@@ -99,9 +101,21 @@ async fn request_context(mut req: Request, next: Next) -> Response {
         .and_then(|v| v.to_str().ok())
         .filter(|v| is_sane_request_id(v))
         .map_or_else(new_request_id, str::to_string);
-    req.extensions_mut().insert(RequestId(id.clone()));
     let span = tracing::info_span!("request", request_id = %id, method = %req.method(), path = %req.uri().path());
-    let mut response = next.run(req).instrument(span).await;
+    let mut response = match SloAsked::from_headers(req.headers()) {
+        Ok(slo) => {
+            req.extensions_mut().insert(RequestId(id.clone(), slo));
+            next.run(req).instrument(span).await
+        }
+        Err(message) => {
+            let e = ApiError::Invalid {
+                message,
+                param: None,
+            };
+            span.in_scope(|| record_rejection(&e));
+            e.into_response_for(flavor_of_path(req.uri().path()))
+        }
+    };
     if let Ok(v) = HeaderValue::from_str(&id) {
         response.headers_mut().insert("x-request-id", v);
     }

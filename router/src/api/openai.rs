@@ -228,7 +228,7 @@ pub(crate) fn message_text(content: Option<Value>, i: usize) -> Result<String, A
 /// (for `min_tokens`' error).
 fn flow_request(
     model: &ServedModel,
-    request_id: &str,
+    id: &RequestId,
     prompt: Vec<u32>,
     budget: (u32, &str),
     p: &Params,
@@ -237,7 +237,8 @@ fn flow_request(
 ) -> Result<FlowRequest, ApiError> {
     let (max_tokens, max_tokens_param) = budget;
     Ok(FlowRequest {
-        request_id: request_id.to_string(),
+        request_id: id.0.clone(),
+        slo: state.config().slo.for_request(id.1, prompt.len()),
         prompt,
         sampling: p.sampling.clone(),
         stop: StopParams {
@@ -264,7 +265,7 @@ enum Kind {
 /// `POST /v1/completions`.
 pub async fn completions(
     State(state): State<AppState>,
-    Extension(RequestId(request_id)): Extension<RequestId>,
+    Extension(id): Extension<RequestId>,
     body: Result<ApiJson<CompletionRequest>, ApiError>,
 ) -> Response {
     let arrival = Instant::now();
@@ -340,7 +341,7 @@ pub async fn completions(
         )?;
         let req = flow_request(
             &model,
-            &request_id,
+            &id,
             prompt,
             (budget, "max_tokens"),
             &p,
@@ -365,7 +366,7 @@ pub async fn completions(
 /// `POST /v1/chat/completions`.
 pub async fn chat_completions(
     State(state): State<AppState>,
-    Extension(RequestId(request_id)): Extension<RequestId>,
+    Extension(id): Extension<RequestId>,
     body: Result<ApiJson<ChatRequest>, ApiError>,
 ) -> Response {
     let arrival = Instant::now();
@@ -429,15 +430,7 @@ pub async fn chat_completions(
             max_tokens: param,
         };
         let budget = validate::completion_budget(prompt.len(), requested, None, &model, fields)?;
-        let req = flow_request(
-            &model,
-            &request_id,
-            prompt,
-            (budget, param),
-            &p,
-            arrival,
-            &state,
-        )?;
+        let req = flow_request(&model, &id, prompt, (budget, param), &p, arrival, &state)?;
         Ok((model, req, p, in_flight))
     }
     .await;

@@ -11,6 +11,7 @@ use crate::config::RouterConfig;
 use crate::error::ApiError;
 use crate::flow::FlowContext;
 use crate::model::ServedModel;
+use crate::routing::SloAsked;
 use crate::workers::WorkerPool;
 
 /// Shared by every handler.
@@ -41,6 +42,8 @@ impl AppState {
         let flow = Arc::new(FlowContext {
             pool: Arc::clone(&pool),
             agg_threshold: config.agg_threshold,
+            placement: config.placement,
+            calibration: Default::default(),
             fallback: config.fallback,
             lease_ttl_ms: config.lease_ttl_ms,
             routing: config.routing,
@@ -116,6 +119,7 @@ impl AppState {
 }
 
 /// The request id of the request being served: the client's `x-request-id` when it is
-/// sane, else a fresh one. Every gRPC call and log line of the request carries it.
+/// sane, else a fresh one (every gRPC call and log line of the request carries it); and the
+/// latency targets its headers asked for.
 #[derive(Debug, Clone)]
-pub struct RequestId(pub String);
+pub struct RequestId(pub String, pub SloAsked);

@@ -123,7 +123,7 @@ fn refuse_unsupported(p: &TgiParameters) -> Result<(), ApiError> {
 
 async fn prepare(
     state: &AppState,
-    request_id: &str,
+    id: &RequestId,
     arrival: Instant,
     body: Result<ApiJson<TgiRequest>, ApiError>,
     stream: bool,
@@ -219,7 +219,8 @@ async fn prepare(
         prompt_details,
         in_flight,
         request: FlowRequest {
-            request_id: request_id.to_string(),
+            request_id: id.0.clone(),
+            slo: state.config().slo.for_request(id.1, prompt.len()),
             prompt,
             sampling,
             // With stop strings the last token cannot be foreseen, and a TGI stream must end
@@ -248,20 +249,20 @@ async fn prepare(
 /// `POST /generate`.
 pub async fn generate(
     State(state): State<AppState>,
-    Extension(RequestId(request_id)): Extension<RequestId>,
+    Extension(id): Extension<RequestId>,
     body: Result<ApiJson<TgiRequest>, ApiError>,
 ) -> Response {
-    generate_whole(state, request_id, body, false).await
+    generate_whole(state, id, body, false).await
 }
 
 /// A whole generation; `as_list` answers with a one-element list (TGI's `POST /`).
 async fn generate_whole(
     state: AppState,
-    request_id: String,
+    id: RequestId,
     body: Result<ApiJson<TgiRequest>, ApiError>,
     as_list: bool,
 ) -> Response {
-    let prepared = match prepare(&state, &request_id, Instant::now(), body, false).await {
+    let prepared = match prepare(&state, &id, Instant::now(), body, false).await {
         Ok(p) => p,
         Err(e) => {
             record_rejection(&e);
@@ -392,7 +393,7 @@ pub async fn compat(
     if stream {
         generate_stream(state, request_id, body).await
     } else {
-        let (State(state), Extension(RequestId(id))) = (state, request_id);
+        let (State(state), Extension(id)) = (state, request_id);
         generate_whole(state, id, body, true).await
     }
 }
@@ -400,10 +401,10 @@ pub async fn compat(
 /// `POST /generate_stream`.
 pub async fn generate_stream(
     State(state): State<AppState>,
-    Extension(RequestId(request_id)): Extension<RequestId>,
+    Extension(id): Extension<RequestId>,
     body: Result<ApiJson<TgiRequest>, ApiError>,
 ) -> Response {
-    let prepared = match prepare(&state, &request_id, Instant::now(), body, true).await {
+    let prepared = match prepare(&state, &id, Instant::now(), body, true).await {
         Ok(p) => p,
         Err(e) => {
             record_rejection(&e);

@@ -8,7 +8,9 @@ use super::aggregated::run_aggregated;
 use super::decode::{AttemptError, Live};
 use super::disaggregated::{DisaggError, run_disaggregated};
 use super::outcome::Timing;
+use super::place::place;
 use super::request::{FlowContext, FlowRequest};
+use crate::config::PlacementPolicy;
 use crate::error::ApiError;
 use crate::metrics as m;
 use crate::routing::{self, FallbackReason, ModeDecision, PromptNames};
@@ -70,13 +72,21 @@ async fn establish_on(
         &[],
         &ctx.rule(req, &ctx.prefill_turn),
     );
-    let mut decision = routing::decide_mode(
-        req.prompt.len(),
-        ctx.agg_threshold,
-        ctx.pool.prefill_configured(),
-        first_prefill,
-        ctx.fallback,
-    );
+    let by_slo = match ctx.placement {
+        PlacementPolicy::Slo if ctx.pool.prefill_configured() => {
+            place(ctx, req, decode, names, timing)
+        }
+        _ => None,
+    };
+    let mut decision = by_slo.unwrap_or_else(|| {
+        routing::decide_mode(
+            req.prompt.len(),
+            ctx.agg_threshold,
+            ctx.pool.prefill_configured(),
+            first_prefill,
+            ctx.fallback,
+        )
+    });
     let mut tried_prefill: Vec<usize> = Vec::new();
     let mut last_prefill_error: Option<ApiError> = None;
     loop {

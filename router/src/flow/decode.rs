@@ -12,6 +12,7 @@ use tonic::Streaming;
 
 use super::events::Head;
 use super::request::{FlowContext, FlowRequest};
+use crate::config::PlacementPolicy;
 use crate::error::ApiError;
 use crate::workers::{Worker, status_means_worker_down};
 
@@ -74,6 +75,11 @@ pub(super) fn generate_request(
         local_prefill_below: match mode {
             Mode::Disaggregated => ctx.agg_threshold,
             _ => 0,
+        },
+        // Under SLO placement the decode worker paces prompt chunks to its streams' targets.
+        tpot_target_ms: match ctx.placement {
+            PlacementPolicy::Slo => req.slo.tpot_ms.ceil().clamp(1.0, f64::from(u32::MAX)) as u32,
+            PlacementPolicy::Static => 0,
         },
     }
 }

@@ -18,7 +18,8 @@
 //! name their choice, and the flow ends after the n-th finish (which says it is the last).
 //!
 //! This file starts the request task and runs it through the steps, each in its own file:
-//! `attempt` (workers, retries, fallback) up to the head, won by `aggregated::run_aggregated`
+//! `attempt` (workers, retries, fallback; `place` when placing by the latency targets) up to
+//! the head, won by `aggregated::run_aggregated`
 //! or `disaggregated::run_disaggregated`; then `pump`. `request` and `events` are what goes
 //! in and comes out, `decode` is the decode worker's stream as every step reads it, and
 //! `outcome` what a request leaves in the metrics.
@@ -29,6 +30,7 @@ mod decode;
 mod disaggregated;
 mod events;
 mod outcome;
+mod place;
 mod pump;
 mod request;
 
@@ -136,6 +138,9 @@ async fn drive(
         return record_outcome(&Outcome::Cancelled(Some(mode)), req.arrival);
     }
     let outcome = pump::pump(live, &req, &tx, &mut timing).await;
+    if matches!(outcome, Outcome::Ok(..)) {
+        timing.settle(&req.slo, req.sampling.n <= 1, &ctx.calibration);
+    }
     match &outcome {
         Outcome::Ok(_, f) => tracing::info!(
             mode = mode.as_str(),

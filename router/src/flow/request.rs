@@ -2,14 +2,14 @@
 //! validated, tokenized `FlowRequest` the HTTP layer hands over, and the `FlowContext` (the
 //! worker pool and the configuration that decide where and how a request runs).
 
-use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use tandem_proto::v1::{SamplingParams, StopParams};
 
-use crate::config::{FallbackPolicy, RoutingPolicy};
-use crate::routing::PickRule;
+use crate::config::{FallbackPolicy, PlacementPolicy, RoutingPolicy};
+use crate::routing::{Calibration, PickRule, RequestSlo};
 use crate::workers::WorkerPool;
 
 /// What the flow needs from the router's configuration.
@@ -17,6 +17,9 @@ use crate::workers::WorkerPool;
 pub struct FlowContext {
     pub pool: Arc<WorkerPool>,
     pub agg_threshold: u32,
+    pub placement: PlacementPolicy,
+    /// What SLO placement learned of its predictions (see `routing::placement`).
+    pub calibration: Mutex<Calibration>,
     pub fallback: FallbackPolicy,
     pub lease_ttl_ms: u32,
     pub routing: RoutingPolicy,
@@ -47,6 +50,8 @@ impl FlowContext {
 #[derive(Debug, Clone)]
 pub struct FlowRequest {
     pub request_id: String,
+    /// Its latency targets (the deployment's, or what its headers asked for).
+    pub slo: RequestSlo,
     pub prompt: Vec<u32>,
     pub sampling: SamplingParams,
     pub stop: StopParams,

@@ -2,13 +2,21 @@
 //! snapshots of worker load, with no I/O, so they are unit-tested here and could move to a
 //! crate of their own (as Dynamo's `kv-router` did). `workers` builds the snapshots;
 //! `flow` acts on the decisions. `prefix_index` follows what each worker's prefix cache
-//! holds, from the block events on its load reports.
+//! holds, from the block events on its load reports. `slo` holds the latency targets, and
+//! `placement` predicts, from the workers' cost models, where a request meets them.
 
+pub mod placement;
 pub mod policy;
 pub mod prefix_index;
+pub mod slo;
 
+pub use placement::{
+    Calibration, CostView, Placement, PlacementKind, Prediction, choose, predict_aggregated,
+    predict_disaggregated,
+};
 pub use policy::{
     DecodeCandidate, FallbackReason, ModeDecision, PickRule, PrefillCandidate, blocks_for_tokens,
     decide_after_prefill_failure, decide_mode, pick_decode, pick_prefill,
 };
 pub use prefix_index::{PrefixIndex, PromptNames};
+pub use slo::{RequestSlo, SloAsked, SloTargets};

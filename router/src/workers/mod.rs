@@ -28,7 +28,7 @@ use tandem_proto::v1::prefill_service_client::PrefillServiceClient;
 use tandem_proto::v1::{LoadReport, Role, Transport, WorkerInfo};
 
 use crate::metrics as m;
-use crate::routing::{DecodeCandidate, PrefillCandidate, PrefixIndex, PromptNames};
+use crate::routing::{CostView, DecodeCandidate, PrefillCandidate, PrefixIndex, PromptNames};
 
 /// Largest gRPC message the router accepts (a `tokenizer.json` can be several MiB).
 const MAX_MESSAGE_BYTES: usize = 64 << 20;
@@ -166,6 +166,24 @@ impl Worker {
         self.pending_requests.fetch_add(1, Ordering::Relaxed);
         self.pending_tokens
             .fetch_add(prompt_tokens, Ordering::Relaxed);
+    }
+
+    /// Records prompt tokens sent to this worker to compute itself (an aggregated request),
+    /// until the next load report accounts for them.
+    pub fn note_prompt_tokens(&self, tokens: u64) {
+        self.pending_tokens.fetch_add(tokens, Ordering::Relaxed);
+    }
+
+    /// Its costs and work as SLO placement sees them (see `routing::placement`); `None`
+    /// until it has reported a fitted cost model.
+    pub fn cost_view(&self) -> Option<CostView> {
+        let s = self.state();
+        let load = s.load.as_ref()?;
+        let rows = match self.role {
+            WorkerRole::Decode => u64::from(self.pending_requests.load(Ordering::Relaxed)),
+            WorkerRole::Prefill => 0,
+        };
+        CostView::from_report(load, rows, self.pending_tokens.load(Ordering::Relaxed))
     }
 
     /// After a request saw this worker fail: a failure of the connection or the process

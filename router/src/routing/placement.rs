@@ -1,0 +1,445 @@
+//! SLO placement (`--placement slo`): for a request and the decode worker routing picked,
+//! predict each placement's TTFT and what it does to the decode worker's streams' TPOT, from
+//! the cost models the workers fit to their own passes (`tandem_cost`, on every load
+//! report), and pick the one that meets both targets with the most room (else the one that
+//! misses least). The placements:
+//!
+//! - **disaggregated on prefill worker P**: TTFT is P's queued prompt tokens and then this
+//!   prompt (less what P's cache holds) in full passes; the streams' passes gain one row.
+//! - **aggregated on the decode worker**: its queued prompt tokens and this prompt run in
+//!   chunks beside its streams, each chunk sized as the worker sizes it (the most prompt
+//!   tokens that keep a pass within the TPOT target, `Coefficients::chunk_allowance`);
+//!   the streams' passes stay within the target while it runs.
+//!
+//! Predictions are kept honest by what the requests then measure: `Calibration` keeps, per
+//! placement kind and metric, a running ratio of measured to predicted and scales later
+//! predictions by it (what the cost model leaves out: the KV transfer, the gRPC hops, queues
+//! that formed between two load reports).
+
+use tandem_cost::{Coefficients, StepShape, TPOT_HEADROOM};
+use tandem_proto::v1::LoadReport;
+
+use super::slo::RequestSlo;
+
+/// The granule of a prompt chunk (whole KV blocks).
+const CHUNK_GRANULE: u64 = tandem_kv::BLOCK_SIZE as u64;
+
+/// What routing knows of one worker's costs and work: its last load report's cost model,
+/// and what was sent to it since.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct CostView {
+    pub coefficients: Coefficients,
+    /// Decode rows under way (reported plus dispatched since).
+    pub decode_rows: u64,
+    pub decode_context: u64,
+    /// Prompt tokens ahead of a new prompt (reported plus dispatched since).
+    pub queued_prompt_tokens: u64,
+    /// Tokens one pass may run.
+    pub max_batch_tokens: u64,
+}
+
+impl CostView {
+    /// The view of a worker whose last report is `load`, with `pending_rows` requests and
+    /// `pending_tokens` prompt tokens sent to it since; `None` before its first fitted pass.
+    pub fn from_report(load: &LoadReport, pending_rows: u64, pending_tokens: u64) -> Option<Self> {
+        let cost = load.step_cost.as_ref()?;
+        let coefficients = Coefficients {
+            base_ms: cost.base_ms,
+            per_row_ms: cost.per_row_ms,
+            per_token_ms: cost.per_token_ms,
+            per_mpair_ms: cost.per_mpair_ms,
+        };
+        let finite = [
+            cost.base_ms,
+            cost.per_row_ms,
+            cost.per_token_ms,
+            cost.per_mpair_ms,
+        ]
+        .iter()
+        .all(|v| v.is_finite() && *v >= 0.0);
+        if !finite || !coefficients.is_fitted() {
+            return None;
+        }
+        let rows = u64::from(cost.decode_rows).saturating_add(pending_rows);
+        // A dispatched stream's context is not reported yet: count it at the mean of the others.
+        let mean_context = cost
+            .decode_context_tokens
+            .checked_div(u64::from(cost.decode_rows))
+            .unwrap_or(0);
+        Some(Self {
+            coefficients,
+            decode_rows: rows,
+            decode_context: cost
+                .decode_context_tokens
+                .saturating_add(pending_rows.saturating_mul(mean_context)),
+            queued_prompt_tokens: load.queued_prefill_tokens.saturating_add(pending_tokens),
+            max_batch_tokens: u64::from(cost.max_batch_tokens).max(CHUNK_GRANULE),
+        })
+    }
+
+    /// A decode worker that has not run a prompt chunk yet cannot price one: it borrows the
+    /// prompt costs of a worker that has (the same model; a first guess its own passes
+    /// correct once it runs one).
+    pub fn borrow_prompt_costs(&mut self, from: &CostView) {
+        if !self.coefficients.knows_prompts() && from.coefficients.knows_prompts() {
+            self.coefficients.per_token_ms = from.coefficients.per_token_ms;
+            self.coefficients.per_mpair_ms = self
+                .coefficients
+                .per_mpair_ms
+                .max(from.coefficients.per_mpair_ms);
+        }
+    }
+
+    fn streams(&self) -> StepShape {
+        StepShape::decode(self.decode_rows, self.decode_context)
+    }
+
+    /// The streams' pass once a new stream of `context` tokens joins them.
+    fn pass_with_one_more(&self, context: u64) -> f64 {
+        let shape = StepShape::decode(self.decode_rows + 1, self.decode_context + context);
+        self.coefficients.step_ms(&shape)
+    }
+
+    /// Time for this worker to run `queued` prompt tokens ahead and then `tokens` of this
+    /// prompt after `cached` ones, in chunks of `chunk` beside `beside`. The queue is priced
+    /// per token at this prompt's rate (the queued prompts' own lengths are not reported).
+    fn prompt_ms(&self, beside: StepShape, cached: u64, tokens: u64, chunk: u64) -> f64 {
+        let (own, _) = self
+            .coefficients
+            .prompt_ms(beside, cached, tokens.max(1), chunk);
+        let per_token = own / tokens.max(1) as f64;
+        own + per_token * self.queued_prompt_tokens as f64
+    }
+}
+
+/// Where a request runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Placement {
+    Aggregated,
+    Disaggregated { prefill: usize },
+}
+
+impl Placement {
+    pub fn kind(self) -> PlacementKind {
+        match self {
+            Placement::Aggregated => PlacementKind::Aggregated,
+            Placement::Disaggregated { .. } => PlacementKind::Disaggregated,
+        }
+    }
+}
+
+/// A placement without its worker, for calibration and metric labels.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PlacementKind {
+    Aggregated,
+    Disaggregated,
+}
+
+impl PlacementKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PlacementKind::Aggregated => "aggregated",
+            PlacementKind::Disaggregated => "disaggregated",
+        }
+    }
+
+    fn index(self) -> usize {
+        self as usize
+    }
+}
+
+/// A placement's predicted TTFT for the request and TPOT for the streams it joins.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Prediction {
+    pub ttft_ms: f64,
+    pub tpot_ms: f64,
+}
+
+impl Prediction {
+    /// How close to its targets it runs: the larger of the two ratios (at most 1 meets both).
+    pub fn pressure(&self, slo: &RequestSlo) -> f64 {
+        (self.ttft_ms / slo.ttft_ms).max(self.tpot_ms / slo.tpot_ms)
+    }
+}
+
+/// The prompt on `prefill` (which holds `prefill_cached` of its tokens), the stream on
+/// `decode`.
+pub fn predict_disaggregated(
+    prefill: &CostView,
+    decode: &CostView,
+    prompt: u64,
+    prefill_cached: u64,
+) -> Prediction {
+    let cached = prefill_cached.min(prompt.saturating_sub(1));
+    let ttft = prefill.prompt_ms(
+        StepShape::default(),
+        cached,
+        prompt - cached,
+        prefill.max_batch_tokens,
+    );
+    Prediction {
+        ttft_ms: ttft,
+        tpot_ms: decode.pass_with_one_more(prompt),
+    }
+}
+
+/// The prompt and the stream on `decode` (which holds `decode_cached` of its tokens): alone
+/// it runs in full passes; beside streams it gets their slack under the worker's pacing
+/// (`tandem_cost::Pacing`), and the streams run at their target while it does.
+pub fn predict_aggregated(
+    decode: &CostView,
+    prompt: u64,
+    decode_cached: u64,
+    tpot_ms: f64,
+) -> Prediction {
+    let cached = decode_cached.min(prompt.saturating_sub(1));
+    let tokens = prompt - cached;
+    let after = decode.pass_with_one_more(prompt);
+    if decode.decode_rows == 0 {
+        return Prediction {
+            ttft_ms: decode.prompt_ms(
+                StepShape::default(),
+                cached,
+                tokens,
+                decode.max_batch_tokens,
+            ),
+            tpot_ms: after,
+        };
+    }
+    let target = tpot_ms * TPOT_HEADROOM;
+    let paced = |start, tokens| {
+        decode.coefficients.paced_prompt_ms(
+            decode.streams(),
+            start,
+            tokens,
+            target,
+            decode.max_batch_tokens,
+            CHUNK_GRANULE,
+        )
+    };
+    let own = paced(cached, tokens);
+    let queue = own / tokens.max(1) as f64 * decode.queued_prompt_tokens as f64;
+    let streams = decode.coefficients.step_ms(&decode.streams());
+    Prediction {
+        ttft_ms: own + queue,
+        tpot_ms: after.max(streams.max(target)),
+    }
+}
+
+/// The placement with the least pressure (see [`Prediction::pressure`]); between equals the
+/// first listed. `None` for no options.
+pub fn choose(
+    options: &[(Placement, Prediction)],
+    slo: &RequestSlo,
+) -> Option<(Placement, Prediction)> {
+    options
+        .iter()
+        .copied()
+        .min_by(|a, b| a.1.pressure(slo).total_cmp(&b.1.pressure(slo)))
+}
+
+/// How much a measured value may pull its ratio each time (an exponential average over
+/// about the last 20 requests).
+const CALIBRATION_WEIGHT: f64 = 0.05;
+/// The ratio is held within this range: a wild measurement must not make the model useless.
+const RATIO_RANGE: (f64, f64) = (0.25, 4.0);
+
+/// Running ratios of measured to predicted, per placement kind and metric (TTFT, TPOT).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Calibration {
+    ratios: [[f64; 2]; 2],
+}
+
+impl Default for Calibration {
+    fn default() -> Self {
+        Self {
+            ratios: [[1.0; 2]; 2],
+        }
+    }
+}
+
+impl Calibration {
+    /// `raw` as this calibration corrects it for `kind`.
+    pub fn correct(&self, kind: PlacementKind, raw: Prediction) -> Prediction {
+        let r = self.ratios[kind.index()];
+        Prediction {
+            ttft_ms: raw.ttft_ms * r[0],
+            tpot_ms: raw.tpot_ms * r[1],
+        }
+    }
+
+    /// Learns from a request placed as `kind` with the raw prediction `raw` that measured
+    /// `ttft_ms` and (with two tokens or more) `tpot_ms`.
+    pub fn learn(
+        &mut self,
+        kind: PlacementKind,
+        raw: Prediction,
+        ttft_ms: f64,
+        tpot_ms: Option<f64>,
+    ) {
+        let r = &mut self.ratios[kind.index()];
+        let update = |slot: &mut f64, predicted: f64, measured: f64| {
+            if predicted > 0.0 && measured.is_finite() && measured >= 0.0 {
+                let ratio = (measured / predicted).clamp(RATIO_RANGE.0, RATIO_RANGE.1);
+                *slot += CALIBRATION_WEIGHT * (ratio - *slot);
+            }
+        };
+        update(&mut r[0], raw.ttft_ms, ttft_ms);
+        if let Some(tpot) = tpot_ms {
+            update(&mut r[1], raw.tpot_ms, tpot);
+        }
+    }
+
+    /// The ratios, for `/info`: `[ttft, tpot]` per kind.
+    pub fn ratios(&self, kind: PlacementKind) -> [f64; 2] {
+        self.ratios[kind.index()]
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tandem_proto::v1::StepCost;
+
+    /// A CPU-like worker: 2 ms a pass, 1 ms a row, 4 ms a prompt token, 30 ms per million
+    /// attention pairs.
+    fn cost() -> Coefficients {
+        Coefficients {
+            base_ms: 2.0,
+            per_row_ms: 1.0,
+            per_token_ms: 4.0,
+            per_mpair_ms: 30.0,
+        }
+    }
+
+    fn view(rows: u64, queued: u64) -> CostView {
+        CostView {
+            coefficients: cost(),
+            decode_rows: rows,
+            decode_context: rows * 600,
+            queued_prompt_tokens: queued,
+            max_batch_tokens: 512,
+        }
+    }
+
+    fn slo() -> RequestSlo {
+        RequestSlo {
+            ttft_ms: 1000.0 + 1.5 * 2048.0,
+            tpot_ms: 60.0,
+        }
+    }
+
+    #[test]
+    fn reports_become_views_with_what_was_sent_since() {
+        let load = LoadReport {
+            queued_prefill_tokens: 100,
+            step_cost: Some(StepCost {
+                base_ms: 2.0,
+                per_row_ms: 1.0,
+                per_token_ms: 4.0,
+                per_mpair_ms: 30.0,
+                passes: 50,
+                decode_rows: 4,
+                decode_context_tokens: 4000,
+                max_batch_tokens: 512,
+                prompt_allowance: 0,
+            }),
+            ..Default::default()
+        };
+        let v = CostView::from_report(&load, 2, 64).unwrap();
+        assert_eq!(v.decode_rows, 6);
+        assert_eq!(v.decode_context, 6000);
+        assert_eq!(v.queued_prompt_tokens, 164);
+        // Nothing fitted yet, or nonsense from a peer: no view.
+        assert_eq!(CostView::from_report(&LoadReport::default(), 0, 0), None);
+        let mut bad = load.clone();
+        bad.step_cost.as_mut().unwrap().per_mpair_ms = f64::NAN;
+        assert_eq!(CostView::from_report(&bad, 0, 0), None);
+        bad.step_cost.as_mut().unwrap().per_mpair_ms = -1.0;
+        assert_eq!(CostView::from_report(&bad, 0, 0), None);
+    }
+
+    #[test]
+    fn an_idle_prefill_worker_wins_a_long_prompt_over_busy_streams() {
+        let prefill = view(0, 0);
+        let decode = view(8, 0);
+        let slo = slo();
+        let disagg = predict_disaggregated(&prefill, &decode, 2048, 0);
+        let agg = predict_aggregated(&decode, 2048, 0, slo.tpot_ms);
+        // Beside 8 streams the prompt gets their slack: it starts later than alone.
+        assert!(agg.ttft_ms > disagg.ttft_ms, "{agg:?} vs {disagg:?}");
+        // The streams run at their target while it does; disaggregated, below it.
+        assert!(
+            (agg.tpot_ms - slo.tpot_ms * TPOT_HEADROOM).abs() < 1e-9,
+            "{agg:?}"
+        );
+        assert!(disagg.tpot_ms < agg.tpot_ms, "{disagg:?}");
+        let options = [
+            (Placement::Aggregated, agg),
+            (Placement::Disaggregated { prefill: 3 }, disagg),
+        ];
+        assert_eq!(
+            choose(&options, &slo).map(|c| c.0),
+            Some(Placement::Disaggregated { prefill: 3 })
+        );
+    }
+
+    #[test]
+    fn a_queued_prefill_worker_loses_to_an_idle_decode_worker() {
+        let prefill = view(0, 8192);
+        let decode = view(0, 0);
+        let slo = slo();
+        let disagg = predict_disaggregated(&prefill, &decode, 2048, 0);
+        let agg = predict_aggregated(&decode, 2048, 0, slo.tpot_ms);
+        // Alone, the decode worker runs the prompt in full passes, as the prefill worker
+        // would, without four prompts ahead of it.
+        assert!(agg.ttft_ms * 4.0 < disagg.ttft_ms, "{agg:?} vs {disagg:?}");
+        let options = [
+            (Placement::Disaggregated { prefill: 0 }, disagg),
+            (Placement::Aggregated, agg),
+        ];
+        assert_eq!(
+            choose(&options, &slo).map(|c| c.0),
+            Some(Placement::Aggregated)
+        );
+        assert_eq!(choose(&[], &slo), None);
+    }
+
+    #[test]
+    fn cached_tokens_are_not_priced_and_decode_workers_borrow_prompt_costs() {
+        let prefill = view(0, 0);
+        let decode = view(2, 0);
+        let whole = predict_disaggregated(&prefill, &decode, 2048, 0);
+        let mostly_cached = predict_disaggregated(&prefill, &decode, 2048, 2000);
+        assert!(mostly_cached.ttft_ms * 10.0 < whole.ttft_ms);
+        // A cache claiming the whole prompt still leaves its last token to compute.
+        assert!(predict_disaggregated(&prefill, &decode, 2048, 5000).ttft_ms > 0.0);
+        let mut blind = view(2, 0);
+        blind.coefficients.per_token_ms = 0.0;
+        blind.borrow_prompt_costs(&prefill);
+        assert_eq!(blind.coefficients.per_token_ms, 4.0);
+    }
+
+    #[test]
+    fn calibration_moves_predictions_toward_what_requests_measure() {
+        let mut c = Calibration::default();
+        let raw = Prediction {
+            ttft_ms: 100.0,
+            tpot_ms: 20.0,
+        };
+        assert_eq!(c.correct(PlacementKind::Disaggregated, raw), raw);
+        for _ in 0..200 {
+            c.learn(PlacementKind::Disaggregated, raw, 150.0, Some(20.0));
+        }
+        let corrected = c.correct(PlacementKind::Disaggregated, raw);
+        assert!((corrected.ttft_ms - 150.0).abs() < 1.0, "{corrected:?}");
+        assert!((corrected.tpot_ms - 20.0).abs() < 0.1, "{corrected:?}");
+        // The other kind is untouched; a wild measurement is bounded.
+        assert_eq!(c.correct(PlacementKind::Aggregated, raw), raw);
+        for _ in 0..1000 {
+            c.learn(PlacementKind::Aggregated, raw, 1e12, None);
+        }
+        assert!(c.ratios(PlacementKind::Aggregated)[0] <= RATIO_RANGE.1);
+        assert_eq!(c.ratios(PlacementKind::Aggregated)[1], 1.0);
+    }
+}

@@ -1,0 +1,107 @@
+//! Step pacing: what the engine thread learns from its own passes and what it does with it.
+//! Every pass is timed and fitted into a cost model (`tandem_cost`), published for the load
+//! report (the router predicts with it); and when streams with a TPOT target are decoding,
+//! the prompt chunks that join their passes are sized so that the streams' time per token
+//! stays within the tightest target on average: the decode worker lends its streams' slack
+//! to prompts instead of stalling them (Sarathi-Serve's stall-free batching).
+
+use std::sync::Mutex;
+use std::time::Duration;
+
+use tandem_cost::{Coefficients, CostFit, Pacing, TPOT_HEADROOM};
+use tandem_engine::Engine;
+use tandem_proto::v1::StepCost;
+
+/// What the engine thread publishes after each pass for the load report.
+#[derive(Debug, Default)]
+pub struct CostBoard(Mutex<StepCost>);
+
+impl CostBoard {
+    /// The latest figures.
+    pub fn report(&self) -> StepCost {
+        self.0.lock().map(|g| *g).unwrap_or_default()
+    }
+
+    fn publish(&self, cost: StepCost) {
+        if let Ok(mut g) = self.0.lock() {
+            *g = cost;
+        }
+    }
+}
+
+/// The engine thread's fit, its pacing and the allowance it last set.
+#[derive(Debug, Default)]
+pub struct Pacer {
+    fit: CostFit,
+    coefficients: Coefficients,
+    pacing: Pacing,
+    allowance: Option<usize>,
+    /// The target the last pass ran under, with decode rows in it.
+    paced: Option<f64>,
+}
+
+impl Pacer {
+    /// Before a pass: caps the prompt tokens beside decode rows by `tpot_target` (the
+    /// tightest target of the streams here; see `tandem_cost::Pacing`), or lifts the cap when
+    /// there is none, no stream decodes, or the fit cannot price a prompt token yet.
+    pub fn before_pass(&mut self, engine: &mut Engine, tpot_target: Option<Duration>) {
+        let (decode, prompt_at) = engine.decode_load();
+        self.paced = tpot_target
+            .filter(|_| decode.sampled_rows > 0.0)
+            .map(|t| t.as_secs_f64() * 1e3 * TPOT_HEADROOM);
+        let allowance = self.paced.and_then(|target_ms| {
+            if !self.coefficients.knows_prompts() {
+                return None;
+            }
+            let tokens = self.pacing.allowance(
+                &self.coefficients,
+                decode,
+                prompt_at,
+                target_ms,
+                engine.config().max_batch_tokens as u64,
+                tandem_kv::BLOCK_SIZE as u64,
+            );
+            Some(usize::try_from(tokens).unwrap_or(usize::MAX))
+        });
+        if allowance != self.allowance {
+            tracing::trace!(
+                ?allowance,
+                credit_ms = self.pacing.credit_ms(),
+                "prompt allowance beside decode rows"
+            );
+            self.allowance = allowance;
+            engine.set_prompt_allowance(allowance);
+        }
+    }
+
+    /// After a pass that took `elapsed`: fits it and publishes the model and the decode work
+    /// now under way on `board`.
+    pub fn after_pass(&mut self, engine: &Engine, elapsed: Duration, board: &CostBoard) {
+        let ms = elapsed.as_secs_f64() * 1e3;
+        self.fit.observe(&engine.last_pass(), ms);
+        self.coefficients = self.fit.coefficients();
+        if let Some(target_ms) = self.paced {
+            self.pacing.after_pass(target_ms, ms);
+        }
+        self.publish(engine, board);
+    }
+
+    /// Publishes the model and the decode work under way (also when idle: the rows left).
+    pub fn publish(&self, engine: &Engine, board: &CostBoard) {
+        let (decode, _) = engine.decode_load();
+        let c = self.coefficients;
+        board.publish(StepCost {
+            base_ms: c.base_ms,
+            per_row_ms: c.per_row_ms,
+            per_token_ms: c.per_token_ms,
+            per_mpair_ms: c.per_mpair_ms,
+            passes: self.fit.passes(),
+            decode_rows: decode.sampled_rows as u32,
+            decode_context_tokens: (decode.attention_mpairs * 1e6).round() as u64,
+            max_batch_tokens: u32::try_from(engine.config().max_batch_tokens).unwrap_or(u32::MAX),
+            prompt_allowance: self
+                .allowance
+                .map_or(0, |a| u32::try_from(a).unwrap_or(u32::MAX)),
+        });
+    }
+}
