@@ -198,6 +198,12 @@ pub struct DecodeArgs {
     /// its caller's share of it) before it is refused as busy (ms; 0: refuse at once).
     #[arg(long, env = "TANDEM_RESERVE_WAIT_MS", default_value_t = 120_000)]
     pub reserve_wait_ms: u64,
+    /// Run decode passes no faster than the streams' TPOT targets ask (0.9 of the tightest)
+    /// and leave the rest of each period idle, for a worker at `--cpu-priority idle` on the
+    /// same cores (an elastic prefill worker) to compute in.
+    #[arg(long, env = "TANDEM_LEND_SLACK")]
+    #[serde(default)]
+    pub lend_slack: bool,
     /// How long shutdown waits for running requests (s).
     #[arg(long, env = "TANDEM_DRAIN_TIMEOUT_S", default_value_t = 30)]
     pub drain_timeout_s: u64,

@@ -38,6 +38,9 @@ pub struct DecodeConfig {
     pub reserve_wait: Duration,
     /// Bounds of the raw TCP KV listener.
     pub kv_tcp: TcpLimits,
+    /// Pace decode passes to the streams' TPOT targets and leave the rest idle (see
+    /// `tandem_worker::pacing`).
+    pub lend_slack: bool,
     /// Who may call: call tokens, the info proof, the KV hello.
     pub auth: InternalAuth,
 }
@@ -56,6 +59,7 @@ impl Default for DecodeConfig {
             caller_lease_share: 0.9,
             reserve_wait: Duration::from_secs(120),
             kv_tcp: TcpLimits::default(),
+            lend_slack: false,
             auth: InternalAuth::none(),
         }
     }

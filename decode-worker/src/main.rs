@@ -53,6 +53,7 @@ async fn run(args: Args, engine_config: EngineConfig, opened: Opened) -> anyhow:
         max_lease_lifetime: Duration::from_secs(args.max_lease_lifetime_s),
         caller_lease_share: args.caller_lease_share,
         reserve_wait: Duration::from_millis(args.reserve_wait_ms),
+        lend_slack: args.lend_slack,
         kv_tcp: TcpLimits {
             max_connections: args.kv_tcp_max_connections.max(1),
             hello_timeout: Duration::from_millis(args.kv_tcp_hello_timeout_ms),

@@ -141,7 +141,7 @@ impl DecodeWorker {
             )?
         };
         let core = WorkerCore::new(
-            spawn_engine(engine)?,
+            spawn_engine(engine, config.lend_slack)?,
             model,
             tokenizer,
             info,

@@ -184,6 +184,9 @@ pub struct WorkerSpec {
     /// CPU scheduling priority: `normal` (default) or `idle` (runs only on cycles the
     /// other workers on its cores leave; see `--cpu-priority`).
     pub cpu_priority: Option<String>,
+    /// Decode workers: pace decode passes to the streams' TPOT targets and leave the rest
+    /// of each period to an idle-priority worker on the same cores (`--lend-slack`).
+    pub lend_slack: Option<bool>,
     pub kv_budget_mb: Option<usize>,
     pub max_batch_tokens: Option<usize>,
     pub max_running: Option<usize>,
@@ -369,7 +372,6 @@ impl DeployConfig {
 
 #[cfg(test)]
 mod tests {
-    use super::validate::is_loopback;
     use super::*;
 
     #[test]
@@ -530,6 +532,5 @@ mod tests {
             warnings[0].contains("decode[0] listens on 0.0.0.0"),
             "{warnings:?}"
         );
-        assert!(is_loopback("127.0.0.2") && is_loopback("[::1]") && !is_loopback("10.0.0.1"));
     }
 }

@@ -101,6 +101,7 @@ const WORKER_KEYS: &[Key<WorkerSpec>] = &[
     }),
     ("`kv_budget_mb`", |w| w.kv_budget_mb = Some(3)),
     ("`cpu_priority`", |w| w.cpu_priority = Some("idle".into())),
+    ("`lend_slack`", |w| w.lend_slack = Some(true)),
     ("`max_batch_tokens`", |w| w.max_batch_tokens = Some(3)),
     ("`max_running`", |w| w.max_running = Some(3)),
     ("`prefix_caching`", |w| w.prefix_caching = Some(false)),

@@ -122,6 +122,7 @@ fn worker(cfg: &DeployConfig, role: Role, index: usize, w: &WorkerSpec) -> Proce
         let mut a: DecodeArgs = defaults();
         fill_worker(cfg, w, &name, &mut a.model, &mut a.engine, &mut a.server);
         a.kv_tcp_port = w.kv_tcp_port.unwrap_or(w.port.wrapping_add(1));
+        a.lend_slack = w.lend_slack.unwrap_or(false);
         to_args(&a)
     };
     args.extend(w.extra_args.iter().cloned());

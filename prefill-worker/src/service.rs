@@ -119,7 +119,7 @@ impl PrefillWorker {
             transports,
         )?;
         let core = WorkerCore::new(
-            spawn_engine(engine)?,
+            spawn_engine(engine, false)?,
             model,
             tokenizer,
             info,

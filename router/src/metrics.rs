@@ -68,6 +68,9 @@ pub const SSE_KEEPALIVES_TOTAL: &str = "tandem_router_sse_keepalives_total";
 pub const SLO_TARGET_MS: &str = "tandem_router_slo_target_ms";
 /// Finished requests by target (`ttft`, `tpot`) and whether they met it (`yes`, `no`).
 pub const SLO_REQUESTS_TOTAL: &str = "tandem_router_slo_requests_total";
+/// How close each side (`role`: prefill, decode) runs to its targets: a running average of
+/// measured over target (above 1: missing them); the autoscalers' signal.
+pub const SLO_PRESSURE: &str = "tandem_router_slo_pressure";
 /// Requests SLO placement placed, by placement and whether the prediction met both targets.
 pub const PLACEMENTS_TOTAL: &str = "tandem_router_placements_total";
 /// |predicted − measured| / measured of SLO placement's predictions, by metric and placement.
@@ -151,6 +154,10 @@ fn describe() {
         SLO_REQUESTS_TOTAL,
         "Finished requests by latency target and whether they met it"
     );
+    describe_gauge!(
+        SLO_PRESSURE,
+        "Measured over target latency, running average per side (above 1: missing targets)"
+    );
     describe_counter!(
         PLACEMENTS_TOTAL,
         "Requests placed by SLO placement, by placement and predicted outcome"
@@ -169,6 +176,9 @@ pub fn register_slo(slo: &crate::routing::SloTargets) {
         ("tpot", slo.tpot_ms),
     ] {
         metrics::gauge!(SLO_TARGET_MS, "target" => target).set(ms);
+    }
+    for role in ["prefill", "decode"] {
+        metrics::gauge!(SLO_PRESSURE, "role" => role).set(0.0);
     }
 }
 

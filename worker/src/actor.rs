@@ -323,8 +323,9 @@ struct Entry {
     tpot_target: Option<Duration>,
 }
 
-/// Starts the engine thread. It ends when every handle is dropped.
-pub fn spawn_engine(engine: Engine) -> std::io::Result<EngineHandle> {
+/// Starts the engine thread. It ends when every handle is dropped. `lend_slack`: pace
+/// decode passes to the streams' TPOT targets, idle in between (see `pacing`).
+pub fn spawn_engine(engine: Engine, lend_slack: bool) -> std::io::Result<EngineHandle> {
     let (tx, rx) = mpsc::channel();
     let load = Arc::new(LoadSnapshot::default());
     let handle = EngineHandle {
@@ -337,13 +338,13 @@ pub fn spawn_engine(engine: Engine) -> std::io::Result<EngineHandle> {
     };
     std::thread::Builder::new()
         .name("engine".into())
-        .spawn(move || run(engine, rx, &load))?;
+        .spawn(move || run(engine, rx, &load, lend_slack))?;
     Ok(handle)
 }
 
-fn run(mut engine: Engine, rx: mpsc::Receiver<Command>, load: &LoadSnapshot) {
+fn run(mut engine: Engine, rx: mpsc::Receiver<Command>, load: &LoadSnapshot, lend_slack: bool) {
     let mut entries: HashMap<SeqId, Entry> = HashMap::new();
-    let mut pacer = Pacer::default();
+    let mut pacer = Pacer::new(lend_slack);
     loop {
         // Block while idle; otherwise take whatever arrived since the last step.
         if !engine.has_work() {
@@ -443,9 +444,11 @@ fn run(mut engine: Engine, rx: mpsc::Receiver<Command>, load: &LoadSnapshot) {
                     }
                 }
             });
-        if engine.stats().steps > step {
-            pacer.after_pass(&engine, started.elapsed(), &load.cost);
-        }
+        let lent = if engine.stats().steps > step {
+            pacer.after_pass(&engine, started.elapsed(), &load.cost)
+        } else {
+            None
+        };
         match result {
             Ok(outputs) => {
                 for out in outputs {
@@ -479,6 +482,15 @@ fn run(mut engine: Engine, rx: mpsc::Receiver<Command>, load: &LoadSnapshot) {
             }
         }
         publish(&engine, load);
+        // The rest of the streams' period is lent to whoever shares these cores; a new
+        // request ends it early.
+        if let Some(idle) = lent {
+            match rx.recv_timeout(idle) {
+                Ok(cmd) => handle_command(&mut engine, &mut entries, cmd),
+                Err(mpsc::RecvTimeoutError::Timeout) => {}
+                Err(mpsc::RecvTimeoutError::Disconnected) => break,
+            }
+        }
     }
 }
 
@@ -717,7 +729,7 @@ mod tests {
             ..Default::default()
         };
         let engine = Engine::new(model, TextTokenizer::byte_level(), config).unwrap();
-        let handle = spawn_engine(engine).unwrap();
+        let handle = spawn_engine(engine, false).unwrap();
         let (events, mut rx) = tmpsc::unbounded_channel();
         let stop = StopParams {
             max_tokens: 1,

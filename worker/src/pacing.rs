@@ -32,6 +32,8 @@ impl CostBoard {
 /// The engine thread's fit, its pacing and the allowance it last set.
 #[derive(Debug, Default)]
 pub struct Pacer {
+    /// Idle out the rest of the streams' period after a pass of decode rows alone.
+    lend_slack: bool,
     fit: CostFit,
     coefficients: Coefficients,
     pacing: Pacing,
@@ -41,6 +43,13 @@ pub struct Pacer {
 }
 
 impl Pacer {
+    pub fn new(lend_slack: bool) -> Self {
+        Self {
+            lend_slack,
+            ..Self::default()
+        }
+    }
+
     /// Before a pass: caps the prompt tokens beside decode rows by `tpot_target` (the
     /// tightest target of the streams here; see `tandem_cost::Pacing`), or lifts the cap when
     /// there is none, no stream decodes, or the fit cannot price a prompt token yet.
@@ -75,15 +84,33 @@ impl Pacer {
     }
 
     /// After a pass that took `elapsed`: fits it and publishes the model and the decode work
-    /// now under way on `board`.
-    pub fn after_pass(&mut self, engine: &Engine, elapsed: Duration, board: &CostBoard) {
+    /// now under way on `board`. Returns how long to stay idle when lending slack: the rest
+    /// of the streams' period after a pass of decode rows alone with no prompt waiting here
+    /// (a prompt here takes that time as a chunk instead).
+    pub fn after_pass(
+        &mut self,
+        engine: &Engine,
+        elapsed: Duration,
+        board: &CostBoard,
+    ) -> Option<Duration> {
         let ms = elapsed.as_secs_f64() * 1e3;
-        self.fit.observe(&engine.last_pass(), ms);
+        let pass = engine.last_pass();
+        self.fit.observe(&pass, ms);
         self.coefficients = self.fit.coefficients();
-        if let Some(target_ms) = self.paced {
-            self.pacing.after_pass(target_ms, ms);
-        }
         self.publish(engine, board);
+        let target_ms = self.paced?;
+        let idle_ms = if self.lend_slack
+            && pass.other_tokens == 0.0
+            && engine.num_waiting() == 0
+            && engine.pending_prefill_tokens() == 0
+        {
+            (target_ms - ms).max(0.0)
+        } else {
+            0.0
+        };
+        // The streams' period is the pass and the idle time after it.
+        self.pacing.after_pass(target_ms, ms + idle_ms);
+        (idle_ms > 0.0).then(|| Duration::from_secs_f64(idle_ms / 1e3))
     }
 
     /// Publishes the model and the decode work under way (also when idle: the rows left).

@@ -287,10 +287,21 @@ fn flag_values<T: clap::ValueEnum>() -> Vec<String> {
 }
 
 /// Whether `host` (an address or `localhost`) is a loopback address.
-pub(super) fn is_loopback(host: &str) -> bool {
+fn is_loopback(host: &str) -> bool {
     host == "localhost"
         || host
             .trim_matches(['[', ']'])
             .parse::<IpAddr>()
             .is_ok_and(|ip| ip.is_loopback())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::is_loopback;
+
+    #[test]
+    fn loopback_hosts() {
+        assert!(is_loopback("127.0.0.2") && is_loopback("[::1]") && is_loopback("localhost"));
+        assert!(!is_loopback("10.0.0.1") && !is_loopback("0.0.0.0"));
+    }
 }

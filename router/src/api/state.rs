@@ -44,6 +44,7 @@ impl AppState {
             agg_threshold: config.agg_threshold,
             placement: config.placement,
             calibration: Default::default(),
+            pressure: Default::default(),
             fallback: config.fallback,
             lease_ttl_ms: config.lease_ttl_ms,
             routing: config.routing,

@@ -139,7 +139,7 @@ async fn drive(
     }
     let outcome = pump::pump(live, &req, &tx, &mut timing).await;
     if matches!(outcome, Outcome::Ok(..)) {
-        timing.settle(&req.slo, req.sampling.n <= 1, &ctx.calibration);
+        timing.settle(&req, &ctx);
     }
     match &outcome {
         Outcome::Ok(_, f) => tracing::info!(

@@ -1,12 +1,12 @@
 //! What a request leaves in the metrics: TTFT and the gaps between tokens as they arrive,
 //! and, once it is over, how it ran and how it ended (tokens, requests, end-to-end latency).
 
-use std::sync::Mutex;
 use std::time::Instant;
 
 use super::events::{FinishOut, RunMode};
+use super::request::{FlowContext, FlowRequest};
 use crate::metrics as m;
-use crate::routing::{Calibration, PlacementKind, Prediction, RequestSlo};
+use crate::routing::{PlacementKind, Prediction};
 
 /// Token timing for TTFT and ITL, and for SLO placement's prediction of them.
 pub(super) struct Timing {
@@ -64,19 +64,24 @@ impl Timing {
     /// placed it and it ran where it was placed, against the prediction (logged, exported as
     /// relative errors, and learned by `calibration`). TPOT is measured as vLLM's benchmark
     /// does, over one choice's tokens after the first.
-    pub(super) fn settle(
-        &self,
-        slo: &RequestSlo,
-        one_choice: bool,
-        calibration: &Mutex<Calibration>,
-    ) {
+    pub(super) fn settle(&self, req: &FlowRequest, ctx: &FlowContext) {
         let (Some(first), Some(last), Some(mode)) = (self.first_token, self.last_token, self.mode)
         else {
             return;
         };
+        let slo = &req.slo;
         let ttft_ms = (first - self.arrival).as_secs_f64() * 1e3;
-        let tpot_ms = (one_choice && self.tokens >= 2)
+        let tpot_ms = (req.sampling.n <= 1 && self.tokens >= 2)
             .then(|| (last - first).as_secs_f64() * 1e3 / (self.tokens - 1) as f64);
+        if let Ok(mut p) = ctx.pressure.lock() {
+            p.observe_ttft(ttft_ms / slo.ttft_ms, mode == RunMode::Disaggregated);
+            if let Some(tpot) = tpot_ms {
+                p.observe_tpot(tpot / slo.tpot_ms);
+            }
+            let (prefill, decode) = p.sides();
+            metrics::gauge!(m::SLO_PRESSURE, "role" => "prefill").set(prefill);
+            metrics::gauge!(m::SLO_PRESSURE, "role" => "decode").set(decode);
+        }
         let met = |ok: bool| if ok { "yes" } else { "no" };
         metrics::counter!(m::SLO_REQUESTS_TOTAL, "target" => "ttft", "met" => met(ttft_ms <= slo.ttft_ms))
             .increment(1);
@@ -111,7 +116,7 @@ impl Timing {
             tpot_ms,
             "placement outcome"
         );
-        if let Ok(mut c) = calibration.lock() {
+        if let Ok(mut c) = ctx.calibration.lock() {
             c.learn(p.kind, p.raw, ttft_ms, tpot_ms);
         }
     }

@@ -9,7 +9,7 @@ use std::time::Instant;
 use tandem_proto::v1::{SamplingParams, StopParams};
 
 use crate::config::{FallbackPolicy, PlacementPolicy, RoutingPolicy};
-use crate::routing::{Calibration, PickRule, RequestSlo};
+use crate::routing::{Calibration, PickRule, RequestSlo, SloPressure};
 use crate::workers::WorkerPool;
 
 /// What the flow needs from the router's configuration.
@@ -20,6 +20,8 @@ pub struct FlowContext {
     pub placement: PlacementPolicy,
     /// What SLO placement learned of its predictions (see `routing::placement`).
     pub calibration: Mutex<Calibration>,
+    /// How close each side runs to its targets, from what requests measured.
+    pub pressure: Mutex<SloPressure>,
     pub fallback: FallbackPolicy,
     pub lease_ttl_ms: u32,
     pub routing: RoutingPolicy,

@@ -19,4 +19,4 @@ pub use policy::{
     decide_after_prefill_failure, decide_mode, pick_decode, pick_prefill,
 };
 pub use prefix_index::{PrefixIndex, PromptNames};
-pub use slo::{RequestSlo, SloAsked, SloTargets};
+pub use slo::{RequestSlo, SloAsked, SloPressure, SloTargets};

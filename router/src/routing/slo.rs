@@ -102,6 +102,54 @@ pub struct RequestSlo {
     pub tpot_ms: f64,
 }
 
+/// How much one request moves a pressure average: about the last 10 count.
+const PRESSURE_WEIGHT: f64 = 0.1;
+/// A single request's ratio is capped here, so that one stuck request cannot dominate.
+const MAX_RATIO: f64 = 10.0;
+
+/// How close each side of the deployment runs to its targets: running averages of measured
+/// over target, the prefill side's from disaggregated requests' TTFT, the decode side's from
+/// every request's TPOT and aggregated requests' TTFT (their prompts ran there). Above 1 the
+/// side misses its targets; an autoscaler scales it out past a threshold (deploy/k8s/hpa.yaml).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct SloPressure {
+    prefill: Option<f64>,
+    decode: Option<f64>,
+}
+
+impl SloPressure {
+    /// Adds a measured TTFT over its target, on the side that computed the prompt.
+    pub fn observe_ttft(&mut self, ratio: f64, on_prefill: bool) {
+        let side = if on_prefill {
+            &mut self.prefill
+        } else {
+            &mut self.decode
+        };
+        Self::observe(side, ratio);
+    }
+
+    /// Adds a measured TPOT over its target.
+    pub fn observe_tpot(&mut self, ratio: f64) {
+        Self::observe(&mut self.decode, ratio);
+    }
+
+    fn observe(side: &mut Option<f64>, ratio: f64) {
+        if !ratio.is_finite() || ratio < 0.0 {
+            return;
+        }
+        let ratio = ratio.min(MAX_RATIO);
+        *side = Some(match *side {
+            None => ratio,
+            Some(avg) => avg + PRESSURE_WEIGHT * (ratio - avg),
+        });
+    }
+
+    /// `(prefill, decode)`: 0 for a side no request has measured yet.
+    pub fn sides(&self) -> (f64, f64) {
+        (self.prefill.unwrap_or(0.0), self.decode.unwrap_or(0.0))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -155,5 +203,25 @@ mod tests {
             let e = SloAsked::from_headers(&h).unwrap_err();
             assert!(e.contains(TPOT_HEADER), "{bad}: {e}");
         }
+    }
+
+    #[test]
+    fn pressure_follows_each_side_and_bounds_one_request() {
+        let mut p = SloPressure::default();
+        assert_eq!(p.sides(), (0.0, 0.0));
+        p.observe_ttft(2.0, true);
+        p.observe_tpot(0.5);
+        assert_eq!(p.sides(), (2.0, 0.5));
+        for _ in 0..100 {
+            p.observe_ttft(0.5, true);
+        }
+        assert!((p.sides().0 - 0.5).abs() < 1e-3);
+        // An aggregated request's TTFT is the decode side's; nonsense is ignored, and one
+        // stuck request moves the average by a bounded step.
+        p.observe_ttft(f64::NAN, false);
+        p.observe_ttft(-1.0, false);
+        assert_eq!(p.sides().1, 0.5);
+        p.observe_ttft(1e9, false);
+        assert!((p.sides().1 - (0.5 + 0.1 * (10.0 - 0.5))).abs() < 1e-9);
     }
 }

@@ -1,0 +1,90 @@
+//! Step pacing through the engine actor: a decode worker that lends its slack runs its
+//! streams' passes no faster than their TPOT target asks, and every pass is fitted into the
+//! cost model the load report carries.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tandem_engine::config::{ModelConfig, WeightFormat};
+use tandem_engine::model::dummy_model;
+use tandem_engine::{Engine, EngineConfig, SamplingParams, StopParams};
+use tandem_proto::v1::StepCost;
+use tandem_text::TextTokenizer;
+use tandem_worker::{SeqEvent, spawn_engine};
+use tokio::sync::mpsc;
+
+/// Streams of `tokens` tokens each under a TPOT target on an engine that does (not) lend
+/// its slack: the mean time between a stream's tokens, and the cost model it reported.
+async fn streams(lend_slack: bool, target: Duration, tokens: usize) -> (Duration, StepCost) {
+    let model = Arc::new(
+        dummy_model(
+            ModelConfig::preset("tiny").unwrap(),
+            WeightFormat::F32,
+            0,
+            "tiny",
+        )
+        .unwrap(),
+    );
+    let config = EngineConfig {
+        kv_budget_bytes: 64 * model.kv_layout().block_bytes(),
+        ..Default::default()
+    };
+    let engine = Engine::new(model, TextTokenizer::byte_level(), config).unwrap();
+    let handle = spawn_engine(engine, lend_slack).unwrap();
+    let mut receivers = Vec::new();
+    for i in 0..2u32 {
+        let (events, rx) = mpsc::unbounded_channel();
+        let stop = StopParams {
+            max_tokens: tokens,
+            ignore_eos: true,
+            ..Default::default()
+        };
+        let prompt = (0..20).map(|j| 3 + (i * 7 + j) % 200).collect();
+        handle
+            .add(
+                prompt,
+                SamplingParams::greedy(),
+                stop,
+                None,
+                Some(target),
+                events,
+            )
+            .await
+            .unwrap();
+        receivers.push(rx);
+    }
+    let mut first = None;
+    let mut last = Instant::now();
+    for mut rx in receivers {
+        for _ in 0..tokens {
+            match tokio::time::timeout(Duration::from_secs(30), rx.recv()).await {
+                Ok(Some(SeqEvent::Token(_))) => {
+                    last = Instant::now();
+                    first.get_or_insert(last);
+                }
+                other => panic!("expected a token, got {other:?}"),
+            }
+        }
+    }
+    let first = first.unwrap_or(last);
+    let gap = (last - first) / (tokens as u32 - 1);
+    (gap, handle.load().cost.report())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lending_decode_worker_paces_its_streams_to_their_target() {
+    let target = Duration::from_millis(40);
+    let (gap, cost) = streams(true, target, 12).await;
+    // Each pass is followed by the rest of 0.9 × the target idle: never faster.
+    assert!(gap >= target.mul_f64(0.8), "{gap:?}");
+    // Every pass was fitted and reported.
+    assert!(
+        cost.passes >= 11 && cost.base_ms + cost.per_row_ms > 0.0,
+        "{cost:?}"
+    );
+    assert_eq!(cost.max_batch_tokens, 2048);
+    // Without lending, the same streams run as fast as the passes allow (a tiny model's
+    // pass takes well under a millisecond; the bound leaves room for a loaded machine).
+    let (free, _) = streams(false, target, 12).await;
+    assert!(free < gap, "{free:?} vs {gap:?}");
+}
