@@ -252,6 +252,8 @@ pub struct CostFit {
     xty: [f64; 4],
     decay: f64,
     passes: u64,
+    /// Prompt tokens (other tokens) in the passes the fit remembers, decayed like them.
+    prompt_tokens: f64,
 }
 
 impl Default for CostFit {
@@ -273,6 +275,7 @@ impl CostFit {
             xty: [0.0; 4],
             decay,
             passes: 0,
+            prompt_tokens: 0.0,
         }
     }
 
@@ -297,6 +300,13 @@ impl CostFit {
             self.xty[i] = self.decay * self.xty[i] + x[i] * ms;
         }
         self.passes += 1;
+        self.prompt_tokens = self.decay * self.prompt_tokens + shape.other_tokens;
+    }
+
+    /// Prompt tokens in the passes the fit remembers (older ones weighing less): how much
+    /// its price of a prompt token rests on.
+    pub fn prompt_tokens_seen(&self) -> f64 {
+        self.prompt_tokens
     }
 
     /// The non-negative least-squares coefficients: solve, drop the most negative
@@ -445,6 +455,9 @@ mod tests {
         let c = fit.coefficients();
         assert_eq!(c.per_token_ms, 0.0);
         assert!(!c.knows_prompts());
+        assert_eq!(fit.prompt_tokens_seen(), 0.0);
+        fit.observe(&StepShape::chunk(0, 64, true), 30.0);
+        assert_eq!(fit.prompt_tokens_seen(), 63.0);
         assert!(c.is_fitted());
         // Times that fall with the rows would fit a negative slope: held at 0 instead.
         let mut fit = CostFit::default();

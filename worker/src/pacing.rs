@@ -3,10 +3,13 @@
 //! report (the router predicts with it); and when streams with a TPOT target are decoding,
 //! the prompt chunks that join their passes are sized so that the streams' time per token
 //! stays within the tightest target on average: the decode worker lends its streams' slack
-//! to prompts instead of stalling them (Sarathi-Serve's stall-free batching).
+//! to prompts instead of stalling them (Sarathi-Serve's stall-free batching). With
+//! `lend_slack`, a pass of decode rows alone is followed by the rest of the streams' period
+//! idle while some other thread of the host waits for a CPU (an idle-priority prefill worker
+//! on the same cores), which then computes in it.
 
 use std::sync::Mutex;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use tandem_cost::{Coefficients, CostFit, Pacing, TPOT_HEADROOM};
 use tandem_engine::Engine;
@@ -40,12 +43,24 @@ pub struct Pacer {
     allowance: Option<usize>,
     /// The target the last pass ran under, with decode rows in it.
     paced: Option<f64>,
+    /// When the current window of CPU stall time began, and the stall time then (see
+    /// [`cpu_stall_us`]).
+    stall_window: Option<(Instant, u64)>,
+    /// What the last window said: someone else wants the CPU.
+    someone_waits: bool,
 }
+
+/// The shortest window over which CPU stall time is judged (the kernel's figures move in
+/// scheduler ticks).
+const STALL_WINDOW: Duration = Duration::from_millis(20);
+/// The share of a window that other threads must have waited for a CPU to be lent slack.
+const STALL_SHARE: f64 = 0.05;
 
 impl Pacer {
     pub fn new(lend_slack: bool) -> Self {
         Self {
             lend_slack,
+            someone_waits: true,
             ..Self::default()
         }
     }
@@ -103,6 +118,7 @@ impl Pacer {
             && pass.other_tokens == 0.0
             && engine.num_waiting() == 0
             && engine.pending_prefill_tokens() == 0
+            && self.someone_waits()
         {
             (target_ms - ms).max(0.0)
         } else {
@@ -111,6 +127,29 @@ impl Pacer {
         // The streams' period is the pass and the idle time after it.
         self.pacing.after_pass(target_ms, ms + idle_ms);
         (idle_ms > 0.0).then(|| Duration::from_secs_f64(idle_ms / 1e3))
+    }
+
+    /// Whether other threads on this host want the CPU: over the last window of at least
+    /// [`STALL_WINDOW`], runnable threads waited for a CPU at least [`STALL_SHARE`] of the
+    /// time (a co-located idle-priority worker with work waits through every pass). Slack
+    /// is lent only to someone who wants it, else the streams run as fast as they can.
+    /// Without the kernel's pressure figures, always; before the first window, too.
+    fn someone_waits(&mut self) -> bool {
+        let Some(stall_us) = cpu_stall_us() else {
+            return true;
+        };
+        let now = Instant::now();
+        match self.stall_window {
+            Some((since, _)) if now - since < STALL_WINDOW => {}
+            Some((since, before_us)) => {
+                let waited = stall_us.saturating_sub(before_us) as f64;
+                let wall = (now - since).as_secs_f64() * 1e6;
+                self.someone_waits = waited >= STALL_SHARE * wall;
+                self.stall_window = Some((now, stall_us));
+            }
+            None => self.stall_window = Some((now, stall_us)),
+        }
+        self.someone_waits
     }
 
     /// Publishes the model and the decode work under way (also when idle: the rows left).
@@ -123,6 +162,7 @@ impl Pacer {
             per_token_ms: c.per_token_ms,
             per_mpair_ms: c.per_mpair_ms,
             passes: self.fit.passes(),
+            prompt_tokens_seen: self.fit.prompt_tokens_seen(),
             decode_rows: decode.sampled_rows as u32,
             decode_context_tokens: (decode.attention_mpairs * 1e6).round() as u64,
             max_batch_tokens: u32::try_from(engine.config().max_batch_tokens).unwrap_or(u32::MAX),
@@ -131,4 +171,16 @@ impl Pacer {
                 .map_or(0, |a| u32::try_from(a).unwrap_or(u32::MAX)),
         });
     }
+}
+
+/// Microseconds that some runnable thread of this host has waited for a CPU since boot (the
+/// `some total` of Linux's pressure-stall information), or `None` where it cannot be read.
+fn cpu_stall_us() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/pressure/cpu").ok()?;
+    text.lines()
+        .find(|l| l.starts_with("some "))?
+        .split_whitespace()
+        .find_map(|field| field.strip_prefix("total="))?
+        .parse()
+        .ok()
 }

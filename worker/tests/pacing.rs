@@ -1,8 +1,9 @@
 //! Step pacing through the engine actor: a decode worker that lends its slack runs its
-//! streams' passes no faster than their TPOT target asks, and every pass is fitted into the
-//! cost model the load report carries.
+//! streams' passes no faster than their TPOT target asks while another thread wants the CPU,
+//! and every pass is fitted into the cost model the load report carries.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use tandem_engine::config::{ModelConfig, WeightFormat};
@@ -74,7 +75,25 @@ async fn streams(lend_slack: bool, target: Duration, tokens: usize) -> (Duration
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lending_decode_worker_paces_its_streams_to_their_target() {
     let target = Duration::from_millis(40);
+    // Someone who wants the CPU: more spinning threads than cores (slack is lent only to a
+    // thread that waits).
+    let stop = Arc::new(AtomicBool::new(false));
+    let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
+    let spinners: Vec<_> = (0..=cores)
+        .map(|_| {
+            let stop = Arc::clone(&stop);
+            std::thread::spawn(move || {
+                while !stop.load(Ordering::Relaxed) {
+                    std::hint::spin_loop();
+                }
+            })
+        })
+        .collect();
     let (gap, cost) = streams(true, target, 12).await;
+    stop.store(true, Ordering::Relaxed);
+    for s in spinners {
+        let _ = s.join();
+    }
     // Each pass is followed by the rest of 0.9 × the target idle: never faster.
     assert!(gap >= target.mul_f64(0.8), "{gap:?}");
     // Every pass was fitted and reported.
@@ -83,8 +102,12 @@ async fn a_lending_decode_worker_paces_its_streams_to_their_target() {
         "{cost:?}"
     );
     assert_eq!(cost.max_batch_tokens, 2048);
-    // Without lending, the same streams run as fast as the passes allow (a tiny model's
-    // pass takes well under a millisecond; the bound leaves room for a loaded machine).
+    // Without lending, or with nobody waiting for the CPU, the same streams run as fast as
+    // the passes allow (a tiny model's pass takes well under a millisecond).
     let (free, _) = streams(false, target, 12).await;
     assert!(free < gap, "{free:?} vs {gap:?}");
+    if std::fs::metadata("/proc/pressure/cpu").is_ok() {
+        let (unwanted, _) = streams(true, target, 12).await;
+        assert!(unwanted < gap, "{unwanted:?} vs {gap:?}");
+    }
 }

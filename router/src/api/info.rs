@@ -191,9 +191,12 @@ pub async fn tgi_info(State(state): State<AppState>) -> Response {
         .lock()
         .map(|c| *c)
         .unwrap_or_default();
-    let ratios = |kind| {
-        let [ttft, tpot] = calibration.ratios(kind);
-        json!({ "ttft": ttft, "tpot": tpot })
+    let lines = |kind| {
+        let [(ttft_offset, ttft_slope), (tpot_offset, tpot_slope)] = calibration.lines(kind);
+        json!({
+            "ttft": { "offset_ms": ttft_offset, "slope": ttft_slope },
+            "tpot": { "offset_ms": tpot_offset, "slope": tpot_slope },
+        })
     };
     axum::Json(json!({
         "model_id": model.name,
@@ -216,10 +219,10 @@ pub async fn tgi_info(State(state): State<AppState>) -> Response {
             "ttft_per_token_ms": slo.ttft_per_token_ms,
             "tpot_ms": slo.tpot_ms,
         },
-        // Measured over predicted, as SLO placement has learned it (1: as the model says).
+        // measured ≈ offset + slope × predicted, as SLO placement has learned it.
         "slo_calibration": {
-            "aggregated": ratios(PlacementKind::Aggregated),
-            "disaggregated": ratios(PlacementKind::Disaggregated),
+            "aggregated": lines(PlacementKind::Aggregated),
+            "disaggregated": lines(PlacementKind::Disaggregated),
         },
     }))
     .into_response()

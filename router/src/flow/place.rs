@@ -25,21 +25,31 @@ pub(super) fn place(
     names: &mut PromptNames<'_>,
     timing: &mut Timing,
 ) -> Option<ModeDecision> {
-    let mut decode_view = decode.cost_view()?;
+    let unknown = |why: &str| {
+        tracing::debug!(why, "placed by the static rule: a cost is not known yet");
+        None
+    };
+    let Some(mut decode_view) = decode.cost_view() else {
+        return unknown("the decode worker has not reported a pass");
+    };
     let prompt = req.prompt.len() as u64;
     let mut prefills: Vec<(usize, CostView, u64)> = Vec::new();
     for candidate in ctx.pool.prefill_candidates_for(decode, names) {
-        let worker = ctx.pool.worker(WorkerRole::Prefill, candidate.id)?;
-        let view = worker
-            .cost_view()
-            .filter(|v| v.coefficients.knows_prompts())?;
+        let view = ctx
+            .pool
+            .worker(WorkerRole::Prefill, candidate.id)
+            .and_then(|w| w.cost_view())
+            .filter(|v| v.coefficients.knows_prompts());
+        let Some(view) = view else {
+            return unknown("a prefill worker cannot price a prompt token yet");
+        };
         prefills.push((candidate.id, view, candidate.cached_tokens));
     }
     if let Some((_, lender, _)) = prefills.first() {
         decode_view.borrow_prompt_costs(lender);
     }
     if !decode_view.coefficients.knows_prompts() {
-        return None;
+        return unknown("the decode worker cannot price a prompt token yet");
     }
     let decode_cached = (decode.cached_blocks(names) * tandem_kv::BLOCK_SIZE) as u64;
     let calibration = ctx.calibration.lock().map(|c| *c).unwrap_or_default();

@@ -2,16 +2,19 @@
 //! snapshots of worker load, with no I/O, so they are unit-tested here and could move to a
 //! crate of their own (as Dynamo's `kv-router` did). `workers` builds the snapshots;
 //! `flow` acts on the decisions. `prefix_index` follows what each worker's prefix cache
-//! holds, from the block events on its load reports. `slo` holds the latency targets, and
-//! `placement` predicts, from the workers' cost models, where a request meets them.
+//! holds, from the block events on its load reports. `slo` holds the latency targets,
+//! `placement` predicts, from the workers' cost models, where a request meets them, and
+//! `calibration` corrects the predictions by what the requests measured.
 
+pub mod calibration;
 pub mod placement;
 pub mod policy;
 pub mod prefix_index;
 pub mod slo;
 
+pub use calibration::Calibration;
 pub use placement::{
-    Calibration, CostView, Placement, PlacementKind, Prediction, choose, predict_aggregated,
+    CostView, Placement, PlacementKind, Prediction, choose, predict_aggregated,
     predict_disaggregated,
 };
 pub use policy::{

@@ -11,16 +11,15 @@
 //!   tokens that keep a pass within the TPOT target, `Coefficients::chunk_allowance`);
 //!   the streams' passes stay within the target while it runs.
 //!
-//! Predictions are kept honest by what the requests then measure: `Calibration` keeps, per
-//! placement kind and metric, a running ratio of measured to predicted and scales later
-//! predictions by it (what the cost model leaves out: the KV transfer, the gRPC hops, queues
-//! that formed between two load reports).
+//! Predictions are kept honest by what the requests then measure (`calibration`).
 
 use tandem_cost::{Coefficients, StepShape, TPOT_HEADROOM};
 use tandem_proto::v1::LoadReport;
 
 use super::slo::RequestSlo;
 
+/// Prompt tokens a worker's fit must have seen before routing trusts its price of one.
+const MIN_PROMPT_TOKENS_SEEN: f64 = 1024.0;
 /// The granule of a prompt chunk (whole KV blocks).
 const CHUNK_GRANULE: u64 = tandem_kv::BLOCK_SIZE as u64;
 
@@ -40,10 +39,10 @@ pub struct CostView {
 
 impl CostView {
     /// The view of a worker whose last report is `load`, with `pending_rows` requests and
-    /// `pending_tokens` prompt tokens sent to it since; `None` before its first fitted pass.
+    /// `pending_tokens` prompt tokens sent to it since; `None` before its first pass.
     pub fn from_report(load: &LoadReport, pending_rows: u64, pending_tokens: u64) -> Option<Self> {
         let cost = load.step_cost.as_ref()?;
-        let coefficients = Coefficients {
+        let mut coefficients = Coefficients {
             base_ms: cost.base_ms,
             per_row_ms: cost.per_row_ms,
             per_token_ms: cost.per_token_ms,
@@ -57,8 +56,13 @@ impl CostView {
         ]
         .iter()
         .all(|v| v.is_finite() && *v >= 0.0);
-        if !finite || !coefficients.is_fitted() {
+        if !finite || cost.passes == 0 {
             return None;
+        }
+        // A price of a prompt token resting on a few short chunks is noise: unknown instead
+        // (a decode worker then borrows a prefill worker's).
+        if cost.prompt_tokens_seen.is_nan() || cost.prompt_tokens_seen < MIN_PROMPT_TOKENS_SEEN {
+            coefficients.per_token_ms = 0.0;
         }
         let rows = u64::from(cost.decode_rows).saturating_add(pending_rows);
         // A dispatched stream's context is not reported yet: count it at the mean of the others.
@@ -143,7 +147,7 @@ impl PlacementKind {
         }
     }
 
-    fn index(self) -> usize {
+    pub(super) fn index(self) -> usize {
         self as usize
     }
 }
@@ -238,64 +242,6 @@ pub fn choose(
         .min_by(|a, b| a.1.pressure(slo).total_cmp(&b.1.pressure(slo)))
 }
 
-/// How much a measured value may pull its ratio each time (an exponential average over
-/// about the last 20 requests).
-const CALIBRATION_WEIGHT: f64 = 0.05;
-/// The ratio is held within this range: a wild measurement must not make the model useless.
-const RATIO_RANGE: (f64, f64) = (0.25, 4.0);
-
-/// Running ratios of measured to predicted, per placement kind and metric (TTFT, TPOT).
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct Calibration {
-    ratios: [[f64; 2]; 2],
-}
-
-impl Default for Calibration {
-    fn default() -> Self {
-        Self {
-            ratios: [[1.0; 2]; 2],
-        }
-    }
-}
-
-impl Calibration {
-    /// `raw` as this calibration corrects it for `kind`.
-    pub fn correct(&self, kind: PlacementKind, raw: Prediction) -> Prediction {
-        let r = self.ratios[kind.index()];
-        Prediction {
-            ttft_ms: raw.ttft_ms * r[0],
-            tpot_ms: raw.tpot_ms * r[1],
-        }
-    }
-
-    /// Learns from a request placed as `kind` with the raw prediction `raw` that measured
-    /// `ttft_ms` and (with two tokens or more) `tpot_ms`.
-    pub fn learn(
-        &mut self,
-        kind: PlacementKind,
-        raw: Prediction,
-        ttft_ms: f64,
-        tpot_ms: Option<f64>,
-    ) {
-        let r = &mut self.ratios[kind.index()];
-        let update = |slot: &mut f64, predicted: f64, measured: f64| {
-            if predicted > 0.0 && measured.is_finite() && measured >= 0.0 {
-                let ratio = (measured / predicted).clamp(RATIO_RANGE.0, RATIO_RANGE.1);
-                *slot += CALIBRATION_WEIGHT * (ratio - *slot);
-            }
-        };
-        update(&mut r[0], raw.ttft_ms, ttft_ms);
-        if let Some(tpot) = tpot_ms {
-            update(&mut r[1], raw.tpot_ms, tpot);
-        }
-    }
-
-    /// The ratios, for `/info`: `[ttft, tpot]` per kind.
-    pub fn ratios(&self, kind: PlacementKind) -> [f64; 2] {
-        self.ratios[kind.index()]
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -343,13 +289,20 @@ mod tests {
                 decode_context_tokens: 4000,
                 max_batch_tokens: 512,
                 prompt_allowance: 0,
+                prompt_tokens_seen: 4096.0,
             }),
             ..Default::default()
         };
         let v = CostView::from_report(&load, 2, 64).unwrap();
+        assert_eq!(v.coefficients.per_token_ms, 4.0);
         assert_eq!(v.decode_rows, 6);
         assert_eq!(v.decode_context, 6000);
         assert_eq!(v.queued_prompt_tokens, 164);
+        // A price of a prompt token that rests on a few tokens is not trusted.
+        let mut few = load.clone();
+        few.step_cost.as_mut().unwrap().prompt_tokens_seen = 100.0;
+        let v = CostView::from_report(&few, 0, 0).unwrap();
+        assert!(!v.coefficients.knows_prompts());
         // Nothing fitted yet, or nonsense from a peer: no view.
         assert_eq!(CostView::from_report(&LoadReport::default(), 0, 0), None);
         let mut bad = load.clone();
@@ -418,28 +371,5 @@ mod tests {
         blind.coefficients.per_token_ms = 0.0;
         blind.borrow_prompt_costs(&prefill);
         assert_eq!(blind.coefficients.per_token_ms, 4.0);
-    }
-
-    #[test]
-    fn calibration_moves_predictions_toward_what_requests_measure() {
-        let mut c = Calibration::default();
-        let raw = Prediction {
-            ttft_ms: 100.0,
-            tpot_ms: 20.0,
-        };
-        assert_eq!(c.correct(PlacementKind::Disaggregated, raw), raw);
-        for _ in 0..200 {
-            c.learn(PlacementKind::Disaggregated, raw, 150.0, Some(20.0));
-        }
-        let corrected = c.correct(PlacementKind::Disaggregated, raw);
-        assert!((corrected.ttft_ms - 150.0).abs() < 1.0, "{corrected:?}");
-        assert!((corrected.tpot_ms - 20.0).abs() < 0.1, "{corrected:?}");
-        // The other kind is untouched; a wild measurement is bounded.
-        assert_eq!(c.correct(PlacementKind::Aggregated, raw), raw);
-        for _ in 0..1000 {
-            c.learn(PlacementKind::Aggregated, raw, 1e12, None);
-        }
-        assert!(c.ratios(PlacementKind::Aggregated)[0] <= RATIO_RANGE.1);
-        assert_eq!(c.ratios(PlacementKind::Aggregated)[1], 1.0);
     }
 }
