@@ -51,8 +51,11 @@ pub(crate) async fn start(
 ) -> Result<ReceiverStream<Result<GenerateEvent, Status>>, Status> {
     let sampling = sampling_from_proto(req.sampling.as_ref());
     let stop = stop_from_proto(req.stop.as_ref());
-    let tpot_target =
-        (req.tpot_target_ms > 0).then(|| Duration::from_millis(u64::from(req.tpot_target_ms)));
+    // A caller's target sets how long a lending worker idles after each pass: bounded.
+    let tpot_target = (req.tpot_target_ms > 0).then(|| {
+        Duration::from_millis(u64::from(req.tpot_target_ms))
+            .min(tandem_worker::pacing::MAX_TPOT_TARGET)
+    });
     let pool = inner.core.engine.pool();
     validate_request(
         inner.core.model.config(),

@@ -50,6 +50,10 @@ pub struct Pacer {
     someone_waits: bool,
 }
 
+/// The longest TPOT target a worker paces to, whatever a request asks: a lending worker
+/// idles up to 0.9 of it after each pass.
+pub const MAX_TPOT_TARGET: Duration = Duration::from_secs(10);
+
 /// The shortest window over which CPU stall time is judged (the kernel's figures move in
 /// scheduler ticks).
 const STALL_WINDOW: Duration = Duration::from_millis(20);
