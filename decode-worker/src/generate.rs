@@ -82,15 +82,21 @@ pub(crate) async fn start(
                     inner.config.reserve_wait.as_millis()
                 )));
             };
+            let split = accepted_split(&inner, &req, &sampling, &span);
             let mut waiting_since: Option<Instant> = None;
-            let (lease, commit, cached_tokens) = loop {
+            let (lease, commit, cached_tokens, tail) = loop {
                 // The prompt's prefix this worker's cache holds stays here (held now, so it
                 // cannot be evicted while the rest arrives); only the blocks after it are
                 // leased. A waiting request holds nothing: each try takes it again.
                 let cached = inner.core.engine.hold_cached_prefix(&req.prompt);
                 let cached_tokens = cached.len() * tandem_kv::BLOCK_SIZE;
                 let uncached = req.prompt.len() - cached_tokens;
-                if !cached.is_empty() && uncached < req.local_prefill_below as usize {
+                // A split whose first part the cache holds already leaves only this
+                // worker's part: it runs here.
+                let split_cached = split > 0 && cached_tokens >= split;
+                if split_cached
+                    || (!cached.is_empty() && uncached < req.local_prefill_below as usize)
+                {
                     // So little is missing that moving it would cost more than computing it.
                     release(&inner, cached, false);
                     tracing::debug!(parent: &span, cached_tokens, uncached, "prefilling the uncached suffix here");
@@ -103,12 +109,12 @@ pub(crate) async fn start(
                     run_here(&inner, req.prompt, sampling, stop, tpot_target, out, span).await?;
                     return Ok(ReceiverStream::new(rx));
                 }
-                match reserve(&inner, &caller, &req, cached.clone()) {
-                    Ok((lease, commit)) => {
+                match reserve(&inner, &caller, &req, cached.clone(), split) {
+                    Ok(((lease, commit), tail)) => {
                         if let Some(since) = waiting_since {
                             tracing::debug!(parent: &span, waited_ms = since.elapsed().as_millis(), "reserved after waiting for room");
                         }
-                        break (lease, commit, cached_tokens);
+                        break (lease, commit, cached_tokens, tail);
                     }
                     Err(Refusal::Busy(status))
                         if Instant::now() < deadline && !inner.core.is_draining() =>
@@ -136,19 +142,22 @@ pub(crate) async fn start(
                 ms => Duration::from_millis(u64::from(ms)),
             }
             .min(inner.config.max_lease_ttl);
-            tracing::debug!(parent: &span, blocks = lease.blocks.len(), cached_tokens, ttl_ms = ttl.as_millis(), "reserved");
+            tracing::debug!(parent: &span, blocks = lease.blocks.len(), cached_tokens, split, ttl_ms = ttl.as_millis(), "reserved");
             let event = GenerateEvent {
                 event: Some(generate_event::Event::Lease(tandem_proto::v1::Lease {
                     token: lease.token().as_bytes().to_vec(),
                     block_ids: lease.blocks.clone(),
                     ttl_ms: u32::try_from(ttl.as_millis()).unwrap_or(u32::MAX),
                     cached_tokens: cached_tokens as u32,
+                    split_prompt_at: split as u32,
                 })),
             };
             // The channel is fresh and has room; a failure means the client is gone already.
             let _ = out.try_send(Ok(event));
             let held = Reserved {
                 lease,
+                tail,
+                split,
                 ttl,
                 tpot_target,
             };
@@ -185,14 +194,46 @@ enum Refusal {
     Final(Status),
 }
 
+/// The split of the prompt this worker takes (see `GenerateRequest.split_prompt_at`), 0 for
+/// none: it must fall on a block boundary inside the prompt, and the model and the request
+/// must be able to resume there (no sliding window, no prompt logprobs).
+fn accepted_split(
+    inner: &Inner,
+    req: &GenerateRequest,
+    sampling: &SamplingParams,
+    span: &tracing::Span,
+) -> usize {
+    let split = req.split_prompt_at as usize;
+    if split == 0 {
+        return 0;
+    }
+    let window = inner
+        .core
+        .model
+        .config()
+        .first_needed_block(req.prompt.len())
+        > 0;
+    if !split.is_multiple_of(tandem_kv::BLOCK_SIZE)
+        || split >= req.prompt.len()
+        || window
+        || sampling.prompt_logprobs.is_some()
+    {
+        tracing::debug!(parent: span, split, prompt = req.prompt.len(), window, "the split is declined: the prefill worker computes the whole prompt");
+        return 0;
+    }
+    split
+}
+
 /// Claims the caller's share for the prompt's blocks after the held prefix `cached`, reserves
-/// them and opens their lease (the lease then holds `cached` too).
+/// them and opens their lease (the lease then holds `cached` too). With a `split`, the lease
+/// covers the blocks before it and the rest come back apart (this worker computes them).
 fn reserve(
     inner: &Inner,
     caller: &str,
     req: &GenerateRequest,
     cached: Vec<u32>,
-) -> Result<Opened, Refusal> {
+    split: usize,
+) -> Result<(Opened, Vec<u32>), Refusal> {
     // A sliding-window model's decode steps never read the blocks before the first step's
     // window: the lease holds only the rest (such models cache nothing).
     let first = inner
@@ -211,7 +252,7 @@ fn reserve(
             TransferError::QuotaExceeded(_) => Refusal::Busy(Status::from(e)),
             e => Refusal::Final(Status::from(e)),
         })?;
-    let blocks = inner
+    let mut blocks = inner
         .core
         .engine
         .pool()
@@ -220,17 +261,23 @@ fn reserve(
             KvError::OutOfBlocks { .. } => Refusal::Busy(engine_status(&e.into())),
             e => Refusal::Final(engine_status(&e.into())),
         })?;
+    let (tail, sent_tokens) = match split {
+        0 => (Vec::new(), req.prompt.len()),
+        at => (blocks.split_off(at / tandem_kv::BLOCK_SIZE - first), at),
+    };
     inner
         .leases
         .create_claimed(
             Some(claim),
             blocks.clone(),
             cached,
-            req.prompt.len(),
+            sent_tokens,
             &req.request_id,
         )
+        .map(|opened| (opened, tail.clone()))
         .map_err(|e| {
             release(inner, blocks, false);
+            release(inner, tail, false);
             Refusal::Final(Status::from(e))
         })
 }
@@ -266,6 +313,10 @@ async fn run_here(
 /// prefill worker writes, after the prefix this worker's cache already held, `lease.cached`).
 struct Reserved {
     lease: Arc<Lease>,
+    /// With a split prompt, the blocks after the split, which this worker computes.
+    tail: Vec<u32>,
+    /// The prompt tokens whose KV the peer sends (0: all of them).
+    split: usize,
     ttl: Duration,
     /// The stream's TPOT target, for its admission.
     tpot_target: Option<Duration>,
@@ -274,7 +325,12 @@ struct Reserved {
 impl Reserved {
     /// Every block, in logical order.
     fn all_blocks(&self) -> Vec<u32> {
-        [self.lease.cached.as_slice(), self.lease.blocks.as_slice()].concat()
+        [
+            self.lease.cached.as_slice(),
+            self.lease.blocks.as_slice(),
+            self.tail.as_slice(),
+        ]
+        .concat()
     }
 }
 
@@ -340,6 +396,10 @@ async fn disaggregated(
         wait_seconds: started.elapsed().as_secs_f64(),
         transport: commit.transport,
     };
+    if held.split > 0 {
+        // The peer's first token is of the prompt's first part only: not this request's.
+        return resume_split(inner, held, &commit, report, out, prompt, sampling, stop).await;
+    }
     // Stream the first tokens now rather than after the engine's current step.
     let context = inner.core.model.config().max_position_embeddings;
     let firsts: Vec<SampledToken> = std::iter::once(SampledToken {
@@ -416,6 +476,56 @@ async fn disaggregated(
         .await;
     match admitted {
         Ok(_) => forward(inner, events, out, report, open).await,
+        Err(e) => {
+            release(&inner, held.all_blocks(), false);
+            let _ = out.send(Err(engine_status(&e))).await;
+        }
+    }
+}
+
+/// The KV of a split prompt's first part has landed: the rest of the prompt runs here, and
+/// the request streams from its first token like an aggregated one.
+#[allow(clippy::too_many_arguments)]
+async fn resume_split(
+    inner: Arc<Inner>,
+    held: Reserved,
+    commit: &Commit,
+    report: KvReport,
+    out: Out,
+    prompt: Vec<u32>,
+    sampling: SamplingParams,
+    stop: StopParams,
+) {
+    let guide = match inner.core.engine.compile_guide(&sampling).await {
+        Ok(guide) => guide,
+        Err(e) => {
+            release(&inner, held.all_blocks(), false);
+            let _ = out.send(Err(engine_status(&e))).await;
+            return;
+        }
+    };
+    let choices = sampling.n;
+    let (events_tx, events) = mpsc::unbounded_channel();
+    let admitted = inner
+        .core
+        .engine
+        .add_partly_prefilled(
+            prompt,
+            held.split,
+            ReceivedKv {
+                blocks: held.all_blocks(),
+                location: tandem_transfer::kv_location(commit.transport),
+                cached: held.lease.cached.len(),
+            },
+            sampling,
+            stop,
+            guide,
+            held.tpot_target,
+            events_tx,
+        )
+        .await;
+    match admitted {
+        Ok(_) => forward(inner, events, out, report, choices).await,
         Err(e) => {
             release(&inner, held.all_blocks(), false);
             let _ = out.send(Err(engine_status(&e))).await;
@@ -508,6 +618,7 @@ fn abandon(inner: &Inner, held: &Reserved) {
         inner.leases.has_remote_writers(),
     );
     release(inner, held.lease.cached.clone(), false);
+    release(inner, held.tail.clone(), false);
 }
 
 fn release(inner: &Inner, blocks: Vec<u32>, quarantine: bool) {

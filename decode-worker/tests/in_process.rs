@@ -1,6 +1,7 @@
 //! The decode worker run in-process through [`serve`] (no binary, no model download: the tiny
 //! model), driven over its authenticated gRPC as the router and a prefill worker drive it: KV
-//! pushed into a lease over each host transport decodes to what aggregated serving gives;
+//! pushed into a lease over each host transport decodes to what aggregated serving gives, and
+//! so does a prompt split with a peer;
 //! leases end cleanly when cancelled, expired or guessed at; shutdown drains and removes the
 //! shared-memory files.
 
@@ -91,6 +92,7 @@ fn request(prompt: Vec<u32>, mode: Mode, max_tokens: u32, lease_ttl_ms: u32) -> 
         lease_ttl_ms,
         local_prefill_below: 0,
         tpot_target_ms: 0,
+        split_prompt_at: 0,
     }
 }
 
@@ -224,6 +226,73 @@ async fn kv_pushed_into_a_lease_decodes_as_aggregated_serving_does() {
         assert_eq!(fin.transport, transport as i32);
         assert_eq!(fin.kv_bytes, stats.bytes);
     }
+    wait_free(&mut d.client, Duration::from_secs(2)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_split_prompt_resumes_here_as_aggregated_serving_runs_it() {
+    let mut d = start(Duration::from_secs(30)).await;
+    let prompt: Vec<u32> = (0..90).map(|i| 5 + (i * 11) % 240).collect();
+    let split = |at: u32| GenerateRequest {
+        split_prompt_at: at,
+        ..request(prompt.clone(), Mode::Disaggregated, 10, 0)
+    };
+    // Splits it cannot resume at are declined: the lease is for the whole prompt.
+    for at in [20, 90, 500] {
+        let mut stream = d
+            .client
+            .generate(split(at))
+            .await
+            .expect("generate")
+            .into_inner();
+        let lease = lease_of(&mut stream).await;
+        assert_eq!(
+            (lease.split_prompt_at, lease.block_ids.len()),
+            (0, 6),
+            "at {at}"
+        );
+    }
+    wait_free(&mut d.client, Duration::from_secs(2)).await;
+    // The first 32 tokens' KV comes from a peer (whose first token is not used); this worker
+    // computes the other 58.
+    let mut stream = d
+        .client
+        .generate(split(32))
+        .await
+        .expect("generate")
+        .into_inner();
+    let lease = lease_of(&mut stream).await;
+    assert_eq!((lease.split_prompt_at, lease.block_ids.len()), (32, 2));
+    let (kv, _) = local_prefill(&d.model, &d.tokenizer, &prompt[..32]);
+    let peers = Peers::new(test_auth(), Some(d.shm.path().to_path_buf()));
+    let stats = ship(&d, &peers, lease, Transport::Tcp, (&kv, 32, 7)).await;
+    let (got, fin) = tokens(&mut stream).await;
+    assert_eq!(fin.expect("finished").kv_bytes, stats.bytes);
+    let mut agg = d
+        .client
+        .generate(request(prompt.clone(), Mode::Aggregated, 10, 0))
+        .await
+        .expect("aggregated")
+        .into_inner();
+    let (want, _) = tokens(&mut agg).await;
+    assert_eq!(got, want);
+    // Now the cache holds more than the first part: the request runs here whole.
+    let mut stream = d
+        .client
+        .generate(split(32))
+        .await
+        .expect("generate")
+        .into_inner();
+    match stream
+        .message()
+        .await
+        .expect("stream")
+        .and_then(|e| e.event)
+    {
+        Some(generate_event::Event::Local(local)) => assert_eq!(local.cached_tokens, 80),
+        other => panic!("expected a local prefill, got {other:?}"),
+    }
+    assert_eq!(tokens(&mut stream).await.0, want);
     wait_free(&mut d.client, Duration::from_secs(2)).await;
 }
 

@@ -310,6 +310,7 @@ async fn router_overhead(
                 lease_ttl_ms: 0,
                 local_prefill_below: 0,
                 tpot_target_ms: 0,
+                split_prompt_at: 0,
             })
             .await?
             .into_inner();

@@ -51,6 +51,7 @@ fn generate(prompt_len: usize, mode: Mode, lease_ttl_ms: u32) -> GenerateRequest
         lease_ttl_ms,
         local_prefill_below: 0,
         tpot_target_ms: 0,
+        split_prompt_at: 0,
     }
 }
 

@@ -2,7 +2,8 @@
 //! logprobs are what the aggregated engine gives whatever placement it got; the workers
 //! report fitted cost models; the router exports its targets, placements, prediction errors
 //! and SLO attainment, says what it learned in `/info`, and takes per-request targets from
-//! headers (refusing bad ones with the header's name).
+//! headers (refusing bad ones with the header's name); with room in the TTFT target, prompts
+//! are split between the prefill and the decode worker, token for token the same.
 
 use std::time::Duration;
 
@@ -197,6 +198,60 @@ async fn slo_placement_keeps_every_token_and_learns_from_its_predictions() {
         let text = r.text().await.unwrap();
         assert!(text.contains("x-tandem-slo-ttft-ms"), "{path}: {text}");
     }
+
+    // A TTFT target with room to spare: long prompts are split, the prefill worker computing
+    // their first block and the decode worker the rest in its streams' slack. Same tokens.
+    let loose = Deployment::router_for(
+        &dep.prefill,
+        &dep.decode,
+        "shm",
+        &[
+            "--placement".into(),
+            "slo".into(),
+            "--slo-ttft-ms".into(),
+            "600000".into(),
+        ],
+    )
+    .unwrap();
+    let loose_base = format!("http://127.0.0.1:{}", loose.port);
+    tandem_e2e::wait_http_ok(&format!("{loose_base}/health"), Duration::from_secs(60))
+        .await
+        .unwrap();
+    // Prompts no worker has seen (a cached prefix would leave nothing to split).
+    let fresh: Vec<Vec<u32>> = prompts
+        .iter()
+        .map(|p| p.iter().map(|t| 3 + (t + 101) % 250).collect())
+        .collect();
+    let reference = run_all(&format!("http://127.0.0.1:{}", agg.port), &fresh, 1).await;
+    let got = run_all(&loose_base, &fresh, 4).await;
+    for (i, (got, want)) in got.iter().zip(&reference).enumerate() {
+        assert_eq!(got.text, want.text, "split round, prompt {i}");
+        assert_eq!(got.logprobs, want.logprobs, "split round, prompt {i}");
+    }
+    let text = reqwest::get(format!("{loose_base}/metrics"))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let splits = metric_sum(
+        &text,
+        "tandem_router_placements_total",
+        &["placement=\"split\""],
+    );
+    let tail = metric_sum(
+        &text,
+        "tandem_router_split_prompt_tokens_total",
+        &["side=\"decode\""],
+    );
+    let placements: Vec<&str> = text
+        .lines()
+        .filter(|l| l.contains("placements_total") || l.contains("split"))
+        .collect();
+    assert!(
+        splits >= 1.0 && tail >= 64.0 * splits,
+        "{splits} splits, {tail} tokens: {placements:?}"
+    );
     for d in &dep.decode {
         assert_eq!(
             tandem_e2e::blocks_in_use(&d.endpoint(), true)

@@ -67,6 +67,7 @@ fn request(prompt: Vec<u32>, mode: Mode, max_tokens: u32) -> GenerateRequest {
         lease_ttl_ms: 0,
         local_prefill_below: 0,
         tpot_target_ms: 0,
+        split_prompt_at: 0,
     }
 }
 

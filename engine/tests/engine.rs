@@ -205,6 +205,91 @@ fn exported_kv_continues_identically_in_another_engine() {
 }
 
 #[test]
+fn a_prompt_split_between_engines_gives_the_solo_tokens() {
+    let model = model();
+    for (len, at) in [(17, 16), (100, 16), (100, 96), (300, 128)] {
+        let p = prompt(len, len);
+        let (s, st) = greedy(20);
+        let got: Vec<u32> = common::split_handoff(|| engine(&model, 64), &p, at, s, st)
+            .iter()
+            .map(|o| o.token)
+            .collect();
+        assert_eq!(
+            got,
+            run_alone(&model, &p, 20),
+            "prompt of {len} split at {at}"
+        );
+    }
+    // Sampled choices too: each choice's seed stream is the solo run's.
+    let p = prompt(7, 200);
+    let sampling = SamplingParams {
+        temperature: 0.8,
+        seed: Some(11),
+        n: 2,
+        ..Default::default()
+    };
+    let stop = StopParams {
+        max_tokens: 12,
+        ignore_eos: true,
+        ..Default::default()
+    };
+    let mut alone = engine(&model, 64);
+    let id = alone
+        .add_request(p.clone(), sampling.clone(), stop.clone())
+        .unwrap();
+    let mut want = alone.run_to_completion(id).unwrap();
+    want.sort_by_key(|o| o.choice);
+    let got = common::split_handoff(|| engine(&model, 64), &p, 64, sampling, stop);
+    let tokens = |outs: &[StepOutput]| outs.iter().map(|o| (o.choice, o.token)).collect::<Vec<_>>();
+    assert_eq!(tokens(&got), tokens(&want));
+}
+
+#[test]
+fn splits_that_cannot_resume_are_refused() {
+    let model = model();
+    let mut e = engine(&model, 64);
+    let (s, st) = greedy(4);
+    let p = prompt(1, 40);
+    let blocks = e.reserve(p.len()).unwrap();
+    let logprobs = SamplingParams {
+        prompt_logprobs: Some(0),
+        ..SamplingParams::greedy()
+    };
+    for (at, sampling, why) in [
+        (0, s.clone(), "nothing computed"),
+        (20, s.clone(), "not a whole block"),
+        (48, s.clone(), "past the prompt"),
+        (16, logprobs, "prompt logprobs need every row"),
+    ] {
+        let err = e
+            .add_partly_prefilled(
+                p.clone(),
+                at,
+                ReceivedKv::host(blocks.clone()),
+                sampling,
+                st.clone(),
+                None,
+            )
+            .unwrap_err();
+        assert!(matches!(err, EngineError::InvalidKv(_)), "{why}: {err}");
+    }
+    // Blocks that do not cover the prompt.
+    assert!(
+        e.add_partly_prefilled(
+            p.clone(),
+            16,
+            ReceivedKv::host(blocks[..1].to_vec()),
+            s,
+            st,
+            None
+        )
+        .is_err()
+    );
+    e.release(&blocks).unwrap();
+    assert_eq!(e.used_blocks(), 0);
+}
+
+#[test]
 fn stop_tokens_strings_and_eos() {
     let model = model();
     let reference = run_alone(&model, &prompt(1, 10), 30);

@@ -73,6 +73,8 @@ pub const SLO_REQUESTS_TOTAL: &str = "tandem_router_slo_requests_total";
 pub const SLO_PRESSURE: &str = "tandem_router_slo_pressure";
 /// Requests SLO placement placed, by placement and whether the prediction met both targets.
 pub const PLACEMENTS_TOTAL: &str = "tandem_router_placements_total";
+/// Prompt tokens of split prompts, by the `side` (prefill, decode) that computed them.
+pub const SPLIT_PROMPT_TOKENS_TOTAL: &str = "tandem_router_split_prompt_tokens_total";
 /// |predicted − measured| / measured of SLO placement's predictions, by metric and placement.
 pub const PREDICTION_ERROR: &str = "tandem_router_placement_prediction_error";
 
@@ -161,6 +163,10 @@ fn describe() {
     describe_counter!(
         PLACEMENTS_TOTAL,
         "Requests placed by SLO placement, by placement and predicted outcome"
+    );
+    describe_counter!(
+        SPLIT_PROMPT_TOKENS_TOTAL,
+        "Prompt tokens of prompts split between a prefill and a decode worker, by side"
     );
     describe_histogram!(
         PREDICTION_ERROR,

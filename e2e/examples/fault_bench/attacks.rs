@@ -73,6 +73,7 @@ fn endless_generate(request_id: &str, prompt_tokens: u32) -> GenerateRequest {
         lease_ttl_ms: u32::MAX,
         local_prefill_below: 0,
         tpot_target_ms: 0,
+        split_prompt_at: 0,
     }
 }
 

@@ -1,7 +1,8 @@
 //! KV that crosses the engine's edge: blocks reserved for a peer to write (a decode worker's
 //! lease), single block-layers written as they arrive, device pools exported for
 //! device-to-device transports, and admitting a sequence whose prompt KV and first tokens
-//! came from elsewhere ([`Engine::add_prefilled`]).
+//! came from elsewhere ([`Engine::add_prefilled`]) or whose prompt's first part did
+//! ([`Engine::add_partly_prefilled`]).
 
 use tandem_kv::{
     BLOCK_SIZE, DeviceKv, ExportedKv, FREED_BLOCK, KvCache, KvLocation, SharedPool, blocks_for,
@@ -152,6 +153,65 @@ impl Engine {
         }
         outputs.insert(0, out);
         Ok((id, outputs))
+    }
+
+    /// Queues a request whose prompt's first `computed` tokens (whole blocks) have their KV
+    /// in `kv` (the first `kv.cached` blocks from this engine's prefix cache, the rest written
+    /// by a peer) and whose other prompt tokens run here, in chunks like any queued prompt's:
+    /// a prompt split between a prefill worker and this one. `kv.blocks` cover the whole
+    /// prompt (those past `computed` reserved for the rest). Models with a sliding window and
+    /// requests for prompt logprobs cannot be split (their first rows would be missing).
+    pub fn add_partly_prefilled(
+        &mut self,
+        prompt: Vec<u32>,
+        computed: usize,
+        kv: ReceivedKv,
+        sampling: SamplingParams,
+        stop: StopParams,
+        guide: Option<Guide>,
+    ) -> Result<SeqId> {
+        let ReceivedKv {
+            blocks,
+            location,
+            cached,
+        } = kv;
+        self.validate_request(&prompt, &sampling, &stop)?;
+        let window = self.model.config().first_needed_block(prompt.len()) > 0;
+        if computed == 0
+            || !computed.is_multiple_of(BLOCK_SIZE)
+            || computed >= prompt.len()
+            || cached * BLOCK_SIZE > computed
+            || window
+            || sampling.prompt_logprobs.is_some()
+        {
+            return Err(EngineError::InvalidKv(format!(
+                "a prompt of {} tokens cannot resume at token {computed} ({cached} cached \
+                 blocks{})",
+                prompt.len(),
+                if window { ", sliding window" } else { "" }
+            )));
+        }
+        let blocks = self.check_received_blocks(prompt.len(), blocks, cached)?;
+        self.backend.import_blocks(
+            &mut self.cache,
+            &blocks[cached..computed / BLOCK_SIZE],
+            location,
+        )?;
+        let guide = self.guide_for(&sampling, guide)?;
+        let id = self.allocate_id();
+        let sampler = Sampler::new(&sampling);
+        let mut seq =
+            Sequence::new(id, prompt, sampling, stop, &self.eos, sampler).with_guide(guide);
+        seq.computed = computed;
+        seq.blocks = blocks;
+        seq.cached_tokens = cached * BLOCK_SIZE;
+        // Named like computed blocks (see `add_prefilled`); the rest as they are computed.
+        Self::name_full_blocks(self.prefix_salt, &self.pool, &mut seq, 0);
+        // It waits its turn like any prompt (the running limit, the token budget); holding
+        // its blocks, it never takes cached ones or needs new ones for its prompt.
+        self.seqs.insert(id, seq);
+        self.waiting.push_back(id);
+        Ok(id)
     }
 
     /// The first tokens sampled elsewhere, one per choice, each naming tokens of this

@@ -119,3 +119,60 @@ pub fn tiny_model() -> std::sync::Arc<tandem_engine::Model> {
         .unwrap(),
     )
 }
+
+/// The outputs of `prompt` split at token `at` (whole blocks): one engine computes the first
+/// `at` tokens and ships their KV; another imports it into a reservation for the whole
+/// prompt, computes the rest and generates, as a decode worker does for a split prompt.
+#[allow(dead_code)] // Only the engine tests split prompts.
+pub fn split_handoff(
+    engine: impl Fn() -> Engine,
+    prompt: &[u32],
+    at: usize,
+    sampling: SamplingParams,
+    stop: StopParams,
+) -> Vec<StepOutput> {
+    let mut prefill = engine();
+    let part_stop = StopParams {
+        max_tokens: 1,
+        ..Default::default()
+    };
+    prefill
+        .add_request(prompt[..at].to_vec(), SamplingParams::greedy(), part_stop)
+        .unwrap();
+    let mut shipped: HashMap<(usize, usize), Vec<u8>> = HashMap::new();
+    while prefill.has_work() {
+        prefill
+            .step_with(&mut |layer, cache, chunks| {
+                for c in chunks {
+                    for lb in c.logical_blocks() {
+                        let bytes = cache.block_layer_bytes(layer, c.blocks[lb]).unwrap();
+                        shipped.insert((lb, layer), bytes.to_vec());
+                    }
+                }
+            })
+            .unwrap();
+    }
+    let mut decode = engine();
+    let blocks = decode.reserve(prompt.len()).unwrap();
+    let layers = decode.model().config().num_hidden_layers;
+    assert_eq!(shipped.len(), at / tandem_kv::BLOCK_SIZE * layers);
+    for ((lb, layer), bytes) in &shipped {
+        decode
+            .import_block_layer(*layer, blocks[*lb], bytes)
+            .unwrap();
+    }
+    let id = decode
+        .add_partly_prefilled(
+            prompt.to_vec(),
+            at,
+            ReceivedKv::host(blocks),
+            sampling,
+            stop,
+            None,
+        )
+        .unwrap();
+    let mut outputs = decode.run_to_completion(id).unwrap();
+    assert_eq!(decode.used_blocks(), 0, "decode side frees its blocks");
+    outputs.sort_by_key(|o| o.choice);
+    outputs
+}

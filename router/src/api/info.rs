@@ -223,6 +223,7 @@ pub async fn tgi_info(State(state): State<AppState>) -> Response {
         "slo_calibration": {
             "aggregated": lines(PlacementKind::Aggregated),
             "disaggregated": lines(PlacementKind::Disaggregated),
+            "split": lines(PlacementKind::Split),
         },
     }))
     .into_response()

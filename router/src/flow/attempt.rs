@@ -78,7 +78,10 @@ async fn establish_on(
         }
         _ => None,
     };
-    let mut decision = by_slo.unwrap_or_else(|| {
+    // A split prompt's first part goes to the first prefill worker tried; a retry computes
+    // it all.
+    let mut split_at = by_slo.as_ref().map_or(0, |p| p.split_at);
+    let mut decision = by_slo.map(|p| p.decision).unwrap_or_else(|| {
         routing::decide_mode(
             req.prompt.len(),
             ctx.agg_threshold,
@@ -104,7 +107,7 @@ async fn establish_on(
         };
         let attempt = match ctx.pool.worker(WorkerRole::Prefill, prefill) {
             Some(prefill_worker) => {
-                run_disaggregated(ctx, req, decode, &prefill_worker, names, timing).await
+                run_disaggregated(ctx, req, decode, &prefill_worker, names, split_at, timing).await
             }
             // It left the pool since the candidate list: fail over like a failure.
             None => Err(DisaggError::Prefill(ApiError::WorkerUnavailable)),
@@ -118,6 +121,7 @@ async fn establish_on(
             }
             Err(DisaggError::Prefill(e)) => {
                 tried_prefill.push(prefill);
+                split_at = 0;
                 last_prefill_error = Some(e);
                 decision = after_prefill_failure(ctx, req, decode, names, &tried_prefill);
             }

@@ -81,6 +81,7 @@ pub(super) fn generate_request(
             PlacementPolicy::Slo => req.slo.tpot_ms.ceil().clamp(1.0, f64::from(u32::MAX)) as u32,
             PlacementPolicy::Static => 0,
         },
+        split_prompt_at: 0,
     }
 }
 

@@ -2,6 +2,8 @@
 //! blocks for the prompt and says where they are), prefill while renewing it (the prefill
 //! worker computes the prompt and writes its KV there, while the lease is kept alive and the
 //! decode worker's first token awaited), and build the head (from the prefill's answer).
+//! A split prompt (SLO placement) runs the same way, but the prefill worker computes and
+//! sends only its first part, and the decode worker computes the rest before its first token.
 //!
 //! Every early return drops the `Generate` stream, which makes the decode worker cancel the
 //! reservation and free its blocks at once.
@@ -15,7 +17,7 @@ use tandem_proto::v1::decode_service_client::DecodeServiceClient;
 use tandem_proto::v1::generate_event::Event;
 use tandem_proto::v1::{
     GenerateEvent, KvDestination, Lease, Mode, PrefillRequest, PrefillResponse, RenewLeaseRequest,
-    Transport, WorkerInfo,
+    SamplingParams, StopParams, Transport, WorkerInfo,
 };
 use tonic::Streaming;
 
@@ -62,6 +64,9 @@ struct Reservation {
     kv_blocks: u32,
     /// Prompt tokens whose KV the decode worker's prefix cache holds: they are not moved.
     decode_cached_tokens: u32,
+    /// The split the decode worker took: the prefill worker computes the prompt's first this
+    /// many tokens (0: all of them).
+    split: u32,
 }
 
 /// A reservation whose prefill has answered and whose first token is in.
@@ -73,16 +78,18 @@ struct Prefilled {
     decode_cached_tokens: u32,
 }
 
-/// Runs the request on `decode` with its prompt prefilled on `prefill`, up to the head.
+/// Runs the request on `decode` with its prompt prefilled on `prefill` (its first `split_at`
+/// tokens, when not 0), up to the head.
 pub(super) async fn run_disaggregated(
     ctx: &FlowContext,
     req: &FlowRequest,
     decode: &Arc<Worker>,
     prefill: &Worker,
     names: &mut PromptNames<'_>,
+    split_at: u32,
     timing: &mut Timing,
 ) -> Result<Live, DisaggError> {
-    let reservation = match open_lease(ctx, req, decode, prefill, timing).await? {
+    let reservation = match open_lease(ctx, req, decode, prefill, split_at, timing).await? {
         Opened::Leased(reservation) => *reservation,
         Opened::RanHere(live) => return Ok(*live),
     };
@@ -98,6 +105,7 @@ async fn open_lease(
     req: &FlowRequest,
     decode: &Arc<Worker>,
     prefill: &Worker,
+    split_at: u32,
     timing: &mut Timing,
 ) -> Result<Opened, DisaggError> {
     let decode_info = decode
@@ -106,10 +114,9 @@ async fn open_lease(
             ApiError::WorkerUnavailable,
         )))?;
     let mut client = decode.decode_client();
-    let request = grpc_request(
-        generate_request(ctx, req, Mode::Disaggregated),
-        &req.request_id,
-    );
+    let mut generate = generate_request(ctx, req, Mode::Disaggregated);
+    generate.split_prompt_at = split_at;
+    let request = grpc_request(generate, &req.request_id);
     let mut stream = client
         .generate(request)
         .await
@@ -131,6 +138,17 @@ async fn open_lease(
         Err(status) => return Err(DisaggError::Decode(decode_failure(decode, &status))),
     };
     let decode_cached_tokens = lease.cached_tokens.min(req.prompt.len() as u32);
+    let split = lease.split_prompt_at;
+    if split != 0 && (split != split_at || split <= decode_cached_tokens) {
+        return Err(DisaggError::Decode(decode_protocol_error(
+            decode,
+            "the lease took a split that was not asked for",
+        )));
+    }
+    if split == 0 && split_at != 0 {
+        tracing::debug!(decode = %decode.url, split_at, "the decode worker declined the split: the prefill worker computes the whole prompt");
+        timing.forget_prediction();
+    }
     let token = lease.token.clone();
     // The period the decode worker granted (it caps what we ask); older workers say nothing.
     let granted_ttl_ms = match lease.ttl_ms {
@@ -153,6 +171,7 @@ async fn open_lease(
         kv_blocks: u32::try_from(destination.block_ids.len()).unwrap_or(u32::MAX),
         destination,
         decode_cached_tokens,
+        split,
     })))
 }
 
@@ -228,16 +247,25 @@ async fn prefill_while_renewing(
         destination,
         kv_blocks,
         decode_cached_tokens,
+        split,
     } = reservation;
-    // The prefill worker computes what its own cache lacks.
-    let uncached = req
-        .prompt
-        .len()
-        .saturating_sub(prefill.cached_blocks(names) * tandem_kv::BLOCK_SIZE);
+    // The prefill worker computes what its own cache lacks (of its part).
+    let part = match split {
+        0 => req.prompt.len(),
+        at => (at as usize).min(req.prompt.len()),
+    };
+    let uncached = part.saturating_sub(prefill.cached_blocks(names) * tandem_kv::BLOCK_SIZE);
     prefill.note_dispatch(0, uncached as u64);
-    prefill.note_prompt(names);
+    if split == 0 {
+        prefill.note_prompt(names);
+    } else {
+        prefill.note_prompt(&mut PromptNames::new(&req.prompt[..part]));
+        metrics::counter!(m::SPLIT_PROMPT_TOKENS_TOTAL, "side" => "prefill").increment(part as u64);
+        metrics::counter!(m::SPLIT_PROMPT_TOKENS_TOTAL, "side" => "decode")
+            .increment((req.prompt.len() - part) as u64);
+    }
     let mut prefill_client = prefill.prefill_client();
-    let prefill_call = prefill_client.prefill(prefill_request(req, destination));
+    let prefill_call = prefill_client.prefill(prefill_request(req, destination, part));
     tokio::pin!(prefill_call);
     let mut prefill_answer = None;
     let mut early = VecDeque::new();
@@ -317,18 +345,34 @@ fn build_head(
     }
 }
 
-/// The `Prefill` of `req` toward `destination`.
+/// The `Prefill` of `req`'s first `part` prompt tokens toward `destination`. Of a split
+/// prompt's first part, only the KV is used: its token is sampled greedily and dropped.
 fn prefill_request(
     req: &FlowRequest,
     destination: KvDestination,
+    part: usize,
 ) -> tonic::Request<PrefillRequest> {
+    let whole = part >= req.prompt.len();
+    let (sampling, stop) = if whole {
+        (req.sampling.clone(), req.stop.clone())
+    } else {
+        let sampling = SamplingParams {
+            n: 1,
+            ..SamplingParams::default()
+        };
+        let stop = StopParams {
+            max_tokens: 1,
+            ..StopParams::default()
+        };
+        (sampling, stop)
+    };
     grpc_request(
         PrefillRequest {
             request_id: req.request_id.clone(),
-            prompt: req.prompt.clone(),
-            sampling: Some(req.sampling.clone()),
+            prompt: req.prompt[..part.min(req.prompt.len())].to_vec(),
+            sampling: Some(sampling),
             destination: Some(destination),
-            stop: Some(req.stop.clone()),
+            stop: Some(stop),
         },
         &req.request_id,
     )

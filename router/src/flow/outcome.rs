@@ -60,6 +60,12 @@ impl Timing {
         self.predicted = Some(predicted);
     }
 
+    /// The request did not run as predicted (a decode worker declined its split): its
+    /// measurements say nothing of the prediction.
+    pub(super) fn forget_prediction(&mut self) {
+        self.predicted = None;
+    }
+
     /// Once the request is over: what it measured against its targets and, if SLO placement
     /// placed it and it ran where it was placed, against the prediction (logged, exported as
     /// relative errors, and learned by `calibration`). TPOT is measured as vLLM's benchmark
@@ -95,7 +101,10 @@ impl Timing {
         let ran_as_placed = matches!(
             (p.kind, mode),
             (PlacementKind::Aggregated, RunMode::Aggregated)
-                | (PlacementKind::Disaggregated, RunMode::Disaggregated)
+                | (
+                    PlacementKind::Disaggregated | PlacementKind::Split,
+                    RunMode::Disaggregated
+                )
         );
         if !ran_as_placed {
             return;

@@ -11,10 +11,18 @@ use super::outcome::{Predicted, Timing};
 use super::request::{FlowContext, FlowRequest};
 use crate::metrics as m;
 use crate::routing::{
-    self, CostView, ModeDecision, Placement, Prediction, PromptNames, predict_aggregated,
-    predict_disaggregated,
+    self, CostView, ModeDecision, Placement, PlacementKind, Prediction, PromptNames, best_split,
+    predict_aggregated, predict_disaggregated, predict_split,
 };
 use crate::workers::{Worker, WorkerRole};
+
+/// Where SLO placement put a request.
+pub(super) struct Placed {
+    pub decision: ModeDecision,
+    /// Disaggregated: the prompt tokens the prefill worker computes, the decode worker the
+    /// rest (0: the prefill worker computes them all).
+    pub split_at: u32,
+}
 
 /// The placement of `req` on `decode` by its targets, or `None` when the costs are not
 /// known yet.
@@ -24,7 +32,7 @@ pub(super) fn place(
     decode: &Worker,
     names: &mut PromptNames<'_>,
     timing: &mut Timing,
-) -> Option<ModeDecision> {
+) -> Option<Placed> {
     let unknown = |why: &str| {
         tracing::debug!(why, "placed by the static rule: a cost is not known yet");
         None
@@ -76,8 +84,39 @@ pub(super) fn place(
             "placement option"
         );
     }
-    let (placement, prediction) = routing::choose(&corrected, &req.slo)?;
-    let meets = prediction.pressure(&req.slo) <= 1.0;
+    let (mut placement, mut prediction) = routing::choose(&corrected, &req.slo)?;
+    let mut meets = prediction.pressure(&req.slo) <= 1.0;
+    let mut raw_prediction = raw
+        .iter()
+        .find(|(p, _)| *p == placement)
+        .map_or(prediction, |(_, r)| *r);
+    // With room in the TTFT target, part of the prompt goes to the decode worker's slack
+    // (prompt logprobs need every row of the prompt in one place).
+    if let Placement::Disaggregated { prefill } = placement
+        && meets
+        && req.sampling.prompt_logprobs.is_none()
+        && let Some((_, view, cached)) = prefills.iter().find(|(id, ..)| *id == prefill)
+        && let Some((at, split)) = best_split(
+            view,
+            &decode_view,
+            prompt,
+            *cached,
+            decode_cached,
+            &req.slo,
+            |p| calibration.correct(PlacementKind::Split, p),
+        )
+    {
+        tracing::debug!(
+            at,
+            whole_ttft_ms = prediction.ttft_ms,
+            split_ttft_ms = split.ttft_ms,
+            "the prompt's tail goes to the decode worker's slack"
+        );
+        raw_prediction = predict_split(view, &decode_view, prompt, *cached, at, req.slo.tpot_ms);
+        placement = Placement::Split { prefill, at };
+        prediction = split;
+        meets = true;
+    }
     tracing::debug!(
         ?placement,
         predicted_ttft_ms = prediction.ttft_ms,
@@ -93,21 +132,23 @@ pub(super) fn place(
         "predicted" => if meets { "meets" } else { "misses" }
     )
     .increment(1);
-    let raw_prediction = raw
-        .iter()
-        .find(|(p, _)| *p == placement)
-        .map_or(prediction, |(_, r)| *r);
     timing.predict(Predicted {
         kind: placement.kind(),
         raw: raw_prediction,
         corrected: prediction,
     });
-    Some(match placement {
+    let (decision, split_at) = match placement {
         Placement::Aggregated => {
             // Its prompt joins the decode worker's queue until the next report says so.
             decode.note_prompt_tokens(prompt.saturating_sub(decode_cached));
-            ModeDecision::Aggregated { fallback: None }
+            (ModeDecision::Aggregated { fallback: None }, 0)
         }
-        Placement::Disaggregated { prefill } => ModeDecision::Disaggregated { prefill },
-    })
+        Placement::Disaggregated { prefill } => (ModeDecision::Disaggregated { prefill }, 0),
+        Placement::Split { prefill, at } => {
+            decode.note_prompt_tokens(prompt.saturating_sub(at));
+            let at = u32::try_from(at).unwrap_or(0);
+            (ModeDecision::Disaggregated { prefill }, at)
+        }
+    };
+    Some(Placed { decision, split_at })
 }

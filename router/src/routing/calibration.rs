@@ -64,7 +64,7 @@ impl LineFit {
 /// The running fits, per placement kind and metric.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct Calibration {
-    fits: [[LineFit; 2]; 2],
+    fits: [[LineFit; 2]; 3],
 }
 
 impl Calibration {

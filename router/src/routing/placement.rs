@@ -10,6 +10,12 @@
 //!   chunks beside its streams, each chunk sized as the worker sizes it (the most prompt
 //!   tokens that keep a pass within the TPOT target, `Coefficients::chunk_allowance`);
 //!   the streams' passes stay within the target while it runs.
+//! - **split between prefill worker P and the decode worker**: P computes the prompt's first
+//!   part and sends its KV; the decode worker computes the rest as it would aggregated. The
+//!   request's TTFT is never better than both whole placements', but the prefill worker,
+//!   which every long prompt queues for, is busy for less of it: when the best whole
+//!   placement is P and the TTFT target leaves room, [`best_split`] hands the decode worker's
+//!   slack the longest tail the target allows.
 //!
 //! Predictions are kept honest by what the requests then measure (`calibration`).
 
@@ -120,7 +126,14 @@ impl CostView {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Placement {
     Aggregated,
-    Disaggregated { prefill: usize },
+    Disaggregated {
+        prefill: usize,
+    },
+    /// `prefill` computes the prompt's first `at` tokens, the decode worker the rest.
+    Split {
+        prefill: usize,
+        at: u64,
+    },
 }
 
 impl Placement {
@@ -128,6 +141,7 @@ impl Placement {
         match self {
             Placement::Aggregated => PlacementKind::Aggregated,
             Placement::Disaggregated { .. } => PlacementKind::Disaggregated,
+            Placement::Split { .. } => PlacementKind::Split,
         }
     }
 }
@@ -137,6 +151,7 @@ impl Placement {
 pub enum PlacementKind {
     Aggregated,
     Disaggregated,
+    Split,
 }
 
 impl PlacementKind {
@@ -144,12 +159,19 @@ impl PlacementKind {
         match self {
             PlacementKind::Aggregated => "aggregated",
             PlacementKind::Disaggregated => "disaggregated",
+            PlacementKind::Split => "split",
         }
     }
 
     pub(super) fn index(self) -> usize {
         self as usize
     }
+
+    pub const ALL: [PlacementKind; 3] = [
+        PlacementKind::Aggregated,
+        PlacementKind::Disaggregated,
+        PlacementKind::Split,
+    ];
 }
 
 /// A placement's predicted TTFT for the request and TPOT for the streams it joins.
@@ -196,38 +218,135 @@ pub fn predict_aggregated(
     decode_cached: u64,
     tpot_ms: f64,
 ) -> Prediction {
-    let cached = decode_cached.min(prompt.saturating_sub(1));
-    let tokens = prompt - cached;
+    let part = decode_part(
+        decode,
+        prompt,
+        decode_cached.min(prompt.saturating_sub(1)),
+        tpot_ms,
+    );
+    Prediction {
+        ttft_ms: part.queue_ms + part.own_ms,
+        tpot_ms: part.tpot_ms,
+    }
+}
+
+/// The prompt's first `at` tokens on `prefill` (which holds `prefill_cached` of them), the
+/// rest and the stream on `decode`, which starts on them once their KV is in and the prompt
+/// work queued there before them is done.
+pub fn predict_split(
+    prefill: &CostView,
+    decode: &CostView,
+    prompt: u64,
+    prefill_cached: u64,
+    at: u64,
+    tpot_ms: f64,
+) -> Prediction {
+    let at = at.clamp(1, prompt.saturating_sub(1).max(1));
+    let cached = prefill_cached.min(at - 1);
+    let first = prefill.prompt_ms(
+        StepShape::default(),
+        cached,
+        at - cached,
+        prefill.max_batch_tokens,
+    );
+    let part = decode_part(decode, prompt, at, tpot_ms);
+    Prediction {
+        ttft_ms: first.max(part.queue_ms) + part.own_ms,
+        tpot_ms: part.tpot_ms,
+    }
+}
+
+/// A prompt's tokens from `start` on, computed on a decode worker.
+struct DecodePart {
+    /// The prompt work queued there before them.
+    queue_ms: f64,
+    own_ms: f64,
+    /// The streams' TPOT while they run.
+    tpot_ms: f64,
+}
+
+fn decode_part(decode: &CostView, prompt: u64, start: u64, tpot_ms: f64) -> DecodePart {
+    let tokens = prompt.saturating_sub(start).max(1);
     let after = decode.pass_with_one_more(prompt);
+    let per_queued = |own: f64| own / tokens as f64 * decode.queued_prompt_tokens as f64;
     if decode.decode_rows == 0 {
-        return Prediction {
-            ttft_ms: decode.prompt_ms(
-                StepShape::default(),
-                cached,
-                tokens,
-                decode.max_batch_tokens,
-            ),
+        let own = decode
+            .coefficients
+            .prompt_ms(StepShape::default(), start, tokens, decode.max_batch_tokens)
+            .0;
+        return DecodePart {
+            queue_ms: per_queued(own),
+            own_ms: own,
             tpot_ms: after,
         };
     }
     let target = tpot_ms * TPOT_HEADROOM;
-    let paced = |start, tokens| {
-        decode.coefficients.paced_prompt_ms(
-            decode.streams(),
-            start,
-            tokens,
-            target,
-            decode.max_batch_tokens,
-            CHUNK_GRANULE,
-        )
-    };
-    let own = paced(cached, tokens);
-    let queue = own / tokens.max(1) as f64 * decode.queued_prompt_tokens as f64;
+    let own = decode.coefficients.paced_prompt_ms(
+        decode.streams(),
+        start,
+        tokens,
+        target,
+        decode.max_batch_tokens,
+        CHUNK_GRANULE,
+    );
     let streams = decode.coefficients.step_ms(&decode.streams());
-    Prediction {
-        ttft_ms: own + queue,
+    DecodePart {
+        queue_ms: per_queued(own),
+        own_ms: own,
         tpot_ms: after.max(streams.max(target)),
     }
+}
+
+/// Of a TTFT target, the share a split may predict to use: the rest absorbs what the
+/// prediction misses.
+pub const SPLIT_TTFT_SHARE: f64 = 0.8;
+/// The fewest prompt tokens worth handing a decode worker: fewer are not worth a split.
+pub const MIN_SPLIT_TAIL: u64 = 4 * CHUNK_GRANULE;
+
+/// The split of a prompt placed on `prefill` that hands `decode` the longest tail (the
+/// prefill worker's shortest part, in whole blocks past `decode_cached`) whose prediction,
+/// as `correct` corrects it, keeps the TTFT within [`SPLIT_TTFT_SHARE`] of its target and
+/// the TPOT within its target; `None` when no split does or the prompt is too short.
+pub fn best_split(
+    prefill: &CostView,
+    decode: &CostView,
+    prompt: u64,
+    prefill_cached: u64,
+    decode_cached: u64,
+    slo: &RequestSlo,
+    correct: impl Fn(Prediction) -> Prediction,
+) -> Option<(u64, Prediction)> {
+    let first = decode_cached / CHUNK_GRANULE + 1;
+    let last = prompt.saturating_sub(MIN_SPLIT_TAIL) / CHUNK_GRANULE;
+    if first > last {
+        return None;
+    }
+    let predict = |blocks: u64| {
+        let at = blocks * CHUNK_GRANULE;
+        correct(predict_split(
+            prefill,
+            decode,
+            prompt,
+            prefill_cached,
+            at,
+            slo.tpot_ms,
+        ))
+    };
+    let fits =
+        |p: &Prediction| p.ttft_ms <= SPLIT_TTFT_SHARE * slo.ttft_ms && p.tpot_ms <= slo.tpot_ms;
+    // The TTFT falls as the prefill worker's part grows (its passes are full, the decode
+    // worker's share its streams'): the shortest part that fits, by bisection.
+    let (mut lo, mut hi) = (first, last);
+    while lo < hi {
+        let mid = lo + (hi - lo) / 2;
+        if fits(&predict(mid)) {
+            hi = mid;
+        } else {
+            lo = mid + 1;
+        }
+    }
+    let prediction = predict(lo);
+    fits(&prediction).then_some((lo * CHUNK_GRANULE, prediction))
 }
 
 /// The placement with the least pressure (see [`Prediction::pressure`]); between equals the
@@ -356,6 +475,91 @@ mod tests {
             Some(Placement::Aggregated)
         );
         assert_eq!(choose(&[], &slo), None);
+    }
+
+    #[test]
+    fn a_split_prompt_costs_time_between_its_whole_placements() {
+        let prefill = view(0, 0);
+        let decode = view(4, 0);
+        let tpot = slo().tpot_ms;
+        let disagg = predict_disaggregated(&prefill, &decode, 2048, 0);
+        let agg = predict_aggregated(&decode, 2048, 0, tpot);
+        let mut last = agg.ttft_ms;
+        for at in [256, 1024, 1792] {
+            let split = predict_split(&prefill, &decode, 2048, 0, at, tpot);
+            // A longer first part on the prefill worker's full passes arrives sooner.
+            assert!(split.ttft_ms < last, "at {at}: {split:?}");
+            assert!(split.ttft_ms > disagg.ttft_ms, "at {at}: {split:?}");
+            // The decode worker's part is paced: the streams run at their target.
+            assert_eq!(split.tpot_ms, agg.tpot_ms);
+            last = split.ttft_ms;
+        }
+        // Prompt work queued on the decode worker runs while the prefill worker computes.
+        let queued = view(4, 4096);
+        let quick = predict_split(&prefill, &queued, 2048, 0, 1792, tpot);
+        assert!(quick.ttft_ms > last);
+    }
+
+    #[test]
+    fn the_longest_tail_the_ttft_target_allows_goes_to_the_decode_worker() {
+        let prefill = view(0, 0);
+        let decode = view(4, 0);
+        let loose = RequestSlo {
+            ttft_ms: 60_000.0,
+            tpot_ms: 60.0,
+        };
+        let (at, p) = best_split(&prefill, &decode, 2048, 0, 0, &loose, |p| p).unwrap();
+        assert_eq!(at, 16, "everything but the first block fits: {p:?}");
+        // A tighter target keeps more of the prompt on the prefill worker, and the split
+        // found is the shortest part whose prediction fits.
+        let whole = predict_disaggregated(&prefill, &decode, 2048, 0).ttft_ms;
+        let tight = RequestSlo {
+            ttft_ms: whole * 1.3,
+            tpot_ms: 60.0,
+        };
+        let (at, p) = best_split(&prefill, &decode, 2048, 0, 0, &tight, |p| p).unwrap();
+        assert!(
+            at > 16 && at % 16 == 0 && at <= 2048 - MIN_SPLIT_TAIL,
+            "{at}"
+        );
+        assert!(p.ttft_ms <= SPLIT_TTFT_SHARE * tight.ttft_ms, "{p:?}");
+        let shorter = predict_split(&prefill, &decode, 2048, 0, at - 16, 60.0);
+        assert!(
+            shorter.ttft_ms > SPLIT_TTFT_SHARE * tight.ttft_ms,
+            "{shorter:?}"
+        );
+        // No room at all, a prompt too short to split, a decode cache past every split, or a
+        // calibration that says the predictions run short: no split.
+        let none = RequestSlo {
+            ttft_ms: whole,
+            tpot_ms: 60.0,
+        };
+        assert_eq!(
+            best_split(&prefill, &decode, 2048, 0, 0, &none, |p| p),
+            None
+        );
+        assert_eq!(best_split(&prefill, &decode, 64, 0, 0, &loose, |p| p), None);
+        assert_eq!(
+            best_split(&prefill, &decode, 2048, 0, 2000, &loose, |p| p),
+            None
+        );
+        let pessimist = |p: Prediction| Prediction {
+            ttft_ms: p.ttft_ms * 100.0,
+            ..p
+        };
+        assert_eq!(
+            best_split(&prefill, &decode, 2048, 0, 0, &tight, pessimist),
+            None
+        );
+        // Streams over their target beside any prompt work: no split.
+        let tight_tpot = RequestSlo {
+            ttft_ms: 60_000.0,
+            tpot_ms: 5.0,
+        };
+        assert_eq!(
+            best_split(&prefill, &decode, 2048, 0, 0, &tight_tpot, |p| p),
+            None
+        );
     }
 
     #[test]

@@ -68,6 +68,9 @@ pub struct PrefixIndex {
     snapshot_block: u32,
     /// Names of prompts dispatched to the worker, by when.
     recent: HashMap<BlockHash, Instant>,
+    /// Its last report came without block events, which every report asks for: the worker
+    /// caches no prefixes, and what is sent to it is not noted.
+    caches_nothing: bool,
 }
 
 impl PrefixIndex {
@@ -110,8 +113,12 @@ impl PrefixIndex {
             self.instance = instance.to_vec();
         }
         let Some(events) = events else {
+            self.caches_nothing = true;
+            self.names.clear();
+            self.recent.clear();
             return Ok(());
         };
+        self.caches_nothing = false;
         if self.cursor.is_none() && !events.snapshot {
             return Ok(());
         }
@@ -138,6 +145,9 @@ impl PrefixIndex {
 
     /// Notes that a prompt with these block names was just sent to the worker.
     pub fn note_dispatched(&mut self, names: &[BlockHash], now: Instant) {
+        if self.caches_nothing {
+            return;
+        }
         if self.recent.len() + names.len() > MAX_NAMES {
             self.recent.clear();
         }
@@ -243,23 +253,46 @@ mod tests {
     fn dispatched_prompts_count_until_the_worker_reports_or_they_expire() {
         let now = Instant::now();
         let mut index = PrefixIndex::default();
-        index.apply(b"a", 10, None, now).unwrap();
+        let quiet = |next| events(false, &[], &[], next);
+        index
+            .apply(b"a", 10, Some(&events(true, &[], &[], 0)), now)
+            .unwrap();
         index.note_dispatched(&[5, 6], now);
         assert_eq!(index.overlap(&[5, 6, 7]), 2);
         index
-            .apply(b"a", 10, None, now + Duration::from_secs(1))
+            .apply(b"a", 10, Some(&quiet(0)), now + Duration::from_secs(1))
             .unwrap();
         assert_eq!(index.overlap(&[5, 6, 7]), 2, "still recent");
         index
             .apply(
                 b"a",
                 10,
-                Some(&events(true, &[5], &[], 1)),
+                Some(&events(false, &[5], &[], 1)),
                 now + Duration::from_secs(2),
             )
             .unwrap();
         assert_eq!(index.overlap(&[5, 6, 7]), 2, "5 reported, 6 still recent");
-        index.apply(b"a", 10, None, now + RECENT_TTL).unwrap();
+        index
+            .apply(b"a", 10, Some(&quiet(1)), now + RECENT_TTL)
+            .unwrap();
         assert_eq!(index.overlap(&[5, 6, 7]), 1, "6 expired");
+    }
+
+    #[test]
+    fn a_worker_that_caches_nothing_is_credited_with_nothing() {
+        let now = Instant::now();
+        let mut index = PrefixIndex::default();
+        index.note_dispatched(&[5, 6], now);
+        // Its report has no block events although every report asks for them.
+        index.apply(b"a", 10, None, now).unwrap();
+        assert_eq!(index.overlap(&[5, 6]), 0);
+        index.note_dispatched(&[5, 6], now);
+        assert_eq!(index.overlap(&[5, 6]), 0, "not noted");
+        // A worker that starts caching (restarted with it on) is followed again.
+        index
+            .apply(b"b", 10, Some(&events(true, &[5], &[], 1)), now)
+            .unwrap();
+        index.note_dispatched(&[5, 6], now);
+        assert_eq!(index.overlap(&[5, 6]), 2);
     }
 }

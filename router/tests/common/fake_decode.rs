@@ -117,6 +117,8 @@ impl FakeDecode {
             load: Mutex::new(LoadReport {
                 total_blocks: 64,
                 free_blocks: 64,
+                // A worker that caches prefixes (and has nothing new to say about them).
+                block_events: Some(BlockEvents::default()),
                 ..Default::default()
             }),
             script: Mutex::new(DecodeScript::default()),
@@ -275,6 +277,8 @@ async fn run_generate(
             block_ids: (10..10 + blocks).collect(),
             ttl_ms,
             cached_tokens: cached,
+            // Like a worker that predates splits: it never takes one.
+            split_prompt_at: 0,
         };
         let (commit_tx, mut commit_rx) = oneshot::channel();
         lock(&state.waiting).insert(token.clone(), commit_tx);

@@ -95,7 +95,11 @@ impl PrefillService for FakePrefill {
     }
 
     async fn get_load(&self, _: Request<LoadRequest>) -> Result<Response<LoadReport>, Status> {
-        Ok(Response::new(LoadReport::default()))
+        // A worker that caches prefixes (and has nothing new to say about them).
+        Ok(Response::new(LoadReport {
+            block_events: Some(BlockEvents::default()),
+            ..LoadReport::default()
+        }))
     }
 
     async fn prefill(

@@ -1,0 +1,338 @@
+//! The async side of the engine actor: [`EngineHandle`] (what request handlers call), the
+//! commands it sends the engine thread, the events a sequence's handler receives, and the
+//! load figures the thread publishes after every step.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc;
+use std::time::Duration;
+
+use tandem_engine::{
+    Engine, EngineError, ReceivedKv, SampledToken, SamplingParams, SeqId, StepOutput, StopParams,
+    compile_guide,
+};
+use tandem_kv::{SharedPool, prefix};
+use tandem_proto::v1::{BlockEvents, LoadReport};
+use tandem_text::{Guide, GuideFactory};
+use tandem_transfer::{KvSender, PulledPrefix};
+use tokio::sync::{mpsc as tmpsc, oneshot};
+
+use crate::pacing::CostBoard;
+
+/// What a sequence's handler receives.
+pub enum SeqEvent {
+    /// A generated token.
+    Token(StepOutput),
+    /// The prompt ran and every layer of its KV went to the sender: commit it.
+    Prefilled {
+        /// Choice 0's first token.
+        output: StepOutput,
+        /// The first tokens of choices 1.. (by choice) of an `n > 1` request.
+        others: Vec<StepOutput>,
+        sender: Box<dyn KvSender>,
+        /// Time queued before the prompt's first chunk ran.
+        queue_seconds: f64,
+        /// Time from the first chunk to the first token.
+        compute_seconds: f64,
+    },
+    /// The sequence failed in the engine; it is gone from the engine.
+    Failed(String),
+    /// Its KV could not be sent to the decode worker (a problem of the destination or the
+    /// way there, not of this worker); the sequence is gone from the engine.
+    TransferFailed(String),
+}
+
+impl std::fmt::Debug for SeqEvent {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            SeqEvent::Token(o) => f.debug_tuple("Token").field(o).finish(),
+            SeqEvent::Prefilled { output, .. } => f
+                .debug_struct("Prefilled")
+                .field("output", output)
+                .finish_non_exhaustive(),
+            SeqEvent::Failed(m) => f.debug_tuple("Failed").field(m).finish(),
+            SeqEvent::TransferFailed(m) => f.debug_tuple("TransferFailed").field(m).finish(),
+        }
+    }
+}
+
+/// Where a prefill's KV goes: the sender, and the first logical block the decode side wants
+/// (its lease's block 0; the blocks before it are not shipped: the decode worker's prefix
+/// cache holds them, or a sliding window has left them behind).
+pub struct KvShipment {
+    pub sender: Box<dyn KvSender>,
+    pub first_block: usize,
+    /// Blocks of that cached prefix this worker lacked and read from the decode worker: they
+    /// join this engine's prefix cache just before the prompt is queued, so it computes only
+    /// what follows them.
+    pub pulled: Option<PulledPrefix>,
+}
+
+pub(super) enum Command {
+    Add {
+        prompt: Vec<u32>,
+        sampling: SamplingParams,
+        stop: StopParams,
+        guide: Option<Guide>,
+        kv: Option<KvShipment>,
+        tpot_target: Option<Duration>,
+        events: tmpsc::UnboundedSender<SeqEvent>,
+        reply: oneshot::Sender<Result<SeqId, EngineError>>,
+    },
+    AddPrefilled {
+        prompt: Vec<u32>,
+        firsts: Vec<SampledToken>,
+        kv: ReceivedKv,
+        sampling: SamplingParams,
+        stop: StopParams,
+        guide: Option<Guide>,
+        tpot_target: Option<Duration>,
+        events: tmpsc::UnboundedSender<SeqEvent>,
+        reply: oneshot::Sender<Result<SeqId, EngineError>>,
+    },
+    /// `Engine::add_partly_prefilled`: the first `computed` prompt tokens' KV is in `kv`.
+    AddPartlyPrefilled {
+        prompt: Vec<u32>,
+        computed: usize,
+        kv: ReceivedKv,
+        sampling: SamplingParams,
+        stop: StopParams,
+        guide: Option<Guide>,
+        tpot_target: Option<Duration>,
+        events: tmpsc::UnboundedSender<SeqEvent>,
+        reply: oneshot::Sender<Result<SeqId, EngineError>>,
+    },
+}
+
+/// Load figures the actor publishes after every step, read without a round trip.
+#[derive(Debug, Default)]
+pub struct LoadSnapshot {
+    pub running: AtomicU64,
+    pub waiting: AtomicU64,
+    pub queued_prefill_tokens: AtomicU64,
+    pub steps: AtomicU64,
+    pub preemptions: AtomicU64,
+    /// The prefix cache: prompt tokens looked up, and found.
+    pub prefix_query_tokens: AtomicU64,
+    pub prefix_hit_tokens: AtomicU64,
+    /// What a pass costs here and the decode work under way (see `pacing`).
+    pub cost: CostBoard,
+}
+
+/// A cheap, cloneable way to reach the engine thread.
+#[derive(Clone)]
+pub struct EngineHandle {
+    pub(super) tx: mpsc::Sender<Command>,
+    /// The salt of the engine's block names (`None`: no prefix caching).
+    pub(super) prefix_salt: Option<tandem_kv::BlockHash>,
+    /// See `Engine::imports_prefix_kv`.
+    pub(super) imports_prefix_kv: bool,
+    pub(super) pool: SharedPool,
+    pub(super) load: Arc<LoadSnapshot>,
+    pub(super) guides: GuideFactory,
+}
+
+impl std::fmt::Debug for EngineHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EngineHandle").finish_non_exhaustive()
+    }
+}
+
+fn gone() -> EngineError {
+    EngineError::Unsupported("the engine thread has stopped".into())
+}
+
+impl EngineHandle {
+    /// Compiles a request's grammar on the blocking pool (milliseconds of work that must not
+    /// hold up the engine's thread or an async worker).
+    pub async fn compile_guide(
+        &self,
+        sampling: &SamplingParams,
+    ) -> Result<Option<Guide>, EngineError> {
+        let Some(spec) = sampling.guide.clone() else {
+            return Ok(None);
+        };
+        let guides = self.guides.clone();
+        tokio::task::spawn_blocking(move || compile_guide(&guides, &spec).map(Some))
+            .await
+            .map_err(|e| EngineError::Unsupported(format!("compiling a grammar: {e}")))?
+    }
+
+    /// Queues a whole request (aggregated), or a prompt whose KV goes to `kv` (prefill).
+    /// `tpot_target`: the stream's TPOT target, which paces the prompt chunks beside it.
+    pub async fn add(
+        &self,
+        prompt: Vec<u32>,
+        sampling: SamplingParams,
+        stop: StopParams,
+        kv: Option<KvShipment>,
+        tpot_target: Option<Duration>,
+        events: tmpsc::UnboundedSender<SeqEvent>,
+    ) -> Result<SeqId, EngineError> {
+        let guide = self.compile_guide(&sampling).await?;
+        let (reply, rx) = oneshot::channel();
+        self.tx
+            .send(Command::Add {
+                prompt,
+                sampling,
+                stop,
+                guide,
+                kv,
+                tpot_target,
+                events,
+                reply,
+            })
+            .map_err(|_| gone())?;
+        rx.await.map_err(|_| gone())?
+    }
+
+    /// Admits a request whose prompt KV is already in `kv`'s blocks, with each choice's
+    /// first token. The caller streamed those already; events start with the second tokens.
+    /// `guide`: the request's grammar from [`EngineHandle::compile_guide`], not yet advanced.
+    #[allow(clippy::too_many_arguments)]
+    pub async fn add_prefilled(
+        &self,
+        prompt: Vec<u32>,
+        firsts: Vec<SampledToken>,
+        kv: ReceivedKv,
+        sampling: SamplingParams,
+        stop: StopParams,
+        guide: Option<Guide>,
+        tpot_target: Option<Duration>,
+        events: tmpsc::UnboundedSender<SeqEvent>,
+    ) -> Result<SeqId, EngineError> {
+        let (reply, rx) = oneshot::channel();
+        self.tx
+            .send(Command::AddPrefilled {
+                prompt,
+                firsts,
+                kv,
+                sampling,
+                stop,
+                guide,
+                tpot_target,
+                events,
+                reply,
+            })
+            .map_err(|_| gone())?;
+        rx.await.map_err(|_| gone())?
+    }
+
+    /// Queues a request whose prompt's first `computed` tokens have their KV in `kv`; the
+    /// rest of its prompt runs here, and its events start with the first token.
+    #[allow(clippy::too_many_arguments)]
+    pub async fn add_partly_prefilled(
+        &self,
+        prompt: Vec<u32>,
+        computed: usize,
+        kv: ReceivedKv,
+        sampling: SamplingParams,
+        stop: StopParams,
+        guide: Option<Guide>,
+        tpot_target: Option<Duration>,
+        events: tmpsc::UnboundedSender<SeqEvent>,
+    ) -> Result<SeqId, EngineError> {
+        let (reply, rx) = oneshot::channel();
+        let command = Command::AddPartlyPrefilled {
+            prompt,
+            computed,
+            kv,
+            sampling,
+            stop,
+            guide,
+            tpot_target,
+            events,
+            reply,
+        };
+        self.tx.send(command).map_err(|_| gone())?;
+        rx.await.map_err(|_| gone())?
+    }
+
+    /// The blocks of `prompt`'s longest cached prefix, held for the caller (see
+    /// `Engine::hold_cached_prefix`); none when this engine does not cache prefixes.
+    pub fn hold_cached_prefix(&self, prompt: &[u32]) -> Vec<u32> {
+        match self.prefix_salt {
+            Some(salt) => Engine::hold_cached_prefix(&self.pool, salt, prompt),
+            None => Vec::new(),
+        }
+    }
+
+    /// How many leading blocks of `prompt` the prefix cache holds now (0 without caching).
+    pub fn cached_prefix_blocks(&self, prompt: &[u32]) -> usize {
+        match self.prefix_salt {
+            Some(salt) => Engine::cached_prefix_blocks(&self.pool, salt, prompt),
+            None => 0,
+        }
+    }
+
+    /// Whether pulled prefix KV can join this engine's cache (see `KvShipment::pulled`).
+    pub fn imports_prefix_kv(&self) -> bool {
+        self.imports_prefix_kv
+    }
+
+    /// The load report a worker answers `GetLoad` with: the engine's load and prefix cache,
+    /// with the cache's block events after `block_events_after` (or a snapshot's page from
+    /// block `snapshot_from_block`) when asked.
+    pub fn load_report(
+        &self,
+        leases: u32,
+        draining: bool,
+        instance_id: &[u8],
+        block_events_after: Option<u64>,
+        snapshot_from_block: u32,
+    ) -> LoadReport {
+        let (prefix_query_tokens, prefix_hit_tokens, prefix_evictions, cached_blocks) =
+            self.prefix_counts();
+        let block_events = block_events_after
+            .filter(|_| self.prefix_salt.is_some())
+            .map(|cursor| {
+                let page =
+                    self.pool
+                        .events_since(cursor, snapshot_from_block, prefix::NAMES_PER_REPORT);
+                BlockEvents {
+                    snapshot: page.snapshot,
+                    stored: prefix::names_to_bytes(&page.stored),
+                    removed: prefix::names_to_bytes(&page.removed),
+                    next: page.next,
+                    next_block: page.next_block,
+                }
+            });
+        LoadReport {
+            prefix_query_tokens,
+            prefix_hit_tokens,
+            prefix_evictions,
+            cached_blocks,
+            total_blocks: self.pool.total() as u32,
+            free_blocks: self.pool.free_count() as u32,
+            running: self.load.running.load(Ordering::Relaxed) as u32,
+            waiting: self.load.waiting.load(Ordering::Relaxed) as u32,
+            queued_prefill_tokens: self.load.queued_prefill_tokens.load(Ordering::Relaxed),
+            leases,
+            draining,
+            instance_id: instance_id.to_vec(),
+            block_events,
+            step_cost: Some(self.load.cost.report()),
+        }
+    }
+
+    /// The block pool, for reservations that must not wait for a forward pass.
+    pub fn pool(&self) -> &SharedPool {
+        &self.pool
+    }
+
+    pub fn load(&self) -> &LoadSnapshot {
+        &self.load
+    }
+
+    /// The prefix cache's counters for a load report: `(prompt tokens looked up, found,
+    /// blocks evicted, blocks cached now)`.
+    pub fn prefix_counts(&self) -> (u64, u64, u64, u32) {
+        let (evictions, cached) = self.pool.cache_counts();
+        (
+            self.load.prefix_query_tokens.load(Ordering::Relaxed),
+            self.load.prefix_hit_tokens.load(Ordering::Relaxed),
+            evictions,
+            u32::try_from(cached).unwrap_or(u32::MAX),
+        )
+    }
+}
