@@ -19,6 +19,12 @@
 /// rest. The router predicts with the same share.
 pub const TPOT_HEADROOM: f64 = 0.9;
 
+/// Prompt tokens a fit must have seen (decayed, see [`CostFit::prompt_tokens_seen`]) before
+/// its price of a prompt is used: a few short chunks are noise. Whatever the fit then puts
+/// that price on (per token, or per attention pair when its prompts all had one length) is
+/// its price.
+pub const MIN_PROMPT_TOKENS_SEEN: f64 = 1024.0;
+
 /// The shape of one forward pass.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct StepShape {
@@ -92,7 +98,8 @@ impl Coefficients {
             + self.per_mpair_ms * x[3]
     }
 
-    /// Whether the fit has seen prompt chunks (else it cannot price one).
+    /// Whether the fit puts a price on prompt tokens of their own (a fit that has seen
+    /// prompts may still put their whole cost on attention; see [`MIN_PROMPT_TOKENS_SEEN`]).
     pub fn knows_prompts(&self) -> bool {
         self.per_token_ms > 0.0
     }
@@ -133,7 +140,11 @@ impl Coefficients {
     ) -> u64 {
         let granule = granule.max(1);
         let max = max.max(granule);
-        if !self.knows_prompts() || !target_ms.is_finite() {
+        // A chunk that costs nothing beside the streams (no prompt seen, or none priced) is
+        // not capped.
+        let granule_ms = self.step_ms(&beside.plus(StepShape::chunk(start, granule, false)))
+            - self.step_ms(&beside);
+        if granule_ms <= 0.0 || !target_ms.is_finite() {
             return max;
         }
         let fits = |granules: u64| {

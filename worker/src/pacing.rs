@@ -78,7 +78,7 @@ impl Pacer {
             .filter(|_| decode.sampled_rows > 0.0)
             .map(|t| t.as_secs_f64() * 1e3 * TPOT_HEADROOM);
         let allowance = self.paced.and_then(|target_ms| {
-            if !self.coefficients.knows_prompts() {
+            if self.fit.prompt_tokens_seen() < tandem_cost::MIN_PROMPT_TOKENS_SEEN {
                 return None;
             }
             let tokens = self.pacing.allowance(

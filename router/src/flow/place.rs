@@ -47,7 +47,7 @@ pub(super) fn place(
             .pool
             .worker(WorkerRole::Prefill, candidate.id)
             .and_then(|w| w.cost_view())
-            .filter(|v| v.coefficients.knows_prompts());
+            .filter(|v| v.prompts_known);
         let Some(view) = view else {
             return unknown("a prefill worker cannot price a prompt token yet");
         };
@@ -56,7 +56,7 @@ pub(super) fn place(
     if let Some((_, lender, _)) = prefills.first() {
         decode_view.borrow_prompt_costs(lender);
     }
-    if !decode_view.coefficients.knows_prompts() {
+    if !decode_view.prompts_known {
         return unknown("the decode worker cannot price a prompt token yet");
     }
     let decode_cached = (decode.cached_blocks(names) * tandem_kv::BLOCK_SIZE) as u64;

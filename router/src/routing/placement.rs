@@ -19,13 +19,11 @@
 //!
 //! Predictions are kept honest by what the requests then measure (`calibration`).
 
-use tandem_cost::{Coefficients, StepShape, TPOT_HEADROOM};
+use tandem_cost::{Coefficients, MIN_PROMPT_TOKENS_SEEN, StepShape, TPOT_HEADROOM};
 use tandem_proto::v1::LoadReport;
 
 use super::slo::RequestSlo;
 
-/// Prompt tokens a worker's fit must have seen before routing trusts its price of one.
-const MIN_PROMPT_TOKENS_SEEN: f64 = 1024.0;
 /// The granule of a prompt chunk (whole KV blocks).
 const CHUNK_GRANULE: u64 = tandem_kv::BLOCK_SIZE as u64;
 
@@ -41,6 +39,9 @@ pub struct CostView {
     pub queued_prompt_tokens: u64,
     /// Tokens one pass may run.
     pub max_batch_tokens: u64,
+    /// Whether its fit has seen enough prompt tokens to price a prompt (or it borrowed a
+    /// price from one that has).
+    pub prompts_known: bool,
 }
 
 impl CostView {
@@ -66,8 +67,11 @@ impl CostView {
             return None;
         }
         // A price of a prompt token resting on a few short chunks is noise: unknown instead
-        // (a decode worker then borrows a prefill worker's).
-        if cost.prompt_tokens_seen.is_nan() || cost.prompt_tokens_seen < MIN_PROMPT_TOKENS_SEEN {
+        // (a decode worker then borrows a prefill worker's). One that has seen enough prices
+        // prompts by whatever it fitted, per token or per attention pair.
+        let prompts_known = cost.prompt_tokens_seen >= MIN_PROMPT_TOKENS_SEEN
+            && (cost.per_token_ms > 0.0 || cost.per_mpair_ms > 0.0);
+        if !prompts_known {
             coefficients.per_token_ms = 0.0;
         }
         let rows = u64::from(cost.decode_rows).saturating_add(pending_rows);
@@ -84,6 +88,7 @@ impl CostView {
                 .saturating_add(pending_rows.saturating_mul(mean_context)),
             queued_prompt_tokens: load.queued_prefill_tokens.saturating_add(pending_tokens),
             max_batch_tokens: u64::from(cost.max_batch_tokens).max(CHUNK_GRANULE),
+            prompts_known,
         })
     }
 
@@ -91,12 +96,13 @@ impl CostView {
     /// prompt costs of a worker that has (the same model; a first guess its own passes
     /// correct once it runs one).
     pub fn borrow_prompt_costs(&mut self, from: &CostView) {
-        if !self.coefficients.knows_prompts() && from.coefficients.knows_prompts() {
+        if !self.prompts_known && from.prompts_known {
             self.coefficients.per_token_ms = from.coefficients.per_token_ms;
             self.coefficients.per_mpair_ms = self
                 .coefficients
                 .per_mpair_ms
                 .max(from.coefficients.per_mpair_ms);
+            self.prompts_known = true;
         }
     }
 
@@ -384,6 +390,7 @@ mod tests {
             decode_context: rows * 600,
             queued_prompt_tokens: queued,
             max_batch_tokens: 512,
+            prompts_known: true,
         }
     }
 
@@ -421,7 +428,15 @@ mod tests {
         let mut few = load.clone();
         few.step_cost.as_mut().unwrap().prompt_tokens_seen = 100.0;
         let v = CostView::from_report(&few, 0, 0).unwrap();
-        assert!(!v.coefficients.knows_prompts());
+        assert!(!v.prompts_known && !v.coefficients.knows_prompts());
+        // One that has seen enough prompts prices them even with all of it on attention.
+        let mut on_attention = load.clone();
+        on_attention.step_cost.as_mut().unwrap().per_token_ms = 0.0;
+        assert!(
+            CostView::from_report(&on_attention, 0, 0)
+                .unwrap()
+                .prompts_known
+        );
         // Nothing fitted yet, or nonsense from a peer: no view.
         assert_eq!(CostView::from_report(&LoadReport::default(), 0, 0), None);
         let mut bad = load.clone();
@@ -573,7 +588,9 @@ mod tests {
         assert!(predict_disaggregated(&prefill, &decode, 2048, 5000).ttft_ms > 0.0);
         let mut blind = view(2, 0);
         blind.coefficients.per_token_ms = 0.0;
+        blind.prompts_known = false;
         blind.borrow_prompt_costs(&prefill);
         assert_eq!(blind.coefficients.per_token_ms, 4.0);
+        assert!(blind.prompts_known);
     }
 }
