@@ -21,10 +21,10 @@ use tandem_kv::KvError;
 use tandem_proto::v1::*;
 use tandem_text::Guide;
 use tandem_transfer::{Commit, Lease, Opened, TransferError, top_logprobs_to_proto};
-use tandem_worker::SeqEvent;
 use tandem_worker::convert::{
     engine_status, finish_to_proto, prompt_logprobs_to_proto, sampling_from_proto, stop_from_proto,
 };
+use tandem_worker::{PrefilledPart, SeqEvent};
 use tokio::sync::{mpsc, oneshot};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::Status;
@@ -396,10 +396,30 @@ async fn disaggregated(
         wait_seconds: started.elapsed().as_secs_f64(),
         transport: commit.transport,
     };
-    if held.split > 0 {
-        // The peer's first token is of the prompt's first part only: not this request's.
-        return resume_split(inner, held, &commit, report, out, prompt, sampling, stop).await;
+    // The grammar, if any, compiled once off the async workers: a copy follows the first
+    // token here, the original goes to the engine.
+    let guide = match inner.core.engine.compile_guide(&sampling).await {
+        Ok(guide) => guide,
+        Err(e) => {
+            release(&inner, held.all_blocks(), false);
+            let _ = out.send(Err(engine_status(&e))).await;
+            return;
+        }
+    };
+    let admission = Admission {
+        held,
+        location: tandem_transfer::kv_location(commit.transport),
+        report,
+        guide,
+    };
+    if admission.held.split > 0 {
+        // The peer's first token is of the prompt's first part only: not this request's. The
+        // rest of the prompt runs here, and the request streams from its first token.
+        let (part, open) = (PrefilledPart::Prefix(admission.held.split), sampling.n);
+        admit(inner, admission, out, prompt, part, sampling, stop, open).await;
+        return;
     }
+    let held = &admission.held;
     // Stream the first tokens now rather than after the engine's current step.
     let context = inner.core.model.config().max_position_embeddings;
     let firsts: Vec<SampledToken> = std::iter::once(SampledToken {
@@ -419,16 +439,6 @@ async fn disaggregated(
         let _ = out.send(Err(Status::data_loss(why))).await;
         return;
     }
-    // The grammar, if any, compiled once off the async workers: a copy follows the first
-    // token here, the original goes to the engine.
-    let guide = match inner.core.engine.compile_guide(&sampling).await {
-        Ok(guide) => guide,
-        Err(e) => {
-            release(&inner, held.all_blocks(), false);
-            let _ = out.send(Err(engine_status(&e))).await;
-            return;
-        }
-    };
     let mut open = 0;
     for (choice, sampled) in (0..).zip(&firsts) {
         let mut first = first_token_output(
@@ -438,7 +448,7 @@ async fn disaggregated(
             sampled.clone(),
             &sampling,
             &stop,
-            guide.as_ref().map(Guide::copy),
+            admission.guide.as_ref().map(Guide::copy),
         );
         first.choice = choice;
         if out.send(Ok(token_event(&inner, &first))).await.is_err() {
@@ -455,18 +465,51 @@ async fn disaggregated(
         release(&inner, held.all_blocks(), false);
         return;
     }
+    let part = PrefilledPart::Whole(firsts);
+    admit(inner, admission, out, prompt, part, sampling, stop, open).await;
+}
+
+/// A disaggregated request whose KV is in: its blocks, where the peer wrote them, what the
+/// final event reports of the transfer, and its compiled grammar.
+struct Admission {
+    held: Reserved,
+    location: tandem_kv::KvLocation,
+    report: KvReport,
+    guide: Option<Guide>,
+}
+
+/// Hands the request to the engine (`part` of its prompt computed by the peer) and relays
+/// its events until its `open` choices finish; its blocks go back if the engine refuses it.
+#[allow(clippy::too_many_arguments)]
+async fn admit(
+    inner: Arc<Inner>,
+    admission: Admission,
+    out: Out,
+    prompt: Vec<u32>,
+    part: PrefilledPart,
+    sampling: SamplingParams,
+    stop: StopParams,
+    open: usize,
+) {
+    let Admission {
+        held,
+        location,
+        report,
+        guide,
+    } = admission;
+    let kv = ReceivedKv {
+        blocks: held.all_blocks(),
+        location,
+        cached: held.lease.cached.len(),
+    };
     let (events_tx, events) = mpsc::unbounded_channel();
     let admitted = inner
         .core
         .engine
         .add_prefilled(
             prompt,
-            firsts,
-            ReceivedKv {
-                blocks: held.all_blocks(),
-                location: tandem_transfer::kv_location(commit.transport),
-                cached: held.lease.cached.len(),
-            },
+            part,
+            kv,
             sampling,
             stop,
             guide,
@@ -476,56 +519,6 @@ async fn disaggregated(
         .await;
     match admitted {
         Ok(_) => forward(inner, events, out, report, open).await,
-        Err(e) => {
-            release(&inner, held.all_blocks(), false);
-            let _ = out.send(Err(engine_status(&e))).await;
-        }
-    }
-}
-
-/// The KV of a split prompt's first part has landed: the rest of the prompt runs here, and
-/// the request streams from its first token like an aggregated one.
-#[allow(clippy::too_many_arguments)]
-async fn resume_split(
-    inner: Arc<Inner>,
-    held: Reserved,
-    commit: &Commit,
-    report: KvReport,
-    out: Out,
-    prompt: Vec<u32>,
-    sampling: SamplingParams,
-    stop: StopParams,
-) {
-    let guide = match inner.core.engine.compile_guide(&sampling).await {
-        Ok(guide) => guide,
-        Err(e) => {
-            release(&inner, held.all_blocks(), false);
-            let _ = out.send(Err(engine_status(&e))).await;
-            return;
-        }
-    };
-    let choices = sampling.n;
-    let (events_tx, events) = mpsc::unbounded_channel();
-    let admitted = inner
-        .core
-        .engine
-        .add_partly_prefilled(
-            prompt,
-            held.split,
-            ReceivedKv {
-                blocks: held.all_blocks(),
-                location: tandem_transfer::kv_location(commit.transport),
-                cached: held.lease.cached.len(),
-            },
-            sampling,
-            stop,
-            guide,
-            held.tpot_target,
-            events_tx,
-        )
-        .await;
-    match admitted {
-        Ok(_) => forward(inner, events, out, report, choices).await,
         Err(e) => {
             release(&inner, held.all_blocks(), false);
             let _ = out.send(Err(engine_status(&e))).await;

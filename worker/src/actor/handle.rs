@@ -79,9 +79,10 @@ pub(super) enum Command {
         events: tmpsc::UnboundedSender<SeqEvent>,
         reply: oneshot::Sender<Result<SeqId, EngineError>>,
     },
+    /// `Engine::add_prefilled` or `Engine::add_partly_prefilled`, as `part` says.
     AddPrefilled {
         prompt: Vec<u32>,
-        firsts: Vec<SampledToken>,
+        part: PrefilledPart,
         kv: ReceivedKv,
         sampling: SamplingParams,
         stop: StopParams,
@@ -90,18 +91,15 @@ pub(super) enum Command {
         events: tmpsc::UnboundedSender<SeqEvent>,
         reply: oneshot::Sender<Result<SeqId, EngineError>>,
     },
-    /// `Engine::add_partly_prefilled`: the first `computed` prompt tokens' KV is in `kv`.
-    AddPartlyPrefilled {
-        prompt: Vec<u32>,
-        computed: usize,
-        kv: ReceivedKv,
-        sampling: SamplingParams,
-        stop: StopParams,
-        guide: Option<Guide>,
-        tpot_target: Option<Duration>,
-        events: tmpsc::UnboundedSender<SeqEvent>,
-        reply: oneshot::Sender<Result<SeqId, EngineError>>,
-    },
+}
+
+/// How much of a prompt another worker computed (see [`EngineHandle::add_prefilled`]).
+#[derive(Debug, Clone)]
+pub enum PrefilledPart {
+    /// All of it, with each choice's first token sampled there.
+    Whole(Vec<SampledToken>),
+    /// Its first this many tokens (whole blocks): the rest runs here.
+    Prefix(usize),
 }
 
 /// Load figures the actor publishes after every step, read without a round trip.
@@ -186,14 +184,16 @@ impl EngineHandle {
         rx.await.map_err(|_| gone())?
     }
 
-    /// Admits a request whose prompt KV is already in `kv`'s blocks, with each choice's
-    /// first token. The caller streamed those already; events start with the second tokens.
-    /// `guide`: the request's grammar from [`EngineHandle::compile_guide`], not yet advanced.
+    /// Admits a request whose prompt KV (all of it, or its first part: `part`) is already
+    /// in `kv`'s blocks. With the whole prompt come each choice's first tokens, which the
+    /// caller streamed already, so events start with the second tokens; with a first part,
+    /// the rest of the prompt runs here and events start with the first tokens. `guide`: the
+    /// request's grammar from [`EngineHandle::compile_guide`], not yet advanced.
     #[allow(clippy::too_many_arguments)]
     pub async fn add_prefilled(
         &self,
         prompt: Vec<u32>,
-        firsts: Vec<SampledToken>,
+        part: PrefilledPart,
         kv: ReceivedKv,
         sampling: SamplingParams,
         stop: StopParams,
@@ -202,40 +202,9 @@ impl EngineHandle {
         events: tmpsc::UnboundedSender<SeqEvent>,
     ) -> Result<SeqId, EngineError> {
         let (reply, rx) = oneshot::channel();
-        self.tx
-            .send(Command::AddPrefilled {
-                prompt,
-                firsts,
-                kv,
-                sampling,
-                stop,
-                guide,
-                tpot_target,
-                events,
-                reply,
-            })
-            .map_err(|_| gone())?;
-        rx.await.map_err(|_| gone())?
-    }
-
-    /// Queues a request whose prompt's first `computed` tokens have their KV in `kv`; the
-    /// rest of its prompt runs here, and its events start with the first token.
-    #[allow(clippy::too_many_arguments)]
-    pub async fn add_partly_prefilled(
-        &self,
-        prompt: Vec<u32>,
-        computed: usize,
-        kv: ReceivedKv,
-        sampling: SamplingParams,
-        stop: StopParams,
-        guide: Option<Guide>,
-        tpot_target: Option<Duration>,
-        events: tmpsc::UnboundedSender<SeqEvent>,
-    ) -> Result<SeqId, EngineError> {
-        let (reply, rx) = oneshot::channel();
-        let command = Command::AddPartlyPrefilled {
+        let command = Command::AddPrefilled {
             prompt,
-            computed,
+            part,
             kv,
             sampling,
             stop,

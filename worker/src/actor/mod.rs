@@ -25,7 +25,7 @@ use crate::pacing::Pacer;
 use tandem_transfer::{KvSender, PulledPrefix};
 
 use handle::Command;
-pub use handle::{EngineHandle, KvShipment, LoadSnapshot, SeqEvent};
+pub use handle::{EngineHandle, KvShipment, LoadSnapshot, PrefilledPart, SeqEvent};
 
 struct Entry {
     events: tmpsc::UnboundedSender<SeqEvent>,
@@ -280,7 +280,7 @@ fn handle_command(engine: &mut Engine, entries: &mut HashMap<SeqId, Entry>, cmd:
         }
         Command::AddPrefilled {
             prompt,
-            firsts,
+            part,
             kv,
             sampling,
             stop,
@@ -289,34 +289,25 @@ fn handle_command(engine: &mut Engine, entries: &mut HashMap<SeqId, Entry>, cmd:
             events,
             reply,
         } => {
-            let result = engine.add_prefilled(prompt, firsts, kv, sampling, stop, guide);
-            let result = result.map(|(id, firsts)| {
-                // The caller streamed the first tokens already; only choices still running
-                // need an entry.
-                let open = firsts.iter().filter(|o| o.finish.is_none()).count();
+            // Choices still running need an entry: with the whole prompt, those whose first
+            // token (streamed by the caller already) did not finish them; else every one.
+            let admitted = match part {
+                PrefilledPart::Whole(firsts) => engine
+                    .add_prefilled(prompt, firsts, kv, sampling, stop, guide)
+                    .map(|(id, firsts)| (id, firsts.iter().filter(|o| o.finish.is_none()).count())),
+                PrefilledPart::Prefix(computed) => {
+                    let open = sampling.n;
+                    engine
+                        .add_partly_prefilled(prompt, computed, kv, sampling, stop, guide)
+                        .map(|id| (id, open))
+                }
+            };
+            let result = admitted.map(|(id, open)| {
                 if open > 0 {
                     entries.insert(id, Entry::new(events, open, None, 0, tpot_target));
                 }
                 id
             });
-            let _ = reply.send(result);
-        }
-        Command::AddPartlyPrefilled {
-            prompt,
-            computed,
-            kv,
-            sampling,
-            stop,
-            guide,
-            tpot_target,
-            events,
-            reply,
-        } => {
-            let open = sampling.n;
-            let result = engine.add_partly_prefilled(prompt, computed, kv, sampling, stop, guide);
-            if let Ok(id) = result {
-                entries.insert(id, Entry::new(events, open, None, 0, tpot_target));
-            }
             let _ = reply.send(result);
         }
     }
