@@ -36,6 +36,8 @@ use crate::security::SecuritySection;
 /// Where in the deployment file a key lives.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Section {
+    /// Keys before any section header.
+    Top,
     Model,
     Router,
     Prefill,
@@ -50,6 +52,7 @@ impl Section {
 
     fn header(self) -> &'static str {
         match self {
+            Self::Top => "top level",
             Self::Model => "[model]",
             Self::Router => "[router]",
             Self::Prefill => "[[prefill]]",
@@ -65,6 +68,7 @@ type Key<S> = (&'static str, fn(&mut S));
 /// Keys of the deployment file that become flags or variables of the processes, each with a
 /// change to a value the probe deployment does not have. `check_env_tables` and the shell
 /// check rely on this list being complete; a test holds it to every flag the plan writes.
+const TOP_KEYS: &[Key<DeployConfig>] = &[("`startup_timeout_s`", |c| c.startup_timeout_s += 60)];
 const MODEL_KEYS: &[Key<ModelSection>] = &[
     ("`name`", |m| m.name = "tiny".into()),
     ("`weights`", |m| m.weights = "f32".into()),
@@ -207,6 +211,9 @@ impl FileKeys {
                     }
                 }
             };
+        for &(key, set) in TOP_KEYS {
+            probe(Section::Top, key, &|c| set(c));
+        }
         for &(key, set) in MODEL_KEYS {
             probe(Section::Model, key, &|c| set(&mut c.model));
         }
@@ -276,7 +283,10 @@ fn where_in_file(sections: &[Section]) -> String {
     let mut parts: Vec<String> = sections
         .iter()
         .filter(|s| !s.is_worker())
-        .map(|s| format!("{} section", s.header()))
+        .map(|s| match s {
+            Section::Top => "top level (before any section)".to_string(),
+            _ => format!("{} section", s.header()),
+        })
         .collect();
     if !workers.is_empty() {
         parts.push(format!("{} entries", workers.join(" and ")));

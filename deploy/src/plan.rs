@@ -178,6 +178,10 @@ pub fn plan_with(cfg: &DeployConfig, security: &InternalSecurity) -> Plan {
     router.slo_ttft_ms = r.slo.ttft_ms;
     router.slo_ttft_per_token_ms = r.slo.ttft_per_token_ms;
     router.slo_tpot_ms = r.slo.tpot_ms;
+    // The router waits for a decode worker's model as long as the launcher waits for the
+    // deployment: a worker that builds large weights must not outlast the router's own
+    // default and fail a deployment the launcher would still have waited for.
+    router.startup_timeout_s = Some(cfg.startup_timeout_s);
     router.decode = cfg.decode.iter().map(url).collect();
     router.prefill = cfg.prefill.iter().map(url).collect();
     router.log.log_format = cfg.log_format;
@@ -224,6 +228,8 @@ mod tests {
                 && joined.contains("--kv-tcp-port 7202"),
             "{joined}"
         );
+        let router = p.processes[2].args.join(" ");
+        assert!(router.contains("--startup-timeout-s 600"), "{router}");
         let mut tiny = DeployConfig::default_local(2);
         tiny.model.name = "tiny".into();
         tiny.model.cache_dir = Some("/var/cache/tandem".into());

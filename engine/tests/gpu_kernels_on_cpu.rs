@@ -20,6 +20,7 @@ use rand::{Rng, SeedableRng};
 use tandem_engine::backend::cpu::kernels::attention::{AttnParams, AttnSeq, paged_attention};
 use tandem_engine::backend::cpu::kernels::{RopeTable, rms_norm, silu_mul};
 use tandem_engine::backend::cuda::attention::Plan;
+use tandem_engine::backend::cuda::launch::Launch;
 use tandem_engine::config::ModelConfig;
 use tandem_kv::{BLOCK_SIZE, KvCache, KvDtype, KvLayout, KvStorage, staging};
 
@@ -193,68 +194,75 @@ fn rope_and_kv_write_match_the_cpu_engine() {
         let qkv = random(&mut rng, rows * width, 1.0);
         let rope = RopeTable::new(&cfg);
         let pos_i32: Vec<i32> = positions.iter().map(|&p| p as i32).collect();
-        let out = launch(
-            "rope_kv_write",
-            per_row(rows),
-            128,
-            &[
-                Arg::Buf(f32_bytes(&qkv)),
-                Arg::Buf(i32_bytes(&pos_i32)),
-                Arg::Buf(f32_bytes(rope.inv_freq())),
-                Arg::Buf(i32_bytes(&vec![0; rows])),
-                Arg::Buf(i32_bytes(&table)),
-                Arg::I32(max_blocks as i32),
-                Arg::Buf(cache),
-                Arg::I64(layer_offset),
-                Arg::I32(rows as i32),
-                Arg::I32(width as i32),
-                Arg::I32(qh as i32),
-                Arg::I32(kvh as i32),
-                Arg::I32(d as i32),
-            ],
-        );
-        let got = f32s(&out[0]);
-        let mut want = qkv.clone();
-        let (cos, sin) = rope.cos_sin(&positions);
-        // K follows Q in a fused row, so one call rotates both.
-        rope.apply(&mut want, width, 0, qh + kvh, &cos, &sin);
-        assert_close(&format!("rope, {preset}"), &got, &want, 1e-4);
-        let (k_start, v_start) = (cfg.q_width(), cfg.q_width() + cfg.kv_width());
-        for r in 0..rows {
-            assert_eq!(
-                &got[r * width + v_start..(r + 1) * width],
-                &qkv[r * width + v_start..(r + 1) * width],
-                "{preset}: V must not be rotated"
+        // One block per token (many SMs' worth of tokens), heads split unevenly between
+        // blocks, one head per block: the shapes `Launch::rope` picks for prefill and decode.
+        for multiprocessors in [1, 7, 132] {
+            let (shape, heads_per_block) = Launch::rope(rows, qh + kvh, multiprocessors);
+            let preset = format!("{preset}, {heads_per_block} heads per block");
+            let out = launch(
+                "rope_kv_write",
+                shape.blocks,
+                shape.threads,
+                &[
+                    Arg::Buf(f32_bytes(&qkv)),
+                    Arg::Buf(i32_bytes(&pos_i32)),
+                    Arg::Buf(f32_bytes(rope.inv_freq())),
+                    Arg::Buf(i32_bytes(&vec![0; rows])),
+                    Arg::Buf(i32_bytes(&table)),
+                    Arg::I32(max_blocks as i32),
+                    Arg::Buf(cache.clone()),
+                    Arg::I64(layer_offset),
+                    Arg::I32(rows as i32),
+                    Arg::I32(width as i32),
+                    Arg::I32(qh as i32),
+                    Arg::I32(kvh as i32),
+                    Arg::I32(d as i32),
+                    Arg::I32(heads_per_block as i32),
+                ],
             );
-        }
-        // Each token's rotated K and its V, in bf16, in its slot; nothing else written (the
-        // cache was NaN) but in the layer asked for.
-        let device = bf16s(&out[5]);
-        let part = kvh * BLOCK_SIZE * d;
-        let mut written = vec![false; device.len()];
-        for (r, &pos) in positions.iter().enumerate() {
-            let block = table[pos / BLOCK_SIZE] as usize;
-            let base = layer_offset as usize + block * block_elems;
-            for h in 0..kvh {
-                for i in 0..d {
-                    let at = base + (h * BLOCK_SIZE + pos % BLOCK_SIZE) * d + i;
-                    let k = got[r * width + k_start + h * d + i];
-                    let v = qkv[r * width + v_start + h * d + i];
-                    assert_eq!(device[at], bf16::from_f32(k), "{preset}: K of row {r}");
-                    assert_eq!(
-                        device[at + part],
-                        bf16::from_f32(v),
-                        "{preset}: V of row {r}"
-                    );
-                    written[at] = true;
-                    written[at + part] = true;
+            let got = f32s(&out[0]);
+            let mut want = qkv.clone();
+            let (cos, sin) = rope.cos_sin(&positions);
+            // K follows Q in a fused row, so one call rotates both.
+            rope.apply(&mut want, width, 0, qh + kvh, &cos, &sin);
+            assert_close(&format!("rope, {preset}"), &got, &want, 1e-4);
+            let (k_start, v_start) = (cfg.q_width(), cfg.q_width() + cfg.kv_width());
+            for r in 0..rows {
+                assert_eq!(
+                    &got[r * width + v_start..(r + 1) * width],
+                    &qkv[r * width + v_start..(r + 1) * width],
+                    "{preset}: V must not be rotated"
+                );
+            }
+            // Each token's rotated K and its V, in bf16, in its slot; nothing else written (the
+            // cache was NaN) but in the layer asked for.
+            let device = bf16s(&out[5]);
+            let part = kvh * BLOCK_SIZE * d;
+            let mut written = vec![false; device.len()];
+            for (r, &pos) in positions.iter().enumerate() {
+                let block = table[pos / BLOCK_SIZE] as usize;
+                let base = layer_offset as usize + block * block_elems;
+                for h in 0..kvh {
+                    for i in 0..d {
+                        let at = base + (h * BLOCK_SIZE + pos % BLOCK_SIZE) * d + i;
+                        let k = got[r * width + k_start + h * d + i];
+                        let v = qkv[r * width + v_start + h * d + i];
+                        assert_eq!(device[at], bf16::from_f32(k), "{preset}: K of row {r}");
+                        assert_eq!(
+                            device[at + part],
+                            bf16::from_f32(v),
+                            "{preset}: V of row {r}"
+                        );
+                        written[at] = true;
+                        written[at + part] = true;
+                    }
                 }
             }
+            assert!(
+                device.iter().zip(&written).all(|(v, &w)| w || v.is_nan()),
+                "{preset}: a write outside the tokens' slots"
+            );
         }
-        assert!(
-            device.iter().zip(&written).all(|(v, &w)| w || v.is_nan()),
-            "{preset}: a write outside the tokens' slots"
-        );
     }
 }
 
@@ -307,10 +315,12 @@ fn attention_step(
         head_dim: d,
         ..ModelConfig::preset("tiny").expect("preset")
     };
+    // A few SMs, so that small batches split their heads between blocks as on the GPU.
+    let (shape, heads_per_block) = Launch::rope(rows, q_heads + kvh, 4);
     let out = launch(
         "rope_kv_write",
-        per_row(rows),
-        128,
+        shape.blocks,
+        shape.threads,
         &[
             Arg::Buf(f32_bytes(&qkv)),
             Arg::Buf(i32_bytes(&positions)),
@@ -325,6 +335,7 @@ fn attention_step(
             Arg::I32(q_heads as i32),
             Arg::I32(kvh as i32),
             Arg::I32(d as i32),
+            Arg::I32(heads_per_block as i32),
         ],
     );
     *device_cache = out[5].clone();

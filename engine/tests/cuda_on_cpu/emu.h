@@ -45,6 +45,10 @@ inline dim3 gridDim;
 #define __forceinline__ inline
 #define __shared__ static
 
+// CUDA's integer min and max, which device code calls unqualified.
+inline int min(int a, int b) { return a < b ? a : b; }
+inline int max(int a, int b) { return a > b ? a : b; }
+
 #if defined(__x86_64__) && defined(__ELF__) && !defined(EMU_UCONTEXT)
 #define EMU_STACK_SWITCH 1
 // Saves the callee-saved registers on the current stack, stores its pointer in *save_sp,

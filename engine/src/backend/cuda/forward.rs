@@ -349,6 +349,12 @@ pub fn forward<D: LaunchDevice>(
         cfg.num_key_value_heads as i32,
         d as i32,
     );
+    let (rope_launch, rope_heads_per_block) = Launch::rope(
+        t,
+        cfg.num_attention_heads + cfg.num_key_value_heads,
+        dev.multiprocessors(),
+    );
+    let rope_heads_per_block = rope_heads_per_block as i32;
     // SAFETY (every launch below): each argument list is its kernel's parameter list in
     // `kernels.cu` (the emulated device of the tests checks every type), and every buffer was
     // sized above for this batch; `describe_batch` checked the tokens against the vocabulary
@@ -374,7 +380,7 @@ pub fn forward<D: LaunchDevice>(
         unsafe {
             dev.launch(
                 Kernel::RopeKvWrite,
-                Launch::per_row(t, 128),
+                rope_launch,
                 &mut [
                     F32Mut(qkv),
                     I32s(&positions),
@@ -389,6 +395,7 @@ pub fn forward<D: LaunchDevice>(
                     Int(q_heads),
                     Int(kv_heads),
                     Int(head_dim),
+                    Int(rope_heads_per_block),
                 ],
             )?;
         }

@@ -58,47 +58,57 @@ extern "C" __global__ void rms_norm_bf16(const float* __restrict__ x, const floa
 
 // Rotate-half RoPE on the Q and K parts of fused QKV rows, in place, and each token's
 // rotated K and its V (bf16) into its slot of the paged cache: one launch where there were
-// two, and K is rounded and stored straight from the rotation. One block per token; a thread
-// takes one frequency (pair index) and rotates that pair in every Q and K head, so each
-// cosine and sine is computed once per token, not once per head.
+// two, and K is rounded and stored straight from the rotation. Each block takes one token and
+// `heads_per_block` of its Q and K heads (block b: token b / groups, group b % groups), so a
+// decode step of a few tokens still spreads over many SMs while prefill keeps one block per
+// token; the block computes each frequency's cosine and sine once into shared memory, then
+// its threads rotate (head, pair) items.
 extern "C" __global__ void rope_kv_write(float* __restrict__ qkv, const int* __restrict__ positions,
                                          const float* __restrict__ inv_freq, const int* __restrict__ token_seq,
                                          const int* __restrict__ block_tables, int max_blocks,
                                          bf16* __restrict__ cache, long long layer_offset, int rows,
-                                         int row_width, int q_heads, int kv_heads, int head_dim) {
-    int t = blockIdx.x;
+                                         int row_width, int q_heads, int kv_heads, int head_dim,
+                                         int heads_per_block) {
+    __shared__ float cos_s[128], sin_s[128];
+    int heads = q_heads + kv_heads;
+    int groups = (heads + heads_per_block - 1) / heads_per_block;
+    int t = blockIdx.x / groups;
     if (t >= rows) return;
+    int h0 = (blockIdx.x % groups) * heads_per_block;
+    int h1 = min(h0 + heads_per_block, heads);
     int half = head_dim / 2;
     int pos = positions[t];
+    for (int i = threadIdx.x; i < half; i += blockDim.x) {
+        float angle = (float)pos * inv_freq[i];
+        cos_s[i] = cosf(angle);
+        sin_s[i] = sinf(angle);
+    }
+    __syncthreads();
     float* row = qkv + (size_t)t * row_width;
-    float* k = row + (size_t)q_heads * head_dim;
-    const float* v = k + (size_t)kv_heads * head_dim;
+    const float* v = row + (size_t)(q_heads + kv_heads) * head_dim;
     int block = block_tables[token_seq[t] * max_blocks + pos / BLOCK_SLOTS];
     int slot = pos % BLOCK_SLOTS;
     size_t part = (size_t)kv_heads * BLOCK_SLOTS * head_dim;
     bf16* blk = cache + layer_offset + (size_t)block * 2 * part;
-    for (int i = threadIdx.x; i < half; i += blockDim.x) {
-        float angle = (float)pos * inv_freq[i];
-        float c = cosf(angle), s = sinf(angle);
-        for (int h = 0; h < q_heads; h++) {
-            float* base = row + h * head_dim;
-            float x1 = base[i], x2 = base[i + half];
-            base[i] = x1 * c - x2 * s;
-            base[i + half] = x2 * c + x1 * s;
-        }
-        for (int h = 0; h < kv_heads; h++) {
-            float* base = k + h * head_dim;
-            float x1 = base[i], x2 = base[i + half];
-            float r1 = x1 * c - x2 * s, r2 = x2 * c + x1 * s;
-            // Kept in the row too: the rows stay what RoPE makes them, whoever reads them.
-            base[i] = r1;
-            base[i + half] = r2;
-            bf16* dst = blk + ((size_t)h * BLOCK_SLOTS + slot) * head_dim;
+    for (int idx = threadIdx.x; idx < (h1 - h0) * half; idx += blockDim.x) {
+        int h = h0 + idx / half, i = idx % half;
+        float c = cos_s[i], s = sin_s[i];
+        // Q heads then K heads sit one after the other in the row.
+        float* base = row + (size_t)h * head_dim;
+        float x1 = base[i], x2 = base[i + half];
+        float r1 = x1 * c - x2 * s, r2 = x2 * c + x1 * s;
+        // K stays rotated in the row too: the rows stay what RoPE makes them, whoever reads them.
+        base[i] = r1;
+        base[i + half] = r2;
+        if (h >= q_heads) {
+            bf16* dst = blk + ((size_t)(h - q_heads) * BLOCK_SLOTS + slot) * head_dim;
             dst[i] = f2bf(r1);
             dst[i + half] = f2bf(r2);
         }
     }
-    for (int idx = threadIdx.x; idx < kv_heads * head_dim; idx += blockDim.x) {
+    // V of the K heads this block took.
+    int k0 = max(h0, q_heads) - q_heads, k1 = h1 - q_heads;
+    for (int idx = k0 * head_dim + threadIdx.x; idx < k1 * head_dim; idx += blockDim.x) {
         int h = idx / head_dim, d = idx % head_dim;
         blk[part + ((size_t)h * BLOCK_SLOTS + slot) * head_dim + d] = f2bf(v[idx]);
     }

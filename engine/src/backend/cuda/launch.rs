@@ -37,6 +37,19 @@ impl Launch {
             threads,
         }
     }
+
+    /// `rope_kv_write`'s launch for `rows` tokens of `heads` Q and K heads, and the heads each
+    /// block takes: a block per token once the tokens alone give every SM two blocks; fewer
+    /// tokens (a decode step) split their heads between blocks, so one token is not a lone
+    /// block walking 40 heads on one SM while the rest idle.
+    pub fn rope(rows: usize, heads: usize, multiprocessors: usize) -> (Self, usize) {
+        let (rows, heads) = (rows.max(1), heads.max(1));
+        let wanted = 2 * multiprocessors.max(1);
+        let groups = wanted.div_ceil(rows).clamp(1, heads);
+        let per_block = heads.div_ceil(groups);
+        let groups = heads.div_ceil(per_block);
+        (Self::per_row(rows * groups, 128), per_block)
+    }
 }
 
 /// The kernels of `kernels.cu`.
@@ -221,6 +234,26 @@ mod tests {
         assert_eq!(Launch::covering(257, 256).blocks, 2);
         assert_eq!(Launch::per_row(0, 128).blocks, 1);
         assert_eq!(Launch::per_row(5, 128).blocks, 5);
+    }
+
+    #[test]
+    fn rope_splits_heads_only_when_tokens_are_few() {
+        // Llama-3.1-8B: 32 Q + 8 K heads, an H100's 132 SMs.
+        let (launch, per_block) = Launch::rope(1, 40, 132);
+        assert_eq!((launch.blocks, per_block), (40, 1));
+        let (launch, per_block) = Launch::rope(8, 40, 132);
+        assert_eq!((launch.blocks, per_block), (8 * 20, 2));
+        let (launch, per_block) = Launch::rope(2048, 40, 132);
+        assert_eq!((launch.blocks, per_block), (2048, 40));
+        // Every (token, head) is some block's: groups x per_block covers the heads.
+        for rows in [1, 3, 8, 50, 131, 264, 1000] {
+            for heads in [1, 3, 40, 56] {
+                let (launch, per_block) = Launch::rope(rows, heads, 132);
+                let groups = launch.blocks as usize / rows;
+                assert_eq!(launch.blocks as usize, rows * groups);
+                assert!(groups * per_block >= heads && (groups - 1) * per_block < heads);
+            }
+        }
     }
 
     #[test]
