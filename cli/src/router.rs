@@ -105,6 +105,11 @@ pub struct RouterArgs {
     /// [default: 60].
     #[arg(long, env = "TANDEM_ROUTER_SLO_TPOT_MS")]
     pub slo_tpot_ms: Option<f64>,
+    /// Move CPU compute threads between the decode and prefill workers, which share one
+    /// host's cores, by the TPOT target and the prompts queued (see router/README.md).
+    #[arg(long, env = "TANDEM_ROUTER_ELASTIC_THREADS")]
+    #[serde(default)]
+    pub elastic_threads: bool,
     /// When no prefill worker is healthy: run aggregated, or answer 503 [default: aggregated].
     #[arg(long, env = "TANDEM_ROUTER_FALLBACK", value_enum)]
     pub fallback: Option<FallbackPolicy>,

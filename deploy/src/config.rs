@@ -109,6 +109,10 @@ pub struct RouterSection {
     /// the latency targets of `[router.slo]` and the workers' measured costs).
     #[serde(default)]
     pub placement: Option<String>,
+    /// Move CPU compute threads between the workers by the TPOT target and the prompts
+    /// queued (`--elastic-threads`; for workers sharing one host's cores).
+    #[serde(default)]
+    pub elastic_threads: bool,
     /// The latency targets (each absent: the router's default).
     #[serde(default)]
     pub slo: SloSection,
@@ -157,6 +161,7 @@ impl Default for RouterSection {
             agg_threshold: 0,
             routing: None,
             placement: None,
+            elastic_threads: false,
             slo: SloSection::default(),
             cpus: Vec::new(),
             extra_args: Vec::new(),

@@ -86,6 +86,7 @@ const ROUTER_KEYS: &[Key<RouterSection>] = &[
     ("`transport`", |r| r.transport = "grpc".into()),
     ("`agg_threshold`", |r| r.agg_threshold += 64),
     ("`routing`", |r| r.routing = Some("round-robin".into())),
+    ("`elastic_threads`", |r| r.elastic_threads = true),
     ("`placement`", |r| r.placement = Some("slo".into())),
     ("`slo.ttft_ms`", |r| r.slo.ttft_ms = Some(123.0)),
     ("`slo.ttft_per_token_ms`", |r| {

@@ -178,6 +178,7 @@ pub fn plan_with(cfg: &DeployConfig, security: &InternalSecurity) -> Plan {
     router.slo_ttft_ms = r.slo.ttft_ms;
     router.slo_ttft_per_token_ms = r.slo.ttft_per_token_ms;
     router.slo_tpot_ms = r.slo.tpot_ms;
+    router.elastic_threads = r.elastic_threads;
     // The router waits for a decode worker's model as long as the launcher waits for the
     // deployment: a worker that builds large weights must not outlast the router's own
     // default and fail a deployment the launcher would still have waited for.

@@ -17,7 +17,7 @@ struct Pair {
     info: WorkerInfo,
 }
 
-const COMMON: [&str; 6] = ["--model", "tiny", "--kv-budget-mb", "16", "--threads", "1"];
+const COMMON: [&str; 4] = ["--model", "tiny", "--kv-budget-mb", "16"];
 
 async fn start_pair() -> Pair {
     start_pair_with(&[]).await
@@ -30,7 +30,13 @@ async fn start_pair_with(extra: &[&str]) -> Pair {
 
 /// Both workers with the common flags and `extra`, the prefill worker with `prefill_extra`.
 async fn start_pair_each(extra: &[&str], prefill_extra: &[&str]) -> Pair {
-    let args: Vec<&str> = COMMON.iter().chain(extra).copied().collect();
+    // One compute thread each, unless `extra` says otherwise.
+    let threads: &[&str] = if extra.contains(&"--threads") {
+        &[]
+    } else {
+        &["--threads", "1"]
+    };
+    let args: Vec<&str> = COMMON.iter().chain(threads).chain(extra).copied().collect();
     let decode = Proc::start("tandem-decode", &args).unwrap();
     let prefill_args: Vec<&str> = args.iter().chain(prefill_extra).copied().collect();
     let prefill = Proc::start("tandem-prefill", &prefill_args).unwrap();
@@ -360,7 +366,7 @@ async fn kv_received_from_a_prefill_worker_serves_the_next_request() {
         .d
         .get_load(LoadRequest {
             block_events_after: Some(u64::MAX),
-            snapshot_from_block: 0,
+            ..LoadRequest::default()
         })
         .await
         .unwrap()
@@ -380,6 +386,31 @@ async fn kv_received_from_a_prefill_worker_serves_the_next_request() {
         .into_inner();
     assert!(none.block_events.is_none());
     wait_blocks_free(&mut pair.d, Duration::from_secs(2)).await;
+}
+
+/// The router's elastic thread planner rides on GetLoad: the count reaches the engine (the
+/// report says so), is clamped to the team, 0 keeps it, and tokens do not depend on it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_planned_compute_threads_reach_the_engine() {
+    let mut pair = start_pair_with(&["--threads", "2"]).await;
+    let load = |n: u32| LoadRequest {
+        compute_threads: n,
+        ..LoadRequest::default()
+    };
+    let report = pair.d.get_load(load(0)).await.unwrap().into_inner();
+    assert_eq!((report.compute_threads, report.max_compute_threads), (2, 2));
+    let p = prompt(5, 90);
+    let (want, _) = aggregated(&mut pair, p.clone(), 8).await;
+    let report = pair.d.get_load(load(1)).await.unwrap().into_inner();
+    assert_eq!((report.compute_threads, report.max_compute_threads), (1, 2));
+    let (got, _) = aggregated(&mut pair, p.clone(), 8).await;
+    assert_eq!(got, want, "one thread or two, the same tokens");
+    let report = pair.d.get_load(load(0)).await.unwrap().into_inner();
+    assert_eq!(report.compute_threads, 1, "0 keeps the count");
+    let report = pair.d.get_load(load(64)).await.unwrap().into_inner();
+    assert_eq!(report.compute_threads, 2, "clamped to the team");
+    let report = pair.p.get_load(load(1)).await.unwrap().into_inner();
+    assert_eq!((report.compute_threads, report.max_compute_threads), (1, 2));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -60,6 +60,8 @@ pub struct RouterConfig {
     pub placement: PlacementPolicy,
     /// The deployment's latency targets (what `--placement slo` places by).
     pub slo: SloTargets,
+    /// Run the elastic thread planner (`workers::elastic`).
+    pub elastic_threads: bool,
     pub fallback: FallbackPolicy,
     pub routing: RoutingPolicy,
     /// kv-aware routing's price of a missing prompt block, in free blocks.
@@ -98,6 +100,7 @@ impl RouterConfig {
             agg_threshold: 0,
             placement: PlacementPolicy::Static,
             slo: SloTargets::default(),
+            elastic_threads: false,
             fallback: FallbackPolicy::Aggregated,
             routing: RoutingPolicy::KvAware,
             kv_overlap_weight: 2.0,
@@ -148,6 +151,7 @@ impl RouterConfig {
                 .placement
                 .or(file.placement)
                 .unwrap_or(defaults.placement),
+            elastic_threads: args.elastic_threads || file.elastic_threads,
             slo: SloTargets {
                 ttft_ms: args
                     .slo_ttft_ms

@@ -91,6 +91,9 @@ pub async fn run_with_resolver(
     let background = shutdown.child_token();
     let _stop_background = background.clone().drop_guard();
     pool.spawn_health_tasks(config.health_interval, &background);
+    if config.elastic_threads {
+        pool.spawn_thread_planner(config.slo.tpot_ms, &background);
+    }
     discovery::spawn_discovery(&pool, resolver, config.dns_refresh, &background);
     {
         let prometheus = prometheus.clone();

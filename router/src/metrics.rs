@@ -75,6 +75,10 @@ pub const SLO_PRESSURE: &str = "tandem_router_slo_pressure";
 pub const PLACEMENTS_TOTAL: &str = "tandem_router_placements_total";
 /// Prompt tokens of split prompts, by the `side` (prefill, decode) that computed them.
 pub const SPLIT_PROMPT_TOKENS_TOTAL: &str = "tandem_router_split_prompt_tokens_total";
+/// Compute threads the elastic thread planner gives each worker (`--elastic-threads`).
+pub const COMPUTE_THREADS: &str = "tandem_router_compute_threads";
+/// The planner's moves of compute threads, by the `role` of the worker whose count changed.
+pub const COMPUTE_THREAD_MOVES_TOTAL: &str = "tandem_router_compute_thread_moves_total";
 /// |predicted − measured| / measured of SLO placement's predictions, by metric and placement.
 pub const PREDICTION_ERROR: &str = "tandem_router_placement_prediction_error";
 
@@ -167,6 +171,14 @@ fn describe() {
     describe_counter!(
         SPLIT_PROMPT_TOKENS_TOTAL,
         "Prompt tokens of prompts split between a prefill and a decode worker, by side"
+    );
+    describe_gauge!(
+        COMPUTE_THREADS,
+        "Compute threads the elastic thread planner gives each worker"
+    );
+    describe_counter!(
+        COMPUTE_THREAD_MOVES_TOTAL,
+        "Moves of compute threads by the elastic thread planner, by role"
     );
     describe_histogram!(
         PREDICTION_ERROR,

@@ -7,6 +7,11 @@
 //! `lend_slack`, a pass of decode rows alone is followed by the rest of the streams' period
 //! idle while some other thread of the host waits for a CPU (an idle-priority prefill worker
 //! on the same cores), which then computes in it.
+//!
+//! The fit is kept in milliseconds of the whole compute team: a pass run while the router's
+//! elastic planner lets only some of the threads take part is scaled by their share (as if
+//! compute-bound), so the model a router reads, and the chunk sizes here, do not change
+//! meaning when threads move.
 
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -77,7 +82,8 @@ impl Pacer {
         self.paced = tpot_target
             .filter(|_| decode.sampled_rows > 0.0)
             .map(|t| t.as_secs_f64() * 1e3 * TPOT_HEADROOM);
-        let allowance = self.paced.and_then(|target_ms| {
+        let share = team_share();
+        let allowance = self.paced.map(|t| t * share).and_then(|target_ms| {
             if self.fit.prompt_tokens_seen() < tandem_cost::MIN_PROMPT_TOKENS_SEEN {
                 return None;
             }
@@ -113,8 +119,9 @@ impl Pacer {
         board: &CostBoard,
     ) -> Option<Duration> {
         let ms = elapsed.as_secs_f64() * 1e3;
+        let share = team_share();
         let pass = engine.last_pass();
-        self.fit.observe(&pass, ms);
+        self.fit.observe(&pass, ms * share);
         self.coefficients = self.fit.coefficients();
         self.publish(engine, board);
         let target_ms = self.paced?;
@@ -128,8 +135,9 @@ impl Pacer {
         } else {
             0.0
         };
-        // The streams' period is the pass and the idle time after it.
-        self.pacing.after_pass(target_ms, ms + idle_ms);
+        // The streams' period is the pass and the idle time after it (in the fit's units).
+        self.pacing
+            .after_pass(target_ms * share, (ms + idle_ms) * share);
         (idle_ms > 0.0).then(|| Duration::from_secs_f64(idle_ms / 1e3))
     }
 
@@ -175,6 +183,12 @@ impl Pacer {
                 .map_or(0, |a| u32::try_from(a).unwrap_or(u32::MAX)),
         });
     }
+}
+
+/// The share of the CPU engine's compute team taking part now (1 when all do, and on a GPU,
+/// whose engine never shrinks it).
+fn team_share() -> f64 {
+    tandem_engine::backend::cpu::kernels::team::active_share()
 }
 
 /// Microseconds that some runnable thread of this host has waited for a CPU since boot (the

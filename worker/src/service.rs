@@ -73,7 +73,18 @@ impl WorkerCore {
     }
 
     /// The answer to `GetLoad`; `leases` counts the reservations a decode worker holds.
+    /// A router's elastic thread planner rides on it: `asked.compute_threads` sets how many
+    /// of a CPU engine's compute threads take part.
     pub fn load_report(&self, leases: u32, asked: &LoadRequest) -> LoadReport {
+        if let Some((before, now)) = self.engine.set_compute_threads(asked.compute_threads)
+            && before != now
+        {
+            tracing::info!(
+                from = before,
+                to = now,
+                "compute threads moved by the router's planner"
+            );
+        }
         self.engine.load_report(
             leases,
             self.is_draining(),

@@ -66,6 +66,15 @@ impl CostView {
         if !finite || cost.passes == 0 {
             return None;
         }
+        // Workers fit their whole compute team's costs; one the elastic planner runs on part
+        // of it computes that much slower (as if compute-bound, as the worker scaled them).
+        if load.compute_threads > 0 && load.compute_threads < load.max_compute_threads {
+            let slower = f64::from(load.max_compute_threads) / f64::from(load.compute_threads);
+            coefficients.base_ms *= slower;
+            coefficients.per_row_ms *= slower;
+            coefficients.per_token_ms *= slower;
+            coefficients.per_mpair_ms *= slower;
+        }
         // A price of a prompt token resting on a few short chunks is noise: unknown instead
         // (a decode worker then borrows a prefill worker's). One that has seen enough prices
         // prompts by whatever it fitted, per token or per attention pair.

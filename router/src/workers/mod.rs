@@ -14,6 +14,7 @@
 //! at each scrape), routing stops seeing it —
 //! while requests already running on it keep their `Arc<Worker>` and end as they would.
 
+mod elastic;
 mod pool;
 
 pub use pool::{WorkerPool, WorkerSource};
@@ -96,8 +97,11 @@ pub struct Worker {
     pending_blocks: AtomicU32,
     pending_requests: AtomicU32,
     pending_tokens: AtomicU64,
-    /// Wakes the poll task early, after a request saw this worker fail.
+    /// Wakes the poll task early, after a request saw this worker fail or its planned
+    /// threads changed.
     probe: tokio::sync::Notify,
+    /// Compute threads the elastic planner gives it (0: no plan), sent with each load poll.
+    planned_threads: AtomicU32,
     /// What its prefix cache holds, as far as this router knows.
     prefix: Mutex<PrefixIndex>,
 }
@@ -124,6 +128,7 @@ impl Worker {
             pending_tokens: AtomicU64::new(0),
             prefix: Mutex::new(PrefixIndex::default()),
             probe: tokio::sync::Notify::new(),
+            planned_threads: AtomicU32::new(0),
         })
     }
 
@@ -139,6 +144,21 @@ impl Worker {
 
     pub fn prefill_client(&self) -> PrefillServiceClient<AuthChannel> {
         PrefillServiceClient::new(self.channel.clone()).max_decoding_message_size(MAX_MESSAGE_BYTES)
+    }
+
+    /// Its last load report.
+    pub fn load_report(&self) -> Option<LoadReport> {
+        self.state().load.clone()
+    }
+
+    /// The compute threads the planner gives it from now on; returns the previous plan.
+    pub fn set_planned_threads(&self, n: u32) -> u32 {
+        self.planned_threads.swap(n, Ordering::Relaxed)
+    }
+
+    /// The compute threads the planner gives it (0: no plan).
+    pub fn planned_threads(&self) -> u32 {
+        self.planned_threads.load(Ordering::Relaxed)
     }
 
     /// What the worker said about itself, once it answered.

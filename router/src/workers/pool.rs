@@ -482,6 +482,7 @@ impl WorkerPool {
         let load_request = LoadRequest {
             block_events_after: Some(cursor),
             snapshot_from_block,
+            compute_threads: worker.planned_threads(),
         };
         let answer = match worker.role {
             WorkerRole::Decode => {

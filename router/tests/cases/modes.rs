@@ -196,3 +196,65 @@ async fn incompatible_workers_are_never_paired() {
     assert_eq!(decode.generate_calls().len(), 2);
     router.stop().await;
 }
+
+/// `--elastic-threads`: while the prefill worker has a prompt queued, the decode worker whose
+/// 16 streams step in 20 ms on its two threads (40 ms on one, within 0.9 x 60) is asked to run
+/// on one and the prefill worker on the other; with nothing queued, the decode worker gets
+/// both back. Each plan reaches the worker with its next load poll, and is exported.
+#[tokio::test]
+async fn the_elastic_planner_moves_threads_by_the_tpot_target() {
+    let decode = FakeDecode::new("decode-0");
+    let prefill = FakePrefill::new("prefill-0");
+    *lock(&decode.0.load) = tandem_proto::v1::LoadReport {
+        total_blocks: 64,
+        free_blocks: 64,
+        running: 16,
+        compute_threads: 2,
+        max_compute_threads: 2,
+        step_cost: Some(tandem_proto::v1::StepCost {
+            base_ms: 4.0,
+            per_row_ms: 1.0,
+            passes: 100,
+            decode_rows: 16,
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    *lock(&prefill.0.load) = tandem_proto::v1::LoadReport {
+        queued_prefill_tokens: 2048,
+        compute_threads: 2,
+        max_compute_threads: 2,
+        ..Default::default()
+    };
+    let (ds, ps) = (FakeServer::decode(&decode), FakeServer::prefill(&prefill));
+    let mut c = config(&[&ps], &[&ds]);
+    c.elastic_threads = true;
+    let router = TestRouter::start(c).await;
+    let last = |asked: &std::sync::Mutex<Vec<u32>>| lock(asked).last().copied();
+    let moved = eventually(Duration::from_secs(5), || {
+        last(&decode.0.threads_asked) == Some(1) && last(&prefill.0.threads_asked) == Some(1)
+    })
+    .await;
+    assert!(moved, "decode asked {:?}", lock(&decode.0.threads_asked));
+    let metrics = get(&router.url, "/metrics").await.text().await.unwrap();
+    assert!(
+        metrics.contains(&format!(
+            "tandem_router_compute_threads{{worker=\"{}\"}} 1",
+            ds.url
+        )),
+        "{metrics}"
+    );
+    // The prompt is done: the streams get both threads again.
+    lock(&prefill.0.load).queued_prefill_tokens = 0;
+    let back = eventually(Duration::from_secs(5), || {
+        last(&decode.0.threads_asked) == Some(2)
+    })
+    .await;
+    assert!(back, "decode asked {:?}", lock(&decode.0.threads_asked));
+    let metrics = get(&router.url, "/metrics").await.text().await.unwrap();
+    assert!(
+        metrics.contains("tandem_router_compute_thread_moves_total{role=\"decode\"}"),
+        "{metrics}"
+    );
+    router.stop().await;
+}

@@ -64,6 +64,8 @@ pub struct DecodeState {
     pub info_calls: AtomicU64,
     /// GetLoad calls answered.
     pub load_calls: AtomicU64,
+    /// The compute threads each GetLoad asked for (the elastic planner's), in order.
+    pub threads_asked: Mutex<Vec<u32>>,
     waiting: Mutex<HashMap<Vec<u8>, oneshot::Sender<KvCommit>>>,
     next_lease: AtomicU64,
 }
@@ -129,6 +131,7 @@ impl FakeDecode {
             closed_early: Mutex::default(),
             info_calls: AtomicU64::new(0),
             load_calls: AtomicU64::new(0),
+            threads_asked: Mutex::default(),
             waiting: Mutex::default(),
             next_lease: AtomicU64::new(100),
         }))
@@ -167,8 +170,9 @@ impl DecodeService for FakeDecode {
         Ok(Response::new(info))
     }
 
-    async fn get_load(&self, _: Request<LoadRequest>) -> Result<Response<LoadReport>, Status> {
+    async fn get_load(&self, req: Request<LoadRequest>) -> Result<Response<LoadReport>, Status> {
         self.0.load_calls.fetch_add(1, Ordering::SeqCst);
+        lock(&self.0.threads_asked).push(req.into_inner().compute_threads);
         Ok(Response::new(lock(&self.0.load).clone()))
     }
 

@@ -32,6 +32,10 @@ pub struct PrefillState {
     pub calls: Mutex<Vec<PrefillRequest>>,
     /// When a Prefill call was cancelled by the router before it answered.
     pub cancelled: Mutex<Vec<Instant>>,
+    /// What GetLoad answers (block events are added: a worker that caches prefixes).
+    pub load: Mutex<LoadReport>,
+    /// The compute threads each GetLoad asked for (the elastic planner's), in order.
+    pub threads_asked: Mutex<Vec<u32>>,
 }
 
 /// A scripted PrefillService that commits on the decode worker named in the destination.
@@ -58,6 +62,8 @@ impl FakePrefill {
             script: Mutex::default(),
             calls: Mutex::default(),
             cancelled: Mutex::default(),
+            load: Mutex::default(),
+            threads_asked: Mutex::default(),
         }))
     }
 
@@ -94,11 +100,12 @@ impl PrefillService for FakePrefill {
         Ok(Response::new(lock(&self.0.info).clone()))
     }
 
-    async fn get_load(&self, _: Request<LoadRequest>) -> Result<Response<LoadReport>, Status> {
+    async fn get_load(&self, req: Request<LoadRequest>) -> Result<Response<LoadReport>, Status> {
+        lock(&self.0.threads_asked).push(req.into_inner().compute_threads);
         // A worker that caches prefixes (and has nothing new to say about them).
         Ok(Response::new(LoadReport {
             block_events: Some(BlockEvents::default()),
-            ..LoadReport::default()
+            ..lock(&self.0.load).clone()
         }))
     }
 

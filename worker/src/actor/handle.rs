@@ -128,6 +128,8 @@ pub struct EngineHandle {
     pub(super) pool: SharedPool,
     pub(super) load: Arc<LoadSnapshot>,
     pub(super) guides: GuideFactory,
+    /// The engine computes on the CPU: its compute threads can be told how many take part.
+    pub(super) on_cpu: bool,
 }
 
 impl std::fmt::Debug for EngineHandle {
@@ -281,7 +283,27 @@ impl EngineHandle {
             instance_id: instance_id.to_vec(),
             block_events,
             step_cost: Some(self.load.cost.report()),
+            compute_threads: self.compute_threads().map_or(0, |(n, _)| n as u32),
+            max_compute_threads: self.compute_threads().map_or(0, |(_, m)| m as u32),
         }
+    }
+
+    /// A CPU engine's compute threads taking part now and the most it has; `None` on a GPU.
+    pub fn compute_threads(&self) -> Option<(usize, usize)> {
+        use tandem_engine::backend::cpu::kernels::team;
+        self.on_cpu.then(|| (team::threads(), team::max_threads()))
+    }
+
+    /// Lets `n` compute threads of a CPU engine take part from its next parallel region on
+    /// (the elastic thread planner's move; between regions a result does not depend on it).
+    /// Returns the number before and after; `None` on a GPU or for `n == 0` (keep).
+    pub fn set_compute_threads(&self, n: u32) -> Option<(usize, usize)> {
+        use tandem_engine::backend::cpu::kernels::team;
+        if !self.on_cpu || n == 0 {
+            return None;
+        }
+        let before = team::threads();
+        Some((before, team::set_active_threads(n as usize)))
     }
 
     /// The block pool, for reservations that must not wait for a forward pass.

@@ -82,6 +82,7 @@ pub fn spawn_engine(engine: Engine, lend_slack: bool) -> std::io::Result<EngineH
         pool: engine.shared_pool(),
         load: load.clone(),
         guides: engine.guides(),
+        on_cpu: engine.config().device == tandem_engine::Device::Cpu,
     };
     std::thread::Builder::new()
         .name("engine".into())

@@ -7,6 +7,11 @@
 //!
 //! One caller at a time: a second concurrent caller (two engines in one process, as in tests)
 //! runs its tasks inline instead of waiting.
+//!
+//! The team's size is fixed when it starts; how many of its threads take part can change at
+//! any time ([`set_active_threads`]): a worker that shares its host's cores with another
+//! gives some back while the other needs them (the router's elastic thread planner). Every
+//! partition in the kernels is by output rows or columns, so the result does not depend on it.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
@@ -21,6 +26,8 @@ struct Job {
     /// The caller's closure, valid until every task has run (the caller waits for that).
     f: *const (dyn Fn(usize) + Sync),
     tasks: usize,
+    /// Threads that take part (the caller included): members of a lower index.
+    members: usize,
     next: AtomicUsize,
     done: AtomicUsize,
 }
@@ -55,6 +62,8 @@ struct Team {
 
 static TEAM: OnceLock<Team> = OnceLock::new();
 static SIZE: AtomicUsize = AtomicUsize::new(0);
+/// Threads taking part (the caller included); 0: all of them.
+static ACTIVE: AtomicUsize = AtomicUsize::new(0);
 
 /// Sets the number of compute threads (the caller included). Takes effect if called before
 /// the first parallel region; later calls are ignored.
@@ -62,9 +71,38 @@ pub fn set_threads(n: usize) {
     SIZE.store(n.max(1), Ordering::Relaxed);
 }
 
-/// Compute threads in use (the caller included).
+/// Compute threads taking part in parallel regions now (the caller included).
 pub fn threads() -> usize {
+    active(team())
+}
+
+/// Compute threads the team has (the caller included): the most [`set_active_threads`] can
+/// give.
+pub fn max_threads() -> usize {
     team().threads.len() + 1
+}
+
+/// Lets `n` of the team's threads (the caller included; at least 1, at most
+/// [`max_threads`]) take part in the regions that start from now on; the others park.
+/// Returns the number in effect.
+pub fn set_active_threads(n: usize) -> usize {
+    let n = n.clamp(1, max_threads());
+    ACTIVE.store(n, Ordering::Relaxed);
+    n
+}
+
+/// The share of the team taking part now, 1 when all do or before the team has started
+/// (which this does not start: a GPU engine never does).
+pub fn active_share() -> f64 {
+    TEAM.get()
+        .map_or(1.0, |t| active(t) as f64 / (t.threads.len() + 1) as f64)
+}
+
+fn active(team: &Team) -> usize {
+    match ACTIVE.load(Ordering::Relaxed) {
+        0 => team.threads.len() + 1,
+        n => n.min(team.threads.len() + 1),
+    }
 }
 
 fn team() -> &'static Team {
@@ -79,7 +117,7 @@ fn team() -> &'static Team {
             let flag = parked.clone();
             let spawned = std::thread::Builder::new()
                 .name(format!("tandem-compute-{i}"))
-                .spawn(move || member(flag));
+                .spawn(move || member(i, flag));
             match spawned {
                 Ok(h) => threads.push((h.thread().clone(), parked)),
                 Err(e) => tracing::warn!(error = %e, "could not start a compute thread"),
@@ -94,7 +132,8 @@ fn team() -> &'static Team {
     })
 }
 
-fn member(parked: Arc<AtomicBool>) {
+/// Team thread `index` (1-based: the caller is 0) takes jobs while it is among the active.
+fn member(index: usize, parked: Arc<AtomicBool>) {
     // The team is initialised before its threads can observe it.
     let team = loop {
         if let Some(t) = TEAM.get() {
@@ -110,7 +149,8 @@ fn member(parked: Arc<AtomicBool>) {
         if epoch != seen {
             seen = epoch;
             let job = team.slot.lock().unwrap_or_else(|p| p.into_inner()).clone();
-            if let Some(job) = job {
+            // An inactive member leaves the job to the others; it parks as usual.
+            if let Some(job) = job.filter(|j| index < j.members) {
                 job.work();
             }
             idle_since = Instant::now();
@@ -135,7 +175,8 @@ fn member(parked: Arc<AtomicBool>) {
 /// Runs `f(0..tasks)` on the team and the calling thread; returns when all have run.
 pub fn parallel_for(tasks: usize, f: &(dyn Fn(usize) + Sync)) {
     let team = team();
-    if tasks <= 1 || team.threads.is_empty() {
+    let members = active(team);
+    if tasks <= 1 || members <= 1 {
         (0..tasks).for_each(f);
         return;
     }
@@ -151,12 +192,13 @@ pub fn parallel_for(tasks: usize, f: &(dyn Fn(usize) + Sync)) {
     let job = Arc::new(Job {
         f: f_static,
         tasks,
+        members,
         next: AtomicUsize::new(0),
         done: AtomicUsize::new(0),
     });
     *team.slot.lock().unwrap_or_else(|p| p.into_inner()) = Some(job.clone());
     team.epoch.fetch_add(1, Ordering::SeqCst);
-    for (thread, parked) in &team.threads {
+    for (thread, parked) in team.threads.iter().take(members - 1) {
         if parked.load(Ordering::SeqCst) {
             thread.unpark();
         }
@@ -221,6 +263,29 @@ mod tests {
             let want: Vec<f32> = (0..rows).flat_map(|r| [r as f32; 3]).collect();
             assert_eq!(out, want, "{rows} rows");
         }
+    }
+
+    #[test]
+    fn only_active_threads_take_part() {
+        set_threads(3);
+        let all = max_threads();
+        let run = || {
+            let seen = Mutex::new(std::collections::HashSet::new());
+            for _ in 0..50 {
+                parallel_for(64, &|_| {
+                    seen.lock().unwrap().insert(std::thread::current().id());
+                    std::thread::sleep(Duration::from_micros(20));
+                });
+            }
+            seen.into_inner().unwrap().len()
+        };
+        assert_eq!(set_active_threads(1), 1);
+        assert_eq!(threads(), 1);
+        assert_eq!(run(), 1, "one active thread: the caller alone");
+        assert_eq!(set_active_threads(0), 1, "at least one");
+        assert_eq!(set_active_threads(all + 5), all, "at most the team");
+        assert!(run() <= all);
+        set_active_threads(all);
     }
 
     #[test]
