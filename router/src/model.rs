@@ -184,13 +184,19 @@ impl ServedModel {
         })?;
         let text = template
             .render(messages, add_generation_prompt)
-            .map_err(|e| {
-                // Template errors are about the conversation (e.g. roles that must alternate),
-                // raised by the template itself, so the client gets them.
-                ApiError::invalid(
+            .map_err(|e| match e {
+                // The model's template ran past a render's budgets: the model file's fault,
+                // not the client's (the workers refuse such a template at load).
+                TextError::ChatTemplateLimit(why) => {
+                    tracing::error!(why, "the chat template ran past its render budgets");
+                    ApiError::Internal
+                }
+                // Template errors are about the conversation (e.g. roles that must
+                // alternate), raised by the template itself, so the client gets them.
+                e => ApiError::invalid(
                     "messages",
                     format!("the chat template rejected the messages: {e}"),
-                )
+                ),
             })?;
         self.tokenizer.encode(&text, false).map_err(|e| {
             tracing::warn!(error = %e, "tokenizer failed on a rendered conversation");

@@ -1,7 +1,24 @@
 //! Chat templates: the model's own Jinja template rendered with minijinja (plus its Python
 //! compatibility methods, since HF templates call `.strip()`, `.items()` and friends).
+//!
+//! A template comes with a model file, so it is hostile input: every render runs under an
+//! instruction budget (minijinja's fuel) and an output budget (a fixed part plus a multiple
+//! of the conversation's own bytes), and a template is rendered once on sample conversations
+//! when it is compiled ([`ChatTemplate::new`]), so one that breaks them is refused at load.
+//! minijinja bounds what a single operation may build (a repeated string, a range).
 
 use minijinja::{Environment, Error, ErrorKind, context};
+
+/// Instructions one render may run: every family's template renders a 2000-turn
+/// conversation within it (`tests/family_templates.rs`), and a template that loops without
+/// bound stops here in well under a second.
+pub const RENDER_FUEL: u64 = 20_000_000;
+/// Bytes one render may write beyond [`RENDER_BYTES_PER_INPUT_BYTE`] times its messages':
+/// room for the fixed text templates add (default system prompts, tool preambles).
+pub const RENDER_BASE_BYTES: usize = 1 << 20;
+/// Bytes a render may write per byte of its messages' content (role markers and the like
+/// are a few bytes per message; no template copies a message more than a few times).
+pub const RENDER_BYTES_PER_INPUT_BYTE: usize = 4;
 use serde::{Deserialize, Serialize};
 
 use crate::TextError;
@@ -58,13 +75,38 @@ impl ChatTemplate {
         env.add_function("strftime_now", |_fmt: String| -> String {
             "26 Jul 2024".into()
         });
+        env.set_fuel(Some(RENDER_FUEL));
         env.add_template_owned(TEMPLATE_NAME, source.to_string())
             .map_err(|e| TextError::ChatTemplate(e.to_string()))?;
-        Ok(Self {
+        let template = Self {
             env,
             bos_token: bos_token.unwrap_or_default().to_string(),
             eos_token: eos_token.unwrap_or_default().to_string(),
-        })
+        };
+        template.dry_render()?;
+        Ok(template)
+    }
+
+    /// Renders sample conversations under the budgets: a template that runs past them on
+    /// these will on every request. Its own refusals (`raise_exception` for a role it does
+    /// not take, say) are the template's business, not an error here.
+    fn dry_render(&self) -> Result<(), TextError> {
+        let samples = [
+            vec![ChatMessage::new("user", "Hello!")],
+            vec![
+                ChatMessage::new("system", "You are a helpful assistant."),
+                ChatMessage::new("user", "What is 2 + 2?"),
+                ChatMessage::new("assistant", "4"),
+                ChatMessage::new("user", "And 3 + 3?"),
+            ],
+        ];
+        for sample in &samples {
+            match self.render(sample, true) {
+                Err(e @ TextError::ChatTemplateLimit(_)) => return Err(e),
+                _ => continue,
+            }
+        }
+        Ok(())
     }
 
     /// Renders the conversation; `add_generation_prompt` opens the assistant's turn.
@@ -77,14 +119,58 @@ impl ChatTemplate {
             .env
             .get_template(TEMPLATE_NAME)
             .map_err(|e| TextError::ChatTemplate(e.to_string()))?;
-        template
-            .render(context! {
+        let input: usize = messages
+            .iter()
+            .map(|m| m.content.len() + m.role.len())
+            .sum();
+        let limit = input
+            .saturating_mul(RENDER_BYTES_PER_INPUT_BYTE)
+            .saturating_add(RENDER_BASE_BYTES);
+        let mut out = Bounded {
+            written: Vec::new(),
+            limit,
+        };
+        let rendered = template.render_captured_to(
+            context! {
                 messages => messages,
                 add_generation_prompt => add_generation_prompt,
                 bos_token => &self.bos_token,
                 eos_token => &self.eos_token,
-            })
-            .map_err(|e| TextError::ChatTemplate(e.to_string()))
+            },
+            &mut out,
+        );
+        match rendered {
+            Ok(_) => String::from_utf8(out.written)
+                .map_err(|_| TextError::ChatTemplate("the render is not UTF-8".into())),
+            Err(e) if e.kind() == ErrorKind::OutOfFuel => Err(TextError::ChatTemplateLimit(
+                format!("the template ran past its budget of {RENDER_FUEL} instructions"),
+            )),
+            Err(e) if e.kind() == ErrorKind::WriteFailure => Err(TextError::ChatTemplateLimit(
+                format!("the template wrote more than {limit} bytes for {input} bytes of messages"),
+            )),
+            Err(e) => Err(TextError::ChatTemplate(e.to_string())),
+        }
+    }
+}
+
+/// A render's output, refusing to grow past `limit` bytes (minijinja then stops with a write
+/// failure).
+struct Bounded {
+    written: Vec<u8>,
+    limit: usize,
+}
+
+impl std::io::Write for Bounded {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        if self.written.len().saturating_add(buf.len()) > self.limit {
+            return Err(std::io::Error::other("render output budget exceeded"));
+        }
+        self.written.extend_from_slice(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
     }
 }
 
@@ -186,6 +272,81 @@ mod tests {
              <|im_start|>user\n<tool_response>ok</tool_response><|im_end|>\n\
              <|im_start|>user\nAnd 3+3?<|im_end|>\n\
              <|im_start|>assistant\n"
+        );
+    }
+
+    #[test]
+    fn templates_that_loop_or_print_without_bound_are_refused_at_load() {
+        let started = std::time::Instant::now();
+        for (what, src) in [
+            (
+                "loops",
+                "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+            ),
+            (
+                "prints",
+                "{% for i in range(100000) %}{{ 'x' * 100000 }}{% endfor %}",
+            ),
+            ("one huge string", "{{ 'x' * 50000000 }}"),
+        ] {
+            match ChatTemplate::new(src, None, None) {
+                Err(TextError::ChatTemplateLimit(_)) => {}
+                Err(e) => panic!("{what}: {e}"),
+                Ok(_) => panic!("{what}: accepted"),
+            }
+        }
+        // One that recurses stops at minijinja's own depth limit, an ordinary render error.
+        let recurses = "{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}";
+        let t = ChatTemplate::new(recurses, None, None).unwrap();
+        assert!(matches!(
+            t.render(&[ChatMessage::new("user", "hi")], true),
+            Err(TextError::ChatTemplate(_))
+        ));
+        // Bounded: all of it takes well under the time a request may wait.
+        assert!(started.elapsed() < std::time::Duration::from_secs(10));
+    }
+
+    /// A template that passes the samples but explodes on some input stops at the budget of
+    /// that request.
+    #[test]
+    fn a_render_that_explodes_on_some_input_stops_at_its_budget() {
+        let src = "{% if messages[0].content == 'boom' %}{% for i in range(100000) %}{{ 'x' * 100000 }}{% endfor %}{% endif %}{{ messages[0].content }}";
+        let t = ChatTemplate::new(src, None, None).unwrap();
+        assert_eq!(
+            t.render(&[ChatMessage::new("user", "hi")], true).unwrap(),
+            "hi"
+        );
+        let err = t
+            .render(&[ChatMessage::new("user", "boom")], true)
+            .unwrap_err();
+        assert!(
+            matches!(&err, TextError::ChatTemplateLimit(m) if m.contains("more than")),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn a_long_conversation_renders_within_the_budgets() {
+        let t = ChatTemplate::new(CHATML_TEMPLATE, None, None).unwrap();
+        let conversation: Vec<ChatMessage> = (0..2000)
+            .map(|i| {
+                ChatMessage::new(
+                    if i % 2 == 0 { "user" } else { "assistant" },
+                    "x".repeat(500),
+                )
+            })
+            .collect();
+        let out = t.render(&conversation, true).unwrap();
+        assert!(out.len() > 2000 * 500);
+    }
+
+    #[test]
+    fn a_template_that_refuses_a_sample_role_still_loads() {
+        let src = "{% for m in messages %}{% if m.role == 'system' %}{{ raise_exception('no system role') }}{% endif %}{{ m.content }}{% endfor %}";
+        let t = ChatTemplate::new(src, None, None).unwrap();
+        assert_eq!(
+            t.render(&[ChatMessage::new("user", "hi")], false).unwrap(),
+            "hi"
         );
     }
 

@@ -19,6 +19,10 @@ pub enum TextError {
     Unsupported(String),
     #[error("chat template: {0}")]
     ChatTemplate(String),
+    /// A render ran past the instruction or output budget every render gets: the template
+    /// loops or prints without bound (a hostile model file), not a conversation's fault.
+    #[error("chat template: {0}")]
+    ChatTemplateLimit(String),
     #[error("this model has no chat template; use a completion endpoint or pass a template")]
     NoChatTemplate,
     #[error("structured output: {0}")]

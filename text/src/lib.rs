@@ -17,7 +17,9 @@ mod spm;
 mod stop;
 mod tokenizer;
 
-pub use chat::{ChatMessage, ChatTemplate};
+pub use chat::{
+    ChatMessage, ChatTemplate, RENDER_BASE_BYTES, RENDER_BYTES_PER_INPUT_BYTE, RENDER_FUEL,
+};
 pub use detok::IncrementalDetokenizer;
 pub use error::TextError;
 pub use guided::{Allowed, Guide, GuideFactory, GuideSpec, MAX_GUIDE_BYTES, MAX_GUIDE_CHOICES};

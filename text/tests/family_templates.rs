@@ -153,3 +153,30 @@ fn llama3_puts_headers_around_each_turn() {
          <|start_header_id|>assistant<|end_header_id|>\n\n"
     );
 }
+
+/// Every family's template renders a 2000-turn conversation (1 MB of text) within the
+/// instruction and output budgets a render gets (`tandem_text::RENDER_FUEL`).
+#[test]
+fn long_conversations_render_within_the_budgets() {
+    for (name, bos, eos) in [
+        ("qwen2.5", "", "<|im_end|>"),
+        ("qwen3", "", "<|im_end|>"),
+        ("mistral-v0.1", "<s>", "</s>"),
+        ("phi3-mini", "<s>", "<|endoftext|>"),
+        ("gemma2", "<bos>", "<eos>"),
+        ("gemma3", "<bos>", "<eos>"),
+        ("llama3", "<|begin_of_text|>", "<|eot_id|>"),
+    ] {
+        let t = template(name, bos, eos);
+        let turns: Vec<ChatMessage> = (0..2000)
+            .map(|i| {
+                let role = if i % 2 == 0 { "user" } else { "assistant" };
+                ChatMessage::new(role, format!("turn {i} ").repeat(60))
+            })
+            .collect();
+        let out = t
+            .render(&turns, true)
+            .unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert!(out.len() > 2000 * 400, "{name}: {} bytes", out.len());
+    }
+}

@@ -122,6 +122,7 @@ pub fn load_model(source: &ModelSource, opts: &LoadOptions) -> Result<(Model, Te
         (None, Some(own)) => own,
         (None, None) => return Err(EngineError::Config("the model has no tokenizer".into())),
     };
+    refuse_hostile_chat_template(&tokenizer, source, opts)?;
     if tokenizer.vocab_size() > model.config().vocab_size {
         return Err(EngineError::Config(format!(
             "tokenizer has {} tokens but the model only {}",
@@ -130,6 +131,35 @@ pub fn load_model(source: &ModelSource, opts: &LoadOptions) -> Result<(Model, Te
         )));
     }
     Ok((model, tokenizer))
+}
+
+/// Refuses a model whose chat template runs past the budgets every render gets on sample
+/// conversations (it loops or prints without bound: a hostile file), naming the file it came
+/// from. A template that merely does not compile is left to the router, which serves
+/// completions without it.
+fn refuse_hostile_chat_template(
+    tokenizer: &TextTokenizer,
+    source: &ModelSource,
+    opts: &LoadOptions,
+) -> Result<()> {
+    let info = tokenizer.info();
+    let Some(src) = info.chat_template.as_deref() else {
+        return Ok(());
+    };
+    let compiled =
+        tandem_text::ChatTemplate::new(src, info.bos_token.as_deref(), info.eos_token.as_deref());
+    match compiled {
+        Err(e @ tandem_text::TextError::ChatTemplateLimit(_)) => {
+            let file = match (&opts.tokenizer, source) {
+                (Some(p), _) | (None, ModelSource::Path(p)) => p.display().to_string(),
+                (None, _) => "the default model".to_string(),
+            };
+            Err(EngineError::Config(format!(
+                "the chat template in {file} is refused: {e}"
+            )))
+        }
+        _ => Ok(()),
+    }
 }
 
 /// Seeded random weights: uniform with the standard deviation of a fan-in init, so dummy
@@ -358,6 +388,34 @@ pub fn load_hf_model(dir: &Path, format: WeightFormat) -> Result<Model> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A tokenizer folder whose chat template prints without bound: the model is refused at
+    /// load, and the error names the folder; a template that only fails to compile loads.
+    #[test]
+    fn a_hostile_chat_template_is_refused_at_load_naming_its_file() {
+        let dir = std::env::temp_dir().join(format!("tandem-hostile-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let json = TextTokenizer::byte_level().to_json().unwrap();
+        std::fs::write(dir.join("tokenizer.json"), json).unwrap();
+        let config = |template: &str| {
+            let cfg = serde_json::json!({ "chat_template": template });
+            std::fs::write(dir.join("tokenizer_config.json"), cfg.to_string()).unwrap();
+        };
+        let opts = LoadOptions {
+            tokenizer: Some(dir.clone()),
+            ..LoadOptions::default()
+        };
+        let tiny = "tiny".parse::<ModelSource>().unwrap();
+        config("{% for i in range(100000) %}{{ 'x' * 100000 }}{% endfor %}");
+        let err = load_model(&tiny, &opts).unwrap_err().to_string();
+        assert!(
+            err.contains(&dir.display().to_string()) && err.contains("bytes"),
+            "{err}"
+        );
+        config("{% for %}");
+        assert!(load_model(&tiny, &opts).is_ok());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 
     #[test]
     fn sources_parse() {
