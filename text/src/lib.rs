@@ -16,6 +16,7 @@ mod guided;
 mod spm;
 mod stop;
 mod tokenizer;
+mod tools;
 
 pub use chat::{
     ChatMessage, ChatTemplate, RENDER_BASE_BYTES, RENDER_BYTES_PER_INPUT_BYTE, RENDER_FUEL,
@@ -25,3 +26,4 @@ pub use error::TextError;
 pub use guided::{Allowed, Guide, GuideFactory, GuideSpec, MAX_GUIDE_BYTES, MAX_GUIDE_CHOICES};
 pub use stop::{StopMatch, StopStringMatcher};
 pub use tokenizer::{TextTokenizer, TokenizerInfo, load_tokenizer};
+pub use tools::{ParsedOutput, ToolCall, ToolSyntax};
