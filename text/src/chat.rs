@@ -23,11 +23,18 @@ use serde::{Deserialize, Serialize};
 
 use crate::TextError;
 
-/// One message of a conversation, already flattened to text.
+/// One message of a conversation, its content flattened to text; an assistant's tool calls
+/// and a tool result's call id as the templates read them (OpenAI's shapes: `tool_calls`
+/// items `{"id", "type": "function", "function": {"name", "arguments"}}`, arguments an
+/// object). Absent fields are undefined in the template.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ChatMessage {
     pub role: String,
     pub content: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<serde_json::Value>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_call_id: Option<String>,
 }
 
 impl ChatMessage {
@@ -35,8 +42,33 @@ impl ChatMessage {
         Self {
             role: role.into(),
             content: content.into(),
+            tool_calls: None,
+            tool_call_id: None,
         }
     }
+
+    /// Bytes of this message a render may be charged for (content, role, calls, id).
+    fn input_bytes(&self) -> usize {
+        let calls = self
+            .tool_calls
+            .as_ref()
+            .map_or(0, |c| c.iter().map(|v| v.to_string().len()).sum());
+        self.content.len()
+            + self.role.len()
+            + calls
+            + self.tool_call_id.as_ref().map_or(0, String::len)
+    }
+}
+
+/// What a render passes the template besides the conversation.
+#[derive(Debug, Clone, Default)]
+pub struct RenderOptions {
+    /// The request's tools (OpenAI's `{"type": "function", "function": {…}}` items), as the
+    /// template's `tools`; `None` is `none` there.
+    pub tools: Option<Vec<serde_json::Value>>,
+    /// Further variables for the template (`chat_template_kwargs`, e.g. `enable_thinking`);
+    /// they cannot replace the conversation, the tools or the special tokens.
+    pub kwargs: serde_json::Map<String, serde_json::Value>,
 }
 
 /// A compiled chat template.
@@ -71,6 +103,10 @@ impl ChatTemplate {
         env.add_function("raise_exception", |msg: String| -> Result<String, Error> {
             Err(Error::new(ErrorKind::InvalidOperation, msg))
         });
+        // transformers' `tojson` is Python's json.dumps: ", " and ": " between items (or an
+        // indent), non-ASCII as is, nothing escaped for HTML; tools and tool calls print
+        // through it, and a model was trained on what it prints.
+        env.add_filter("tojson", python_tojson);
         // Llama 3.1 templates print today's date.
         env.add_function("strftime_now", |_fmt: String| -> String {
             "26 Jul 2024".into()
@@ -115,14 +151,28 @@ impl ChatTemplate {
         messages: &[ChatMessage],
         add_generation_prompt: bool,
     ) -> Result<String, TextError> {
+        self.render_with(messages, add_generation_prompt, &RenderOptions::default())
+    }
+
+    /// [`Self::render`] with the request's tools and template variables.
+    pub fn render_with(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+        options: &RenderOptions,
+    ) -> Result<String, TextError> {
         let template = self
             .env
             .get_template(TEMPLATE_NAME)
             .map_err(|e| TextError::ChatTemplate(e.to_string()))?;
-        let input: usize = messages
-            .iter()
-            .map(|m| m.content.len() + m.role.len())
-            .sum();
+        let input: usize = messages.iter().map(ChatMessage::input_bytes).sum::<usize>()
+            + options
+                .tools
+                .as_ref()
+                .map_or(0, |t| t.iter().map(|v| v.to_string().len()).sum())
+            + serde_json::Value::Object(options.kwargs.clone())
+                .to_string()
+                .len();
         let limit = input
             .saturating_mul(RENDER_BYTES_PER_INPUT_BYTE)
             .saturating_add(RENDER_BASE_BYTES);
@@ -136,6 +186,8 @@ impl ChatTemplate {
                 add_generation_prompt => add_generation_prompt,
                 bos_token => &self.bos_token,
                 eos_token => &self.eos_token,
+                tools => &options.tools,
+                ..minijinja::Value::from_serialize(&options.kwargs)
             },
             &mut out,
         );
@@ -150,6 +202,72 @@ impl ChatTemplate {
             )),
             Err(e) => Err(TextError::ChatTemplate(e.to_string())),
         }
+    }
+}
+
+/// `value | tojson(indent=N)` as transformers prints it (`json.dumps`).
+fn python_tojson(
+    value: minijinja::Value,
+    kwargs: minijinja::value::Kwargs,
+) -> Result<minijinja::Value, Error> {
+    let indent: Option<usize> = kwargs.get("indent")?;
+    kwargs.assert_all_used()?;
+    let json = serde_json::to_value(&value)
+        .map_err(|e| Error::new(ErrorKind::InvalidOperation, e.to_string()))?;
+    let mut out = Vec::new();
+    let written = match indent {
+        Some(n) => {
+            let pad = vec![b' '; n];
+            let mut ser = serde_json::Serializer::with_formatter(
+                &mut out,
+                serde_json::ser::PrettyFormatter::with_indent(&pad),
+            );
+            serde::Serialize::serialize(&json, &mut ser)
+        }
+        None => {
+            let mut ser = serde_json::Serializer::with_formatter(&mut out, PythonFormatter);
+            serde::Serialize::serialize(&json, &mut ser)
+        }
+    };
+    written.map_err(|e| Error::new(ErrorKind::InvalidOperation, e.to_string()))?;
+    let text = String::from_utf8(out)
+        .map_err(|e| Error::new(ErrorKind::InvalidOperation, e.to_string()))?;
+    Ok(minijinja::Value::from_safe_string(text))
+}
+
+/// serde_json's compact output with Python's default separators.
+struct PythonFormatter;
+
+impl serde_json::ser::Formatter for PythonFormatter {
+    fn begin_array_value<W: ?Sized + std::io::Write>(
+        &mut self,
+        writer: &mut W,
+        first: bool,
+    ) -> std::io::Result<()> {
+        if first {
+            Ok(())
+        } else {
+            writer.write_all(b", ")
+        }
+    }
+
+    fn begin_object_key<W: ?Sized + std::io::Write>(
+        &mut self,
+        writer: &mut W,
+        first: bool,
+    ) -> std::io::Result<()> {
+        if first {
+            Ok(())
+        } else {
+            writer.write_all(b", ")
+        }
+    }
+
+    fn begin_object_value<W: ?Sized + std::io::Write>(
+        &mut self,
+        writer: &mut W,
+    ) -> std::io::Result<()> {
+        writer.write_all(b": ")
     }
 }
 
@@ -347,6 +465,17 @@ mod tests {
         assert_eq!(
             t.render(&[ChatMessage::new("user", "hi")], false).unwrap(),
             "hi"
+        );
+    }
+
+    #[test]
+    fn tojson_prints_as_python_json_dumps() {
+        let src =
+            "{{ {'b': '<i>', 'a': ['é', 1.5, none]} | tojson }}|{{ {'a': 1} | tojson(indent=2) }}";
+        let t = ChatTemplate::new(src, None, None).unwrap();
+        assert_eq!(
+            t.render(&[], false).unwrap(),
+            "{\"b\": \"<i>\", \"a\": [\"é\", 1.5, null]}|{\n  \"a\": 1\n}"
         );
     }
 

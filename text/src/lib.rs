@@ -20,6 +20,7 @@ mod tools;
 
 pub use chat::{
     ChatMessage, ChatTemplate, RENDER_BASE_BYTES, RENDER_BYTES_PER_INPUT_BYTE, RENDER_FUEL,
+    RenderOptions,
 };
 pub use detok::IncrementalDetokenizer;
 pub use error::TextError;

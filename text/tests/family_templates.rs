@@ -180,3 +180,44 @@ fn long_conversations_render_within_the_budgets() {
         assert!(out.len() > 2000 * 400, "{name}: {} bytes", out.len());
     }
 }
+
+/// A tool loop through Qwen2.5's template, as transformers renders it: the tools in its
+/// system prompt, the assistant's call as `<tool_call>` JSON, the result as a
+/// `<tool_response>` user turn; template variables cannot replace the conversation.
+#[test]
+fn qwen2_5_renders_tools_calls_and_results() {
+    use serde_json::json;
+    use tandem_text::RenderOptions;
+    let t = template("qwen2.5", "", "<|im_end|>");
+    let tool = json!({"type": "function", "function": {"name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}});
+    let mut call = ChatMessage::new("assistant", "");
+    call.tool_calls = Some(vec![json!({"id": "call_1", "type": "function",
+        "function": {"name": "get_weather", "arguments": {"city": "Paris"}}})]);
+    let mut result = ChatMessage::new("tool", "{\"temp\": 21}");
+    result.tool_call_id = Some("call_1".into());
+    let mut options = RenderOptions {
+        tools: Some(vec![tool.clone()]),
+        ..RenderOptions::default()
+    };
+    options
+        .kwargs
+        .insert("messages".into(), json!("not the conversation"));
+    let conversation = [ChatMessage::new("user", "Weather in Paris?"), call, result];
+    let out = t.render_with(&conversation, true, &options).unwrap();
+    let want = format!(
+        "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.\n\n\
+         # Tools\n\nYou may call one or more functions to assist with the user query.\n\n\
+         You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{}\n</tools>\n\n\
+         For each function call, return a json object with function name and arguments within \
+         <tool_call></tool_call> XML tags:\n<tool_call>\n{{\"name\": <function-name>, \"arguments\": \
+         <args-json-object>}}\n</tool_call><|im_end|>\n\
+         <|im_start|>user\nWeather in Paris?<|im_end|>\n\
+         <|im_start|>assistant\n<tool_call>\n{{\"name\": \"get_weather\", \"arguments\": {{\"city\": \"Paris\"}}}}\n</tool_call><|im_end|>\n\
+         <|im_start|>user\n<tool_response>\n{{\"temp\": 21}}\n</tool_response><|im_end|>\n\
+         <|im_start|>assistant\n",
+        // transformers' tojson: json.dumps, the request's key order, ", " and ": ".
+        r#"{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}"#
+    );
+    assert_eq!(out, want);
+}
