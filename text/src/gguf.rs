@@ -148,14 +148,37 @@ pub fn read_metadata(path: &Path) -> Result<GgufMetadata, TextError> {
     let mut reader = Reader {
         inner: BufReader::with_capacity(1 << 20, file),
         remaining: len,
+        items_left: MAX_METADATA_ITEMS,
     };
     reader.metadata()
+}
+
+/// Array items the metadata of one file may hold in all. Each becomes a value of some 32
+/// bytes in memory however few bytes it takes in the file (one, for a u8), so the file's
+/// length alone does not bound what its arrays cost: this does (about 1 GB at most). The
+/// largest vocabularies shipped (~260k tokens, their scores and types, ~500k merges) hold
+/// about 1.3M.
+pub const MAX_METADATA_ITEMS: u64 = 32 << 20;
+
+/// The fewest bytes a value of GGUF type `type_id` takes in the file.
+fn min_value_bytes(type_id: u32) -> u64 {
+    match type_id {
+        2 | 3 => 2,
+        4..=6 => 4,
+        // A string's length, an array's type and length.
+        8 => 8,
+        9 => 12,
+        10..=12 => 8,
+        _ => 1,
+    }
 }
 
 struct Reader<R> {
     inner: R,
     /// Bytes left in the file: the ceiling for every length read from it.
     remaining: u64,
+    /// Array items still allowed (see [`MAX_METADATA_ITEMS`]).
+    items_left: u64,
 }
 
 impl<R: Read> Reader<R> {
@@ -214,7 +237,12 @@ impl<R: Read> Reader<R> {
                     return Err(TextError::Gguf("arrays nested too deeply".into()));
                 }
                 let item_type = self.u32()?;
-                let len = self.checked_len(1)?;
+                let len = self.checked_len(min_value_bytes(item_type))?;
+                self.items_left = self.items_left.checked_sub(len as u64).ok_or_else(|| {
+                    TextError::Gguf(format!(
+                        "metadata arrays hold more than {MAX_METADATA_ITEMS} items in all"
+                    ))
+                })?;
                 let mut items = Vec::with_capacity(len.min(1 << 20));
                 for _ in 0..len {
                     items.push(self.value(item_type, depth + 1)?);
@@ -378,6 +406,31 @@ mod tests {
         let path = dir.path().join("hostile.gguf");
         std::fs::write(&path, hostile).unwrap();
         assert!(matches!(read_metadata(&path), Err(TextError::Gguf(_))));
+        // An array of u32 whose count fits the file's bytes one per item but not four.
+        let array_of = |count: u64, item_type: u32| {
+            let mut f = full[..16].to_vec();
+            f.extend_from_slice(&1u64.to_le_bytes()); // one key/value pair
+            f.extend_from_slice(&1u64.to_le_bytes());
+            f.push(b'k');
+            f.extend_from_slice(&9u32.to_le_bytes()); // an array
+            f.extend_from_slice(&item_type.to_le_bytes());
+            f.extend_from_slice(&count.to_le_bytes());
+            f
+        };
+        let mut short = array_of(1000, 4);
+        short.extend(std::iter::repeat_n(0u8, 1000));
+        let path = dir.path().join("short.gguf");
+        std::fs::write(&path, short).unwrap();
+        let err = read_metadata(&path).unwrap_err().to_string();
+        assert!(err.contains("past the end"), "{err}");
+        // Past the item ceiling: refused before anything is read.
+        let mut many = Reader {
+            inner: std::io::Cursor::new(array_of(MAX_METADATA_ITEMS + 1, 0)),
+            remaining: u64::MAX,
+            items_left: MAX_METADATA_ITEMS,
+        };
+        let err = many.metadata().unwrap_err().to_string();
+        assert!(err.contains("items in all"), "{err}");
         let not = dir.path().join("not.gguf");
         std::fs::write(&not, b"hello world").unwrap();
         assert!(!is_gguf(&not));
