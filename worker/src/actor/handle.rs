@@ -268,6 +268,7 @@ impl EngineHandle {
                     next_block: page.next_block,
                 }
             });
+        let (threads, team) = self.compute_threads().unwrap_or((0, 0));
         LoadReport {
             prefix_query_tokens,
             prefix_hit_tokens,
@@ -283,8 +284,8 @@ impl EngineHandle {
             instance_id: instance_id.to_vec(),
             block_events,
             step_cost: Some(self.load.cost.report()),
-            compute_threads: self.compute_threads().map_or(0, |(n, _)| n as u32),
-            max_compute_threads: self.compute_threads().map_or(0, |(_, m)| m as u32),
+            compute_threads: threads as u32,
+            max_compute_threads: team as u32,
         }
     }
 
