@@ -127,7 +127,7 @@ async fn slo_placement_keeps_every_token_and_learns_from_its_predictions() {
     .into_inner();
     let cost = decode.step_cost.unwrap_or_default();
     assert!(
-        cost.passes > 0 && cost.base_ms + cost.per_row_ms > 0.0,
+        cost.passes > 0 && cost.base_ms + cost.per_row_ms + cost.per_mpair_ms > 0.0,
         "{cost:?}"
     );
     assert_eq!(cost.max_batch_tokens, 2048);
