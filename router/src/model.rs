@@ -7,7 +7,8 @@ use std::sync::Arc;
 
 use tandem_proto::v1::WorkerInfo;
 use tandem_text::{
-    ChatMessage, ChatTemplate, GuideFactory, GuideSpec, TextError, TextTokenizer, TokenizerInfo,
+    ChatMessage, ChatTemplate, GuideFactory, GuideSpec, RenderOptions, TextError, TextTokenizer,
+    TokenizerInfo, ToolSyntax,
 };
 
 use crate::error::ApiError;
@@ -26,9 +27,61 @@ pub struct ServedModel {
     pub created: u64,
     tokenizer: TextTokenizer,
     chat_template: Option<ChatTemplate>,
+    /// How the template teaches the model to call tools (`None`: it knows no tools).
+    pub tool_syntax: Option<ToolSyntax>,
+    /// The template knows `<think>` blocks: replies are split into reasoning and answer.
+    pub reasoning: bool,
     /// Compiles structured-output grammars as the workers do (its trie is built on the first
     /// request that has one).
     guides: GuideFactory,
+}
+
+/// A rendered chat prompt.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RenderedChat {
+    pub ids: Vec<u32>,
+    /// The prompt ends inside an open `<think>` block (the template opened it): the reply
+    /// starts by thinking.
+    pub starts_thinking: bool,
+}
+
+/// What a chat template teaches its model: a tool-call syntax, and whether replies think in
+/// `<think>` blocks.
+fn template_traits(template: Option<&ChatTemplate>) -> (Option<ToolSyntax>, bool) {
+    template.map_or((None, false), |t| {
+        let source = t.source();
+        (
+            ToolSyntax::for_template(source),
+            source.contains("<think>") || source.contains("</think>"),
+        )
+    })
+}
+
+/// A render's error as the client sees it.
+fn render_error(e: TextError) -> ApiError {
+    match e {
+        // The model's template ran past a render's budgets: the model file's fault,
+        // not the client's (the workers refuse such a template at load).
+        TextError::ChatTemplateLimit(why) => {
+            tracing::error!(why, "the chat template ran past its render budgets");
+            ApiError::Internal
+        }
+        // Template errors are about the conversation (e.g. roles that must
+        // alternate), raised by the template itself, so the client gets them.
+        e => ApiError::invalid(
+            "messages",
+            format!("the chat template rejected the messages: {e}"),
+        ),
+    }
+}
+
+/// Whether `prompt` leaves a `<think>` block open at its end.
+fn opens_thinking(prompt: &str) -> bool {
+    match (prompt.rfind("<think>"), prompt.rfind("</think>")) {
+        (Some(open), Some(close)) => open > close,
+        (Some(_), None) => true,
+        _ => false,
+    }
 }
 
 impl std::fmt::Debug for ServedModel {
@@ -38,6 +91,8 @@ impl std::fmt::Debug for ServedModel {
             .field("context_length", &self.context_length)
             .field("vocab_size", &self.vocab_size)
             .field("has_chat_template", &self.chat_template.is_some())
+            .field("tool_syntax", &self.tool_syntax)
+            .field("reasoning", &self.reasoning)
             .finish()
     }
 }
@@ -84,6 +139,7 @@ impl ServedModel {
             .map(|d| d.as_secs())
             .unwrap_or_default();
         let guides = GuideFactory::new(&tokenizer);
+        let (tool_syntax, reasoning) = template_traits(chat_template.as_ref());
         Ok(Self {
             name,
             context_length: info.context_length,
@@ -92,6 +148,8 @@ impl ServedModel {
             created,
             tokenizer,
             chat_template,
+            tool_syntax,
+            reasoning,
             guides,
         })
     }
@@ -104,6 +162,7 @@ impl ServedModel {
         chat_template: Option<ChatTemplate>,
     ) -> Self {
         let guides = GuideFactory::new(&tokenizer);
+        let (tool_syntax, reasoning) = template_traits(chat_template.as_ref());
         Self {
             name: name.to_string(),
             context_length,
@@ -112,6 +171,8 @@ impl ServedModel {
             created: 0,
             tokenizer,
             chat_template,
+            tool_syntax,
+            reasoning,
             guides,
         }
     }
@@ -179,28 +240,43 @@ impl ServedModel {
         messages: &[ChatMessage],
         add_generation_prompt: bool,
     ) -> Result<Vec<u32>, ApiError> {
+        let options = RenderOptions::default();
+        self.render_chat(messages, add_generation_prompt, &options)
+            .map(|chat| chat.ids)
+    }
+
+    /// A chat request's prompt: the conversation with the request's tools and template
+    /// variables, the assistant turn opened.
+    pub fn render_chat(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+        options: &RenderOptions,
+    ) -> Result<RenderedChat, ApiError> {
         let template = self.chat_template.as_ref().ok_or_else(|| {
             ApiError::invalid_body("this model has no chat template: use /v1/completions instead")
         })?;
-        let text = template
-            .render(messages, add_generation_prompt)
-            .map_err(|e| match e {
-                // The model's template ran past a render's budgets: the model file's fault,
-                // not the client's (the workers refuse such a template at load).
-                TextError::ChatTemplateLimit(why) => {
-                    tracing::error!(why, "the chat template ran past its render budgets");
-                    ApiError::Internal
-                }
-                // Template errors are about the conversation (e.g. roles that must
-                // alternate), raised by the template itself, so the client gets them.
-                e => ApiError::invalid(
-                    "messages",
-                    format!("the chat template rejected the messages: {e}"),
-                ),
-            })?;
-        self.tokenizer.encode(&text, false).map_err(|e| {
+        let render = |add_generation_prompt| {
+            template
+                .render_with(messages, add_generation_prompt, options)
+                .map_err(render_error)
+        };
+        let text = render(add_generation_prompt)?;
+        // Only the turn the template opens counts (a message may mention `<think>`): what
+        // the generation prompt adds to the conversation.
+        let starts_thinking = self.reasoning
+            && add_generation_prompt
+            && render(false)
+                .ok()
+                .and_then(|conversation| text.strip_prefix(conversation.as_str()))
+                .is_some_and(opens_thinking);
+        let ids = self.tokenizer.encode(&text, false).map_err(|e| {
             tracing::warn!(error = %e, "tokenizer failed on a rendered conversation");
             ApiError::invalid("messages", "the messages could not be tokenized")
+        })?;
+        Ok(RenderedChat {
+            ids,
+            starts_thinking,
         })
     }
 

@@ -41,3 +41,6 @@ mod discovery;
 
 #[path = "cases/prefix_routing.rs"]
 mod prefix_routing;
+
+#[path = "cases/tool_calls.rs"]
+mod tool_calls;

@@ -74,6 +74,7 @@ pub struct RenderOptions {
 /// A compiled chat template.
 pub struct ChatTemplate {
     env: Environment<'static>,
+    source: String,
     bos_token: String,
     eos_token: String,
 }
@@ -116,6 +117,7 @@ impl ChatTemplate {
             .map_err(|e| TextError::ChatTemplate(e.to_string()))?;
         let template = Self {
             env,
+            source: source.to_string(),
             bos_token: bos_token.unwrap_or_default().to_string(),
             eos_token: eos_token.unwrap_or_default().to_string(),
         };
@@ -143,6 +145,11 @@ impl ChatTemplate {
             }
         }
         Ok(())
+    }
+
+    /// The template's Jinja source (what tool syntax and think tags it teaches).
+    pub fn source(&self) -> &str {
+        &self.source
     }
 
     /// Renders the conversation; `add_generation_prompt` opens the assistant's turn.

@@ -1,6 +1,7 @@
 //! Text handling shared by every tandem process that sees text: tokenizers (from a
 //! `tokenizer.json`, an HF folder, GGUF metadata, or the built-in byte-level test tokenizer),
-//! chat templates, incremental detokenization, stop-string matching, and the grammars of
+//! chat templates, the parts of a chat reply (reasoning, content, tool calls), incremental
+//! detokenization, stop-string matching, and the grammars of
 //! structured output (llguidance over the tokenizer's vocabulary).
 //!
 //! This crate holds no model code on purpose: the router and the benchmark tokenize and
@@ -13,6 +14,7 @@ mod detok;
 mod error;
 pub mod gguf;
 mod guided;
+mod reply;
 mod spm;
 mod stop;
 mod tokenizer;
@@ -25,6 +27,7 @@ pub use chat::{
 pub use detok::IncrementalDetokenizer;
 pub use error::TextError;
 pub use guided::{Allowed, Guide, GuideFactory, GuideSpec, MAX_GUIDE_BYTES, MAX_GUIDE_CHOICES};
+pub use reply::{ParsedReply, ReplyOptions, ReplyParser, ReplyPart, ToolMode};
 pub use stop::{StopMatch, StopStringMatcher};
 pub use tokenizer::{TextTokenizer, TokenizerInfo, load_tokenizer};
 pub use tools::{ParsedOutput, ToolCall, ToolSyntax};

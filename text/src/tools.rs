@@ -1,7 +1,6 @@
 //! Tool calls in a model's output: each family's syntax, found from its chat template, and
-//! the parser that turns a finished generation into the text around the calls and the calls
-//! themselves (a function name and its arguments as JSON text), as OpenAI's
-//! `message.tool_calls` carries them.
+//! the readers of a call's JSON (a function name and its arguments as JSON text, as OpenAI's
+//! `message.tool_calls` carries them). `reply` finds the calls in a streaming reply.
 //!
 //! What the model writes is not trusted to be well formed: a call whose JSON does not parse,
 //! lacks a name, or is cut off (an unterminated `<tool_call>` at `max_tokens`) stays in the
@@ -39,7 +38,6 @@ pub struct ParsedOutput {
 }
 
 const HERMES_OPEN: &str = "<tool_call>";
-const HERMES_CLOSE: &str = "</tool_call>";
 const PYTHON_TAG: &str = "<|python_tag|>";
 const MISTRAL_MARK: &str = "[TOOL_CALLS]";
 
@@ -59,118 +57,65 @@ impl ToolSyntax {
             None
         }
     }
+}
 
-    /// Splits a finished generation into text and calls.
-    pub fn parse(self, text: &str) -> ParsedOutput {
-        match self {
-            Self::Hermes => parse_hermes(text),
-            Self::Llama3Json => parse_llama3(text),
-            Self::Mistral => parse_mistral(text),
-        }
+/// A Llama 3 or Mistral reply read whole: its calls, or `None` when it is not all calls.
+pub(crate) fn parse_whole(syntax: ToolSyntax, text: &str) -> Option<Vec<ToolCall>> {
+    match syntax {
+        ToolSyntax::Hermes => None,
+        ToolSyntax::Llama3Json => parse_llama3(text),
+        ToolSyntax::Mistral => parse_mistral(text),
     }
 }
 
-fn parse_hermes(text: &str) -> ParsedOutput {
-    let mut content = String::new();
-    let mut calls = Vec::new();
-    let mut rest = text;
-    while let Some(open) = rest.find(HERMES_OPEN) {
-        let after = &rest[open + HERMES_OPEN.len()..];
-        let Some(close) = after.find(HERMES_CLOSE) else {
-            break; // cut off: the rest stays text
-        };
-        match call_from(&after[..close], &["arguments", "parameters"]) {
-            Some(call) => {
-                content.push_str(&rest[..open]);
-                calls.push(call);
-            }
-            None => {
-                content.push_str(&rest[..open + HERMES_OPEN.len() + close + HERMES_CLOSE.len()])
-            }
-        }
-        rest = &after[close + HERMES_CLOSE.len()..];
-    }
-    content.push_str(rest);
-    ParsedOutput {
-        content: tidy(&content, !calls.is_empty()),
-        calls,
+/// `tool_choice: "required"`'s reply: a non-empty JSON array of `{"name", "parameters"}`.
+pub(crate) fn parse_required(text: &str) -> Option<Vec<ToolCall>> {
+    match serde_json::from_str::<Value>(text.trim()).ok()? {
+        Value::Array(items) if !items.is_empty() => items
+            .iter()
+            .map(|i| call_from_value(i, &["parameters", "arguments"]))
+            .collect(),
+        _ => None,
     }
 }
 
-fn parse_llama3(text: &str) -> ParsedOutput {
+fn parse_llama3(text: &str) -> Option<Vec<ToolCall>> {
     let trimmed = text.trim();
     let body = trimmed.strip_prefix(PYTHON_TAG).unwrap_or(trimmed).trim();
     if !body.starts_with('{') {
-        return ParsedOutput {
-            content: text.to_string(),
-            calls: Vec::new(),
-        };
+        return None;
     }
     // One object, or several separated by `;`: all of them calls, or the reply is text.
     let mut calls = Vec::new();
     let mut rest = body;
     while !rest.is_empty() {
         let mut values = serde_json::Deserializer::from_str(rest).into_iter::<Value>();
-        let call = values
-            .next()
-            .and_then(Result::ok)
-            .and_then(|v| call_from_value(&v, &["parameters", "arguments"]));
-        let Some(call) = call else {
-            return ParsedOutput {
-                content: text.to_string(),
-                calls: Vec::new(),
-            };
-        };
-        calls.push(call);
+        let value = values.next()?.ok()?;
+        calls.push(call_from_value(&value, &["parameters", "arguments"])?);
         rest = rest[values.byte_offset()..].trim_start();
         rest = rest.strip_prefix(';').unwrap_or(rest).trim_start();
     }
-    ParsedOutput {
-        content: String::new(),
-        calls,
-    }
+    Some(calls)
 }
 
-fn parse_mistral(text: &str) -> ParsedOutput {
+fn parse_mistral(text: &str) -> Option<Vec<ToolCall>> {
     // The marker is a special token a detokenizer may drop: then a reply that is a JSON
     // array of calls is one.
-    let (before, array) = match text.find(MISTRAL_MARK) {
-        Some(at) => (&text[..at], &text[at + MISTRAL_MARK.len()..]),
-        None if text.trim_start().starts_with("[{") => ("", text),
-        None => {
-            return ParsedOutput {
-                content: text.to_string(),
-                calls: Vec::new(),
-            };
-        }
+    let trimmed = text.trim();
+    let array = trimmed.strip_prefix(MISTRAL_MARK).unwrap_or(trimmed);
+    let calls: Vec<ToolCall> = match serde_json::from_str::<Value>(array.trim()).ok()? {
+        Value::Array(items) => items
+            .iter()
+            .map(|i| call_from_value(i, &["arguments", "parameters"]))
+            .collect::<Option<_>>()?,
+        one @ Value::Object(_) => vec![call_from_value(&one, &["arguments", "parameters"])?],
+        _ => return None,
     };
-    let calls: Option<Vec<ToolCall>> = serde_json::from_str::<Value>(array.trim())
-        .ok()
-        .and_then(|v| match v {
-            Value::Array(items) => items
-                .iter()
-                .map(|i| call_from_value(i, &["arguments", "parameters"]))
-                .collect(),
-            one @ Value::Object(_) => {
-                call_from_value(&one, &["arguments", "parameters"]).map(|c| vec![c])
-            }
-            _ => None,
-        })
-        .filter(|c| !c.is_empty());
-    match calls {
-        Some(calls) => ParsedOutput {
-            content: tidy(before, true),
-            calls,
-        },
-        None => ParsedOutput {
-            content: text.to_string(),
-            calls: Vec::new(),
-        },
-    }
+    (!calls.is_empty()).then_some(calls)
 }
 
 /// A call from the JSON text between markers.
-fn call_from(json: &str, argument_keys: &[&str]) -> Option<ToolCall> {
+pub(crate) fn call_from_json(json: &str, argument_keys: &[&str]) -> Option<ToolCall> {
     let value: Value = serde_json::from_str(json.trim()).ok()?;
     call_from_value(&value, argument_keys)
 }
@@ -196,15 +141,6 @@ fn call_from_value(value: &Value, argument_keys: &[&str]) -> Option<ToolCall> {
         name: name.to_string(),
         arguments,
     })
-}
-
-/// The text around calls, without the blank space the calls leave at its ends.
-fn tidy(content: &str, had_calls: bool) -> String {
-    if had_calls {
-        content.trim().to_string()
-    } else {
-        content.to_string()
-    }
 }
 
 #[cfg(test)]

@@ -19,6 +19,7 @@ pub mod sse;
 pub mod state;
 pub mod structured;
 pub mod tgi;
+pub mod tools;
 pub mod validate;
 
 use axum::Router;

@@ -12,13 +12,16 @@
 //! generated and the `n` with the highest mean token logprob returned), the prompt prefilled
 //! once for all of them, and prompt logprobs: `echo` with `logprobs` on completions (the
 //! prompt's tokens open the legacy object), vLLM's `prompt_logprobs: N` (≤ 20, not streamed).
+//! Chat takes tools (`tools`, `tool_choice`, `parallel_tool_calls`: see `tools`), returns a
+//! reasoning model's thinking apart (`reasoning_content`), and passes `chat_template_kwargs`
+//! to the template; `openai_reply` shapes the parsed reply.
 //! Refused with a 400 naming the field (rather than silently ignored):
-//! `guided_whitespace_pattern`, `suffix`, tools and a `tool_choice` or legacy
-//! `functions`/`function_call` that asks for them, `stream_options` without `stream`,
-//! non-text content parts.
+//! `guided_whitespace_pattern`, `suffix`, a `tool_choice` other than `none`/`auto` on
+//! completions, legacy `functions`/`function_call` that ask for functions, `stream_options`
+//! without `stream`, non-text content parts.
 //! Other unknown fields are ignored, as OpenAI clients send many (`user`, `metadata`…). A
-//! `model` that is not the served one gets 404 `model_not_found`; an absent `model` means the
-//! served one.
+//! `model` that is not the served one gets 404 `model_not_found`; an absent `model` (or `tgi`,
+//! what TGI's client sends) means the served one. Chat responses carry `system_fingerprint`.
 //!
 //! The bodies as clients send them are `openai_request`'s; this file validates them into a
 //! `FlowRequest` and answers.
@@ -37,7 +40,7 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use serde_json::Value;
 use tandem_proto::v1::StopParams;
-use tandem_text::ChatMessage;
+use tandem_text::{RenderOptions, ReplyOptions, ToolMode};
 
 use super::extract::ApiJson;
 use super::launch::{admit, collect, deadline_from, record_rejection, start, unix_now};
@@ -46,6 +49,7 @@ use super::openai_request::{ChatRequest, CompletionRequest, OpenAiSampling};
 use super::sse::{StreamFormatter, stream_response, tandem_headers};
 use super::state::{AppState, RequestId};
 use super::structured::{self, Structured};
+use super::tools;
 use super::validate::{self, refuse_unimplemented};
 use crate::admission::InFlight;
 use crate::error::{ApiError, ApiFlavor};
@@ -83,6 +87,9 @@ struct Params {
     vllm_prompt_logprobs: bool,
     /// The prompt's tokens open the completion's legacy logprobs (`echo` + `logprobs`).
     echo_logprobs: bool,
+    /// Chat: how the reply is taken apart (set once the prompt is rendered); `None` passes
+    /// the text as is.
+    reply: Option<ReplyOptions>,
 }
 
 /// Validates the shared fields (`f`) with what the route made of its own (`route`).
@@ -147,6 +154,7 @@ fn params(
         choices,
         vllm_prompt_logprobs: vllm_prompt_logprobs.is_some(),
         echo_logprobs: route.echo_logprobs.is_some(),
+        reply: None,
     })
 }
 
@@ -372,9 +380,17 @@ pub async fn chat_completions(
     let arrival = Instant::now();
     let prepared = async {
         let model = state.model()?;
-        let ApiJson(body) = body?;
+        let ApiJson(mut body) = body?;
         state.check_model_name(&model, body.model.as_deref())?;
+        // Chat takes `tool_choice`; what is left of the unimplemented fields is refused.
+        let tool_choice = body.sampling.unimplemented.tool_choice.take();
         refuse_unimplemented(&body.sampling.unimplemented)?;
+        let tools = tools::parse(
+            body.tools.take(),
+            tool_choice,
+            body.parallel_tool_calls,
+            model.tool_syntax,
+        )?;
         let wants_logprobs = body.logprobs == Some(true);
         let top = validate::top_logprobs(body.sampling.top_logprobs, "top_logprobs")?;
         if top > 0 && !wants_logprobs {
@@ -383,22 +399,30 @@ pub async fn chat_completions(
                 "`top_logprobs` needs `logprobs: true`",
             ));
         }
-        if body.tools.as_ref().is_some_and(|t| !t.is_empty()) {
-            return Err(validate::unsupported("tools", "no tool calling"));
-        }
         // `max_completion_tokens` is OpenAI's newer name and wins when both are given.
         let requested = match body.max_completion_tokens {
             Some(n) => validate::max_tokens(Some(n), "max_completion_tokens")?,
             None => validate::max_tokens(body.max_tokens, "max_tokens")?,
         };
-        let guide = body.sampling.structured.parse()?;
+        let guide = match (body.sampling.structured.parse()?, tools.guide) {
+            (Some(asked), Some(_)) => {
+                return Err(ApiError::invalid(
+                    asked.param,
+                    format!(
+                        "`{}` cannot be combined with a `tool_choice` that requires a call (its grammar is the call's)",
+                        asked.param
+                    ),
+                ));
+            }
+            (asked, tool) => asked.or(tool),
+        };
         let route = RouteSampling {
             logprobs: wants_logprobs.then_some(LogprobsShape::Chat),
             top_logprobs: top,
             guide,
             echo_logprobs: None,
         };
-        let p = params(body.sampling, route, &model)?;
+        let mut p = params(body.sampling, route, &model)?;
         let messages = match body.messages {
             None => return Err(ApiError::invalid("messages", "`messages` is required")),
             Some(m) if m.is_empty() => {
@@ -412,14 +436,29 @@ pub async fn chat_completions(
         let mut conversation = Vec::with_capacity(messages.len());
         for (i, msg) in messages.into_iter().enumerate() {
             validate::chat_role(&msg.role, i)?;
-            conversation.push(ChatMessage::new(msg.role, message_text(msg.content, i)?));
+            let calls = tools::message_tool_calls(msg.tool_calls, &msg.role, i)?;
+            let call_id = tools::message_tool_call_id(msg.tool_call_id, i)?;
+            let content = message_text(msg.content, i)?;
+            conversation.push(tools::chat_message(msg.role, content, calls, call_id));
         }
+        let render = RenderOptions {
+            tools: tools.rendered,
+            kwargs: body.chat_template_kwargs.unwrap_or_default(),
+        };
         // As for completions: the template and the tokenizer run only for admitted requests.
         let in_flight = admit(&state, deadline_from(&state, arrival)).await?;
         structured::check(&state, &model, p.guide.as_ref()).await?;
-        let prompt = state
-            .encode(&model, move |m| m.encode_chat(&conversation))
+        let rendered = state
+            .encode(&model, move |m| m.render_chat(&conversation, true, &render))
             .await?;
+        let reply = ReplyOptions {
+            reasoning: model.reasoning,
+            starts_thinking: rendered.starts_thinking,
+            tools: tools.mode,
+        };
+        let passthrough = !reply.reasoning && !reply.starts_thinking && reply.tools == ToolMode::Off;
+        p.reply = (!passthrough).then_some(reply);
+        let prompt = rendered.ids;
         let param = if body.max_completion_tokens.is_some() {
             "max_completion_tokens"
         } else {
@@ -483,6 +522,9 @@ async fn respond(
         logprobs: p
             .logprobs
             .map(|shape| (shape, HashMap::new(), Arc::clone(model))),
+        reply: p.reply.clone(),
+        replies: HashMap::new(),
+        reasoning_tokens: 0,
     };
     if p.stream {
         let keepalive = state.config().sse_keepalive;
@@ -531,6 +573,8 @@ pub async fn models(State(state): State<AppState>) -> Response {
 
 #[path = "openai_format.rs"]
 mod format;
+#[path = "openai_reply.rs"]
+mod reply;
 use format::OpenAiFormatter;
 
 #[cfg(test)]

@@ -10,14 +10,19 @@ use std::sync::Arc;
 use serde::Serialize;
 use serde_json::Value;
 use tandem_proto::v1::FinishReason;
+use tandem_text::{ParsedReply, ReplyOptions};
 
 use super::Kind;
+use super::reply::{self, ChoiceReply, Delta};
 use crate::api::launch::CollectedAll;
 use crate::api::logprobs::{Logprobs, LogprobsBuilder, LogprobsShape, vllm_prompt_logprobs};
 use crate::api::sse::{StreamFormatter, data_event};
 use crate::error::ApiError;
 use crate::flow::{FinishOut, FlowEvent, Head, TokenOut, transport_name};
 use crate::model::ServedModel;
+
+/// `system_fingerprint` of chat responses.
+const SYSTEM_FINGERPRINT: &str = concat!("tandem-", env!("CARGO_PKG_VERSION"));
 
 /// The `tandem` extension object.
 #[derive(Debug, Serialize, PartialEq)]
@@ -44,11 +49,19 @@ struct PromptTokensDetails {
 }
 
 #[derive(Debug, Serialize)]
+struct CompletionTokensDetails {
+    reasoning_tokens: u32,
+}
+
+#[derive(Debug, Serialize)]
 struct Usage {
     prompt_tokens: u32,
     completion_tokens: u32,
     total_tokens: u32,
     prompt_tokens_details: PromptTokensDetails,
+    /// With a reasoning model: the completion's tokens spent thinking.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    completion_tokens_details: Option<CompletionTokensDetails>,
     tandem: TandemUsage,
 }
 
@@ -60,18 +73,10 @@ struct CompletionChoice<'a> {
     finish_reason: Option<&'static str>,
 }
 
-#[derive(Serialize, Default)]
-struct Delta<'a> {
-    #[serde(skip_serializing_if = "Option::is_none")]
-    role: Option<&'static str>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    content: Option<&'a str>,
-}
-
 #[derive(Serialize)]
-struct ChatChunkChoice<'a> {
+struct ChatChunkChoice {
     index: u32,
-    delta: Delta<'a>,
+    delta: Delta,
     logprobs: Option<Value>,
     finish_reason: Option<&'static str>,
 }
@@ -111,6 +116,14 @@ fn finish_reason(f: &FinishOut) -> &'static str {
     }
 }
 
+/// A parsed chat reply's finish reason: `length`, or `stop` / `tool_calls`.
+fn choice_reason(options: &ReplyOptions, f: &FinishOut, made_calls: bool) -> &'static str {
+    match f.reason {
+        FinishReason::Length => "length",
+        _ => reply::stop_reason(options, made_calls),
+    }
+}
+
 /// Builds the OpenAI objects of one request.
 pub(super) struct OpenAiFormatter {
     pub(super) kind: Kind,
@@ -140,6 +153,12 @@ pub(super) struct OpenAiFormatter {
         HashMap<u32, LogprobsBuilder>,
         Arc<ServedModel>,
     )>,
+    /// A chat reply taken apart (reasoning, content, tool calls); `None` passes text as is.
+    pub(super) reply: Option<ReplyOptions>,
+    /// Each streamed choice's reply.
+    pub(super) replies: HashMap<u32, ChoiceReply>,
+    /// Reasoning tokens of the choices that ended (streamed, or in the whole response).
+    pub(super) reasoning_tokens: u32,
 }
 
 impl OpenAiFormatter {
@@ -198,6 +217,13 @@ impl OpenAiFormatter {
             prompt_tokens_details: PromptTokensDetails {
                 cached_tokens: f.cached_tokens,
             },
+            completion_tokens_details: self
+                .reply
+                .as_ref()
+                .filter(|r| r.reasoning || r.starts_thinking)
+                .map(|_| CompletionTokensDetails {
+                    reasoning_tokens: self.reasoning_tokens,
+                }),
             tandem: self.tandem(f),
         }
     }
@@ -257,11 +283,47 @@ impl OpenAiFormatter {
             Kind::Chat => {
                 // A choice's first chunk also opens its assistant message.
                 let role = first.then_some("assistant");
-                let content = (token.is_some() || role.is_some()).then_some(text);
+                let mut delta = Delta {
+                    role,
+                    ..Delta::default()
+                };
+                let mut reason = reason;
+                match self.reply.as_ref() {
+                    None => {
+                        delta.content = (token.is_some() || role.is_some()).then(|| text.into())
+                    }
+                    Some(options) => {
+                        let reply = self
+                            .replies
+                            .entry(index)
+                            .or_insert_with(|| ChoiceReply::new(options));
+                        // Special tokens (EOS) are no text, as in the whole response.
+                        let text = token.filter(|t| !t.special).map(|_| text);
+                        reply.delta(text, finish.is_some(), &mut delta);
+                        if let Some(f) = finish {
+                            reason = Some(choice_reason(options, f, reply.made_calls()));
+                            self.reasoning_tokens = self
+                                .reasoning_tokens
+                                .saturating_add(reply.reasoning_tokens());
+                        }
+                        if role.is_some() && delta.is_empty() {
+                            delta.content = Some(String::new());
+                        }
+                        // A token that settled nothing yet (text held at a possible marker)
+                        // sends nothing, unless it carries logprobs.
+                        if delta.is_empty()
+                            && role.is_none()
+                            && logprobs.is_none()
+                            && finish.is_none()
+                        {
+                            return String::new();
+                        }
+                    }
+                }
                 self.envelope(
                     vec![ChatChunkChoice {
                         index,
-                        delta: Delta { role, content },
+                        delta,
                         logprobs,
                         finish_reason: reason,
                     }],
@@ -297,8 +359,8 @@ impl OpenAiFormatter {
 
     /// The non-streaming response object: every choice in `done`, in order.
     pub(super) fn full_response(&mut self, done: &CollectedAll) -> Value {
-        let usage = serde_json::to_value(self.usage(&done.finish)).unwrap_or(Value::Null);
         let mut choices = Vec::with_capacity(done.choices.len());
+        let mut reasoning_tokens = 0u32;
         for c in &done.choices {
             let index = c.finish.choice;
             let logprobs = self.logprobs_of(index, &c.tokens);
@@ -314,17 +376,33 @@ impl OpenAiFormatter {
                     logprobs,
                     finish_reason: Some(reason),
                 }),
-                Kind::Chat => serde_json::json!(ChatChoice {
-                    index,
-                    message: ChatMessageOut {
-                        role: "assistant",
-                        content: &text,
-                    },
-                    logprobs,
-                    finish_reason: reason,
-                }),
+                Kind::Chat => match self.reply.as_ref() {
+                    None => serde_json::json!(ChatChoice {
+                        index,
+                        message: ChatMessageOut {
+                            role: "assistant",
+                            content: &text,
+                        },
+                        logprobs,
+                        finish_reason: reason,
+                    }),
+                    Some(options) => {
+                        let texts = c.tokens.iter().filter(|t| !t.special);
+                        let parsed =
+                            ParsedReply::parse(options, texts.map(|t| t.text.as_str()));
+                        reasoning_tokens = reasoning_tokens.saturating_add(parsed.reasoning_tokens);
+                        serde_json::json!({
+                            "index": index,
+                            "message": reply::message(options, &parsed),
+                            "logprobs": logprobs,
+                            "finish_reason": choice_reason(options, &c.finish, !parsed.calls.is_empty()),
+                        })
+                    }
+                },
             });
         }
+        self.reasoning_tokens = reasoning_tokens;
+        let usage = serde_json::to_value(self.usage(&done.finish)).unwrap_or(Value::Null);
         let object = match self.kind {
             Kind::Completion => "text_completion",
             Kind::Chat => "chat.completion",
@@ -337,6 +415,10 @@ impl OpenAiFormatter {
             "choices": choices,
             "usage": usage,
         });
+        if self.kind == Kind::Chat {
+            // OpenAI's field (TGI's client requires it): what served the answer.
+            body["system_fingerprint"] = Value::from(SYSTEM_FINGERPRINT);
+        }
         if self.vllm_prompt_logprobs {
             // vLLM puts them in each completion choice, and at the top of a chat response.
             let entries = self.head.as_ref().map_or(&[][..], |h| &h.prompt_logprobs);

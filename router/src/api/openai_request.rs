@@ -87,11 +87,14 @@ impl JsonBody for CompletionRequest {
     }
 }
 
-/// One chat message as clients send it.
+/// One chat message as clients send it (an assistant's `tool_calls`, a tool result's
+/// `tool_call_id`; raw JSON, checked by `tools`).
 #[derive(Debug, Deserialize)]
 pub struct ChatMessageIn {
     pub role: String,
     pub content: Option<Value>,
+    pub tool_calls: Option<Value>,
+    pub tool_call_id: Option<Value>,
 }
 
 /// `POST /v1/chat/completions` body.
@@ -103,6 +106,9 @@ pub struct ChatRequest {
     pub max_completion_tokens: Option<i64>,
     pub logprobs: Option<bool>,
     pub tools: Option<Vec<Value>>,
+    pub parallel_tool_calls: Option<bool>,
+    /// Variables for the chat template (`enable_thinking: false` and the like).
+    pub chat_template_kwargs: Option<serde_json::Map<String, Value>>,
     #[serde(flatten)]
     pub sampling: OpenAiSampling,
 }

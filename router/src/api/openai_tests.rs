@@ -42,6 +42,9 @@ fn formatter(kind: Kind, include_usage: bool, mode: RunMode) -> OpenAiFormatter 
             tandem_text::TextTokenizer::byte_level(),
             None,
         )),
+        reply: None,
+        replies: Default::default(),
+        reasoning_tokens: 0,
     }
 }
 

@@ -106,18 +106,23 @@ impl AppState {
         self.0.pool.model().ok_or(ApiError::Starting)
     }
 
-    /// Checks the `model` field of an OpenAI request (absent means the served model).
+    /// Checks the `model` field of an OpenAI request (absent means the served model, and so
+    /// does `tgi`: TGI's own client sends that name whatever the model, and TGI ignores it).
     pub fn check_model_name(
         &self,
         model: &ServedModel,
         asked: Option<&str>,
     ) -> Result<(), ApiError> {
         match asked {
+            Some(TGI_CLIENT_MODEL) => Ok(()),
             Some(name) if name != model.name => Err(ApiError::ModelNotFound(name.to_string())),
             _ => Ok(()),
         }
     }
 }
+
+/// The `model` TGI's Python client (`text_generation`) puts in every chat request.
+const TGI_CLIENT_MODEL: &str = "tgi";
 
 /// The request id of the request being served: the client's `x-request-id` when it is
 /// sane, else a fresh one (every gRPC call and log line of the request carries it); and the

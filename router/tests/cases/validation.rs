@@ -109,6 +109,19 @@ fn matrix() -> Vec<Case> {
         case("top_logprobs over 20", chat, json!({"messages": user, "logprobs": true, "top_logprobs": 21}), 400)
             .param("top_logprobs"),
         case("tool_choice required", chat, json!({"messages": user, "tool_choice": "required"}), 400).param("tool_choice"),
+        case("tool not a function", chat, json!({"messages": user, "tools": [{"type": "retrieval"}]}), 400).param("tools[0].type"),
+        case("tool without a name", chat, json!({"messages": user, "tools": [{"type": "function", "function": {}}]}), 400)
+            .param("tools[0].function.name"),
+        case("tool_choice names no tool", chat, json!({"messages": user, "tools": [{"type": "function", "function": {"name": "f"}}],
+            "tool_choice": {"type": "function", "function": {"name": "g"}}}), 400).param("tool_choice").says(&["`g`"]),
+        case("forced call with a response_format", chat, json!({"messages": user, "tools": [{"type": "function", "function": {"name": "f"}}],
+            "tool_choice": "required", "response_format": {"type": "json_object"}}), 400).param("response_format"),
+        case("tool call arguments not JSON", chat, json!({"messages": [{"role": "assistant", "content": null, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{oops"}}]}]}), 400)
+            .param("messages[0].tool_calls[0].function.arguments"),
+        case("tool_choice on completions", c, json!({"prompt": "Hi", "tool_choice": "required"}), 400).param("tool_choice"),
+        case("chat_template_kwargs not an object", chat, json!({"messages": user, "chat_template_kwargs": [1]}), 400)
+            .param("chat_template_kwargs"),
         case("functions", chat, json!({"messages": user, "functions": [{"name": "f"}]}), 400).param("functions"),
         case("stream_options without stream", c, json!({"prompt": "Hi", "stream_options": {"include_usage": true}}), 400)
             .param("stream_options").says(&["stream"]),
