@@ -100,8 +100,11 @@ pub struct RequestInput {
 /// Who said a message of a multi-turn conversation.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ChatRole {
+    System,
     User,
     Assistant,
+    /// A tool's result (an agent's turn).
+    Tool,
 }
 
 /// One message of a multi-turn conversation.
@@ -124,6 +127,12 @@ fn chat_messages(input: &RequestInput) -> Value {
                         json!({"role": "user", "content": [{"type": "text", "text": m.content}]})
                     }
                     ChatRole::Assistant => json!({"role": "assistant", "content": m.content}),
+                    ChatRole::System => json!({"role": "system", "content": m.content}),
+                    // The calls are in the text (the model was told of the tools in its
+                    // system prompt), so the result answers no structured call id.
+                    ChatRole::Tool => {
+                        json!({"role": "tool", "tool_call_id": "call_0", "content": m.content})
+                    }
                 })
                 .collect(),
         ),

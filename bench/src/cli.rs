@@ -190,6 +190,21 @@ pub struct BenchArgs {
     /// Tokens of each later user message (random tokens, fixed by --seed) in multi-turn mode.
     #[arg(long, default_value_t = 64)]
     pub multi_turn_user_len: usize,
+    /// Multi-turn as an agent: a shared system prompt with tool schemas opens every
+    /// conversation and each later turn returns a tool result (`role: "tool"`, of
+    /// --multi-turn-user-len tokens) instead of a user message.
+    #[arg(long)]
+    pub multi_turn_agent: bool,
+    /// Agent mode: random tokens of the shared system prompt's instructions.
+    #[arg(long, default_value_t = 512)]
+    pub agent_system_len: usize,
+    /// Agent mode: tool schemas described in the shared system prompt.
+    #[arg(long, default_value_t = 4)]
+    pub agent_tools: usize,
+    /// Agent mode: milliseconds between an answer and the turn with its tool's result (the
+    /// tool running; the conversation keeps its --max-concurrency slot).
+    #[arg(long, default_value_t = 0)]
+    pub agent_think_time_ms: u64,
 
     /// Sections printed: comma subset of ttft,tpot,itl,e2el.
     #[arg(long, default_value = "ttft,tpot,itl")]
@@ -266,6 +281,8 @@ pub struct BenchConfig {
     pub multi_turn_turns: usize,
     /// `--multi-turn-user-len`.
     pub multi_turn_user_len: usize,
+    /// `--multi-turn-agent` and its options.
+    pub agent: Option<crate::agent::AgentShape>,
     pub percentile_metrics: Vec<MetricKind>,
     pub metric_percentiles: Vec<f64>,
     pub goodput: GoodputSlos,
@@ -452,6 +469,11 @@ impl BenchArgs {
                 "--multi-turn-turns cannot be combined with --preset".into(),
             ));
         }
+        if self.multi_turn_agent && self.multi_turn_turns == 0 {
+            return Err(ConfigError(
+                "--multi-turn-agent needs --multi-turn-turns".into(),
+            ));
+        }
         if self.multi_turn_turns > 1 && self.multi_turn_user_len == 0 {
             return Err(ConfigError(
                 "--multi-turn-user-len must be at least 1 with more than one turn".into(),
@@ -514,6 +536,11 @@ impl BenchArgs {
             profile: self.profile,
             multi_turn_turns: self.multi_turn_turns,
             multi_turn_user_len: self.multi_turn_user_len,
+            agent: self.multi_turn_agent.then(|| crate::agent::AgentShape {
+                system_len: self.agent_system_len,
+                tools: self.agent_tools,
+                think_time: Duration::from_millis(self.agent_think_time_ms),
+            }),
             percentile_metrics,
             metric_percentiles,
             goodput,

@@ -13,6 +13,7 @@
 //! bar and vLLM's informational lines go to stderr, logs go through `tracing` (stderr).
 
 pub mod accounting;
+pub mod agent;
 pub mod backends;
 pub mod cli;
 pub mod datasets;
@@ -170,6 +171,7 @@ pub async fn run(
                     turns,
                     config.multi_turn_user_len,
                     config.seed,
+                    config.agent.as_ref(),
                 )?;
                 multi_turn::run_conversations(
                     &client,

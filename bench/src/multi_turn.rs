@@ -9,7 +9,8 @@
 //! Every turn is one request in the usual metrics; [`TurnSummary`] adds per-turn means.
 //! The chat backend sends the conversation as a `messages` array; the others send it as
 //! plain text, `prompt(k) = prompt(k-1) + generated(k-1) + user(k)`, so each prompt extends
-//! the previous one exactly.
+//! the previous one exactly. `--multi-turn-agent` gives conversations an agent's rhythm
+//! (see `agent`): a shared system prompt first, and tool results instead of user messages.
 
 use std::fmt::Write as _;
 use std::io::Write;
@@ -20,6 +21,7 @@ use rand::SeedableRng;
 use rand::rngs::StdRng;
 use serde_json::{Map, Value, json};
 
+use crate::agent::{self, AgentShape};
 use crate::backends::{ChatMessage, ChatRole, RequestInput, Target, send_request};
 use crate::datasets::{DatasetError, allowed_ids, random_token_ids};
 use crate::metrics::RequestOutput;
@@ -33,25 +35,50 @@ pub type TokenCounter = Arc<dyn Fn(&str) -> usize + Send + Sync>;
 /// One conversation, prepared before the timed run so no tokenizer work delays it.
 #[derive(Debug, Clone)]
 pub struct Conversation {
-    /// Turn 1: the dataset's request.
+    /// Turn 1: the dataset's request (behind the shared system prompt, for an agent).
     pub first: RequestInput,
-    /// The user messages of turns 2..=T.
+    /// The messages of turns 2..=T: the user's, or an agent's tool results.
     pub later_users: Vec<String>,
+    /// Who writes them.
+    pub later_role: ChatRole,
+    /// The pause before each later turn.
+    pub think_time: Duration,
 }
 
-/// Opens one conversation per dataset request, with `turns - 1` later user messages of
-/// `user_len` random tokens each; message (c, k) depends only on `seed`, c and k.
+/// Opens one conversation per dataset request, with `turns - 1` later messages of
+/// `user_len` random tokens each; message (c, k) depends only on `seed`, c and k. An
+/// `agent` shape puts its system prompt before every first request and makes the later
+/// messages tool results.
 pub fn plan(
     inputs: Vec<RequestInput>,
     tokenizer: &BenchTokenizer,
     turns: usize,
     user_len: usize,
     seed: u64,
+    agent: Option<&AgentShape>,
 ) -> Result<Vec<Conversation>, DatasetError> {
+    let system = agent
+        .map(|shape| agent::system_prompt(shape, tokenizer, seed))
+        .transpose()?;
     let allowed = allowed_ids(tokenizer)?;
     let mut mismatched = 0i64;
     let mut conversations = Vec::with_capacity(inputs.len());
-    for (index, first) in inputs.into_iter().enumerate() {
+    for (index, mut first) in inputs.into_iter().enumerate() {
+        if let Some(system) = &system {
+            let task = std::mem::take(&mut first.prompt);
+            first.prompt = format!("{system}\n\n{task}");
+            first.prompt_len = tokenizer.count(&first.prompt, false)?;
+            first.messages = Some(vec![
+                ChatMessage {
+                    role: ChatRole::System,
+                    content: system.clone(),
+                },
+                ChatMessage {
+                    role: ChatRole::User,
+                    content: task,
+                },
+            ]);
+        }
         let mut later_users = Vec::with_capacity(turns.saturating_sub(1));
         for turn in 1..turns {
             let mut rng = StdRng::seed_from_u64(message_seed(seed, index as u64, turn as u64));
@@ -59,7 +86,16 @@ pub fn plan(
             mismatched += mismatch;
             later_users.push(tokenizer.decode(&ids)?);
         }
-        conversations.push(Conversation { first, later_users });
+        conversations.push(Conversation {
+            first,
+            later_users,
+            later_role: if agent.is_some() {
+                ChatRole::Tool
+            } else {
+                ChatRole::User
+            },
+            think_time: agent.map_or(Duration::ZERO, |a| a.think_time),
+        });
     }
     if mismatched != 0 {
         tracing::warn!(
@@ -173,11 +209,17 @@ async fn converse(
     let mut outputs = Vec::with_capacity(turns);
     let mut input = conversation.first;
     let base_id = input.request_id.clone();
-    let mut messages = vec![ChatMessage {
-        role: ChatRole::User,
-        content: input.prompt.clone(),
-    }];
+    let mut messages = input.messages.clone().unwrap_or_else(|| {
+        vec![ChatMessage {
+            role: ChatRole::User,
+            content: input.prompt.clone(),
+        }]
+    });
     for turn in 0..turns {
+        if turn > 0 && !conversation.think_time.is_zero() {
+            // The agent runs its tool: the conversation's slot stays held, no request runs.
+            tokio::time::sleep(conversation.think_time).await;
+        }
         let mut output = send_request(client, target, &input, start).await;
         progress.advance();
         if turn > 0
@@ -215,7 +257,7 @@ async fn converse(
             content: generated,
         });
         messages.push(ChatMessage {
-            role: ChatRole::User,
+            role: conversation.later_role,
             content: user,
         });
         input.messages = Some(messages.clone());
@@ -235,6 +277,9 @@ pub struct TurnSummary {
     pub mean_prompt_tokens: Vec<f64>,
     /// Present when the server reported cached tokens for any request of the run.
     pub mean_cached_tokens: Option<Vec<f64>>,
+    /// The prefix-cache hit rate of each turn: its cached prompt tokens over its prompt
+    /// tokens as the server counted them (present with the cached tokens).
+    pub cache_hit_rate: Option<Vec<f64>>,
     /// Present when the server reported KV bytes for any request of the run.
     pub mean_kv_bytes: Option<Vec<f64>>,
 }
@@ -275,6 +320,23 @@ impl TurnSummary {
             mean_prompt_tokens: per_turn(&|o| Some(o.prompt_len as f64)),
             mean_cached_tokens: any_cached
                 .then(|| per_turn(&|o| o.cached_tokens.map(|n| n as f64))),
+            cache_hit_rate: any_cached.then(|| {
+                (0..turns)
+                    .map(|k| {
+                        // Over the server's own count where it gave one (its chat template's
+                        // tokens included), as its cached count is.
+                        let (cached, prompt) = of_turn(k).iter().fold((0, 0), |(c, p), o| {
+                            let prompt = o.server_prompt_tokens.unwrap_or(o.prompt_len);
+                            (c + o.cached_tokens.unwrap_or(0), p + prompt)
+                        });
+                        if prompt == 0 {
+                            0.0
+                        } else {
+                            cached as f64 / prompt as f64
+                        }
+                    })
+                    .collect()
+            }),
             mean_kv_bytes: any_kv.then(|| per_turn(&|o| o.kv_bytes.map(|n| n as f64))),
         }
     }
@@ -284,6 +346,7 @@ impl TurnSummary {
         let mut columns = vec!["Turn", "Requests", "Mean TTFT (ms)", "Mean prompt tokens"];
         if self.mean_cached_tokens.is_some() {
             columns.push("Mean cached tokens");
+            columns.push("Cache hit rate");
         }
         if self.mean_kv_bytes.is_some() {
             columns.push("Mean KV bytes");
@@ -299,9 +362,13 @@ impl TurnSummary {
                 at(&self.mean_ttft_ms, k),
                 at(&self.mean_prompt_tokens, k),
             ];
-            for optional in [&self.mean_cached_tokens, &self.mean_kv_bytes]
-                .into_iter()
-                .flatten()
+            for optional in [
+                &self.mean_cached_tokens,
+                &self.cache_hit_rate,
+                &self.mean_kv_bytes,
+            ]
+            .into_iter()
+            .flatten()
             {
                 values.push(at(optional, k));
             }
@@ -326,6 +393,9 @@ impl TurnSummary {
         map.insert("mean_prompt_tokens".into(), json!(self.mean_prompt_tokens));
         if let Some(values) = &self.mean_cached_tokens {
             map.insert("mean_cached_tokens".into(), json!(values));
+        }
+        if let Some(values) = &self.cache_hit_rate {
+            map.insert("cache_hit_rate".into(), json!(values));
         }
         if let Some(values) = &self.mean_kv_bytes {
             map.insert("mean_kv_bytes".into(), json!(values));
@@ -359,7 +429,7 @@ mod tests {
     fn later_user_messages_are_fixed_by_seed_conversation_and_turn() {
         let tok = word_level_tokenizer(300).unwrap();
         let inputs = vec![input("w1 w2 w3", 0), input("w4 w5 w6", 1)];
-        let a = plan(inputs.clone(), &tok, 3, 6, 7).unwrap();
+        let a = plan(inputs.clone(), &tok, 3, 6, 7, None).unwrap();
         assert_eq!(a.len(), 2);
         for conversation in &a {
             assert_eq!(conversation.later_users.len(), 2);
@@ -371,12 +441,12 @@ mod tests {
         assert_ne!(a[0].later_users[0], a[0].later_users[1]);
         assert_ne!(a[0].later_users[0], a[1].later_users[0]);
         // The messages of a conversation do not depend on how many others there are.
-        let alone = plan(vec![inputs[0].clone()], &tok, 3, 6, 7).unwrap();
+        let alone = plan(vec![inputs[0].clone()], &tok, 3, 6, 7, None).unwrap();
         assert_eq!(alone[0].later_users, a[0].later_users);
-        let other_seed = plan(inputs.clone(), &tok, 3, 6, 8).unwrap();
+        let other_seed = plan(inputs.clone(), &tok, 3, 6, 8, None).unwrap();
         assert_ne!(other_seed[0].later_users, a[0].later_users);
         assert!(
-            plan(inputs, &tok, 1, 6, 7).unwrap()[0]
+            plan(inputs, &tok, 1, 6, 7, None).unwrap()[0]
                 .later_users
                 .is_empty()
         );
@@ -412,8 +482,10 @@ mod tests {
         let table = summary.table();
         assert!(table.starts_with(&format!("{:=^50}\n", " Multi-turn Per-turn Result ")));
         assert!(table.contains(
-            "Turn  Requests  Mean TTFT (ms)  Mean prompt tokens  Mean cached tokens  Mean KV bytes"
+            "Turn  Requests  Mean TTFT (ms)  Mean prompt tokens  Mean cached tokens  Cache hit rate  Mean KV bytes"
         ));
+        // Turn 2: 12 of 30 prompt tokens cached.
+        assert_eq!(summary.cache_hit_rate, Some(vec![0.0, 0.4]));
         assert!(
             table.contains("   2         1            4.00               30.00"),
             "{table}"
@@ -438,27 +510,28 @@ mod tests {
     #[test]
     fn chat_conversations_are_sent_as_messages() {
         let mut conversation = input("hi", 0);
+        let message = |role, content: &str| ChatMessage {
+            role,
+            content: content.into(),
+        };
         conversation.messages = Some(vec![
-            ChatMessage {
-                role: ChatRole::User,
-                content: "u1".into(),
-            },
-            ChatMessage {
-                role: ChatRole::Assistant,
-                content: "a1".into(),
-            },
-            ChatMessage {
-                role: ChatRole::User,
-                content: "u2".into(),
-            },
+            message(ChatRole::System, "s"),
+            message(ChatRole::User, "u1"),
+            message(ChatRole::Assistant, "a1"),
+            message(ChatRole::User, "u2"),
+            message(ChatRole::Assistant, "a2"),
+            message(ChatRole::Tool, "t1"),
         ]);
         let chat = request_body(Backend::OpenaiChat, &conversation);
         assert_eq!(
             chat["messages"],
             json!([
+                {"role": "system", "content": "s"},
                 {"role": "user", "content": [{"type": "text", "text": "u1"}]},
                 {"role": "assistant", "content": "a1"},
                 {"role": "user", "content": [{"type": "text", "text": "u2"}]},
+                {"role": "assistant", "content": "a2"},
+                {"role": "tool", "tool_call_id": "call_0", "content": "t1"},
             ])
         );
         // Completions backends send the plain-text prompt.

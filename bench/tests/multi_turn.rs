@@ -1,6 +1,7 @@
 //! Whole in-process runs against the fake server for tandem's additions: the multi-turn chat
 //! mode (turn order, prompts that extend the previous prompt plus its answer, chat
-//! `messages`, the concurrency cap per conversation, failures mid-conversation), the
+//! `messages`, the agent shape, the concurrency cap per conversation, failures
+//! mid-conversation), the
 //! `prefix_repetition` dataset, and server cache/KV accounting in the printed table and the
 //! result JSON.
 
@@ -110,7 +111,7 @@ async fn completions_turns_extend_the_previous_prompt_and_its_answer() {
     assert!(table.starts_with("\n==========="), "{table}");
     assert!(table.contains("Multi-turn Per-turn Result"));
     assert!(
-        table.contains("Mean cached tokens  Mean KV bytes"),
+        table.contains("Mean cached tokens  Cache hit rate  Mean KV bytes"),
         "{table}"
     );
     assert_eq!(table.lines().count(), 1 + 1 + 1 + 3 + 1, "{table}");
@@ -159,6 +160,15 @@ async fn completions_turns_extend_the_previous_prompt_and_its_answer() {
     assert!(cached[2] >= prompt_tokens[1] - 1.0, "{cached:?}");
     assert_eq!(multi["mean_ttft_ms"].as_array().unwrap().len(), 3);
     assert_eq!(multi["mean_kv_bytes"].as_array().unwrap().len(), 3);
+    // The hit rate is each turn's cached tokens over its prompt tokens.
+    let hit_rate = multi["cache_hit_rate"].as_array().unwrap();
+    for k in 0..3 {
+        let rate = hit_rate[k].as_f64().unwrap();
+        assert!(
+            (rate - cached[k] / prompt_tokens[k]).abs() < 1e-9,
+            "{hit_rate:?}"
+        );
+    }
     assert_eq!(json["cached_tokens"].as_array().unwrap().len(), 12);
     assert_eq!(json["kv_bytes"].as_array().unwrap().len(), 12);
     let total_cached = json["total_cached_tokens"].as_u64().unwrap();
@@ -226,6 +236,63 @@ async fn chat_turns_send_the_conversation_as_messages() {
             .is_none()
     );
     assert!(result.json.get("total_cached_tokens").is_none());
+    bench.shutdown().await;
+}
+
+/// `--multi-turn-agent`: every conversation opens with the same system prompt (with the
+/// tool schemas), tool results follow each answer, and the think time passes between turns.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn agent_conversations_share_a_system_prompt_and_return_tool_results() {
+    let bench = InProcess::start(synthetic(timing(2))).await;
+    let started = std::time::Instant::now();
+    let result = run(
+        &bench,
+        &[
+            "--backend",
+            "openai-chat",
+            "--endpoint",
+            "/v1/chat/completions",
+            "--num-prompts",
+            "3",
+            "--random-input-len",
+            "6",
+            "--random-output-len",
+            "2",
+            "--multi-turn-turns",
+            "3",
+            "--multi-turn-user-len",
+            "4",
+            "--multi-turn-agent",
+            "--agent-system-len",
+            "12",
+            "--agent-tools",
+            "2",
+            "--agent-think-time-ms",
+            "100",
+        ],
+    )
+    .await;
+    assert_eq!(result.summary.blocks[0].metrics.completed, 9);
+    // Two pauses in each conversation, all three in parallel.
+    assert!(started.elapsed() >= Duration::from_millis(200));
+    let conversations = conversations(&bench.server.requests());
+    let system = conversations[&0][0].body["messages"][0].clone();
+    assert_eq!(system["role"], "system");
+    assert!(system["content"].as_str().unwrap().contains("tool_1"));
+    for turns in conversations.values() {
+        for (k, request) in turns.iter().enumerate() {
+            let messages = request.body["messages"].as_array().unwrap();
+            assert_eq!(messages.len(), 2 * k + 2);
+            assert_eq!(messages[0], system, "one system prompt for all");
+            assert_eq!(messages[1]["role"], "user");
+            for pair in messages[2..].chunks(2) {
+                assert_eq!(pair[0]["role"], "assistant");
+                assert_eq!(pair[1]["role"], "tool");
+                let result = pair[1]["content"].as_str().unwrap();
+                assert_eq!(result.split_whitespace().count(), 4, "{result:?}");
+            }
+        }
+    }
     bench.shutdown().await;
 }
 
