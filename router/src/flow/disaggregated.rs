@@ -255,7 +255,8 @@ async fn prefill_while_renewing(
         at => (at as usize).min(req.prompt.len()),
     };
     let uncached = part.saturating_sub(prefill.cached_blocks(names) * tandem_kv::BLOCK_SIZE);
-    prefill.note_dispatch(0, uncached as u64);
+    // Until the prefill answers (or this returns, whatever the outcome).
+    let _pending = prefill.note_prefill(uncached as u64);
     if split == 0 {
         prefill.note_prompt(names);
     } else {

@@ -97,6 +97,9 @@ pub struct Worker {
     pending_blocks: AtomicU32,
     pending_requests: AtomicU32,
     pending_tokens: AtomicU64,
+    /// Load reports applied: a prompt that finished before the next report takes its tokens
+    /// back out of `pending_tokens` only if no report cleared them meanwhile.
+    reports: AtomicU64,
     /// Wakes the poll task early, after a request saw this worker fail or its planned
     /// threads changed.
     probe: tokio::sync::Notify,
@@ -126,6 +129,7 @@ impl Worker {
             pending_blocks: AtomicU32::new(0),
             pending_requests: AtomicU32::new(0),
             pending_tokens: AtomicU64::new(0),
+            reports: AtomicU64::new(0),
             prefix: Mutex::new(PrefixIndex::default()),
             probe: tokio::sync::Notify::new(),
             planned_threads: AtomicU32::new(0),
@@ -186,6 +190,23 @@ impl Worker {
         self.pending_requests.fetch_add(1, Ordering::Relaxed);
         self.pending_tokens
             .fetch_add(prompt_tokens, Ordering::Relaxed);
+    }
+
+    /// Records prompt tokens sent to this prefill worker, until the prompt is done or the next
+    /// load report accounts for them, whichever comes first: a prompt that finished between
+    /// two reports must not make the worker look busy to the next request (kv-aware routing
+    /// would send that one away from the cache that holds its prefix).
+    pub fn note_prefill(&self, tokens: u64) -> PendingPrompt<'_> {
+        let report = {
+            let _s = self.state();
+            self.pending_tokens.fetch_add(tokens, Ordering::Relaxed);
+            self.reports.load(Ordering::Relaxed)
+        };
+        PendingPrompt {
+            worker: self,
+            tokens,
+            report,
+        }
     }
 
     /// Records prompt tokens sent to this worker to compute itself (an aggregated request),
@@ -330,6 +351,7 @@ impl Worker {
             self.pending_blocks.store(0, Ordering::Relaxed);
             self.pending_requests.store(0, Ordering::Relaxed);
             self.pending_tokens.store(0, Ordering::Relaxed);
+            self.reports.fetch_add(1, Ordering::Relaxed);
             s.load = Some(load);
             std::mem::replace(&mut s.healthy, true)
         };
@@ -380,6 +402,30 @@ impl Worker {
             cached_tokens: (self.cached_blocks(prompt) * tandem_kv::BLOCK_SIZE) as u64,
             cache_fill: load.cached_blocks,
         })
+    }
+}
+
+/// Prompt tokens a prefill worker has been sent and not yet finished (see
+/// [`Worker::note_prefill`]); dropping it (the prefill answered, failed or was abandoned)
+/// takes them back out of the worker's pending count, unless a load report already did.
+#[must_use = "dropping it at once forgets the prompt at once"]
+pub struct PendingPrompt<'w> {
+    worker: &'w Worker,
+    tokens: u64,
+    report: u64,
+}
+
+impl Drop for PendingPrompt<'_> {
+    fn drop(&mut self) {
+        let w = self.worker;
+        let _s = w.state();
+        if w.reports.load(Ordering::Relaxed) == self.report {
+            let _ = w
+                .pending_tokens
+                .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |t| {
+                    Some(t.saturating_sub(self.tokens))
+                });
+        }
     }
 }
 
@@ -462,6 +508,26 @@ mod tests {
         tcp_only.transports = vec![Transport::Tcp as i32];
         assert!(pair_incompatibility(&p, &tcp_only, Transport::Shm).is_some());
         assert_eq!(pair_incompatibility(&p, &tcp_only, Transport::Tcp), None);
+    }
+
+    #[tokio::test]
+    async fn a_finished_prompt_leaves_the_pending_count_unless_a_report_cleared_it() {
+        let auth = tandem_auth::InternalAuth::none();
+        let w = Worker::new(WorkerRole::Prefill, 0, "http://127.0.0.1:1", &auth).unwrap();
+        let pending = || w.pending_tokens.load(Ordering::Relaxed);
+        let first = w.note_prefill(416);
+        let second = w.note_prefill(32);
+        assert_eq!(pending(), 448);
+        drop(first);
+        assert_eq!(pending(), 32, "done before the next report");
+        // A report counts what is still queued itself: the older prompt's tokens are not
+        // taken out of what came after it.
+        w.set_load(LoadReport::default());
+        let third = w.note_prefill(100);
+        drop(second);
+        assert_eq!(pending(), 100);
+        drop(third);
+        assert_eq!(pending(), 0);
     }
 
     #[test]
