@@ -3,7 +3,7 @@
 //! whose arguments all validate against their function's schema (`jsonschema`); the whole
 //! loop (call, result fed back as a `tool` message, answer); `auto` replies that hold no
 //! well-formed call come back as content, never an error; TGI's own client's chat with a
-//! named tool.
+//! named tool, whole and streamed.
 
 use std::process::Command;
 
@@ -93,6 +93,16 @@ from text_generation.types import Message, Tool
 tgi = Client(sys.argv[1]).chat(messages=[Message(role="user", content="Weather in Paris?")],
                                tools=[Tool(**t) for t in tools], tool_choice="get_weather", max_tokens=400, seed=1)
 tgi_calls = check(tgi.choices[0].message.tool_calls, "get_weather")
+# ... and its streams: chunks in its shape (a role in every delta, one call object).
+tgi_args = ""
+for chunk in Client(sys.argv[1]).chat(messages=[Message(role="user", content="Weather in Paris?")],
+                                      tools=[Tool(**t) for t in tools], tool_choice="get_weather",
+                                      max_tokens=400, seed=2, stream=True):
+    if chunk.choices and chunk.choices[0].delta.tool_calls:
+        tgi_args += chunk.choices[0].delta.tool_calls.function.arguments
+jsonschema.validate(json.loads(tgi_args), weather)
+tgi_text = "".join(c.choices[0].delta.content or "" for c in Client(sys.argv[1]).chat(
+    messages=[Message(role="user", content="Say hello")], max_tokens=8, seed=3, stream=True) if c.choices)
 try:
     client.chat.completions.create(model="tandem", messages=ask, tools=tools,
                                    tool_choice={"type": "function", "function": {"name": "nope"}})
@@ -103,7 +113,7 @@ print(json.dumps({"requests": len(counts), "calls": sum(counts), "max_calls": ma
                   "loop_call": call.function.name, "answer": answer.choices[0].message.content,
                   "answer_finish": answer.choices[0].finish_reason, "answer_streamed": answer_streamed,
                   "autos": [[a.finish_reason, a.message.content is not None] for a in autos],
-                  "refused": refused, "tgi_calls": tgi_calls}))
+                  "refused": refused, "tgi_calls": tgi_calls, "tgi_text": tgi_text}))
 "#;
 
 /// The goals' check: 200 forced calls (required and named, streamed and whole, parallel or
@@ -146,4 +156,5 @@ async fn openai_client_tool_loop_with_forced_calls_that_always_validate() {
     }
     assert_eq!(v["refused"], 400, "{v}");
     assert_eq!(v["tgi_calls"], 1, "{v}");
+    assert!(!v["tgi_text"].as_str().unwrap().is_empty(), "{v}");
 }

@@ -90,6 +90,8 @@ struct Params {
     /// Chat: how the reply is taken apart (set once the prompt is rendered); `None` passes
     /// the text as is.
     reply: Option<ReplyOptions>,
+    /// Chat from TGI's own client (`model: "tgi"`): stream chunks in its shape.
+    tgi_client: bool,
 }
 
 /// Validates the shared fields (`f`) with what the route made of its own (`route`).
@@ -155,6 +157,7 @@ fn params(
         vllm_prompt_logprobs: vllm_prompt_logprobs.is_some(),
         echo_logprobs: route.echo_logprobs.is_some(),
         reply: None,
+        tgi_client: false,
     })
 }
 
@@ -458,6 +461,7 @@ pub async fn chat_completions(
         };
         let passthrough = !reply.reasoning && !reply.starts_thinking && reply.tools == ToolMode::Off;
         p.reply = (!passthrough).then_some(reply);
+        p.tgi_client = body.model.as_deref() == Some(super::state::TGI_CLIENT_MODEL);
         let prompt = rendered.ids;
         let param = if body.max_completion_tokens.is_some() {
             "max_completion_tokens"
@@ -525,6 +529,7 @@ async fn respond(
         reply: p.reply.clone(),
         replies: HashMap::new(),
         reasoning_tokens: 0,
+        tgi_client: p.tgi_client,
     };
     if p.stream {
         let keepalive = state.config().sse_keepalive;

@@ -73,10 +73,18 @@ struct CompletionChoice<'a> {
     finish_reason: Option<&'static str>,
 }
 
+/// A chunk's delta: OpenAI's, or reshaped for TGI's client.
+#[derive(Serialize)]
+#[serde(untagged)]
+enum DeltaOut {
+    OpenAi(Delta),
+    Tgi(Value),
+}
+
 #[derive(Serialize)]
 struct ChatChunkChoice {
     index: u32,
-    delta: Delta,
+    delta: DeltaOut,
     logprobs: Option<Value>,
     finish_reason: Option<&'static str>,
 }
@@ -102,6 +110,8 @@ struct Envelope<'a, C> {
     object: &'static str,
     created: u64,
     model: &'a str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    system_fingerprint: Option<&'static str>,
     choices: Vec<C>,
     #[serde(skip_serializing_if = "Option::is_none")]
     usage: Option<Option<Usage>>,
@@ -159,6 +169,8 @@ pub(super) struct OpenAiFormatter {
     pub(super) replies: HashMap<u32, ChoiceReply>,
     /// Reasoning tokens of the choices that ended (streamed, or in the whole response).
     pub(super) reasoning_tokens: u32,
+    /// The request came from TGI's own client (`model: "tgi"`): chat chunks in its shape.
+    pub(super) tgi_client: bool,
 }
 
 impl OpenAiFormatter {
@@ -243,6 +255,7 @@ impl OpenAiFormatter {
             object,
             created: self.created,
             model: &self.model,
+            system_fingerprint: (self.kind == Kind::Chat).then_some(SYSTEM_FINGERPRINT),
             choices,
             usage,
             tandem,
@@ -320,10 +333,13 @@ impl OpenAiFormatter {
                         }
                     }
                 }
+                if self.tgi_client {
+                    return self.tgi_chunks(index, delta, logprobs, reason, usage, tandem);
+                }
                 self.envelope(
                     vec![ChatChunkChoice {
                         index,
-                        delta,
+                        delta: DeltaOut::OpenAi(delta),
                         logprobs,
                         finish_reason: reason,
                     }],
@@ -335,7 +351,46 @@ impl OpenAiFormatter {
         data_event(&json, true)
     }
 
-    /// After the last chunk: the usage chunk when asked for, then `[DONE]`.
+    /// A chat chunk for TGI's client: one event per call in the delta, the logprobs, finish
+    /// reason and extension on the last.
+    fn tgi_chunks(
+        &self,
+        index: u32,
+        delta: Delta,
+        logprobs: Option<Value>,
+        reason: Option<&'static str>,
+        usage: Option<Option<Usage>>,
+        tandem: Option<TandemUsage>,
+    ) -> String {
+        let deltas = reply::tgi_deltas(delta);
+        let last = deltas.len().saturating_sub(1);
+        let (mut logprobs, mut usage, mut tandem) = (logprobs, usage, tandem);
+        let mut out = String::new();
+        for (i, delta) in deltas.into_iter().enumerate() {
+            let end = i == last;
+            let usage = if end {
+                usage.take()
+            } else {
+                self.include_usage.then_some(None)
+            };
+            let json = self.envelope(
+                vec![ChatChunkChoice {
+                    index,
+                    delta: DeltaOut::Tgi(delta),
+                    logprobs: if end { logprobs.take() } else { None },
+                    finish_reason: if end { reason } else { None },
+                }],
+                usage,
+                if end { tandem.take() } else { None },
+            );
+            out.push_str(&data_event(&json, true));
+        }
+        out
+    }
+
+    /// After the last chunk: the usage chunk when asked for, then `[DONE]` (not for TGI's
+    /// client, which parses every `data:` line as JSON: its stream ends with the chunk that
+    /// has the finish reason, as TGI's did).
     fn tail(&mut self, f: &FinishOut) -> String {
         let mut out = String::new();
         if self.include_usage {
@@ -353,7 +408,9 @@ impl OpenAiFormatter {
             };
             out.push_str(&data_event(&json, true));
         }
-        out.push_str(&data_event("[DONE]", true));
+        if !self.tgi_client {
+            out.push_str(&data_event("[DONE]", true));
+        }
         out
     }
 

@@ -2,6 +2,7 @@
 //! `reasoning_content` as vLLM and SGLang name it, `tool_calls` with fresh ids) and each
 //! streamed `delta`, whose `tool_calls` items carry the `index` the OpenAI client assembles
 //! them by. One [`ChoiceReply`] per choice keeps the parser and the calls' numbering.
+//! `tgi_deltas` reshapes a delta for TGI's own client.
 
 use serde::Serialize;
 use serde_json::{Value, json};
@@ -106,6 +107,40 @@ impl ChoiceReply {
     }
 }
 
+/// `delta` in the shape TGI's own Python client (`text_generation`) parses: every delta
+/// names its role and has `content` and `tool_calls` keys, and `tool_calls` is one object
+/// (with an `id`, a `type` and a function `name`, empty or null on a call's later pieces),
+/// so a delta with several calls becomes several deltas, the content with the first.
+pub(super) fn tgi_deltas(delta: Delta) -> Vec<Value> {
+    let shape = |content: Option<String>, call: Value| {
+        let mut d = json!({"role": "assistant", "content": content, "tool_calls": call});
+        if let Some(r) = &delta.reasoning_content {
+            d["reasoning_content"] = Value::from(r.as_str());
+        }
+        d
+    };
+    let calls = delta.tool_calls.clone().unwrap_or_default();
+    if calls.is_empty() {
+        return vec![shape(delta.content.clone(), Value::Null)];
+    }
+    let mut content = delta.content.clone();
+    calls
+        .into_iter()
+        .map(|mut call| {
+            if call.get("id").is_none() {
+                call["id"] = Value::from("");
+            }
+            if call.get("type").is_none() {
+                call["type"] = Value::from("function");
+            }
+            if call["function"].get("name").is_none() {
+                call["function"]["name"] = Value::Null;
+            }
+            shape(content.take(), call)
+        })
+        .collect()
+}
+
 /// The finish reason of a choice that ended for `stop`: `tool_calls` when the model chose to
 /// call (OpenAI's; a call that `tool_choice` forced ends with `stop`, as OpenAI's does).
 pub(super) fn stop_reason(options: &ReplyOptions, made_calls: bool) -> &'static str {
@@ -199,6 +234,35 @@ mod tests {
             [json!({"index": 0, "function": {"arguments": ": 1}"}})]
         );
         assert_eq!(stop_reason(&named, reply.made_calls()), "stop");
+    }
+
+    #[test]
+    fn tgi_deltas_carry_their_role_and_one_call_each() {
+        let plain = Delta {
+            content: Some("Hi".into()),
+            ..Delta::default()
+        };
+        assert_eq!(
+            tgi_deltas(plain),
+            [json!({"role": "assistant", "content": "Hi", "tool_calls": null})]
+        );
+        let calls = Delta {
+            content: Some("x".into()),
+            tool_calls: Some(vec![
+                json!({"index": 0, "id": "call_a", "type": "function", "function": {"name": "f", "arguments": "{}"}}),
+                json!({"index": 1, "function": {"arguments": "{"}}),
+            ]),
+            ..Delta::default()
+        };
+        let out = tgi_deltas(calls);
+        assert_eq!(out.len(), 2);
+        assert_eq!(out[0]["content"], "x");
+        assert_eq!(out[0]["tool_calls"]["id"], "call_a");
+        assert_eq!(out[1]["content"], Value::Null);
+        assert_eq!(
+            out[1]["tool_calls"],
+            json!({"index": 1, "id": "", "type": "function", "function": {"arguments": "{", "name": null}})
+        );
     }
 
     #[test]

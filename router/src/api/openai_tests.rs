@@ -45,6 +45,7 @@ fn formatter(kind: Kind, include_usage: bool, mode: RunMode) -> OpenAiFormatter 
         reply: None,
         replies: Default::default(),
         reasoning_tokens: 0,
+        tgi_client: false,
     }
 }
 
@@ -144,14 +145,14 @@ fn chat_stream_golden() {
     assert!(done);
     assert_eq!(
         a,
-        "data: {\"id\":\"chatcmpl-ID\",\"object\":\"chat.completion.chunk\",\"created\":1700000000,\"model\":\"m\",\"choices\":[{\"index\":0,\"delta\":{\"role\":\"assistant\",\"content\":\"Hi\"},\"logprobs\":null,\"finish_reason\":null}],\"usage\":null}\n\n"
+        "data: {\"id\":\"chatcmpl-ID\",\"object\":\"chat.completion.chunk\",\"created\":1700000000,\"model\":\"m\",\"system_fingerprint\":\"tandem-0.1.0\",\"choices\":[{\"index\":0,\"delta\":{\"role\":\"assistant\",\"content\":\"Hi\"},\"logprobs\":null,\"finish_reason\":null}],\"usage\":null}\n\n"
     );
     assert_eq!(
         b,
-        "data: {\"id\":\"chatcmpl-ID\",\"object\":\"chat.completion.chunk\",\"created\":1700000000,\"model\":\"m\",\"choices\":[{\"index\":0,\"delta\":{\"content\":\"!\"},\"logprobs\":null,\"finish_reason\":null}],\"usage\":null}\n\n"
+        "data: {\"id\":\"chatcmpl-ID\",\"object\":\"chat.completion.chunk\",\"created\":1700000000,\"model\":\"m\",\"system_fingerprint\":\"tandem-0.1.0\",\"choices\":[{\"index\":0,\"delta\":{\"content\":\"!\"},\"logprobs\":null,\"finish_reason\":null}],\"usage\":null}\n\n"
     );
     assert!(c.starts_with(
-        "data: {\"id\":\"chatcmpl-ID\",\"object\":\"chat.completion.chunk\",\"created\":1700000000,\"model\":\"m\",\"choices\":[{\"index\":0,\"delta\":{},\"logprobs\":null,\"finish_reason\":\"stop\"}],\"usage\":null}\n\n"
+        "data: {\"id\":\"chatcmpl-ID\",\"object\":\"chat.completion.chunk\",\"created\":1700000000,\"model\":\"m\",\"system_fingerprint\":\"tandem-0.1.0\",\"choices\":[{\"index\":0,\"delta\":{},\"logprobs\":null,\"finish_reason\":\"stop\"}],\"usage\":null}\n\n"
     ), "{c}");
     assert!(
         c.contains("\"choices\":[],\"usage\":{\"prompt_tokens\":5"),

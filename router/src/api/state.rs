@@ -122,7 +122,7 @@ impl AppState {
 }
 
 /// The `model` TGI's Python client (`text_generation`) puts in every chat request.
-const TGI_CLIENT_MODEL: &str = "tgi";
+pub(crate) const TGI_CLIENT_MODEL: &str = "tgi";
 
 /// The request id of the request being served: the client's `x-request-id` when it is
 /// sane, else a fresh one (every gRPC call and log line of the request carries it); and the
