@@ -153,6 +153,16 @@ pub fn read_metadata(path: &Path) -> Result<GgufMetadata, TextError> {
     reader.metadata()
 }
 
+/// Reads the header and all metadata of a GGUF file held in memory (the fuzz targets').
+pub fn parse_metadata(bytes: &[u8]) -> Result<GgufMetadata, TextError> {
+    let mut reader = Reader {
+        inner: bytes,
+        remaining: bytes.len() as u64,
+        items_left: MAX_METADATA_ITEMS,
+    };
+    reader.metadata()
+}
+
 /// Array items the metadata of one file may hold in all. Each becomes a value of some 32
 /// bytes in memory however few bytes it takes in the file (one, for a u8), so the file's
 /// length alone does not bound what its arrays cost: this does (about 1 GB at most). The

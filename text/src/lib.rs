@@ -12,6 +12,7 @@
 mod chat;
 mod detok;
 mod error;
+pub mod fuzzing;
 pub mod gguf;
 mod guided;
 mod reply;

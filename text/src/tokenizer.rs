@@ -60,6 +60,18 @@ impl std::fmt::Debug for TextTokenizer {
     }
 }
 
+/// Parses a `tokenizer.json`. The tokenizers library panics on some malformed files (an
+/// `expect` in its decoder's deserializer, found by the `tokenizer_json` fuzz target): a
+/// model file must not take the process down, so a panic here is an error like any other.
+fn parse_tokenizer_json(json: &[u8]) -> Result<Tokenizer, TextError> {
+    match std::panic::catch_unwind(|| Tokenizer::from_bytes(json)) {
+        Ok(parsed) => parsed.map_err(TextError::tokenizer),
+        Err(_) => Err(TextError::Tokenizer(
+            "malformed tokenizer.json (the tokenizers library could not read it)".into(),
+        )),
+    }
+}
+
 /// Loads a tokenizer from a `tokenizer.json` file, an HF model folder, or a GGUF file.
 pub fn load_tokenizer(path: &Path) -> Result<Tokenizer, TextError> {
     TextTokenizer::from_path(path).map(|t| t.inner)
@@ -84,15 +96,20 @@ impl TextTokenizer {
 
     /// A tokenizer from its `tokenizer.json` text and the metadata that goes with it.
     pub fn from_json(json: &str, info: TokenizerInfo) -> Result<Self, TextError> {
-        let inner = Tokenizer::from_bytes(json.as_bytes()).map_err(TextError::tokenizer)?;
+        let inner = parse_tokenizer_json(json.as_bytes())?;
         Ok(Self { inner, info })
     }
 
     /// An HF model folder: `tokenizer.json`, plus `tokenizer_config.json` (chat template,
     /// special tokens) and `generation_config.json`/`config.json` (EOS ids) when present.
     pub fn from_hf_dir(dir: &Path) -> Result<Self, TextError> {
-        let inner = Tokenizer::from_file(dir.join("tokenizer.json"))
-            .map_err(|e| TextError::Tokenizer(format!("{}: {e}", dir.display())))?;
+        let path = dir.join("tokenizer.json");
+        let json = std::fs::read(&path).map_err(|source| TextError::Io {
+            path: path.clone(),
+            source,
+        })?;
+        let inner = parse_tokenizer_json(&json)
+            .map_err(|e| TextError::Tokenizer(format!("{}: {e}", path.display())))?;
         let mut info = TokenizerInfo::default();
         if let Some(cfg) = read_json_opt(&dir.join("tokenizer_config.json"))? {
             info.chat_template = chat_template_from_config(&cfg);
