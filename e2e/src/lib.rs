@@ -18,7 +18,7 @@
 pub mod netns;
 mod tools;
 
-pub use tools::tools_python;
+pub use tools::{run_python_client, tools_python};
 
 use std::net::TcpListener;
 use std::path::PathBuf;

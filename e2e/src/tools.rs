@@ -1,5 +1,6 @@
 //! The Python client tools the end-to-end tests drive tandem with (the `openai` package,
-//! TGI's `text-generation`, `jsonschema`): which Python has them.
+//! TGI's `text-generation`, `jsonschema`): which Python has them, and a client script run
+//! with it against a deployment.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -44,4 +45,28 @@ pub fn tools_python(modules: &[&str]) -> PathBuf {
         python.display()
     );
     python
+}
+
+/// Runs a client `script` (with the Python that has `openai`, `text_generation` and
+/// `jsonschema`) against the deployment at `base_url` (its argument), and parses the JSON
+/// line it prints.
+///
+/// # Panics
+/// When the script fails (its stderr is the message) or prints no JSON.
+pub async fn run_python_client(script: &'static str, base_url: String) -> serde_json::Value {
+    let python = tools_python(&["openai", "text_generation", "jsonschema"]);
+    let out = tokio::task::spawn_blocking(move || {
+        Command::new(python)
+            .args(["-c", script, &base_url])
+            .output()
+    })
+    .await
+    .expect("the client task")
+    .expect("the tools Python runs");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).expect("the client prints one JSON line")
 }

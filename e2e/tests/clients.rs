@@ -5,26 +5,12 @@
 use std::process::Command;
 
 use serde_json::Value;
-use tandem_e2e::{Deployment, DeploymentSpec, tools_python};
+use tandem_e2e::{Deployment, DeploymentSpec, run_python_client};
 
-/// Runs a client `script` with the tools python against a fresh deployment (its base URL as
-/// the argument) and parses the JSON line it prints.
+/// Runs a client `script` against a fresh deployment and parses the JSON line it prints.
 async fn run_client(script: &'static str) -> Value {
-    let python = tools_python(&["openai", "text_generation", "jsonschema"]);
     let dep = Deployment::start(&DeploymentSpec::default()).await.unwrap();
-    let base = dep.url("");
-    let out = tokio::task::spawn_blocking(move || {
-        Command::new(python).args(["-c", script, &base]).output()
-    })
-    .await
-    .unwrap()
-    .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_slice(&out.stdout).unwrap()
+    run_python_client(script, dep.url("")).await
 }
 
 const OPENAI_SCRIPT: &str = r#"

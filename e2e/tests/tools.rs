@@ -5,10 +5,7 @@
 //! well-formed call come back as content, never an error; TGI's own client's chat with a
 //! named tool, whole and streamed.
 
-use std::process::Command;
-
-use serde_json::Value;
-use tandem_e2e::{Deployment, DeploymentSpec, tools_python};
+use tandem_e2e::{Deployment, DeploymentSpec, run_python_client};
 
 const TOOLS_SCRIPT: &str = r#"
 import json, sys, jsonschema, openai
@@ -120,23 +117,8 @@ print(json.dumps({"requests": len(counts), "calls": sum(counts), "max_calls": ma
 /// not) all validate; the tool loop runs unchanged through the client.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn openai_client_tool_loop_with_forced_calls_that_always_validate() {
-    let python = tools_python(&["openai", "text_generation", "jsonschema"]);
     let dep = Deployment::start(&DeploymentSpec::default()).await.unwrap();
-    let base = dep.url("");
-    let out = tokio::task::spawn_blocking(move || {
-        Command::new(python)
-            .args(["-c", TOOLS_SCRIPT, &base])
-            .output()
-    })
-    .await
-    .unwrap()
-    .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let v = run_python_client(TOOLS_SCRIPT, dep.url("")).await;
     assert_eq!(v["requests"], 200, "{v}");
     assert!(v["calls"].as_u64().unwrap() >= 200, "{v}");
     assert!(

@@ -37,9 +37,11 @@ pub struct ParsedOutput {
     pub calls: Vec<ToolCall>,
 }
 
-const HERMES_OPEN: &str = "<tool_call>";
-const PYTHON_TAG: &str = "<|python_tag|>";
-const MISTRAL_MARK: &str = "[TOOL_CALLS]";
+/// The markers of each syntax (the reply parser looks for them too).
+pub(crate) const HERMES_OPEN: &str = "<tool_call>";
+pub(crate) const HERMES_CLOSE: &str = "</tool_call>";
+pub(crate) const PYTHON_TAG: &str = "<|python_tag|>";
+pub(crate) const MISTRAL_MARK: &str = "[TOOL_CALLS]";
 
 impl ToolSyntax {
     /// The syntax a chat template teaches its model, from the markers it prints; `None` for

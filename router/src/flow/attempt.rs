@@ -65,7 +65,7 @@ async fn establish_on(
     // What the request adds to the worker's blocks: its prompt less the prefix cached there.
     let new_blocks = prompt_blocks(decode, req.prompt.len())
         .saturating_sub(u32::try_from(decode.cached_blocks(names)).unwrap_or(u32::MAX));
-    decode.note_dispatch(new_blocks, 0);
+    decode.note_dispatch(new_blocks);
     decode.note_prompt(names);
     let first_prefill = routing::pick_prefill(
         &ctx.pool.prefill_candidates_for(decode, names),

@@ -16,7 +16,8 @@
 //! is much busier (stickiness falls out of the overlap). Load reports are polled (every
 //! `--health-interval-ms`), so between two reports every request would otherwise go to the
 //! same "best" worker: the router adds what it has itself dispatched since the last report
-//! (`pending_*`) to the reported load, and the prompts it sent to the worker's cache.
+//! (`pending_*`; a prompt's tokens only until its prefill is done) to the reported load, and
+//! the prompts it sent to the worker's cache.
 
 use crate::config::{FallbackPolicy, RoutingPolicy};
 

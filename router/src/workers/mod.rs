@@ -184,12 +184,11 @@ impl Worker {
         self.state().retired
     }
 
-    /// Records a request sent to this worker, until the next load report accounts for it.
-    pub fn note_dispatch(&self, blocks: u32, prompt_tokens: u64) {
+    /// Records a request sent to this (decode) worker and the KV blocks it will hold, until
+    /// the next load report accounts for them.
+    pub fn note_dispatch(&self, blocks: u32) {
         self.pending_blocks.fetch_add(blocks, Ordering::Relaxed);
         self.pending_requests.fetch_add(1, Ordering::Relaxed);
-        self.pending_tokens
-            .fetch_add(prompt_tokens, Ordering::Relaxed);
     }
 
     /// Records prompt tokens sent to this prefill worker, until the prompt is done or the next

@@ -75,13 +75,6 @@ fn one(target: &str, body: fn(&[u8]), input: &[u8]) {
     }
 }
 
-/// A stable name for an input.
-fn fnv(bytes: &[u8]) -> u64 {
-    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, &b| {
-        (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3)
-    })
-}
-
 /// The corpus, then mutations of it; the corpus must not be empty (seeds are committed).
 fn run(target: &str, body: fn(&[u8])) {
     let corpus = inputs(target);

@@ -4,10 +4,9 @@
 //! function's arguments stream as they come; `required`'s array is read at the end.
 
 use super::parts::{ReplyPart, Seams, ToolMode, partial_marker};
-use crate::tools::{self, ToolCall, ToolSyntax};
-
-const HERMES_OPEN: &str = "<tool_call>";
-const HERMES_CLOSE: &str = "</tool_call>";
+use crate::tools::{
+    self, HERMES_CLOSE, HERMES_OPEN, MISTRAL_MARK, PYTHON_TAG, ToolCall, ToolSyntax,
+};
 
 #[derive(Debug)]
 enum State {
@@ -129,23 +128,13 @@ impl CallSplitter {
     /// Hermes: settles text up to a possible marker and every call that closed.
     fn hermes(&mut self, out: &mut Vec<ReplyPart>) {
         loop {
-            let mut text = String::new();
             match self.state {
                 State::HermesText => {
-                    if let Some(at) = self.held.find(HERMES_OPEN) {
-                        self.seams.text(&self.held[..at], &mut text);
-                        self.before_call = self.seams.seam();
-                        self.held.drain(..at + HERMES_OPEN.len());
-                        self.state = State::HermesCall;
-                        content(text, out);
-                        continue;
+                    if !self.text_until(HERMES_OPEN, out) {
+                        return;
                     }
-                    let keep = partial_marker(&self.held, HERMES_OPEN);
-                    let settled = self.held.len() - keep;
-                    self.seams.text(&self.held[..settled], &mut text);
-                    self.held.drain(..settled);
-                    content(text, out);
-                    return;
+                    self.held.drain(..HERMES_OPEN.len());
+                    self.state = State::HermesCall;
                 }
                 State::HermesCall => {
                     let Some(at) = self.held.find(HERMES_CLOSE) else {
@@ -161,6 +150,7 @@ impl CallSplitter {
                             // Not a call: the text as the model wrote it.
                             self.seams.undo(std::mem::take(&mut self.before_call));
                             let raw = format!("{HERMES_OPEN}{}", &self.held[..end]);
+                            let mut text = String::new();
                             self.seams.text(&raw, &mut text);
                             content(text, out);
                         }
@@ -178,12 +168,11 @@ impl CallSplitter {
         let ToolMode::Auto { syntax, .. } = self.mode else {
             return;
         };
-        let mut text = String::new();
         if let State::Undecided = self.state {
             let start = self.held.trim_start();
             let calls_start = match syntax {
-                ToolSyntax::Mistral => ["[TOOL_CALLS]", "[{"].as_slice(),
-                _ => ["<|python_tag|>", "{"].as_slice(),
+                ToolSyntax::Mistral => [MISTRAL_MARK, "[{"],
+                _ => [PYTHON_TAG, "{"],
             };
             if calls_start.iter().any(|m| start.starts_with(m)) {
                 self.state = State::WholeCalls;
@@ -194,26 +183,33 @@ impl CallSplitter {
             }
             self.state = State::WholeText;
         }
-        // Text; Mistral's marker may still open calls after it.
+        // Text; Mistral's marker may still open calls after it (read whole, marker and all).
         if syntax == ToolSyntax::Mistral {
-            const MARK: &str = "[TOOL_CALLS]";
-            if let Some(at) = self.held.find(MARK) {
-                self.seams.text(&self.held[..at], &mut text);
-                self.before_call = self.seams.seam();
-                self.held.drain(..at);
+            if self.text_until(MISTRAL_MARK, out) {
                 self.state = State::WholeCalls;
-                content(text, out);
-                return;
             }
-            let keep = partial_marker(&self.held, MARK);
-            let settled = self.held.len() - keep;
-            self.seams.text(&self.held[..settled], &mut text);
-            self.held.drain(..settled);
-        } else {
-            let held = std::mem::take(&mut self.held);
-            self.seams.text(&held, &mut text);
+            return;
+        }
+        let held = std::mem::take(&mut self.held);
+        let mut text = String::new();
+        self.seams.text(&held, &mut text);
+        content(text, out);
+    }
+
+    /// Releases the held text before `marker` as content. When the marker has come, that is
+    /// everything before it, a seam follows, `held` starts at the marker, and it returns
+    /// true; else everything but an end that may still begin the marker.
+    fn text_until(&mut self, marker: &str, out: &mut Vec<ReplyPart>) -> bool {
+        let found = self.held.find(marker);
+        let settled = found.unwrap_or(self.held.len() - partial_marker(&self.held, marker));
+        let mut text = String::new();
+        self.seams.text(&self.held[..settled], &mut text);
+        self.held.drain(..settled);
+        if found.is_some() {
+            self.before_call = self.seams.seam();
         }
         content(text, out);
+        found.is_some()
     }
 
     /// A settled call, unless `parallel_tool_calls: false` already let one through.
