@@ -59,6 +59,16 @@ pub struct ModelArgs {
     /// Where the default model is cached (default: the user's cache dir + /tandem).
     #[arg(long, env = "TANDEM_CACHE")]
     pub cache_dir: Option<PathBuf>,
+    /// Ceilings on what the model's files may declare, each checked (with the file's own
+    /// length) before anything is allocated for it; a file past one is refused, naming it.
+    /// `KEY=N` pairs separated by commas, `N` a count that may end in K, M, G or T (powers of
+    /// 1024); keys left out keep their defaults, which are
+    /// `metadata-items=32M,string-bytes=64M,vocab=4M,merges=16M,template-bytes=1M,tensors=256K,json-bytes=256M`
+    /// (GGUF metadata array items in all, bytes of one GGUF string, tokens, BPE merges, bytes
+    /// of a chat template, tensors, bytes of a JSON file or safetensors header).
+    #[arg(long, env = "TANDEM_MODEL_LIMITS")]
+    #[serde(default)]
+    pub model_limits: Option<String>,
 }
 
 /// The values of `--cpu-priority`.

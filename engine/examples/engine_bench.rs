@@ -174,6 +174,7 @@ fn main() -> anyhow::Result<()> {
         kv_dtype: args.kv_dtype,
         cache_dir: args.cache.clone(),
         tokenizer: None,
+        ..Default::default()
     };
     eprintln!("loading {}...", args.model);
     let (model, tokenizer) = load_model(&source, &opts)?;

@@ -74,6 +74,7 @@ fn main() -> anyhow::Result<()> {
             cache_dir: args.cache.clone(),
             kv_dtype: args.kv_dtype,
             tokenizer: None,
+            ..Default::default()
         };
         eprintln!("loading {} as {format}...", args.model);
         let (model, tokenizer) = load_model(&source, &opts)?;

@@ -207,9 +207,30 @@ impl ChatTemplate {
             Err(e) if e.kind() == ErrorKind::WriteFailure => Err(TextError::ChatTemplateLimit(
                 format!("the template wrote more than {limit} bytes for {input} bytes of messages"),
             )),
+            Err(e) if e.kind() == ErrorKind::InvalidOperation && hit_a_bound(&e) => {
+                Err(TextError::ChatTemplateLimit(format!(
+                    "the template ran into minijinja's bound: {}",
+                    e.detail().unwrap_or_default()
+                )))
+            }
             Err(e) => Err(TextError::ChatTemplate(e.to_string())),
         }
     }
+}
+
+/// Whether a render stopped at one of the bounds minijinja puts on a single operation: its
+/// recursion depth, the length of a `range`, the length of a repeated string. Like running
+/// out of fuel, hitting one means the template asked for unbounded work (a macro that calls
+/// itself forever, a loop of a billion turns), not that a conversation was refused; minijinja
+/// tells them apart only by their words.
+fn hit_a_bound(e: &Error) -> bool {
+    const BOUNDS: [&str; 3] = [
+        "recursion limit exceeded",
+        "range has too many elements",
+        "repeated string is too large",
+    ];
+    e.detail()
+        .is_some_and(|d| BOUNDS.iter().any(|b| d.contains(b)))
 }
 
 /// `value | tojson(indent=N)` as transformers prints it (`json.dumps`).
@@ -414,6 +435,16 @@ mod tests {
                 "{% for i in range(100000) %}{{ 'x' * 100000 }}{% endfor %}",
             ),
             ("one huge string", "{{ 'x' * 50000000 }}"),
+            // minijinja's own bounds on one operation: as much a sign of unbounded work.
+            (
+                "recurses",
+                "{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}",
+            ),
+            (
+                "a billion-turn range",
+                "{% for i in range(1000000000) %}{% endfor %}",
+            ),
+            ("a string past 100 MB", "{{ 'x' * 1000000000 }}"),
         ] {
             match ChatTemplate::new(src, None, None) {
                 Err(TextError::ChatTemplateLimit(_)) => {}
@@ -421,9 +452,9 @@ mod tests {
                 Ok(_) => panic!("{what}: accepted"),
             }
         }
-        // One that recurses stops at minijinja's own depth limit, an ordinary render error.
-        let recurses = "{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}";
-        let t = ChatTemplate::new(recurses, None, None).unwrap();
+        // The template's own refusal is not a bound: it loads, and says no per request.
+        let refuses = "{{ raise_exception('no system role') }}";
+        let t = ChatTemplate::new(refuses, None, None).unwrap();
         assert!(matches!(
             t.render(&[ChatMessage::new("user", "hi")], true),
             Err(TextError::ChatTemplate(_))

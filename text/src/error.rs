@@ -27,6 +27,17 @@ pub enum TextError {
     NoChatTemplate,
     #[error("structured output: {0}")]
     Guide(String),
+    /// A size a model file declares is above one of the [`crate::ModelLimits`] ceilings.
+    #[error("{what}: {value} is above the ceiling of {limit} (--model-limits {key}=N raises it)")]
+    OverLimit {
+        what: String,
+        value: u64,
+        limit: u64,
+        key: &'static str,
+    },
+    /// A `--model-limits` value that does not parse.
+    #[error("--model-limits: {0}")]
+    Limits(String),
 }
 
 impl TextError {

@@ -2,8 +2,11 @@
 //! that carry the architecture, the tokenizer and the chat template. Tensor data is not read
 //! here; the engine loads tensors through candle.
 //!
-//! Every length read from the file is checked against the bytes that remain, so a truncated
-//! or hostile file gives an error instead of a huge allocation or a panic.
+//! Every length read from the file is checked against the bytes that remain and against the
+//! [`ModelLimits`] ceilings before anything is allocated for it, so a truncated or hostile
+//! file gives an error naming the key (or tensor) at fault instead of a huge allocation or a
+//! panic. [`read_file`] also reads the tensor directory, for the engine to check against the
+//! file before candle reads a tensor.
 
 use std::collections::BTreeMap;
 use std::fs::File;
@@ -11,6 +14,7 @@ use std::io::{BufReader, Read};
 use std::path::Path;
 
 use crate::TextError;
+use crate::limits::{Ceiling, ModelLimits};
 
 const MAGIC: &[u8; 4] = b"GGUF";
 
@@ -132,43 +136,86 @@ pub fn is_gguf(path: &Path) -> bool {
         .unwrap_or(false)
 }
 
-/// Reads the header and all metadata of a GGUF file.
+/// Reads the header and all metadata of a GGUF file, under the default [`ModelLimits`].
 pub fn read_metadata(path: &Path) -> Result<GgufMetadata, TextError> {
-    let file = File::open(path).map_err(|source| TextError::Io {
+    read_metadata_with(path, &ModelLimits::default())
+}
+
+/// Reads the header and all metadata of a GGUF file, under `limits`.
+pub fn read_metadata_with(path: &Path, limits: &ModelLimits) -> Result<GgufMetadata, TextError> {
+    let (mut reader, _) = open(path, limits)?;
+    reader.metadata()
+}
+
+/// One entry of a GGUF file's tensor directory as the file states it: its dimensions
+/// innermost first, its GGML type id, its data's offset from [`GgufFile::data_offset`]. The
+/// engine checks types and extents against the file before it reads any data.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GgufTensorInfo {
+    pub name: String,
+    pub dims: Vec<u64>,
+    pub type_id: u32,
+    pub offset: u64,
+}
+
+/// Everything before a GGUF file's tensor data: the metadata and the tensor directory.
+#[derive(Debug, Clone)]
+pub struct GgufFile {
+    pub metadata: GgufMetadata,
+    pub tensors: Vec<GgufTensorInfo>,
+    /// Where the tensor data starts (the directory's end, aligned to `general.alignment`).
+    pub data_offset: u64,
+    /// The file's length in bytes.
+    pub file_len: u64,
+}
+
+/// Dimensions a GGUF tensor may have (ggml's `GGML_MAX_DIMS`).
+pub const MAX_TENSOR_DIMS: u32 = 4;
+
+/// Reads the metadata and the tensor directory of a GGUF file, under `limits`.
+pub fn read_file(path: &Path, limits: &ModelLimits) -> Result<GgufFile, TextError> {
+    let (mut reader, file_len) = open(path, limits)?;
+    let metadata = reader.metadata()?;
+    let tensors = reader.tensor_directory(metadata.tensor_count)?;
+    let alignment = match metadata.get("general.alignment") {
+        None => 32,
+        Some(v) => match v.as_u64() {
+            Some(a) if a.is_power_of_two() && a <= 1 << 20 => a,
+            _ => {
+                return Err(TextError::Gguf(format!(
+                    "`general.alignment` {v:?} is not a power of two up to 1 MiB"
+                )));
+            }
+        },
+    };
+    let position = file_len - reader.remaining;
+    let data_offset = position.next_multiple_of(alignment);
+    Ok(GgufFile {
+        metadata,
+        tensors,
+        data_offset,
+        file_len,
+    })
+}
+
+/// The file at `path` opened for reading under `limits`, and its length.
+fn open(path: &Path, limits: &ModelLimits) -> Result<(Reader<BufReader<File>>, u64), TextError> {
+    let io = |source| TextError::Io {
         path: path.to_owned(),
         source,
-    })?;
-    let len = file
-        .metadata()
-        .map_err(|source| TextError::Io {
-            path: path.to_owned(),
-            source,
-        })?
-        .len();
-    let mut reader = Reader {
-        inner: BufReader::with_capacity(1 << 20, file),
-        remaining: len,
-        items_left: MAX_METADATA_ITEMS,
     };
-    reader.metadata()
+    let file = File::open(path).map_err(io)?;
+    let len = file.metadata().map_err(io)?.len();
+    let reader = Reader::new(BufReader::with_capacity(1 << 20, file), len, limits);
+    Ok((reader, len))
 }
 
 /// Reads the header and all metadata of a GGUF file held in memory (the fuzz targets').
 pub fn parse_metadata(bytes: &[u8]) -> Result<GgufMetadata, TextError> {
-    let mut reader = Reader {
-        inner: bytes,
-        remaining: bytes.len() as u64,
-        items_left: MAX_METADATA_ITEMS,
-    };
-    reader.metadata()
+    Reader::new(bytes, bytes.len() as u64, &ModelLimits::default()).metadata()
 }
 
-/// Array items the metadata of one file may hold in all. Each becomes a value of some 32
-/// bytes in memory however few bytes it takes in the file (one, for a u8), so the file's
-/// length alone does not bound what its arrays cost: this does (about 1 GB at most). The
-/// largest vocabularies shipped (~260k tokens, their scores and types, ~500k merges) hold
-/// about 1.3M.
-pub const MAX_METADATA_ITEMS: u64 = 32 << 20;
+pub use crate::limits::MAX_METADATA_ITEMS;
 
 /// The fewest bytes a value of GGUF type `type_id` takes in the file.
 fn min_value_bytes(type_id: u32) -> u64 {
@@ -183,15 +230,39 @@ fn min_value_bytes(type_id: u32) -> u64 {
     }
 }
 
+/// The ceiling a well-known key's top-level size answers to besides the general ones: the
+/// vocabulary's arrays hold one item per token, the merge list one per merge, and a chat
+/// template is a string of bounded length.
+fn key_ceiling(key: &str) -> Option<Ceiling> {
+    match key {
+        "tokenizer.ggml.tokens" | "tokenizer.ggml.scores" | "tokenizer.ggml.token_type" => {
+            Some(Ceiling::Vocab)
+        }
+        "tokenizer.ggml.merges" => Some(Ceiling::Merges),
+        k if k.starts_with("tokenizer.chat_template") => Some(Ceiling::TemplateBytes),
+        _ => None,
+    }
+}
+
 struct Reader<R> {
     inner: R,
     /// Bytes left in the file: the ceiling for every length read from it.
     remaining: u64,
     /// Array items still allowed (see [`MAX_METADATA_ITEMS`]).
     items_left: u64,
+    limits: ModelLimits,
 }
 
 impl<R: Read> Reader<R> {
+    fn new(inner: R, len: u64, limits: &ModelLimits) -> Self {
+        Self {
+            inner,
+            remaining: len,
+            items_left: limits.get(Ceiling::MetadataItems),
+            limits: *limits,
+        }
+    }
+
     fn bytes<const N: usize>(&mut self) -> Result<[u8; N], TextError> {
         let mut buf = [0u8; N];
         self.inner
@@ -209,29 +280,42 @@ impl<R: Read> Reader<R> {
         self.bytes::<8>().map(u64::from_le_bytes)
     }
 
-    /// A count that promises `count * min_item_bytes` more bytes in the file.
-    fn checked_len(&mut self, min_item_bytes: u64) -> Result<usize, TextError> {
+    /// A count of `what` that promises `count * min_item_bytes` more bytes in the file.
+    fn count(&mut self, what: &str, min_item_bytes: u64) -> Result<u64, TextError> {
         let count = self.u64()?;
         if count.saturating_mul(min_item_bytes) > self.remaining {
             return Err(TextError::Gguf(format!(
-                "length {count} runs past the end of the file"
+                "{what} {count} runs past the end of the file ({} bytes left)",
+                self.remaining
             )));
         }
-        usize::try_from(count).map_err(|_| TextError::Gguf(format!("length {count} too large")))
+        Ok(count)
     }
 
-    fn string(&mut self) -> Result<String, TextError> {
-        let len = self.checked_len(1)?;
-        let mut buf = vec![0u8; len];
+    /// A string of `what`, at most `ceiling` bytes (besides the file's own bound).
+    fn string(&mut self, what: &str, ceiling: Ceiling) -> Result<String, TextError> {
+        let len = self.count(&format!("{what}: a string of length"), 1)?;
+        self.limits
+            .check(ceiling, len, format_args!("{what}: string bytes"))?;
+        let mut buf = vec![0u8; len as usize];
         self.inner
             .read_exact(&mut buf)
-            .map_err(|e| TextError::Gguf(format!("truncated string: {e}")))?;
-        self.remaining = self.remaining.saturating_sub(len as u64);
+            .map_err(|e| TextError::Gguf(format!("{what}: truncated string: {e}")))?;
+        self.remaining = self.remaining.saturating_sub(len);
         // Some vocabularies hold invalid UTF-8 pieces; keep them visible rather than fail.
         Ok(String::from_utf8(buf).unwrap_or_else(|e| String::from_utf8_lossy(e.as_bytes()).into()))
     }
 
-    fn value(&mut self, type_id: u32, depth: u32) -> Result<GgufValue, TextError> {
+    /// A value of type `type_id` under metadata key `key`; `top` is the key's own ceiling
+    /// ([`key_ceiling`]), which applies to the value itself, not to nested ones.
+    fn value(
+        &mut self,
+        key: &str,
+        type_id: u32,
+        depth: u32,
+        top: Option<Ceiling>,
+    ) -> Result<GgufValue, TextError> {
+        let what = || format!("metadata `{key}`");
         Ok(match type_id {
             0 => GgufValue::U8(self.bytes::<1>()?[0]),
             1 => GgufValue::I8(i8::from_le_bytes(self.bytes::<1>()?)),
@@ -241,28 +325,54 @@ impl<R: Read> Reader<R> {
             5 => GgufValue::I32(i32::from_le_bytes(self.bytes::<4>()?)),
             6 => GgufValue::F32(f32::from_le_bytes(self.bytes::<4>()?)),
             7 => GgufValue::Bool(self.bytes::<1>()?[0] != 0),
-            8 => GgufValue::String(self.string()?),
+            8 => {
+                let ceiling = match top {
+                    Some(Ceiling::TemplateBytes) => Ceiling::TemplateBytes,
+                    _ => Ceiling::StringBytes,
+                };
+                GgufValue::String(self.string(&what(), ceiling)?)
+            }
             9 => {
                 if depth > 4 {
-                    return Err(TextError::Gguf("arrays nested too deeply".into()));
+                    return Err(TextError::Gguf(format!(
+                        "{}: arrays nested more than 4 deep",
+                        what()
+                    )));
                 }
                 let item_type = self.u32()?;
-                let len = self.checked_len(min_value_bytes(item_type))?;
-                self.items_left = self.items_left.checked_sub(len as u64).ok_or_else(|| {
-                    TextError::Gguf(format!(
-                        "metadata arrays hold more than {MAX_METADATA_ITEMS} items in all"
-                    ))
-                })?;
-                let mut items = Vec::with_capacity(len.min(1 << 20));
+                let len = self.count(
+                    &format!("{}: an array of length", what()),
+                    min_value_bytes(item_type),
+                )?;
+                if let Some(ceiling @ (Ceiling::Vocab | Ceiling::Merges)) = top {
+                    self.limits
+                        .check(ceiling, len, format_args!("{}: items", what()))?;
+                }
+                self.items_left =
+                    self.items_left
+                        .checked_sub(len)
+                        .ok_or_else(|| TextError::OverLimit {
+                            what: "GGUF metadata array items in all".into(),
+                            value: len,
+                            limit: self.limits.get(Ceiling::MetadataItems),
+                            key: Ceiling::MetadataItems.key(),
+                        })?;
+                // `len` fits the file, but a capacity is allocated at once: grow past 1M.
+                let mut items = Vec::with_capacity(len.min(1 << 20) as usize);
                 for _ in 0..len {
-                    items.push(self.value(item_type, depth + 1)?);
+                    items.push(self.value(key, item_type, depth + 1, None)?);
                 }
                 GgufValue::Array(items)
             }
             10 => GgufValue::U64(self.u64()?),
             11 => GgufValue::I64(i64::from_le_bytes(self.bytes::<8>()?)),
             12 => GgufValue::F64(f64::from_le_bytes(self.bytes::<8>()?)),
-            other => return Err(TextError::Gguf(format!("unknown value type {other}"))),
+            other => {
+                return Err(TextError::Gguf(format!(
+                    "{}: unknown value type {other}",
+                    what()
+                )));
+            }
         })
     }
 
@@ -276,14 +386,15 @@ impl<R: Read> Reader<R> {
                 "unsupported GGUF version {version}"
             )));
         }
+        // Checked against the file by `tensor_directory`, which reads the entries.
         let tensor_count = self.u64()?;
         // A key/value pair is at least a key length, a type and one byte.
-        let kv_count = self.checked_len(13)?;
+        let kv_count = self.count("metadata key count", 13)?;
         let mut entries = BTreeMap::new();
         for _ in 0..kv_count {
-            let key = self.string()?;
+            let key = self.string("a metadata key", Ceiling::StringBytes)?;
             let type_id = self.u32()?;
-            let value = self.value(type_id, 0)?;
+            let value = self.value(&key, type_id, 0, key_ceiling(&key))?;
             entries.insert(key, value);
         }
         Ok(GgufMetadata {
@@ -291,6 +402,41 @@ impl<R: Read> Reader<R> {
             tensor_count,
             entries,
         })
+    }
+
+    /// The `count` entries of the tensor directory, which follows the metadata.
+    fn tensor_directory(&mut self, count: u64) -> Result<Vec<GgufTensorInfo>, TextError> {
+        // An entry is at least a name length, a dimension count, a type and an offset.
+        const MIN_ENTRY_BYTES: u64 = 8 + 4 + 4 + 8;
+        if count.saturating_mul(MIN_ENTRY_BYTES) > self.remaining {
+            return Err(TextError::Gguf(format!(
+                "tensor count {count} runs past the end of the file ({} bytes left)",
+                self.remaining
+            )));
+        }
+        self.limits.check(Ceiling::Tensors, count, "tensor count")?;
+        let mut tensors = Vec::with_capacity(count as usize);
+        for _ in 0..count {
+            let name = self.string("a tensor name", Ceiling::StringBytes)?;
+            let n_dims = self.u32()?;
+            if n_dims > MAX_TENSOR_DIMS {
+                return Err(TextError::Gguf(format!(
+                    "tensor `{name}` has {n_dims} dimensions, more than GGUF's {MAX_TENSOR_DIMS}"
+                )));
+            }
+            let dims = (0..n_dims)
+                .map(|_| self.u64())
+                .collect::<Result<Vec<_>, _>>()?;
+            let type_id = self.u32()?;
+            let offset = self.u64()?;
+            tensors.push(GgufTensorInfo {
+                name,
+                dims,
+                type_id,
+                offset,
+            });
+        }
+        Ok(tensors)
     }
 }
 
@@ -434,15 +580,119 @@ mod tests {
         let err = read_metadata(&path).unwrap_err().to_string();
         assert!(err.contains("past the end"), "{err}");
         // Past the item ceiling: refused before anything is read.
-        let mut many = Reader {
-            inner: std::io::Cursor::new(array_of(MAX_METADATA_ITEMS + 1, 0)),
-            remaining: u64::MAX,
-            items_left: MAX_METADATA_ITEMS,
-        };
+        let mut many = Reader::new(
+            std::io::Cursor::new(array_of(MAX_METADATA_ITEMS + 1, 0)),
+            u64::MAX,
+            &ModelLimits::default(),
+        );
         let err = many.metadata().unwrap_err().to_string();
         assert!(err.contains("items in all"), "{err}");
         let not = dir.path().join("not.gguf");
         std::fs::write(&not, b"hello world").unwrap();
         assert!(!is_gguf(&not));
+    }
+
+    /// A metadata-only file (no tensors) with `entries`, then `tail` bytes appended.
+    fn file_with(
+        dir: &Path,
+        name: &str,
+        entries: &[(&str, GgufValue)],
+        tensors: u64,
+        tail: &[u8],
+    ) -> std::path::PathBuf {
+        let mut buf = Vec::new();
+        write_metadata(&mut buf, entries, tensors).unwrap();
+        buf.extend_from_slice(tail);
+        let path = dir.join(name);
+        std::fs::write(&path, buf).unwrap();
+        path
+    }
+
+    #[test]
+    fn keys_answer_to_their_own_ceilings_and_errors_name_them() {
+        let dir = tempfile::tempdir().unwrap();
+        let merges = (0..5)
+            .map(|i| GgufValue::String(format!("a{i} b")))
+            .collect();
+        let path = file_with(
+            dir.path(),
+            "m.gguf",
+            &[
+                ("tokenizer.ggml.merges", GgufValue::Array(merges)),
+                (
+                    "tokenizer.chat_template",
+                    GgufValue::String("x".repeat(100)),
+                ),
+            ],
+            0,
+            &[],
+        );
+        assert!(read_metadata(&path).is_ok());
+        let few = ModelLimits::default().with(Ceiling::Merges, 4);
+        let err = read_metadata_with(&path, &few).unwrap_err().to_string();
+        assert!(
+            err.contains("`tokenizer.ggml.merges`: items: 5 is above the ceiling of 4"),
+            "{err}"
+        );
+        let short = ModelLimits::default().with(Ceiling::TemplateBytes, 99);
+        let err = read_metadata_with(&path, &short).unwrap_err().to_string();
+        assert!(
+            err.contains("`tokenizer.chat_template`: string bytes: 100 is above"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn the_tensor_directory_is_read_and_checked_against_the_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let entry = |name: &str, dims: &[u64], type_id: u32, offset: u64| {
+            let mut e = (name.len() as u64).to_le_bytes().to_vec();
+            e.extend_from_slice(name.as_bytes());
+            e.extend_from_slice(&(dims.len() as u32).to_le_bytes());
+            dims.iter()
+                .for_each(|d| e.extend_from_slice(&d.to_le_bytes()));
+            e.extend_from_slice(&type_id.to_le_bytes());
+            e.extend_from_slice(&offset.to_le_bytes());
+            e
+        };
+        let arch = [("general.architecture", GgufValue::String("llama".into()))];
+        let mut two = entry("a", &[4, 2], 0, 0);
+        two.extend(entry("b", &[8], 1, 32));
+        let path = file_with(dir.path(), "ok.gguf", &arch, 2, &two);
+        let file = read_file(&path, &ModelLimits::default()).unwrap();
+        assert_eq!(file.tensors.len(), 2);
+        assert_eq!(file.tensors[1].dims, [8]);
+        assert_eq!((file.tensors[1].type_id, file.tensors[1].offset), (1, 32));
+        assert_eq!(file.data_offset % 32, 0);
+        assert!(file.data_offset >= file.file_len);
+        let err = |tensors: u64, tail: &[u8], limits: &ModelLimits| {
+            let path = file_with(dir.path(), "bad.gguf", &arch, tensors, tail);
+            read_file(&path, limits).unwrap_err().to_string()
+        };
+        let e = err(1 << 40, &two, &ModelLimits::default());
+        assert!(
+            e.contains("tensor count 1099511627776 runs past the end"),
+            "{e}"
+        );
+        let e = err(2, &two, &ModelLimits::default().with(Ceiling::Tensors, 1));
+        assert!(
+            e.contains("tensor count: 2 is above the ceiling of 1"),
+            "{e}"
+        );
+        let e = err(
+            1,
+            &entry("five", &[1, 1, 1, 1, 1], 0, 0),
+            &ModelLimits::default(),
+        );
+        assert!(e.contains("tensor `five` has 5 dimensions"), "{e}");
+        let odd = [
+            ("general.architecture", GgufValue::String("llama".into())),
+            ("general.alignment", GgufValue::U32(0)),
+        ];
+        let path = file_with(dir.path(), "align.gguf", &odd, 0, &[]);
+        let e = read_file(&path, &ModelLimits::default())
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("`general.alignment`"), "{e}");
     }
 }

@@ -9,12 +9,14 @@
 //! depends on it for the same reason: one tokenizer implementation, so token counts agree
 //! everywhere.
 
+mod bounded;
 mod chat;
 mod detok;
 mod error;
 pub mod fuzzing;
 pub mod gguf;
 mod guided;
+mod limits;
 mod reply;
 mod spm;
 mod stop;
@@ -28,6 +30,7 @@ pub use chat::{
 pub use detok::IncrementalDetokenizer;
 pub use error::TextError;
 pub use guided::{Allowed, Guide, GuideFactory, GuideSpec, MAX_GUIDE_BYTES, MAX_GUIDE_CHOICES};
+pub use limits::{Ceiling, ModelLimits, SPM_BYTES_PER_MERGE};
 pub use reply::{ParsedReply, ReplyOptions, ReplyParser, ReplyPart, ToolMode};
 pub use stop::{StopMatch, StopStringMatcher};
 pub use tokenizer::{TextTokenizer, TokenizerInfo, load_tokenizer};

@@ -19,6 +19,7 @@ use tokenizers::{DecoderWrapper, NormalizerWrapper, Tokenizer};
 
 use crate::TextError;
 use crate::gguf::GgufMetadata;
+use crate::limits::{Ceiling, ModelLimits, SPM_BYTES_PER_MERGE};
 
 /// The piece SentencePiece writes for a space.
 const SPACE: &str = "\u{2581}";
@@ -32,6 +33,7 @@ pub(crate) fn tokenizer(
     meta: &GgufMetadata,
     tokens: &[&str],
     types: &[u64],
+    limits: &ModelLimits,
 ) -> Result<Tokenizer, TextError> {
     let scores: Vec<f64> = meta
         .get("tokenizer.ggml.scores")
@@ -49,7 +51,7 @@ pub(crate) fn tokenizer(
     for (i, t) in tokens.iter().enumerate() {
         vocab.insert(t.to_string(), i as u32);
     }
-    let merges = merges(tokens, &scores, &vocab);
+    let merges = merges(tokens, &scores, &vocab, limits)?;
     let unk = types
         .iter()
         .position(|&t| t == TYPE_UNKNOWN)
@@ -92,7 +94,31 @@ pub(crate) fn tokenizer(
 /// Every way to join two pieces of the vocabulary into a third, ranked as `transformers`
 /// ranks them: by the joined piece's score, highest first, then by the left piece's length
 /// and the right one's, longest first; ties keep vocabulary order.
-fn merges(tokens: &[&str], scores: &[f64], vocab: &Vocab) -> Vec<(String, String)> {
+///
+/// Each split of a piece of `n` bytes hashes up to `n` bytes and each merge found keeps `n`,
+/// so the work and the memory grow with the sum of the squared piece lengths, not with the
+/// file's size: a few long pieces in a small file would take hours and gigabytes. That sum
+/// is bounded before any merge is derived ([`SPM_BYTES_PER_MERGE`] per allowed merge), and
+/// so is the number of merges found.
+fn merges(
+    tokens: &[&str],
+    scores: &[f64],
+    vocab: &Vocab,
+    limits: &ModelLimits,
+) -> Result<Vec<(String, String)>, TextError> {
+    let max_merges = limits.get(Ceiling::Merges);
+    let work: u64 = tokens
+        .iter()
+        .map(|t| (t.len() as u64).saturating_mul(t.len() as u64))
+        .fold(0, u64::saturating_add);
+    limits.check(
+        Ceiling::Merges,
+        work / SPM_BYTES_PER_MERGE,
+        format_args!(
+            "SentencePiece merges to derive: the squared piece lengths sum to {work} bytes, \
+             at {SPM_BYTES_PER_MERGE} a merge"
+        ),
+    )?;
     struct Merge {
         score: f64,
         left_len: usize,
@@ -105,6 +131,14 @@ fn merges(tokens: &[&str], scores: &[f64], vocab: &Vocab) -> Vec<(String, String
         for (split, _) in piece.char_indices().skip(1) {
             let (left, right) = piece.split_at(split);
             if let (Some(&l), Some(&r)) = (ids.get(left), ids.get(right)) {
+                if found.len() as u64 >= max_merges {
+                    return Err(TextError::OverLimit {
+                        what: "SentencePiece merges derived".into(),
+                        value: found.len() as u64 + 1,
+                        limit: max_merges,
+                        key: Ceiling::Merges.key(),
+                    });
+                }
                 found.push(Merge {
                     score,
                     left_len: left.chars().count(),
@@ -121,7 +155,7 @@ fn merges(tokens: &[&str], scores: &[f64], vocab: &Vocab) -> Vec<(String, String
             .then(b.right_len.cmp(&a.right_len))
             .then(a.order.cmp(&b.order))
     });
-    found
+    Ok(found
         .into_iter()
         .map(|m| {
             let (_, l, r) = m.order;
@@ -130,5 +164,5 @@ fn merges(tokens: &[&str], scores: &[f64], vocab: &Vocab) -> Vec<(String, String
                 tokens[r as usize].to_string(),
             )
         })
-        .collect()
+        .collect())
 }

@@ -18,7 +18,9 @@ use tokenizers::processors::template::TemplateProcessing;
 use tokenizers::{AddedToken, PreTokenizerWrapper, SplitDelimiterBehavior, Tokenizer};
 
 use crate::TextError;
+use crate::bounded;
 use crate::gguf::{self, GgufMetadata};
+use crate::limits::{Ceiling, ModelLimits};
 
 /// The pre-tokenizer regex of Llama 3 (`llama-bpe` in GGUF terms).
 const LLAMA3_PATTERN: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
@@ -82,15 +84,24 @@ impl TextTokenizer {
         Self { inner, info }
     }
 
-    /// A tokenizer from a `tokenizer.json` file, an HF folder or a GGUF file.
+    /// A tokenizer from a `tokenizer.json` file, an HF folder or a GGUF file, under the
+    /// default [`ModelLimits`].
     pub fn from_path(path: &Path) -> Result<Self, TextError> {
+        Self::from_path_with(path, &ModelLimits::default())
+    }
+
+    /// [`Self::from_path`] under `limits`.
+    pub fn from_path_with(path: &Path, limits: &ModelLimits) -> Result<Self, TextError> {
         if path.is_dir() {
-            Self::from_hf_dir(path)
+            Self::from_hf_dir_with(path, limits)
         } else if gguf::is_gguf(path) {
-            Self::from_gguf_metadata(&gguf::read_metadata(path)?)
+            Self::from_gguf_metadata_with(&gguf::read_metadata_with(path, limits)?, limits)
         } else {
-            let json = read_to_string(path)?;
-            Self::from_json(&json, TokenizerInfo::default())
+            let inner = read_tokenizer_json(path, limits)?;
+            Ok(Self {
+                inner,
+                info: TokenizerInfo::default(),
+            })
         }
     }
 
@@ -101,23 +112,23 @@ impl TextTokenizer {
     }
 
     /// An HF model folder: `tokenizer.json`, plus `tokenizer_config.json` (chat template,
-    /// special tokens) and `generation_config.json`/`config.json` (EOS ids) when present.
+    /// special tokens) and `generation_config.json`/`config.json` (EOS ids) when present;
+    /// under the default [`ModelLimits`].
     pub fn from_hf_dir(dir: &Path) -> Result<Self, TextError> {
-        let path = dir.join("tokenizer.json");
-        let json = std::fs::read(&path).map_err(|source| TextError::Io {
-            path: path.clone(),
-            source,
-        })?;
-        let inner = parse_tokenizer_json(&json)
-            .map_err(|e| TextError::Tokenizer(format!("{}: {e}", path.display())))?;
+        Self::from_hf_dir_with(dir, &ModelLimits::default())
+    }
+
+    /// [`Self::from_hf_dir`] under `limits`.
+    pub fn from_hf_dir_with(dir: &Path, limits: &ModelLimits) -> Result<Self, TextError> {
+        let inner = read_tokenizer_json(&dir.join("tokenizer.json"), limits)?;
         let mut info = TokenizerInfo::default();
-        if let Some(cfg) = read_json_opt(&dir.join("tokenizer_config.json"))? {
+        if let Some(cfg) = read_json_opt(&dir.join("tokenizer_config.json"), limits)? {
             info.chat_template = chat_template_from_config(&cfg);
             info.bos_token = special_token_text(cfg.get("bos_token"));
             info.eos_token = special_token_text(cfg.get("eos_token"));
         }
         for name in ["generation_config.json", "config.json"] {
-            if let Some(cfg) = read_json_opt(&dir.join(name))? {
+            if let Some(cfg) = read_json_opt(&dir.join(name), limits)? {
                 for id in json_ids(cfg.get("eos_token_id")) {
                     if !info.eos_token_ids.contains(&id) {
                         info.eos_token_ids.push(id);
@@ -134,8 +145,17 @@ impl TextTokenizer {
     }
 
     /// Rebuilds the tokenizer of GGUF metadata: a byte-level BPE (`gpt2`) or a SentencePiece
-    /// vocabulary (`llama`, see `spm`).
+    /// vocabulary (`llama`, see `spm`), under the default [`ModelLimits`].
     pub fn from_gguf_metadata(meta: &GgufMetadata) -> Result<Self, TextError> {
+        Self::from_gguf_metadata_with(meta, &ModelLimits::default())
+    }
+
+    /// [`Self::from_gguf_metadata`] under `limits`: the vocabulary and the merges (stored, or
+    /// derived from a SentencePiece vocabulary) within their ceilings.
+    pub fn from_gguf_metadata_with(
+        meta: &GgufMetadata,
+        limits: &ModelLimits,
+    ) -> Result<Self, TextError> {
         let model = meta.get_str("tokenizer.ggml.model").unwrap_or("none");
         if !matches!(model, "gpt2" | "llama") {
             return Err(TextError::Unsupported(format!(
@@ -144,15 +164,27 @@ impl TextTokenizer {
             )));
         }
         let tokens = meta.get_strings("tokenizer.ggml.tokens")?;
+        // Ids are u32 wherever a tokenizer keeps them, whatever the ceiling says.
+        limits.check(
+            Ceiling::Vocab,
+            tokens.len() as u64,
+            "`tokenizer.ggml.tokens`: items",
+        )?;
+        if u32::try_from(tokens.len()).is_err() {
+            return Err(TextError::Gguf(format!(
+                "{} tokens do not fit u32 ids",
+                tokens.len()
+            )));
+        }
         let types: Vec<u64> = meta
             .get("tokenizer.ggml.token_type")
             .and_then(|v| v.as_array())
             .map(|a| a.iter().map(|v| v.as_u64().unwrap_or(1)).collect())
             .unwrap_or_default();
         let mut inner = if model == "llama" {
-            crate::spm::tokenizer(meta, &tokens, &types)?
+            crate::spm::tokenizer(meta, &tokens, &types, limits)?
         } else {
-            Self::byte_level_bpe(meta, &tokens)?
+            Self::byte_level_bpe(meta, &tokens, limits)?
         };
 
         // Control tokens (type 3) are special: matched whole in text and skipped on decode.
@@ -224,8 +256,17 @@ impl TextTokenizer {
     }
 
     /// A GPT-2 style byte-level BPE from a GGUF vocabulary and its merge list.
-    fn byte_level_bpe(meta: &GgufMetadata, tokens: &[&str]) -> Result<Tokenizer, TextError> {
+    fn byte_level_bpe(
+        meta: &GgufMetadata,
+        tokens: &[&str],
+        limits: &ModelLimits,
+    ) -> Result<Tokenizer, TextError> {
         let merges = meta.get_strings("tokenizer.ggml.merges")?;
+        limits.check(
+            Ceiling::Merges,
+            merges.len() as u64,
+            "`tokenizer.ggml.merges`: items",
+        )?;
         let mut vocab = Vocab::default();
         for (i, t) in tokens.iter().enumerate() {
             vocab.insert(t.to_string(), i as u32);
@@ -303,6 +344,11 @@ impl TextTokenizer {
     /// Number of ids the tokenizer can produce, added tokens included.
     pub fn vocab_size(&self) -> usize {
         self.inner.get_vocab_size(true)
+    }
+
+    /// The largest id the tokenizer can produce, added tokens included (`None` when empty).
+    pub fn max_token_id(&self) -> Option<u32> {
+        self.inner.get_vocab(true).into_values().max()
     }
 
     /// Token ids of `text`; `add_special_tokens` applies the post-processor (BOS).
@@ -398,18 +444,25 @@ fn pre_tokenizer_for(pre: &str) -> Result<PreTokenizerWrapper, TextError> {
     })
 }
 
-fn read_to_string(path: &Path) -> Result<String, TextError> {
-    std::fs::read_to_string(path).map_err(|source| TextError::Io {
-        path: path.to_owned(),
-        source,
+/// A `tokenizer.json` read under `limits`: its size, then its vocabulary and merges counted,
+/// before the tokenizers library builds anything. Errors name the file.
+fn read_tokenizer_json(path: &Path, limits: &ModelLimits) -> Result<Tokenizer, TextError> {
+    let json = bounded::read_file(path, limits)?;
+    bounded::check_tokenizer_json(&json, path, limits)?;
+    parse_tokenizer_json(&json).map_err(|e| match e {
+        TextError::Tokenizer(why) => TextError::Tokenizer(format!("{}: {why}", path.display())),
+        other => other,
     })
 }
 
-fn read_json_opt(path: &Path) -> Result<Option<serde_json::Value>, TextError> {
+fn read_json_opt(
+    path: &Path,
+    limits: &ModelLimits,
+) -> Result<Option<serde_json::Value>, TextError> {
     if !path.exists() {
         return Ok(None);
     }
-    let text = read_to_string(path)?;
+    let text = bounded::read_text(path, limits)?;
     serde_json::from_str(&text)
         .map(Some)
         .map_err(|e| TextError::Tokenizer(format!("{}: {e}", path.display())))
@@ -606,5 +659,61 @@ mod tests {
         ));
         std::fs::write(dir.path().join("bad.json"), "{not json").unwrap();
         assert!(TextTokenizer::from_path(&dir.path().join("bad.json")).is_err());
+    }
+
+    /// What a hostile vocabulary declares is refused by name before it is built: ids far past
+    /// its entries, nesting past serde_json's depth limit, and a SentencePiece vocabulary of
+    /// long pieces, whose merges would cost time and memory quadratic in the file's size.
+    #[test]
+    fn hostile_vocabularies_are_refused_by_name() {
+        let dir = tempfile::tempdir().unwrap();
+        let write = |name: &str, json: &str| {
+            let path = dir.path().join(name);
+            std::fs::write(&path, json).unwrap();
+            path
+        };
+        let far = write(
+            "far.json",
+            r#"{"model":{"type":"WordLevel","vocab":{"a":0,"b":50000000},"unk_token":"a"}}"#,
+        );
+        let err = TextTokenizer::from_path(&far).unwrap_err().to_string();
+        assert!(
+            err.contains("far.json: token ids (the largest + 1): 50000001"),
+            "{err}"
+        );
+        let deep = format!(
+            r#"{{"model":{{"type":"WordLevel","vocab":{{}},"unk_token":{}"a"{}}}}}"#,
+            "[".repeat(100_000),
+            "]".repeat(100_000)
+        );
+        let err = TextTokenizer::from_path(&write("deep.json", &deep))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("deep.json") && err.contains("recursion limit"),
+            "{err}"
+        );
+        // Pieces "a", "aa", ... of up to 3000 bytes: 4.5 MB of file, ~9e9 bytes to hash.
+        let tokens: Vec<GgufValue> = (1..=3000)
+            .map(|n| GgufValue::String("a".repeat(n)))
+            .collect();
+        let scores = vec![GgufValue::F32(0.0); tokens.len()];
+        let mut buf = Vec::new();
+        write_metadata(
+            &mut buf,
+            &[
+                ("tokenizer.ggml.model", GgufValue::String("llama".into())),
+                ("tokenizer.ggml.tokens", GgufValue::Array(tokens)),
+                ("tokenizer.ggml.scores", GgufValue::Array(scores)),
+            ],
+            0,
+        )
+        .unwrap();
+        let path = dir.path().join("spm.gguf");
+        std::fs::write(&path, buf).unwrap();
+        let started = std::time::Instant::now();
+        let err = TextTokenizer::from_path(&path).unwrap_err().to_string();
+        assert!(err.contains("SentencePiece merges to derive"), "{err}");
+        assert!(started.elapsed() < std::time::Duration::from_secs(5));
     }
 }

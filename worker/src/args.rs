@@ -31,6 +31,10 @@ pub fn load_model(args: &ModelArgs) -> Result<(Arc<Model>, TextTokenizer), Engin
             .clone()
             .unwrap_or_else(tandem_engine::fetch::default_cache_dir),
         tokenizer: args.tokenizer.clone(),
+        limits: match &args.model_limits {
+            Some(spec) => spec.parse().map_err(EngineError::Text)?,
+            None => tandem_text::ModelLimits::default(),
+        },
     };
     let (model, tokenizer) = tandem_engine::load_model(&source, &opts)?;
     Ok((Arc::new(model), tokenizer))

@@ -4,15 +4,21 @@
 //! tokenizer and chat template rebuilt from the metadata, Llama 3's RoPE scaling from its
 //! `rope_freqs` tensor. In a Gemma file `ffn_norm` is the
 //! MLP's input norm (HF's `pre_feedforward_layernorm`).
+//!
+//! The header is read once, by `tandem_text::gguf::read_file` under the load's
+//! [`ModelLimits`], and its tensor directory checked against the file (`bounds`) before
+//! candle reads a tensor; every error names the file.
 
 use std::fs::File;
 use std::path::Path;
 
 use candle_core::Device;
 use candle_core::quantized::gguf_file;
-use tandem_text::TextTokenizer;
+use tandem_text::gguf::{GgufFile, GgufMetadata};
+use tandem_text::{ModelLimits, TextTokenizer};
 
 use super::Model;
+use super::bounds::{check_parameters, gguf_content, gguf_weight_bytes, in_file};
 use super::identity::{file_identity, fingerprint};
 use super::tensors::{Loaded, fuse, into_matrix, unpermute};
 use super::weights::{LayerExtras, LayerWeights, Weights};
@@ -60,29 +66,45 @@ impl GgufReader<'_> {
 }
 
 /// Loads a GGUF file (a supported architecture: see [`Architecture`]) as a model named `name`,
-/// with the tokenizer its metadata describes.
-pub fn load_gguf(path: &Path, format: WeightFormat, name: &str) -> Result<(Model, TextTokenizer)> {
-    let meta = tandem_text::gguf::read_metadata(path)?;
-    let tokenizer = TextTokenizer::from_gguf_metadata(&meta)?;
-    Ok((model_of(path, &meta, format, name)?, tokenizer))
+/// with the tokenizer its metadata describes, under `limits`.
+pub fn load_gguf(
+    path: &Path,
+    format: WeightFormat,
+    name: &str,
+    limits: &ModelLimits,
+) -> Result<(Model, TextTokenizer)> {
+    let header = read_header(path, limits)?;
+    let tokenizer = TextTokenizer::from_gguf_metadata_with(&header.metadata, limits)
+        .map_err(|e| in_file(path, e.into()))?;
+    Ok((model_of(path, &header, format, name)?, tokenizer))
 }
 
 /// The model of a GGUF file without its tokenizer (when another one is given).
-pub fn load_gguf_model(path: &Path, format: WeightFormat, name: &str) -> Result<Model> {
-    model_of(path, &tandem_text::gguf::read_metadata(path)?, format, name)
-}
-
-/// The model of a GGUF file whose metadata was read already.
-fn model_of(
+pub fn load_gguf_model(
     path: &Path,
-    meta: &tandem_text::gguf::GgufMetadata,
     format: WeightFormat,
     name: &str,
+    limits: &ModelLimits,
 ) -> Result<Model> {
-    let mut file = File::open(path).map_err(|e| EngineError::io(path, e))?;
-    let content = gguf_file::Content::read(&mut file).map_err(|e| EngineError::load(path, e))?;
+    model_of(path, &read_header(path, limits)?, format, name)
+}
+
+/// The metadata and tensor directory of the GGUF file at `path`; errors name it.
+fn read_header(path: &Path, limits: &ModelLimits) -> Result<GgufFile> {
+    tandem_text::gguf::read_file(path, limits).map_err(|e| match e {
+        tandem_text::TextError::Io { path, source } => EngineError::io(path, source),
+        other => in_file(path, other.into()),
+    })
+}
+
+/// The model of a GGUF file whose header was read already.
+fn model_of(path: &Path, header: &GgufFile, format: WeightFormat, name: &str) -> Result<Model> {
+    let meta: &GgufMetadata = &header.metadata;
+    let content = gguf_content(path, header)?;
+    let file = File::open(path).map_err(|e| EngineError::io(path, e))?;
     let has_tensor = |name: &str| content.tensor_infos.contains_key(name);
-    let mut cfg = ModelConfig::from_gguf(meta, &has_tensor)?;
+    let mut cfg = ModelConfig::from_gguf(meta, &has_tensor).map_err(|e| in_file(path, e))?;
+    check_parameters(&cfg, gguf_weight_bytes(header), path)?;
     let has_output = has_tensor("output.weight");
     let has_rope_freqs = has_tensor("rope_freqs.weight");
     let mut reader = GgufReader {

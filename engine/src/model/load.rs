@@ -1,18 +1,20 @@
-//! Where weights come from: a GGUF file (`gguf`), an HF folder of safetensors,
+//! Where weights come from: a GGUF file (`gguf`), an HF folder of safetensors (`hf`),
 //! seeded dummy weights of any shape, or the default SmolLM2 fetched into the cache.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
-use candle_core::{DType, Device};
 use rayon::prelude::*;
-use tandem_text::TextTokenizer;
+use tandem_text::{Ceiling, ModelLimits, TextTokenizer};
 
 use super::Model;
+use super::bounds::check_hf_folder;
 use super::gguf::{load_gguf, load_gguf_model};
-use super::identity::{file_identity, fingerprint};
-use super::tensors::{FileDtype, Loaded, fuse, into_matrix};
+use super::hf::load_hf_model;
+use super::identity::fingerprint;
+use super::tensors::{FileDtype, Loaded, into_matrix};
+use super::trial::trial_render;
 use super::weights::{LayerExtras, LayerWeights, Weights};
-use crate::config::{Architecture, ModelConfig, WeightFormat};
+use crate::config::{ModelConfig, WeightFormat};
 use crate::error::{EngineError, Result};
 use crate::fetch;
 use tandem_kv::KvDtype;
@@ -80,6 +82,8 @@ pub struct LoadOptions {
     /// A tokenizer to use instead of the model's own (required for realistic token counts
     /// with dummy weights of real shapes).
     pub tokenizer: Option<PathBuf>,
+    /// The ceilings on what the model's files may declare (`--model-limits`).
+    pub limits: ModelLimits,
 }
 
 /// Loads a model and its tokenizer.
@@ -89,7 +93,8 @@ pub fn load_model(source: &ModelSource, opts: &LoadOptions) -> Result<(Model, Te
     let (model, own_tokenizer) = match source {
         ModelSource::DefaultSmolLm2 => {
             let path = fetch::ensure_smollm2(&opts.cache_dir)?;
-            let (model, tokenizer) = load_gguf(&path, opts.format, "SmolLM2-135M-Instruct")?;
+            let name = "SmolLM2-135M-Instruct";
+            let (model, tokenizer) = load_gguf(&path, opts.format, name, &opts.limits)?;
             (model, Some(tokenizer))
         }
         ModelSource::Dummy { preset, seed } => {
@@ -98,8 +103,11 @@ pub fn load_model(source: &ModelSource, opts: &LoadOptions) -> Result<(Model, Te
             (model, Some(TextTokenizer::byte_level()))
         }
         ModelSource::Path(path) if path.is_dir() => {
-            let (model, tokenizer) = load_hf_dir(path, opts.format)?;
-            (model, Some(tokenizer))
+            // Every file of the folder checked against its length and the ceilings before
+            // anything is built from it.
+            let tokenizer = TextTokenizer::from_hf_dir_with(path, &opts.limits)?;
+            check_hf_folder(path, &opts.limits)?;
+            (load_hf_model(path, opts.format)?, Some(tokenizer))
         }
         ModelSource::Path(path) => {
             let name = path
@@ -108,9 +116,12 @@ pub fn load_model(source: &ModelSource, opts: &LoadOptions) -> Result<(Model, Te
                 .unwrap_or("model")
                 .to_string();
             match &opts.tokenizer {
-                Some(_) => (load_gguf_model(path, opts.format, &name)?, None),
+                Some(_) => (
+                    load_gguf_model(path, opts.format, &name, &opts.limits)?,
+                    None,
+                ),
                 None => {
-                    let (model, tokenizer) = load_gguf(path, opts.format, &name)?;
+                    let (model, tokenizer) = load_gguf(path, opts.format, &name, &opts.limits)?;
                     (model, Some(tokenizer))
                 }
             }
@@ -118,16 +129,25 @@ pub fn load_model(source: &ModelSource, opts: &LoadOptions) -> Result<(Model, Te
     };
     let model = model.with_kv_dtype(opts.kv_dtype);
     let tokenizer = match (&opts.tokenizer, own_tokenizer) {
-        (Some(p), _) => TextTokenizer::from_path(p)?,
+        (Some(p), _) => TextTokenizer::from_path_with(p, &opts.limits)?,
         (None, Some(own)) => own,
         (None, None) => return Err(EngineError::Config("the model has no tokenizer".into())),
     };
     refuse_hostile_chat_template(&tokenizer, source, opts)?;
-    if tokenizer.vocab_size() > model.config().vocab_size {
+    let vocab = model.config().vocab_size;
+    if tokenizer.vocab_size() > vocab {
         return Err(EngineError::Config(format!(
-            "tokenizer has {} tokens but the model only {}",
+            "tokenizer has {} tokens but the model only {vocab}",
             tokenizer.vocab_size(),
-            model.config().vocab_size
+        )));
+    }
+    // Every id the tokenizer can produce must index the embeddings: a count that fits says
+    // nothing of ids spread past them.
+    if let Some(id) = tokenizer.max_token_id()
+        && id as usize >= vocab
+    {
+        return Err(EngineError::Config(format!(
+            "the tokenizer's token id {id} is outside the model's vocabulary of {vocab}"
         )));
     }
     Ok((model, tokenizer))
@@ -146,18 +166,25 @@ fn refuse_hostile_chat_template(
     let Some(src) = info.chat_template.as_deref() else {
         return Ok(());
     };
-    let compiled =
-        tandem_text::ChatTemplate::new(src, info.bos_token.as_deref(), info.eos_token.as_deref());
-    match compiled {
-        Err(e @ tandem_text::TextError::ChatTemplateLimit(_)) => {
-            let file = match (&opts.tokenizer, source) {
-                (Some(p), _) | (None, ModelSource::Path(p)) => p.display().to_string(),
-                (None, _) => "the default model".to_string(),
-            };
-            Err(EngineError::Config(format!(
-                "the chat template in {file} is refused: {e}"
-            )))
+    // The file the template came from: a folder's `tokenizer_config.json`, else the file.
+    let file = match (&opts.tokenizer, source) {
+        (Some(p), _) | (None, ModelSource::Path(p)) if p.is_dir() => {
+            p.join("tokenizer_config.json")
         }
+        (Some(p), _) | (None, ModelSource::Path(p)) => p.clone(),
+        (None, _) => PathBuf::from("the default model"),
+    };
+    let refused = |e: tandem_text::TextError| {
+        EngineError::load(&file, format!("its chat template is refused: {e}"))
+    };
+    opts.limits
+        .check(Ceiling::TemplateBytes, src.len() as u64, "its source bytes")
+        .map_err(refused)?;
+    // In a child process under a memory ceiling (`trial`): a template that builds gigabytes
+    // it never prints takes the child down, not the worker.
+    let trial = trial_render(src, info.bos_token.as_deref(), info.eos_token.as_deref());
+    match trial {
+        Err(e @ tandem_text::TextError::ChatTemplateLimit(_)) => Err(refused(e)),
         _ => Ok(()),
     }
 }
@@ -260,129 +287,6 @@ fn seeded_uniform(n: usize, seed: u64, std: f32) -> Vec<f32> {
             }
         });
     out
-}
-
-/// Loads an HF folder: `config.json`, `*.safetensors`, `tokenizer.json`.
-pub fn load_hf_dir(dir: &Path, format: WeightFormat) -> Result<(Model, TextTokenizer)> {
-    let tokenizer = TextTokenizer::from_hf_dir(dir)?;
-    Ok((load_hf_model(dir, format)?, tokenizer))
-}
-
-/// The model of an HF folder (`config.json` and `*.safetensors`), without its tokenizer.
-pub fn load_hf_model(dir: &Path, format: WeightFormat) -> Result<Model> {
-    let config_path = dir.join("config.json");
-    let json =
-        std::fs::read_to_string(&config_path).map_err(|e| EngineError::io(&config_path, e))?;
-    let cfg = ModelConfig::from_hf_json(&json)?;
-    let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
-        .map_err(|e| EngineError::io(dir, e))?
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
-        .collect();
-    files.sort();
-    if files.is_empty() {
-        return Err(EngineError::load(dir, "no *.safetensors file"));
-    }
-    // SAFETY: the files are only read; a concurrent writer would be a user error.
-    let st = unsafe { candle_core::safetensors::MmapedSafetensors::multi(&files) }
-        .map_err(|e| EngineError::load(dir, e))?;
-    let tensor = |name: &str| {
-        st.load(name, &Device::Cpu)
-            .map_err(|e| EngineError::load(dir, format!("{name}: {e}")))
-    };
-    let matrix = |name: &str| Loaded::from_tensor(name, &tensor(name)?, format);
-    let vector = |name: &str| -> Result<Vec<f32>> {
-        Ok(tensor(name)?
-            .to_dtype(DType::F32)?
-            .flatten_all()?
-            .to_vec1::<f32>()?)
-    };
-    // Gemma checkpoints store each RMSNorm weight as an offset from 1 (the model multiplies
-    // by `1 + w`); the engine keeps the multiplier, as llama.cpp's converter does.
-    let gemma = cfg.arch.is_gemma();
-    let norm = |name: &str| -> Result<Vec<f32>> {
-        let mut w = vector(name)?;
-        if gemma {
-            w.iter_mut().for_each(|v| *v += 1.0);
-        }
-        Ok(w)
-    };
-    let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
-    for l in 0..cfg.num_hidden_layers {
-        let p = |s: &str| format!("model.layers.{l}.{s}.weight");
-        let mut extras = LayerExtras::default();
-        if cfg.attention_bias {
-            let b = |s: &str| vector(&format!("model.layers.{l}.self_attn.{s}.bias"));
-            extras.qkv_bias = Some([b("q_proj")?, b("k_proj")?, b("v_proj")?].concat());
-        }
-        if cfg.qk_norm {
-            extras.q_norm = Some(norm(&p("self_attn.q_norm"))?);
-            extras.k_norm = Some(norm(&p("self_attn.k_norm"))?);
-        }
-        // Gemma's `post_attention_layernorm` normalizes the attention output; its MLP's input
-        // norm is `pre_feedforward_layernorm`. In the Llama block the former is the latter.
-        let ffn_norm = if gemma {
-            extras.post_attn_norm = Some(norm(&p("post_attention_layernorm"))?);
-            extras.post_ffn_norm = Some(norm(&p("post_feedforward_layernorm"))?);
-            norm(&p("pre_feedforward_layernorm"))?
-        } else {
-            vector(&p("post_attention_layernorm"))?
-        };
-        // Phi-3 stores Q/K/V and gate/up already fused, in the engine's order.
-        let fused = cfg.arch == Architecture::Phi3;
-        let (qkv, gate_up) = if fused {
-            (
-                into_matrix(matrix(&p("self_attn.qkv_proj"))?)?,
-                into_matrix(matrix(&p("mlp.gate_up_proj"))?)?,
-            )
-        } else {
-            (
-                fuse(vec![
-                    matrix(&p("self_attn.q_proj"))?,
-                    matrix(&p("self_attn.k_proj"))?,
-                    matrix(&p("self_attn.v_proj"))?,
-                ])?,
-                fuse(vec![
-                    matrix(&p("mlp.gate_proj"))?,
-                    matrix(&p("mlp.up_proj"))?,
-                ])?,
-            )
-        };
-        layers.push(LayerWeights {
-            attn_norm: norm(&p("input_layernorm"))?,
-            qkv,
-            o: into_matrix(matrix(&p("self_attn.o_proj"))?)?,
-            ffn_norm,
-            gate_up,
-            down: into_matrix(matrix(&p("mlp.down_proj"))?)?,
-            extras,
-        });
-    }
-    let lm_head = if cfg.tie_word_embeddings {
-        None
-    } else {
-        Some(into_matrix(matrix("lm_head.weight")?)?)
-    };
-    let weights = Weights {
-        embed: into_matrix(matrix("model.embed_tokens.weight")?)?,
-        layers,
-        final_norm: norm("model.norm.weight")?,
-        lm_head,
-    };
-    weights
-        .validate(&cfg)
-        .map_err(|e| EngineError::load(dir, e))?;
-    let mut identity = String::new();
-    for f in &files {
-        identity.push_str(&file_identity(f)?);
-    }
-    let fingerprint = fingerprint(&cfg, format, &identity);
-    let name = dir
-        .file_name()
-        .and_then(|s| s.to_str())
-        .unwrap_or("model")
-        .to_string();
-    Ok(Model::new(cfg, weights, format, fingerprint, name))
 }
 
 #[cfg(test)]

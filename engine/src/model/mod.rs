@@ -8,14 +8,19 @@
 //! each row sees. The forward pass itself belongs to a backend (`backend::cpu` for
 //! [`Model::forward`], `backend::cuda` on a device).
 
+mod bounds;
 mod gguf;
+mod hf;
 mod identity;
 mod load;
 mod tensors;
+mod trial;
 mod weights;
 
 pub use gguf::{load_gguf, load_gguf_model};
-pub use load::{LoadOptions, ModelSource, dummy_model, load_hf_dir, load_hf_model, load_model};
+pub(crate) use hf::hf_weights;
+pub use hf::{load_hf_dir, load_hf_model};
+pub use load::{LoadOptions, ModelSource, dummy_model, load_model};
 pub use weights::{LayerExtras, LayerWeights, Weights};
 
 use tandem_kv::{BLOCK_SIZE, KvDtype, KvLayout};

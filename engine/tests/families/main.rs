@@ -201,8 +201,13 @@ fn a_gguf_of_each_family_computes_what_its_hf_folder_does() {
         let gguf = dir.path().join("model.gguf");
         write_gguf(&gguf, &cfg);
         let from_hf = load_hf_model(dir.path(), WeightFormat::F32).unwrap();
-        let (from_gguf, _tokenizer) =
-            tandem_engine::model::load_gguf(&gguf, WeightFormat::Native, family).unwrap();
+        let (from_gguf, _tokenizer) = tandem_engine::model::load_gguf(
+            &gguf,
+            WeightFormat::Native,
+            family,
+            &Default::default(),
+        )
+        .unwrap();
         assert_eq!(from_gguf.config().arch, from_hf.config().arch);
         let prompt = tokens(3, 40);
         let mut logits = Vec::new();
@@ -337,13 +342,17 @@ fn a_llama3_gguf_runs_with_its_rope_frequency_factors() {
         vec![("rope_freqs.weight".into(), freqs(&divisors))],
         Vec::new(),
     );
-    let (model, _) = tandem_engine::model::load_gguf(&scaled, WeightFormat::Native, "s").unwrap();
+    let (model, _) =
+        tandem_engine::model::load_gguf(&scaled, WeightFormat::Native, "s", &Default::default())
+            .unwrap();
     let err = rel_err(&logits(&model), &want);
     assert!(err < 1e-5, "with rope_freqs: {err}");
     // Without the tensor the file is a plain Llama 2-style RoPE: visibly other logits.
     let plain = dir.path().join("plain.gguf");
     write_gguf(&plain, &cfg);
-    let (model, _) = tandem_engine::model::load_gguf(&plain, WeightFormat::Native, "p").unwrap();
+    let (model, _) =
+        tandem_engine::model::load_gguf(&plain, WeightFormat::Native, "p", &Default::default())
+            .unwrap();
     assert!(rel_err(&logits(&model), &want) > 1e-3);
     // A tensor of the wrong length is refused by name.
     let bad = dir.path().join("bad.gguf");
@@ -353,7 +362,8 @@ fn a_llama3_gguf_runs_with_its_rope_frequency_factors() {
         vec![("rope_freqs.weight".into(), freqs(&divisors[..3]))],
         Vec::new(),
     );
-    let err = tandem_engine::model::load_gguf(&bad, WeightFormat::Native, "b").unwrap_err();
+    let err = tandem_engine::model::load_gguf(&bad, WeightFormat::Native, "b", &Default::default())
+        .unwrap_err();
     assert!(err.to_string().contains("rope_freqs"), "{err}");
 }
 
