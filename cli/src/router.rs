@@ -129,6 +129,10 @@ pub struct RouterArgs {
     /// Requests waiting for a running slot; beyond that, 429 [default: 512].
     #[arg(long, env = "TANDEM_ROUTER_MAX_QUEUED_REQUESTS")]
     pub max_queued_requests: Option<usize>,
+    /// Longest a request waits for a running slot; beyond that, 429 with Retry-After
+    /// [default: 30000; 0: until the request timeout].
+    #[arg(long, env = "TANDEM_ROUTER_MAX_QUEUE_WAIT_MS")]
+    pub max_queue_wait_ms: Option<u64>,
     /// Largest request body; larger gets 413 [default: 2000000].
     #[arg(long, env = "TANDEM_ROUTER_BODY_LIMIT_BYTES")]
     pub body_limit_bytes: Option<usize>,

@@ -24,6 +24,7 @@ use tandem_transfer::{Commit, Lease, Opened, TransferError, top_logprobs_to_prot
 use tandem_worker::convert::{
     engine_status, finish_to_proto, prompt_logprobs_to_proto, sampling_from_proto, stop_from_proto,
 };
+use tandem_worker::requests;
 use tandem_worker::{PrefilledPart, SeqEvent};
 use tokio::sync::{mpsc, oneshot};
 use tokio_stream::wrappers::ReceiverStream;
@@ -52,10 +53,7 @@ pub(crate) async fn start(
     let sampling = sampling_from_proto(req.sampling.as_ref());
     let stop = stop_from_proto(req.stop.as_ref());
     // A caller's target sets how long a lending worker idles after each pass: bounded.
-    let tpot_target = (req.tpot_target_ms > 0).then(|| {
-        Duration::from_millis(u64::from(req.tpot_target_ms))
-            .min(tandem_worker::pacing::MAX_TPOT_TARGET)
-    });
+    let tpot_target = requests::tpot_target(req.tpot_target_ms);
     let pool = inner.core.engine.pool();
     validate_request(
         inner.core.model.config(),
@@ -137,11 +135,11 @@ pub(crate) async fn start(
             };
             // Whatever the caller asks, a reservation waits at most the configured maximum,
             // and the caller learns what it got (it renews within that).
-            let ttl = match req.lease_ttl_ms {
-                0 => inner.config.default_lease_ttl,
-                ms => Duration::from_millis(u64::from(ms)),
-            }
-            .min(inner.config.max_lease_ttl);
+            let ttl = requests::lease_ttl(
+                req.lease_ttl_ms,
+                inner.config.default_lease_ttl,
+                inner.config.max_lease_ttl,
+            );
             tracing::debug!(parent: &span, blocks = lease.blocks.len(), cached_tokens, split, ttl_ms = ttl.as_millis(), "reserved");
             let event = GenerateEvent {
                 event: Some(generate_event::Event::Lease(tandem_proto::v1::Lease {
@@ -207,21 +205,14 @@ fn accepted_split(
     if split == 0 {
         return 0;
     }
-    let window = inner
-        .core
-        .model
-        .config()
-        .first_needed_block(req.prompt.len())
-        > 0;
-    if !split.is_multiple_of(tandem_kv::BLOCK_SIZE)
-        || split >= req.prompt.len()
-        || window
-        || sampling.prompt_logprobs.is_some()
-    {
-        tracing::debug!(parent: span, split, prompt = req.prompt.len(), window, "the split is declined: the prefill worker computes the whole prompt");
-        return 0;
+    let config = inner.core.model.config();
+    match requests::split_declined(config, req.prompt.len(), split, sampling) {
+        None => split,
+        Some(why) => {
+            tracing::debug!(parent: span, split, prompt = req.prompt.len(), why, "the split is declined: the prefill worker computes the whole prompt");
+            0
+        }
     }
-    split
 }
 
 /// Claims the caller's share for the prompt's blocks after the held prefix `cached`, reserves

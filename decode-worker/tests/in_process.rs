@@ -35,6 +35,7 @@ fn tiny() -> (Arc<Model>, TextTokenizer) {
         kv_dtype: "f32".into(),
         tokenizer: None,
         cache_dir: None,
+        model_limits: None,
     };
     tandem_worker::load_model(&args).expect("the tiny model")
 }
@@ -159,6 +160,7 @@ async fn ship(
         block_ids: lease.block_ids,
         kv_layout_hash: d.info.kv_layout_hash.clone(),
         first_block: lease.cached_tokens / 16,
+        ..KvDestination::default()
     };
     let skip = lease.cached_tokens / 16;
     let mut sender = connect(

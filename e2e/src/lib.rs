@@ -13,8 +13,11 @@
 //! clients without it.
 //!
 //! `netns`: several hosts on one machine (network namespaces) for multi-host tests; `tools`:
-//! the Python clients' interpreter.
+//! the Python clients' interpreter; `hostile`: crafted hostile model files and a measured run
+//! of a worker on each.
 
+pub mod hostile;
+pub mod netem;
 pub mod netns;
 mod tools;
 
@@ -518,6 +521,38 @@ pub async fn blocks_in_use(endpoint: &str, decode: bool) -> anyhow::Result<u32> 
 }
 
 /// Resident memory of a process, in KiB (Linux; 0 where it cannot be read).
+/// Mappings at least this large are a worker's KV pools (its own, and a decode worker's
+/// shared one it writes into): allocated whole at startup, resident as blocks are first used.
+pub const KV_POOL_MAPPING_KIB: u64 = 256 * 1024;
+
+/// Resident KiB of `pid` outside its KV pools (mappings of [`KV_POOL_MAPPING_KIB`] or more,
+/// from `/proc/PID/smaps`): what grows if the process allocates, not as its fixed-size pools
+/// warm up. 0 when the process is gone.
+pub fn rss_outside_kv_pools_kib(pid: u32) -> u64 {
+    let Ok(smaps) = std::fs::read_to_string(format!("/proc/{pid}/smaps")) else {
+        return 0;
+    };
+    let kib = |line: &str, key: &str| -> Option<u64> {
+        line.strip_prefix(key)?
+            .trim()
+            .trim_end_matches("kB")
+            .trim()
+            .parse()
+            .ok()
+    };
+    let (mut total, mut size) = (0, 0);
+    for line in smaps.lines() {
+        if let Some(s) = kib(line, "Size:") {
+            size = s;
+        } else if let Some(r) = kib(line, "Rss:")
+            && size < KV_POOL_MAPPING_KIB
+        {
+            total += r;
+        }
+    }
+    total
+}
+
 pub fn rss_kib(pid: u32) -> u64 {
     std::fs::read_to_string(format!("/proc/{pid}/status"))
         .ok()

@@ -240,12 +240,27 @@ impl Network {
 
     /// Starts workspace binary `bin` inside host `name` with `args` and `--port PORT`.
     pub fn start(&self, name: &str, bin: &str, port: u16, args: &[&str]) -> anyhow::Result<Proc> {
+        self.start_executable(name, &binary(bin)?, port, args)
+    }
+
+    /// [`Self::start`] for the executable at `path` (a benchmark names its binaries' folder).
+    pub fn start_executable(
+        &self,
+        name: &str,
+        path: &std::path::Path,
+        port: u16,
+        args: &[&str],
+    ) -> anyhow::Result<Proc> {
         let host = self.host(name)?;
+        let bin = path.file_name().map_or_else(
+            || path.display().to_string(),
+            |n| n.to_string_lossy().into_owned(),
+        );
         let mut cmd = Command::new("ip");
         // `ip netns exec` enters the namespace and then execs the binary, so the child is the
         // binary itself and killing it kills the worker.
         cmd.args(["netns", "exec", &host.netns])
-            .arg(binary(bin)?)
+            .arg(path)
             .args(args)
             .args(["--port", &port.to_string()]);
         cmd.env(

@@ -104,6 +104,7 @@ fn destination(pair: &Pair, lease: Lease, transport: Transport) -> KvDestination
         block_ids: lease.block_ids,
         kv_layout_hash: pair.info.kv_layout_hash.clone(),
         first_block: lease.cached_tokens / 16,
+        ..KvDestination::default()
     }
 }
 

@@ -11,6 +11,7 @@ pub mod engine;
 pub mod error;
 pub mod eval;
 pub mod fetch;
+pub mod fuzzing;
 pub mod guides;
 pub mod model;
 pub mod sampling;

@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use tandem_auth::InternalAuth;
 use tandem_engine::engine::validate_request;
-use tandem_engine::{Engine, EngineConfig, Model, StopParams};
+use tandem_engine::{Engine, EngineConfig, Model};
 use tandem_proto::v1::prefill_service_server::{PrefillService, PrefillServiceServer};
 use tandem_proto::v1::*;
 use tandem_text::TextTokenizer;
@@ -14,9 +14,8 @@ use tandem_transfer::{
     FirstToken, Peers, PulledPrefix, TransferError, connect, pull_cached_prefix,
     top_logprobs_to_proto, transport_name,
 };
-use tandem_worker::convert::{
-    engine_status, prompt_logprobs_to_proto, sampling_from_proto, stop_from_proto,
-};
+use tandem_worker::convert::{engine_status, prompt_logprobs_to_proto, sampling_from_proto};
+use tandem_worker::requests::{prefill_first_block, prefill_stop};
 use tandem_worker::{
     KvShipment, SeqEvent, Serving, WorkerCore, serve_until_drained, spawn_engine, worker_info,
 };
@@ -181,16 +180,7 @@ impl PrefillService for PrefillWorker {
 /// which stops the transfer before the next layer and aborts the sequence.
 async fn prefill(inner: &Inner, req: PrefillRequest) -> Result<PrefillResponse, Status> {
     let sampling = sampling_from_proto(req.sampling.as_ref());
-    // One output token (the first). The request's stop ids and EOS matter only to keep them
-    // from being that token under `min_tokens`; the decode worker applies the rest.
-    let asked = stop_from_proto(req.stop.as_ref());
-    let stop = StopParams {
-        max_tokens: 1,
-        ignore_eos: req.stop.is_none() || asked.ignore_eos,
-        stop_token_ids: asked.stop_token_ids,
-        min_tokens: asked.min_tokens.min(1),
-        ..StopParams::default()
-    };
+    let stop = prefill_stop(req.stop.as_ref());
     validate_request(
         inner.core.model.config(),
         inner.core.engine.pool().total(),
@@ -204,21 +194,12 @@ async fn prefill(inner: &Inner, req: PrefillRequest) -> Result<PrefillResponse, 
         .ok_or_else(|| Status::invalid_argument("a prefill needs a KV destination"))?;
     let layout = inner.core.model.kv_layout();
     let started = Instant::now();
-    // The decode worker's lease starts at `first_block` (its prefix cache holds the blocks
-    // before it) or where a sliding window starts, whichever is later; it holds at least the
-    // block of the last prompt token.
-    let window_first = inner
-        .core
-        .model
-        .config()
-        .first_needed_block(req.prompt.len());
+    let (window_first, first_block) = prefill_first_block(
+        inner.core.model.config(),
+        req.prompt.len(),
+        dest.first_block,
+    )?;
     let wanted_first = dest.first_block as usize;
-    if wanted_first >= tandem_kv::blocks_for(req.prompt.len()) {
-        return Err(Status::invalid_argument(format!(
-            "the KV destination starts at block {wanted_first}, past the prompt's last block"
-        )));
-    }
-    let first_block = window_first.max(wanted_first);
     let sender = match connect(
         &inner.peers,
         &dest,

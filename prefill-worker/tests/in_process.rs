@@ -31,6 +31,7 @@ fn tiny() -> (Arc<Model>, TextTokenizer) {
         kv_dtype: "f32".into(),
         tokenizer: None,
         cache_dir: None,
+        model_limits: None,
     };
     tandem_worker::load_model(&args).expect("the tiny model")
 }
@@ -138,6 +139,7 @@ fn destination(
         block_ids: lease.blocks.clone(),
         kv_layout_hash: side.hash.clone(),
         first_block: 0,
+        ..KvDestination::default()
     }
 }
 

@@ -69,6 +69,8 @@ pub struct RouterConfig {
     pub served_model_name: Option<String>,
     pub max_concurrent_requests: usize,
     pub max_queued_requests: usize,
+    /// Longest a request waits for a running slot (None: until its deadline).
+    pub max_queue_wait: Option<Duration>,
     pub body_limit_bytes: usize,
     pub lease_ttl_ms: u32,
     pub health_interval: Duration,
@@ -107,6 +109,7 @@ impl RouterConfig {
             served_model_name: None,
             max_concurrent_requests: 256,
             max_queued_requests: 512,
+            max_queue_wait: Some(Duration::from_secs(30)),
             body_limit_bytes: 2_000_000,
             lease_ttl_ms: 30_000,
             health_interval: Duration::from_millis(1000),
@@ -181,6 +184,11 @@ impl RouterConfig {
                 .max_queued_requests
                 .or(file.max_queued_requests)
                 .unwrap_or(defaults.max_queued_requests),
+            max_queue_wait: match args.max_queue_wait_ms.or(file.max_queue_wait_ms) {
+                Some(0) => None,
+                Some(ms) => Some(Duration::from_millis(ms)),
+                None => defaults.max_queue_wait,
+            },
             body_limit_bytes: args
                 .body_limit_bytes
                 .or(file.body_limit_bytes)

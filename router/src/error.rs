@@ -56,6 +56,12 @@ pub enum ApiError {
     /// Every in-flight and queue slot is taken.
     #[error("the server is overloaded: too many requests in flight and queued; retry later")]
     Overloaded,
+    /// Waited in the queue for `--max-queue-wait-ms` without a running slot: overload, as
+    /// a full queue is.
+    #[error(
+        "waited {ms} ms for a free slot, the longest this server queues a request; retry later"
+    )]
+    QueueWait { ms: u128 },
     /// Waited in the queue until the request deadline.
     #[error("timed out waiting for a free slot; retry later")]
     QueueTimeout,
@@ -166,7 +172,7 @@ impl ApiError {
                 "not_found",
                 false,
             ),
-            Overloaded | WorkerBusy => (
+            Overloaded | QueueWait { .. } | WorkerBusy => (
                 StatusCode::TOO_MANY_REQUESTS,
                 "rate_limit_error",
                 "overloaded",

@@ -20,6 +20,7 @@ pub mod config;
 pub mod discovery;
 pub mod error;
 pub mod flow;
+pub mod fuzzing;
 pub mod metrics;
 pub mod model;
 pub mod routing;

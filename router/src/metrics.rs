@@ -18,6 +18,9 @@ pub const ITL_SECONDS: &str = "tandem_router_itl_seconds";
 pub const E2E_SECONDS: &str = "tandem_router_e2e_latency_seconds";
 /// Requests waiting for a running slot.
 pub const QUEUE_DEPTH: &str = "tandem_router_queue_depth";
+/// Seconds each request waited for a running slot, by `outcome`: `admitted`, or `refused`
+/// after `--max-queue-wait-ms`.
+pub const QUEUE_SECONDS: &str = "tandem_router_queue_seconds";
 /// Requests holding a running slot.
 pub const IN_FLIGHT: &str = "tandem_router_in_flight_requests";
 /// Finished requests, by `mode` (disaggregated, aggregated, none) and `outcome`.
@@ -88,6 +91,13 @@ const LATENCY_BUCKETS: &[f64] = &[
     120.0, 300.0,
 ];
 
+/// Buckets (seconds) of the queue wait: finer around the usual `--max-queue-wait-ms` values,
+/// so an operator reads the bound's percentile off them.
+const QUEUE_BUCKETS: &[f64] = &[
+    0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 15.0, 20.0,
+    30.0, 60.0, 120.0, 300.0, 600.0,
+];
+
 /// Buckets of relative prediction errors: 2 % to 5 times off.
 const ERROR_BUCKETS: &[f64] = &[0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 1.0, 2.0, 5.0];
 
@@ -103,7 +113,9 @@ fn install() -> PrometheusHandle {
         .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), LATENCY_BUCKETS)
         .and_then(|b| {
             b.set_buckets_for_metric(Matcher::Full(PREDICTION_ERROR.into()), ERROR_BUCKETS)
-        }) {
+        })
+        .and_then(|b| b.set_buckets_for_metric(Matcher::Full(QUEUE_SECONDS.into()), QUEUE_BUCKETS))
+    {
         Ok(b) => b,
         Err(e) => {
             tracing::warn!(error = %e, "invalid histogram buckets; using summaries");
@@ -125,6 +137,11 @@ fn describe() {
     describe_histogram!(ITL_SECONDS, Unit::Seconds, "Inter-token latency, by mode");
     describe_histogram!(E2E_SECONDS, Unit::Seconds, "End-to-end request latency");
     describe_gauge!(QUEUE_DEPTH, "Requests waiting for a running slot");
+    describe_histogram!(
+        QUEUE_SECONDS,
+        Unit::Seconds,
+        "Time each request waited for a running slot, by outcome (admitted, refused)"
+    );
     describe_gauge!(IN_FLIGHT, "Requests holding a running slot");
     describe_counter!(REQUESTS_TOTAL, "Finished requests by mode and outcome");
     describe_counter!(
@@ -204,7 +221,7 @@ pub fn register_slo(slo: &crate::routing::SloTargets) {
 pub fn register_static_series() {
     metrics::gauge!(QUEUE_DEPTH).increment(0.0);
     metrics::gauge!(IN_FLIGHT).increment(0.0);
-    for reason in ["no_prefill_worker", "prefill_failed"] {
+    for reason in ["no_prefill_worker", "prefill_failed", "transfer_failed"] {
         metrics::counter!(FALLBACKS_TOTAL, "reason" => reason).increment(0);
     }
     metrics::counter!(PREFILL_RETRIES_TOTAL).increment(0);

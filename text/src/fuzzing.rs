@@ -151,5 +151,7 @@ pub fn reply(data: &[u8]) {
     }
 }
 
+#[cfg(any(test, feature = "fuzz-replay"))]
+pub mod replay;
 #[cfg(test)]
 mod tests;

@@ -9,6 +9,7 @@ use crate::error::TransferError;
 use crate::lease::LeaseToken;
 use crate::peers::Peers;
 use crate::sender::KvSender;
+use crate::stall::stall_limit;
 use crate::transport::Opening;
 
 /// Opens a transfer to `dest` for a prompt of `num_tokens` tokens whose blocks from
@@ -45,26 +46,41 @@ pub async fn connect(
     if transport == Transport::Unspecified {
         return Err(no_transport());
     }
-    let decode = peers.verified_decode(dest).await?;
-    if decode.info.kv_layout_hash != ours {
-        return Err(TransferError::LayoutMismatch(format!(
-            "the decode worker has layout {}, this worker {ours}",
-            decode.info.kv_layout_hash
-        )));
-    }
-    // Every wire value but `Unspecified` is registered (a device transport this build lacks
-    // as a stub that refuses with the feature it needs).
-    let chosen = peers.transport(transport).ok_or_else(no_transport)?;
-    let op = Opening {
-        reach: peers.reach(),
-        decode: &decode,
-        dest: dest.clone(),
-        lease,
-        layout,
-        request_id,
-        num_tokens,
+    let open = async {
+        let decode = peers.verified_decode(dest).await?;
+        if decode.info.kv_layout_hash != ours {
+            return Err(TransferError::LayoutMismatch(format!(
+                "the decode worker has layout {}, this worker {ours}",
+                decode.info.kv_layout_hash
+            )));
+        }
+        // Every wire value but `Unspecified` is registered (a device transport this build
+        // lacks as a stub that refuses with the feature it needs).
+        let chosen = peers.transport(transport).ok_or_else(no_transport)?;
+        let op = Opening {
+            reach: peers.reach(),
+            decode: &decode,
+            dest: dest.clone(),
+            lease,
+            layout,
+            request_id,
+            num_tokens,
+        };
+        chosen.open(op).await
     };
-    chosen.open(op).await
+    // Reaching the decode worker is part of the transfer: on a link that went silent it
+    // ends within the lease period, not after every connection timeout in turn.
+    match dest.lease_ttl_ms {
+        0 => open.await,
+        ms => tokio::time::timeout(stall_limit(ms), open)
+            .await
+            .unwrap_or_else(|_| {
+                Err(TransferError::TimedOut(format!(
+                    "could not reach {} within the lease period ({ms} ms)",
+                    dest.decode_endpoint
+                )))
+            }),
+    }
 }
 
 fn no_transport() -> TransferError {

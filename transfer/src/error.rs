@@ -27,6 +27,10 @@ pub enum TransferError {
     Incomplete(String),
     #[error("protocol error: {0}")]
     Protocol(String),
+    /// The peer (or the link to it) went quiet past a deadline: a network failure, not a
+    /// malformed transfer, so the request may be placed again.
+    #[error("timed out: {0}")]
+    TimedOut(String),
     /// The peer does not offer this (e.g. reading back KV that lives on its GPU).
     #[error("not offered: {0}")]
     Unsupported(String),
@@ -57,9 +61,10 @@ impl From<TransferError> for tonic::Status {
                 tonic::Status::data_loss(msg)
             }
             TransferError::Protocol(_) => tonic::Status::invalid_argument(msg),
-            TransferError::Connect(_) | TransferError::Io(_) | TransferError::Remote(_) => {
-                tonic::Status::unavailable(msg)
-            }
+            TransferError::Connect(_)
+            | TransferError::Io(_)
+            | TransferError::Remote(_)
+            | TransferError::TimedOut(_) => tonic::Status::unavailable(msg),
             TransferError::Kv(e) => match e {
                 KvError::OutOfBlocks { .. } => tonic::Status::resource_exhausted(msg),
                 KvError::LayoutMismatch(_) => tonic::Status::failed_precondition(msg),

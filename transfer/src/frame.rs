@@ -82,7 +82,7 @@ async fn timed<T>(
 ) -> Result<T, TransferError> {
     match tokio::time::timeout(limit, fut).await {
         Ok(r) => r.map_err(TransferError::from),
-        Err(_) => Err(TransferError::Protocol(format!(
+        Err(_) => Err(TransferError::TimedOut(format!(
             "the peer sent nothing for {} ms ({what})",
             limit.as_millis()
         ))),
@@ -100,7 +100,7 @@ pub(crate) async fn read_prefix<R: AsyncReadExt + Unpin>(
         Ok(Err(e)) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(None),
         Ok(Err(e)) => return Err(e.into()),
         Err(_) => {
-            return Err(TransferError::Protocol(format!(
+            return Err(TransferError::TimedOut(format!(
                 "the peer sent no frame for {} ms",
                 limit.as_millis()
             )));

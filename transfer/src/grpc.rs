@@ -5,6 +5,7 @@
 use std::time::Instant;
 
 use bytes::Bytes;
+use futures::StreamExt;
 use tandem_proto::v1::{KvBlocks, KvCommit, KvHeader, KvMessage, Transport, kv_message};
 use tokio::sync::{mpsc, oneshot};
 use tokio_stream::wrappers::ReceiverStream;
@@ -156,13 +157,15 @@ impl KvSender for GrpcSender {
 
 /// The decode worker's side of `PushKv`: checks the header, writes every block through the
 /// lease table, and commits. Any error fails the stream (and, for bad data, the lease).
-pub async fn receive_push_kv(
-    table: &LeaseTable,
-    stream: &mut tonic::Streaming<KvMessage>,
-) -> Result<u64, TransferError> {
+/// `stream` is the call's `tonic::Streaming` (any stream of messages, so that the fuzz target
+/// feeds it decoded bytes).
+pub async fn receive_push_kv<S>(table: &LeaseTable, stream: &mut S) -> Result<u64, TransferError>
+where
+    S: futures::Stream<Item = Result<KvMessage, tonic::Status>> + Unpin,
+{
     let next =
         |s: tonic::Status| TransferError::Protocol(format!("transfer stream: {}", s.message()));
-    let Some(first) = stream.message().await.map_err(next)? else {
+    let Some(first) = stream.next().await.transpose().map_err(next)? else {
         return Err(TransferError::Protocol("empty transfer stream".into()));
     };
     let Some(kv_message::Msg::Header(header)) = first.msg else {
@@ -171,7 +174,7 @@ pub async fn receive_push_kv(
         ));
     };
     let lease = table.check_header(&header.lease, &header.kv_layout_hash)?;
-    while let Some(msg) = stream.message().await.map_err(next)? {
+    while let Some(msg) = stream.next().await.transpose().map_err(next)? {
         match msg.msg {
             Some(kv_message::Msg::Blocks(b)) => {
                 table.write_blocks(

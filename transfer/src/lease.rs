@@ -7,7 +7,7 @@
 //! Remote writers (`shm`, `cuda-ipc`) are fenced by owner tags instead (see `shm`).
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock, RwLockWriteGuard};
 use std::time::{Duration, Instant};
 
@@ -157,6 +157,9 @@ pub struct Lease {
     /// `layers × blocks` flags of pieces received and checked.
     received: Mutex<Vec<bool>>,
     bytes: AtomicU64,
+    /// The sender has begun to send KV (a transport saw its first KV frame): from then on
+    /// only arriving KV counts as progress, not the router's renewals.
+    sending: AtomicBool,
     opened: Instant,
     last_progress: Mutex<Instant>,
     commit_tx: Mutex<Option<oneshot::Sender<Result<Commit, String>>>>,
@@ -177,6 +180,13 @@ impl Lease {
             idle: last.elapsed(),
             age: self.opened.elapsed(),
         }
+    }
+
+    /// The sender has begun to send this lease's KV: a transfer that stalls from here on
+    /// expires within the lease period whatever the renewals (see [`LeaseTable::renew`]).
+    pub fn note_sending(&self) {
+        self.sending.store(true, Ordering::Relaxed);
+        self.touch();
     }
 
     fn touch(&self) {
@@ -320,6 +330,7 @@ impl LeaseTable {
             request_id: request_id.to_string(),
             state: RwLock::new(State::Open),
             bytes: AtomicU64::new(0),
+            sending: AtomicBool::new(false),
             opened: now,
             last_progress: Mutex::new(now),
             commit_tx: Mutex::new(Some(tx)),
@@ -688,13 +699,18 @@ impl LeaseTable {
         Ok((payload, checksums))
     }
 
-    /// Counts as progress on an open lease (its prompt is queued at a live prefill worker).
-    /// Returns whether the lease is still open.
+    /// Counts as progress on an open lease whose KV has not started to arrive (its prompt is
+    /// queued or computing at a live prefill worker). Once KV has begun to arrive only more
+    /// KV counts: a transfer that stalls mid-way (a link that went silent) must end within the
+    /// lease period, however faithfully the router renews. Returns whether the lease is
+    /// still open.
     pub fn renew(&self, lease: &[u8]) -> bool {
         let Some(lease) = LeaseToken::from_wire(lease).ok().and_then(|t| self.get(&t)) else {
             return false;
         };
-        lease.touch();
+        if !lease.sending.load(Ordering::Relaxed) && lease.bytes.load(Ordering::Relaxed) == 0 {
+            lease.touch();
+        }
         true
     }
 

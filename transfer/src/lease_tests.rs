@@ -293,3 +293,25 @@ fn a_caller_holds_at_most_its_quota_until_its_leases_end() {
     drop(b);
     assert!(table.claim("10.0.0.1", 3).is_ok(), "a dropped claim too");
 }
+
+/// Renewals keep a lease whose KV has not begun alive (its prompt is queued), but once the
+/// sender has begun, only KV is progress: a transfer that stalls expires on time.
+#[test]
+fn renewals_stop_counting_once_the_kv_has_begun() {
+    let (_cache, table) = setup();
+    let (lease, _rx) = table.create(vec![1], 10, "r").unwrap();
+    let token = lease.token().as_bytes().to_vec();
+    std::thread::sleep(std::time::Duration::from_millis(30));
+    assert!(table.renew(&token));
+    assert!(
+        lease.progress().idle < std::time::Duration::from_millis(30),
+        "a renewal before any KV is progress"
+    );
+    lease.note_sending();
+    std::thread::sleep(std::time::Duration::from_millis(30));
+    assert!(table.renew(&token), "the lease is still open");
+    assert!(
+        lease.progress().idle >= std::time::Duration::from_millis(30),
+        "a renewal once the KV has begun is not progress"
+    );
+}

@@ -169,7 +169,7 @@ pub async fn pull_cached_prefix(
 }
 
 /// The pieces of a pull as they arrive, each checked and put in its place once.
-struct Assembly {
+pub(crate) struct Assembly {
     layers: usize,
     piece: usize,
     first: usize,
@@ -179,7 +179,7 @@ struct Assembly {
 }
 
 impl Assembly {
-    fn new(layout: &KvLayout, first: usize, blocks: usize) -> Self {
+    pub(crate) fn new(layout: &KvLayout, first: usize, blocks: usize) -> Self {
         let (layers, piece) = (layout.num_layers, layout.block_layer_bytes());
         Self {
             layers,
@@ -191,7 +191,7 @@ impl Assembly {
         }
     }
 
-    fn add(&mut self, msg: &KvBlocks) -> Result<(), TransferError> {
+    pub(crate) fn add(&mut self, msg: &KvBlocks) -> Result<(), TransferError> {
         let layer = msg.layer as usize;
         if layer >= self.layers
             || msg.logical_blocks.len() != msg.checksums.len()
@@ -236,7 +236,7 @@ impl Assembly {
         Ok(())
     }
 
-    fn finish(self) -> Result<Vec<u8>, TransferError> {
+    pub(crate) fn finish(self) -> Result<Vec<u8>, TransferError> {
         let missing = self.received.iter().filter(|r| !**r).count();
         if missing > 0 {
             return Err(TransferError::Incomplete(format!(

@@ -30,9 +30,10 @@ use tokio::task::JoinHandle;
 use crate::bufpool;
 use crate::checksum::crc32;
 use crate::error::TransferError;
-use crate::frame::{self, HeaderReader, HeaderWriter, Kind};
+use crate::frame::{self, Frame, HeaderReader, HeaderWriter, Kind};
 use crate::lease::{Lease, LeaseTable};
 use crate::sender::{FirstToken, KvSender, SendFuture, SendStats};
+use crate::stall::stall_limit;
 use crate::transport::{KvTransport, OpenFuture, Opening};
 
 /// Payload bytes per frame the sender builds.
@@ -42,8 +43,6 @@ const QUEUE: usize = 16;
 const RECEIVE_CHUNK: usize = 1 << 20;
 /// The sender's patience: connecting, and the listener's challenge.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
-/// How long the sender waits for the ack after its commit.
-const ACK_TIMEOUT: Duration = Duration::from_secs(60);
 /// One choice's first token in a commit header at most: token, logprob, the count of top
 /// logprobs and as many (id, logprob) pairs as a request may ask for.
 const CHOICE_HEADER: u32 = 4 + 4 + 4 + 8 * MAX_TOP_LOGPROBS as u32;
@@ -96,9 +95,38 @@ impl KvTransport for TcpTransport {
     }
 }
 
+/// `io` (a write toward the decode worker), failing as timed out if it makes no progress for
+/// `limit`: a link that went silent mid-transfer (TCP itself retries for many minutes).
+async fn within_stall<T>(
+    limit: Duration,
+    what: &str,
+    io: impl std::future::Future<Output = std::io::Result<T>>,
+) -> Result<T, TransferError> {
+    match tokio::time::timeout(limit, io).await {
+        Ok(r) => r.map_err(TransferError::from),
+        Err(_) => Err(TransferError::TimedOut(format!(
+            "{what} could not be written for {} ms",
+            limit.as_millis()
+        ))),
+    }
+}
+
+/// The task writing a sender's frames, aborted when the sender is dropped unfinished (the
+/// request was cancelled, or failed): a write blocked on a link that went silent would
+/// otherwise hold its socket and buffers until TCP gives up, minutes later.
+struct WriterTask(JoinHandle<Result<(), TransferError>>);
+
+impl Drop for WriterTask {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
 struct TcpSender {
     tx: mpsc::Sender<Vec<u8>>,
-    writer: JoinHandle<Result<(), TransferError>>,
+    writer: WriterTask,
+    /// How long a write or the acknowledgement may make no progress.
+    stall: Duration,
     reader: ReadHalf<KvStream>,
     addr: String,
     num_tokens: usize,
@@ -142,20 +170,7 @@ impl TcpSender {
         let challenge = frame::read_control(&mut reader, CONNECT_TIMEOUT)
             .await?
             .ok_or_else(|| TransferError::Connect(format!("{addr} closed before its challenge")))?;
-        if challenge.kind != Kind::Challenge {
-            return Err(TransferError::Protocol(format!(
-                "{addr} opened with a {:?} frame instead of a challenge",
-                challenge.kind
-            )));
-        }
-        let mut h = HeaderReader(&challenge.header);
-        let version = h.u32()?;
-        if version != PROTOCOL_VERSION {
-            return Err(TransferError::Protocol(format!(
-                "{addr} speaks KV protocol {version}, this worker {PROTOCOL_VERSION}"
-            )));
-        }
-        let nonce = h.bytes()?;
+        let nonce = challenge_nonce(&addr, &challenge)?;
         let lease = op.lease.as_bytes();
         let mut hello = HeaderWriter::default();
         hello
@@ -165,18 +180,20 @@ impl TcpSender {
             .str(op.request_id)
             .bytes(&op.reach.auth().kv_hello_proof(&nonce, lease));
         frame::write(&mut write_half, Kind::Hello, &hello.0).await?;
+        let stall = stall_limit(op.dest.lease_ttl_ms);
         let (tx, mut rx) = mpsc::channel::<Vec<u8>>(QUEUE);
         let writer = tokio::spawn(async move {
             while let Some(buf) = rx.recv().await {
-                write_half.write_all(&buf).await?;
+                within_stall(stall, "a KV frame", write_half.write_all(&buf)).await?;
                 bufpool::give(buf);
             }
-            write_half.flush().await?;
+            within_stall(stall, "the last KV frame", write_half.flush()).await?;
             Ok(())
         });
         Ok(Self {
             tx,
-            writer,
+            writer: WriterTask(writer),
+            stall,
             reader,
             addr,
             num_tokens: op.num_tokens,
@@ -240,12 +257,15 @@ impl KvSender for TcpSender {
             }
             let sent = me.tx.send(frame::encode(Kind::Commit, &header.0)).await;
             drop(me.tx);
-            let wrote = me
-                .writer
+            let wrote = (&mut me.writer.0)
                 .await
                 .map_err(|e| TransferError::Connect(format!("KV writer: {e}")))?;
+            // A write that stalled past the lease: the link is gone, no answer will come.
+            if let Err(e @ TransferError::TimedOut(_)) = wrote {
+                return Err(e);
+            }
             // The peer's answer explains a failed write better than the write error does.
-            let reply = frame::read_control(&mut me.reader, ACK_TIMEOUT).await;
+            let reply = frame::read_control(&mut me.reader, me.stall).await;
             match reply {
                 Ok(Some(f)) if f.kind == Kind::Ack => {
                     sent.map_err(|_| TransferError::Connect("the KV connection closed".into()))?;
@@ -256,17 +276,44 @@ impl KvSender for TcpSender {
                         transport: Transport::Tcp,
                     })
                 }
-                Ok(Some(f)) if f.kind == Kind::Error => Err(TransferError::Remote(
-                    HeaderReader(&f.header).str().unwrap_or_default(),
-                )),
-                Ok(_) => Err(TransferError::Protocol(format!(
-                    "no acknowledgement from {}",
+                Ok(Some(f)) if f.kind == Kind::Error => Err(remote_error(&f)),
+                // The connection closed without an answer: the peer gave up on the lease, or
+                // the link failed; either way the request may be placed again.
+                Ok(None) => Err(TransferError::Connect(format!(
+                    "{} closed the KV connection without an acknowledgement",
                     me.addr
+                ))),
+                Ok(Some(f)) => Err(TransferError::Protocol(format!(
+                    "{} answered the commit with a {:?} frame",
+                    me.addr, f.kind
                 ))),
                 Err(e) => Err(e),
             }
         })
     }
+}
+
+/// The nonce of the listener's challenge, the first frame a sender reads from `addr`.
+pub(crate) fn challenge_nonce(addr: &str, challenge: &Frame) -> Result<Vec<u8>, TransferError> {
+    if challenge.kind != Kind::Challenge {
+        return Err(TransferError::Protocol(format!(
+            "{addr} opened with a {:?} frame instead of a challenge",
+            challenge.kind
+        )));
+    }
+    let mut h = HeaderReader(&challenge.header);
+    let version = h.u32()?;
+    if version != PROTOCOL_VERSION {
+        return Err(TransferError::Protocol(format!(
+            "{addr} speaks KV protocol {version}, this worker {PROTOCOL_VERSION}"
+        )));
+    }
+    h.bytes()
+}
+
+/// The listener's error frame, as the sender reports it.
+pub(crate) fn remote_error(f: &Frame) -> TransferError {
+    TransferError::Remote(HeaderReader(&f.header).str().unwrap_or_default())
 }
 
 /// Accepts KV connections until `shutdown` resolves; each is served on its own task, at most
@@ -329,7 +376,7 @@ async fn serve_connection(
         Some(acceptor) => {
             let tls = tokio::time::timeout(limits.hello_timeout, acceptor.accept(stream))
                 .await
-                .map_err(|_| TransferError::Protocol("no TLS handshake in time".into()))?
+                .map_err(|_| TransferError::TimedOut("no TLS handshake in time".into()))?
                 .map_err(|e| TransferError::Unauthenticated(format!("TLS: {e}")))?;
             Box::new(tls)
         }
@@ -371,7 +418,7 @@ async fn hello<R: AsyncReadExt + Unpin>(
     )
     .await
     .map_err(|_| {
-        TransferError::Protocol(format!(
+        TransferError::TimedOut(format!(
             "no hello within {} ms",
             limits.hello_timeout.as_millis()
         ))
@@ -411,7 +458,9 @@ async fn hello<R: AsyncReadExt + Unpin>(
     Ok((open, commit))
 }
 
-async fn receive<R: AsyncReadExt + Unpin>(
+/// Everything after the challenge: the hello, the blocks, the commit. Returns the bytes
+/// received.
+pub(crate) async fn receive<R: AsyncReadExt + Unpin>(
     reader: &mut R,
     table: &LeaseTable,
     auth: &InternalAuth,
@@ -434,6 +483,7 @@ async fn receive<R: AsyncReadExt + Unpin>(
                 })?;
             match prefix.kind {
                 Kind::Blocks => {
+                    lease.note_sending();
                     let header = frame::read_header(
                         reader,
                         prefix.header_len,

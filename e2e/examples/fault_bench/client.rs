@@ -208,11 +208,20 @@ pub struct RouterClient {
 
 impl RouterClient {
     pub fn new(port: u16) -> anyhow::Result<Self> {
+        Self::at(&format!("http://127.0.0.1:{port}"))
+    }
+
+    /// A client of the router at `base` (`http://HOST:PORT`).
+    pub fn at(base: &str) -> anyhow::Result<Self> {
         Ok(Self {
             http: reqwest::Client::builder()
                 .pool_max_idle_per_host(16)
+                // Under the router's 2 s header timeout, which also closes idle keep-alive
+                // connections: a request sent on one the router is closing would be lost to
+                // the race, not to the router (HTTP clients retry only idempotent requests).
+                .pool_idle_timeout(std::time::Duration::from_secs(1))
                 .build()?,
-            base: format!("http://127.0.0.1:{port}"),
+            base: base.to_string(),
         })
     }
 

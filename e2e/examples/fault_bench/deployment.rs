@@ -23,6 +23,12 @@ use crate::client::{RouterClient, SERVED};
 pub const HTTP_TIMEOUT_MS: u64 = 2_000;
 /// The decode worker's cap on a lease's wait without progress.
 pub const MAX_LEASE_TTL_MS: u64 = 2_000;
+/// The router's bound on a request's wait for a running slot (the overload row checks it).
+pub const MAX_QUEUE_WAIT_MS: u64 = 2_000;
+/// The router's running and waiting requests at most: together well under the overload
+/// client's connections, so that a burst meets a full queue as well as the wait bound.
+pub const MAX_RUNNING: usize = 64;
+pub const MAX_QUEUED: usize = 128;
 /// The decode worker's deadline for a KV TCP connection to prove itself.
 pub const KV_HELLO_TIMEOUT_MS: u64 = 1_000;
 
@@ -38,6 +44,12 @@ impl Pids {
     /// Resident memory in KiB of (router, prefill, decode); 0 for a missing one.
     pub fn rss(&self) -> [u64; 3] {
         [self.router, self.prefill, self.decode].map(|pid| pid.map_or(0, rss_kib))
+    }
+
+    /// [`Self::rss`] outside the KV pools (`tandem_e2e::rss_outside_kv_pools_kib`).
+    pub fn rss_outside_kv_pools(&self) -> [u64; 3] {
+        [self.router, self.prefill, self.decode]
+            .map(|pid| pid.map_or(0, tandem_e2e::rss_outside_kv_pools_kib))
     }
 }
 
@@ -127,7 +139,7 @@ name = {model_s}
 [router]
 port = {router_port}
 transport = "shm"
-extra_args = ["--header-read-timeout-ms", "{HTTP_TIMEOUT_MS}", "--body-read-timeout-ms", "{HTTP_TIMEOUT_MS}", "--sse-keepalive-ms", "1000", "--served-model-name", "{SERVED}"{router_extra}]
+extra_args = ["--header-read-timeout-ms", "{HTTP_TIMEOUT_MS}", "--body-read-timeout-ms", "{HTTP_TIMEOUT_MS}", "--sse-keepalive-ms", "1000", "--max-queue-wait-ms", "{MAX_QUEUE_WAIT_MS}", "--max-concurrent-requests", "{MAX_RUNNING}", "--max-queued-requests", "{MAX_QUEUED}", "--served-model-name", "{SERVED}"{router_extra}]
 
 [[prefill]]
 port = {prefill_port}

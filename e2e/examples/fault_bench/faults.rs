@@ -1,5 +1,5 @@
-//! Faults under load: kill -9 of each worker, SIGSTOP of the prefill worker, and clients
-//! that disconnect mid-stream. Each is one row: what the clients saw (every request must
+//! Faults under load: kill -9 of each worker and of the router, SIGSTOP of the prefill
+//! worker, and clients that disconnect mid-stream. Each is one row: what the clients saw (every request must
 //! end completed or with an explicit error, none lost) and how long recovery took.
 
 use std::sync::Arc;
@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 
 use crate::client::{Call, Outcome, Rng, Route, RouterClient, Tally, prompt_text};
-use crate::deployment::{Deployment, Pids, signal};
+use crate::deployment::{Deployment, MAX_LEASE_TTL_MS, Pids, signal};
 use crate::report::{parenthesized, secs};
 
 /// Longest a worker restart (backoff, model load, the router's next health poll) may take.
@@ -34,6 +34,8 @@ pub async fn run(dep: &mut Deployment, context: u32) -> anyhow::Result<Vec<Fault
     faults.push(stop_prefill(dep).await?);
     dep.wait_idle(Duration::from_secs(5)).await;
     faults.push(disconnects(dep, context).await?);
+    dep.wait_idle(Duration::from_secs(5)).await;
+    faults.push(kill_router(dep, context).await?);
     dep.check_launcher()?;
     Ok(faults)
 }
@@ -355,5 +357,74 @@ async fn disconnects(dep: &Deployment, context: u32) -> anyhow::Result<Fault> {
             ),
         },
         survived: tally.cancelled == 20 && settled.promptly.is_some(),
+    })
+}
+
+/// kill -9 of the router under short requests and long streams: its clients' connections
+/// break at once (no request may hang), the launcher starts a new router, and the workers
+/// free every lease and block the dead router's requests held, within the lease timeout
+/// plus 2 s (its Generate streams close with its sockets).
+async fn kill_router(dep: &mut Deployment, context: u32) -> anyhow::Result<Fault> {
+    let old = dep.pids().router.context("no router")?;
+    let load = Load::start(&dep.router, 3);
+    let routes = [Route::Completions, Route::GenerateStream];
+    let long = streams(2, routes, "Once upon a time", (context / 2).min(20_000));
+    let running: Vec<_> = long
+        .into_iter()
+        .map(|call| {
+            let router = dep.router.clone();
+            tokio::spawn(async move { router.run(&call, FAULT_REQUEST_TIMEOUT).await })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    signal(old, "KILL")?;
+    let killed = Instant::now();
+    progress!("killed the router (pid {old}) under load");
+    let restarted = dep
+        .wait_new_pid(|p| p.router, old, RECOVERY_TIMEOUT)
+        .await
+        .map(|_| killed.elapsed());
+    let bound = Duration::from_millis(MAX_LEASE_TTL_MS) + Duration::from_secs(2);
+    // Leases and blocks are freed by the workers alone: the new router holds nothing yet.
+    let (idle, left) = dep.wait_idle(bound.saturating_sub(killed.elapsed())).await;
+    let idle_after = idle.map(|_| killed.elapsed());
+    let serving = wait_serving(dep, killed).await;
+    let mut outcomes: Vec<Outcome> = load.finish().await?.into_iter().map(|(_, o)| o).collect();
+    for r in running {
+        outcomes.push(r.await?);
+    }
+    let hung = outcomes
+        .iter()
+        .filter(
+            |o| matches!(o, Outcome::Lost(why) if why.contains("hung") || why.contains("in time")),
+        )
+        .count();
+    let tally = Tally::of(&outcomes);
+    Ok(Fault {
+        fault: "kill -9 of the router under load (3 clients, 2 long streams)".into(),
+        client_saw: format!(
+            "{} requests: {} ok, {} errors, {} cut when the router died (connection closed), {hung} hung",
+            tally.total(),
+            tally.ok,
+            tally.errors,
+            tally.lost.saturating_sub(hung),
+        ),
+        recovered: format!(
+            "restarted after {}; leases and blocks on both workers {}; serving again after {}",
+            restarted
+                .as_ref()
+                .map_or_else(|e| format!("NEVER ({e})"), |d| secs(*d)),
+            match idle_after {
+                Some(d) => format!("0 within {} of the kill", secs(d)),
+                None => format!(
+                    "NOT freed ({} on prefill, {} on decode after {})",
+                    left.0,
+                    left.1,
+                    secs(bound)
+                ),
+            },
+            secs_or_never(serving)
+        ),
+        survived: hung == 0 && restarted.is_ok() && idle_after.is_some() && serving.is_some(),
     })
 }

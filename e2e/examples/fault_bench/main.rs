@@ -8,7 +8,10 @@
 //! 3. faults: kill -9 of each worker under load, SIGSTOP of the prefill worker, client
 //!    disconnects mid-stream; what the clients saw and how long recovery took ([`faults`]);
 //! 4. a soak of mixed requests with cancellations: none lost, KV blocks back to zero when
-//!    idle, and each process's resident memory across it ([`soak`]).
+//!    idle, and each process's resident memory across it ([`soak`]);
+//! 5. overload: ten times the measured capacity, open loop ([`overload`]);
+//! 6. chaos between hosts: the prefill to decode link delayed, lossy, partitioned and down,
+//!    on a second deployment across network namespaces ([`chaos`]; needs root).
 //!
 //! This file owns the flags, the order of the run and the exit status. Run by
 //! `scripts/bench-faults`, which builds the release binaries first. Prints markdown tables,
@@ -28,9 +31,12 @@ macro_rules! progress {
 
 mod attacks;
 mod bad_inputs;
+mod chaos;
+mod chaos_hosts;
 mod client;
 mod deployment;
 mod faults;
+mod overload;
 mod report;
 mod soak;
 
@@ -41,7 +47,7 @@ use anyhow::{Context, bail};
 
 use crate::client::{Call, Outcome, REQUEST_TIMEOUT};
 use crate::deployment::Deployment;
-use crate::report::{Report, secs};
+use crate::report::{Chaos, Report, secs};
 
 pub struct Opts {
     pub model: String,
@@ -49,11 +55,17 @@ pub struct Opts {
     pub concurrency: usize,
     keep: bool,
     bin_dir: Option<PathBuf>,
+    /// How long the overload row offers ten times the capacity.
+    pub overload_burst: std::time::Duration,
+    /// Only the chaos rows (`--chaos-only`): the first deployment is not started.
+    chaos_only: bool,
+    /// Shorter impairments for the chaos rows (`--quick`).
+    pub chaos: chaos::Durations,
     /// Extra router flags, after the deployment's own (for A/B runs of a setting).
     pub router_args: Vec<String>,
 }
 
-const USAGE: &str = "fault_bench [--model tiny|smollm2|...] [--soak-requests N] [--concurrency N] [--quick] [--keep] [--bin-dir DIR] [--router-arg FLAG]...";
+const USAGE: &str = "fault_bench [--model tiny|smollm2|...] [--soak-requests N] [--concurrency N] [--quick] [--chaos-only] [--keep] [--bin-dir DIR] [--router-arg FLAG]...";
 
 fn parse_opts() -> anyhow::Result<Opts> {
     let mut opts = Opts {
@@ -62,6 +74,9 @@ fn parse_opts() -> anyhow::Result<Opts> {
         concurrency: 8,
         keep: false,
         bin_dir: None,
+        overload_burst: std::time::Duration::from_secs(60),
+        chaos_only: false,
+        chaos: chaos::Durations::FULL,
         router_args: Vec::new(),
     };
     let mut soak_requests = None;
@@ -79,6 +94,7 @@ fn parse_opts() -> anyhow::Result<Opts> {
             "--bin-dir" => opts.bin_dir = Some(PathBuf::from(value()?)),
             "--router-arg" => opts.router_args.push(value()?),
             "--quick" => quick = true,
+            "--chaos-only" => opts.chaos_only = true,
             "--keep" => opts.keep = true,
             "-h" | "--help" => {
                 println!("{USAGE}");
@@ -88,6 +104,10 @@ fn parse_opts() -> anyhow::Result<Opts> {
         }
     }
     opts.soak_requests = soak_requests.unwrap_or(if quick { 60 } else { opts.soak_requests });
+    if quick {
+        opts.chaos = chaos::Durations::QUICK;
+        opts.overload_burst = std::time::Duration::from_secs(5);
+    }
     anyhow::ensure!(opts.concurrency >= 1, "--concurrency must be at least 1");
     Ok(opts)
 }
@@ -123,10 +143,14 @@ async fn bench() -> anyhow::Result<()> {
             bin_dir.join(b).display()
         );
     }
+    if opts.chaos_only {
+        let chaos = run_chaos(&bin_dir, &opts).await?;
+        return report::print_chaos_only(&chaos, &opts, started.elapsed());
+    }
     let mut dep = Deployment::start(&bin_dir, &opts.model, &opts.router_args).await?;
     let measured = run_all(&mut dep, &opts, started).await;
     let ending = dep.finish();
-    let report = match measured {
+    let mut report = match measured {
         Ok(r) => r,
         Err(e) => {
             // The logs are what explains a failure: they outlive this run.
@@ -134,6 +158,8 @@ async fn bench() -> anyhow::Result<()> {
             return Err(e);
         }
     };
+    // After the first deployment is gone: its own hosts, and the two cores to itself.
+    report.chaos = run_chaos(&bin_dir, &opts).await?;
     let pass = report.print(&opts, &ending, started.elapsed());
     if !pass {
         dep.keep_files("some checks failed");
@@ -180,11 +206,26 @@ async fn run_all(dep: &mut Deployment, opts: &Opts, started: Instant) -> anyhow:
         opts.concurrency
     );
     let soak = soak::run(dep, opts.soak_requests, opts.concurrency).await?;
+    progress!("overload");
+    let overload = overload::run(dep, opts.overload_burst).await?;
     dep.check_launcher()?;
     Ok(Report {
         attacks,
         bad,
         faults,
         soak,
+        overload,
+        chaos: Chaos::NotRun("not yet".into()),
     })
+}
+
+/// The chaos rows on a deployment across network namespaces, or why they cannot run here.
+async fn run_chaos(bin_dir: &Path, opts: &Opts) -> anyhow::Result<Chaos> {
+    if let Some(why) = chaos_hosts::unavailable() {
+        progress!("chaos rows not run: {why}");
+        return Ok(Chaos::NotRun(why));
+    }
+    progress!("chaos: starting router, prefill and decode on three hosts");
+    let hosts = chaos_hosts::ChaosHosts::start(bin_dir, &opts.model).await?;
+    Ok(Chaos::Rows(chaos::run(&hosts, opts.chaos).await?))
 }

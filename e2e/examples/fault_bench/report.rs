@@ -9,8 +9,10 @@ use serde_json::json;
 use crate::Opts;
 use crate::attacks::Attack;
 use crate::bad_inputs::BadInputReport;
+use crate::chaos::ChaosRow;
 use crate::deployment::Ending;
 use crate::faults::Fault;
+use crate::overload::OverloadReport;
 use crate::soak::SoakReport;
 
 pub fn secs(d: Duration) -> String {
@@ -62,6 +64,86 @@ pub struct Report {
     pub bad: BadInputReport,
     pub faults: Vec<Fault>,
     pub soak: SoakReport,
+    pub overload: OverloadReport,
+    pub chaos: Chaos,
+}
+
+/// `--chaos-only`: the chaos table and a JSON line of its figures; an error if a row failed.
+pub fn print_chaos_only(chaos: &Chaos, opts: &Opts, wall: Duration) -> anyhow::Result<()> {
+    chaos.print();
+    let pass = chaos.passed();
+    let json = json!({
+        "model": opts.model,
+        "chaos": chaos.json(),
+        "wall_seconds": wall.as_secs_f64(),
+        "pass": pass,
+    });
+    println!("{json}");
+    anyhow::ensure!(pass, "some chaos rows failed: see the rows marked NO above");
+    Ok(())
+}
+
+/// The chaos rows, or why they did not run (they need root and iptables).
+pub enum Chaos {
+    NotRun(String),
+    Rows(Vec<ChaosRow>),
+}
+
+impl Chaos {
+    fn rows(&self) -> &[ChaosRow] {
+        match self {
+            Chaos::Rows(r) => r,
+            Chaos::NotRun(_) => &[],
+        }
+    }
+
+    fn passed(&self) -> bool {
+        self.rows().iter().all(|r| r.survived)
+    }
+
+    fn print(&self) {
+        println!();
+        let columns = [
+            "link fault (prefill ↔ decode, separate hosts, KV over TCP)",
+            "what the clients saw",
+            "recovered",
+            "left on the workers",
+            "pass",
+        ];
+        table("Chaos between hosts", &columns);
+        match self {
+            Chaos::NotRun(why) => row(&["not run", why, "", "", "n/a"]),
+            Chaos::Rows(rows) => {
+                for r in rows {
+                    let pass = yes_no(r.survived);
+                    row(&[&r.fault, &r.client_saw, &r.recovered, &r.left, pass]);
+                }
+            }
+        }
+    }
+
+    fn json(&self) -> serde_json::Value {
+        let rows = self.rows();
+        let max_recovery = rows
+            .iter()
+            .filter_map(|r| r.recovery)
+            .map(|d| d.as_secs_f64())
+            .fold(0.0, f64::max);
+        json!({
+            "run": matches!(self, Chaos::Rows(_)),
+            "rows": rows.len(),
+            "survived": rows.iter().filter(|r| r.survived).count(),
+            "requests": rows.iter().map(|r| r.tally.total()).sum::<usize>(),
+            "errors": rows.iter().map(|r| r.tally.errors).sum::<usize>(),
+            "lost": rows.iter().map(|r| r.tally.lost).sum::<usize>(),
+            "wrong_texts": rows.iter().map(|r| r.wrong).sum::<usize>(),
+            "max_recovery_seconds": max_recovery,
+            "longest_request_seconds": rows
+                .iter()
+                .map(|r| r.longest.as_secs_f64())
+                .fold(0.0, f64::max),
+        })
+    }
 }
 
 impl Report {
@@ -69,11 +151,13 @@ impl Report {
     pub fn print(&self, opts: &Opts, end: &Ending, wall: Duration) -> bool {
         self.print_attacks_and_faults(opts);
         self.print_soak(opts);
+        self.print_overload();
+        self.chaos.print();
         println!();
         table("Deployment", &["measure", "value"]);
         let restarts = end.restarts.to_string();
         row(&[
-            "restarts by the launcher (expected 2: the two kills)",
+            "restarts by the launcher (expected 3: the three kills)",
             &restarts,
         ]);
         row(&["panics in the logs", &end.panics.len().to_string()]);
@@ -95,8 +179,10 @@ impl Report {
             && bad.passed()
             && survived == faults.len()
             && soak.passed()
+            && self.chaos.passed()
+            && self.overload.passed()
             && end.panics.is_empty()
-            && end.restarts == 2
+            && end.restarts == 3
             && end.shm_left.is_empty()
             && end.survivors.is_empty()
             && end.stop_status.contains("exit status: 0");
@@ -126,6 +212,9 @@ impl Report {
             "panics": end.panics.len(),
             "shm_files_left": end.shm_left.len(),
             "processes_left": end.survivors.len(),
+            "overload": self.overload.json(),
+            "overload_passed": self.overload.passed(),
+            "chaos": self.chaos.json(),
             "wall_seconds": wall.as_secs_f64(),
             "pass": pass,
         });
@@ -165,6 +254,62 @@ impl Report {
         for f in &self.faults {
             row(&[&f.fault, &f.client_saw, &f.recovered, yes_no(f.survived)]);
         }
+    }
+
+    fn print_overload(&self) {
+        let o = &self.overload;
+        println!();
+        table(
+            &format!(
+                "Overload: 10x the measured capacity ({:.1} req/s), open loop",
+                o.capacity_rps
+            ),
+            &["measure", "value"],
+        );
+        let offered = format!(
+            "{} requests in {} ({:.0} req/s; {} not sent: client limit)",
+            o.sent,
+            secs(o.burst),
+            o.offered_rps,
+            o.skipped
+        );
+        row(&["offered", &offered]);
+        let answers: Vec<String> = o
+            .statuses
+            .iter()
+            .map(|(s, n)| match s {
+                0 => format!("{n} lost or hung"),
+                s => format!("{n}×{s}"),
+            })
+            .collect();
+        row(&["answers", &answers.join(", ")]);
+        row(&["5xx", &o.server_errors().to_string()]);
+        row(&["429 without Retry-After", &o.no_retry_after.to_string()]);
+        let p99 = o
+            .p99_queue
+            .map_or("no waits recorded".into(), |q| format!("≤ {q} s"));
+        row(&[
+            &format!("p99 queue time of the admitted (bound {} s)", o.queue_bound),
+            &p99,
+        ]);
+        for (i, name) in ["router", "prefill", "decode"].iter().enumerate() {
+            let rss = format!(
+                "{} → {} KiB ({:+} KiB; with the KV pools {:+} KiB)",
+                o.heap_before[i],
+                o.heap_after[i],
+                o.heap_after[i] as i64 - o.heap_before[i] as i64,
+                o.rss_after[i] as i64 - o.rss_before[i] as i64
+            );
+            row(&[
+                &format!("RSS {name} outside the KV pools, before → after"),
+                &rss,
+            ]);
+        }
+        let after = o.serving_after.map_or("NEVER (60 s)".into(), |d| {
+            format!("{} after the burst", secs(d))
+        });
+        row(&["serving normally (disaggregated) again", &after]);
+        row(&["pass", yes_no(o.passed())]);
     }
 
     fn print_soak(&self, opts: &Opts) {

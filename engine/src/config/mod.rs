@@ -158,6 +158,23 @@ pub enum Activation {
     GeluTanh,
 }
 
+/// The largest size of each config field [`ModelConfig::validate`] accepts, in the order it
+/// checks them. A config is a file a stranger may have written, and the engine sizes tables
+/// (RoPE frequencies, layers, KV blocks) and products of these numbers from it before any
+/// weight is read: bounded, no product overflows and no table outgrows memory. Each bound is
+/// many times the largest published model's (vocabularies of 262 144, widths of 16 384 and
+/// 53 248, 126 layers, 128 heads, head_dim 256, contexts of 10 M).
+pub const SIZE_BOUNDS: [(&str, usize); 8] = [
+    ("vocab_size", 1 << 22),
+    ("hidden_size", 1 << 17),
+    ("intermediate_size", 1 << 19),
+    ("num_hidden_layers", 1 << 12),
+    ("num_attention_heads", 1 << 12),
+    ("num_key_value_heads", 1 << 12),
+    ("head_dim", 1 << 14),
+    ("max_position_embeddings", 1 << 27),
+];
+
 /// The resolved hyper-parameters of a decoder.
 #[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
 pub struct ModelConfig {
@@ -251,11 +268,30 @@ impl ModelConfig {
         (1.0 / scalar.sqrt()) as f32
     }
 
-    /// Rejects shapes the kernels cannot run.
+    /// Rejects shapes the kernels cannot run, and sizes past [`SIZE_BOUNDS`].
     pub fn validate(&self) -> Result<()> {
         let fail = |m: String| Err(EngineError::Config(m));
         if self.num_hidden_layers == 0 || self.hidden_size == 0 || self.vocab_size == 0 {
             return fail("layers, hidden size and vocabulary must be non-zero".into());
+        }
+        let sizes = [
+            self.vocab_size,
+            self.hidden_size,
+            self.intermediate_size,
+            self.num_hidden_layers,
+            self.num_attention_heads,
+            self.num_key_value_heads,
+            self.head_dim,
+            self.max_position_embeddings,
+        ];
+        if let Some(((name, bound), size)) = SIZE_BOUNDS
+            .iter()
+            .zip(sizes)
+            .find(|((_, bound), size)| size > bound)
+        {
+            return fail(format!(
+                "{name} {size} is past the {bound} tandem takes (no model it runs comes near)"
+            ));
         }
         if self.num_attention_heads == 0
             || self.num_key_value_heads == 0
@@ -282,8 +318,25 @@ impl ModelConfig {
             || !positive(self.attn_logit_softcapping)
             || !positive(self.final_logit_softcapping)
             || !positive(self.rope_local_theta)
+            || !positive(Some(self.rope_theta))
+            || !positive(Some(self.rms_norm_eps))
         {
-            return fail("attention scalar, soft-caps and RoPE bases must be positive".into());
+            return fail(
+                "attention scalar, soft-caps, RoPE bases and the norm epsilon must be positive"
+                    .into(),
+            );
+        }
+        if let Some(RopeScaling::Llama3 {
+            factor,
+            low_freq_factor,
+            high_freq_factor,
+            ..
+        }) = self.rope_scaling
+            && ![factor, low_freq_factor, high_freq_factor]
+                .into_iter()
+                .all(|x| positive(Some(x)))
+        {
+            return fail("rope_scaling's factors must be positive".into());
         }
         Ok(())
     }

@@ -314,3 +314,40 @@ fn gemma_from_hf_config() {
     assert!((999_000_000..1_001_000_000).contains(&g3), "{g3}");
     assert_eq!(preset.attention_scale(), 1.0 / 16.0);
 }
+
+/// Sizes past `SIZE_BOUNDS` and non-positive constants are refused by name, before anything
+/// is sized from them (a head_dim of 2^62 once sized a RoPE table of 2^61 floats, a layer
+/// count of 2^40 looped that many times, and a vocabulary of 2^60 overflowed the count of
+/// parameters).
+#[test]
+fn extreme_sizes_and_constants_are_refused() {
+    let base = r#""vocab_size":32000,"hidden_size":64,"intermediate_size":128,
+        "num_hidden_layers":2,"num_attention_heads":4"#;
+    for (extra, named) in [
+        (r#","head_dim":4611686018427387904"#, "head_dim"),
+        (r#","num_key_value_heads":8192"#, "num_key_value_heads"),
+        (
+            r#","max_position_embeddings":1099511627776"#,
+            "max_position_embeddings",
+        ),
+        (r#","rope_theta":0"#, "positive"),
+        (r#","rms_norm_eps":-1"#, "positive"),
+        (
+            r#","rope_scaling":{"rope_type":"llama3","factor":-8}"#,
+            "rope_scaling",
+        ),
+    ] {
+        let json = format!("{{{base}{extra}}}");
+        match ModelConfig::from_hf_json(&json) {
+            Err(EngineError::Config(m)) => assert!(m.contains(named), "{extra}: {m}"),
+            other => panic!("{extra}: {other:?}"),
+        }
+    }
+    let huge = base.replace("32000", "1152921504606846976");
+    assert!(ModelConfig::from_hf_json(&format!("{{{huge}}}")).is_err());
+    let layers = base.replace(
+        r#""num_hidden_layers":2"#,
+        r#""num_hidden_layers":1099511627776"#,
+    );
+    assert!(ModelConfig::from_hf_json(&format!("{{{layers}}}")).is_err());
+}

@@ -52,7 +52,11 @@ impl AppState {
             decode_turn: Default::default(),
             prefill_turn: Default::default(),
         });
-        let admission = Admission::new(config.max_concurrent_requests, config.max_queued_requests);
+        let admission = Admission::new(
+            config.max_concurrent_requests,
+            config.max_queued_requests,
+            config.max_queue_wait,
+        );
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
         AppState(Arc::new(Shared {
             config,

@@ -10,14 +10,16 @@ use super::disaggregated::{DisaggError, run_disaggregated};
 use super::outcome::Timing;
 use super::place::place;
 use super::request::{FlowContext, FlowRequest};
-use crate::config::PlacementPolicy;
+use crate::config::{FallbackPolicy, PlacementPolicy};
 use crate::error::ApiError;
 use crate::metrics as m;
 use crate::routing::{self, FallbackReason, ModeDecision, PromptNames};
 use crate::workers::{Worker, WorkerRole};
 
 /// Picks workers and gets the first token: a decode worker found down before it is replaced
-/// once by another.
+/// once by another. So is one the KV could not reach; when no other is left, that one runs
+/// the prompt itself (`--fallback aggregated`): the router still reaches it, only the link
+/// from the prefill worker failed.
 pub(super) async fn establish(
     ctx: &FlowContext,
     req: &FlowRequest,
@@ -28,11 +30,16 @@ pub(super) async fn establish(
     // counted as a retry.
     let mut skipped: Vec<usize> = Vec::new();
     let mut names = PromptNames::new(&req.prompt);
+    // The decode worker a transfer failed toward, with the error, for the last resort.
+    let mut unreached: Option<(Arc<Worker>, ApiError)> = None;
     loop {
         let exclude = [tried_decode.as_slice(), skipped.as_slice()].concat();
         let candidates = ctx.pool.decode_candidates(&exclude, &mut names);
         let rule = ctx.rule(req, &ctx.decode_turn);
         let Some(id) = routing::pick_decode(&candidates, &rule) else {
+            if let Some((decode, e)) = unreached {
+                return aggregated_after_transfer(ctx, req, &decode, e, timing).await;
+            }
             return Err(match tried_decode.is_empty() {
                 true => ApiError::NoDecodeWorker,
                 false => ApiError::WorkerUnavailable,
@@ -48,9 +55,35 @@ pub(super) async fn establish(
                 tracing::warn!(decode = %decode.url, "decode worker down before the first token; trying another");
                 tried_decode.push(id);
             }
+            Err(AttemptError::TransferFailed(e)) if tried_decode.is_empty() => {
+                tried_decode.push(id);
+                unreached = Some((decode, e));
+            }
+            Err(AttemptError::TransferFailed(e)) => {
+                return aggregated_after_transfer(ctx, req, &decode, e, timing).await;
+            }
             Err(e) => return Err(e.into_api()),
         }
     }
+}
+
+/// The last resort after a failed transfer: `decode` runs the prompt itself, if
+/// `--fallback aggregated` allows (a decode worker that is down after all fails that at once).
+async fn aggregated_after_transfer(
+    ctx: &FlowContext,
+    req: &FlowRequest,
+    decode: &Arc<Worker>,
+    e: ApiError,
+    timing: &mut Timing,
+) -> Result<Live, ApiError> {
+    if ctx.fallback == FallbackPolicy::Error {
+        return Err(e);
+    }
+    let fallback = Some(FallbackReason::TransferFailed);
+    note_fallback(fallback);
+    run_aggregated(ctx, req, decode, fallback, timing)
+        .await
+        .map_err(AttemptError::into_api)
 }
 
 /// Runs the request on `decode`, disaggregated when possible: a failed prefill is retried
@@ -115,6 +148,7 @@ async fn establish_on(
         match attempt {
             Ok(live) => return Ok(live),
             Err(DisaggError::Decode(e)) => return Err(e),
+            Err(DisaggError::Transfer(e)) => return Err(AttemptError::TransferFailed(e)),
             Err(DisaggError::Prefill(ApiError::WorkerRejected)) => {
                 // The request itself is invalid: no other worker will take it.
                 return Err(AttemptError::Fatal(ApiError::WorkerRejected));

@@ -26,6 +26,10 @@ pub(super) enum DecodeItem {
 pub(super) enum AttemptError {
     /// The decode worker is down: another decode worker may be tried.
     DecodeDown(ApiError),
+    /// The prompt's KV could not reach the decode worker (the link between the workers
+    /// failed or stalled past the lease), which is otherwise fine: another decode worker
+    /// may be tried, else this one runs the prompt itself.
+    TransferFailed(ApiError),
     /// Give up with this error.
     Fatal(ApiError),
 }
@@ -33,7 +37,9 @@ pub(super) enum AttemptError {
 impl AttemptError {
     pub(super) fn into_api(self) -> ApiError {
         match self {
-            AttemptError::DecodeDown(e) | AttemptError::Fatal(e) => e,
+            AttemptError::DecodeDown(e)
+            | AttemptError::TransferFailed(e)
+            | AttemptError::Fatal(e) => e,
         }
     }
 }
@@ -109,7 +115,25 @@ pub(super) async fn next_item(
     stream: &mut Streaming<GenerateEvent>,
     decode: &Worker,
 ) -> Result<DecodeItem, AttemptError> {
-    match stream.message().await {
+    item_of(stream.message().await, decode)
+}
+
+/// What the decode worker ended a reservation with when its KV never fully arrived: the lease
+/// expired waiting (`DEADLINE_EXCEEDED`) or the transfer broke (`DATA_LOSS`). The decode
+/// worker is fine and has freed the blocks; the request can run there aggregated.
+pub(super) fn lease_ended_without_kv(status: &tonic::Status) -> bool {
+    matches!(
+        status.code(),
+        tonic::Code::DeadlineExceeded | tonic::Code::DataLoss
+    )
+}
+
+/// [`next_item`] for a message already read.
+pub(super) fn item_of(
+    message: Result<Option<GenerateEvent>, tonic::Status>,
+    decode: &Worker,
+) -> Result<DecodeItem, AttemptError> {
+    match message {
         Ok(Some(GenerateEvent {
             event: Some(Event::Token(t)),
         })) => Ok(DecodeItem::Token(t)),

@@ -24,7 +24,7 @@ use tonic::Streaming;
 use super::aggregated::run_here;
 use super::decode::{
     AttemptError, DecodeItem, Live, decode_failure, decode_protocol_error, generate_request,
-    grpc_request, next_item,
+    grpc_request, item_of, lease_ended_without_kv,
 };
 use super::events::{Head, RunMode, prompt_entries, transport_name};
 use super::outcome::Timing;
@@ -38,6 +38,8 @@ use crate::workers::Worker;
 pub(super) enum DisaggError {
     Decode(AttemptError),
     Prefill(ApiError),
+    /// The prefill ran but its KV did not reach the decode worker.
+    Transfer(ApiError),
 }
 
 /// What opening the lease gave: a reservation to prefill toward, or a request the decode
@@ -155,7 +157,7 @@ async fn open_lease(
         0 => ctx.lease_ttl_ms,
         ms => ms,
     };
-    let destination = destination(
+    let mut destination = destination(
         ctx,
         decode,
         &decode_info,
@@ -163,6 +165,7 @@ async fn open_lease(
         lease,
         decode_cached_tokens,
     );
+    destination.lease_ttl_ms = granted_ttl_ms;
     Ok(Opened::Leased(Box::new(Reservation {
         stream,
         client,
@@ -226,6 +229,8 @@ fn destination(
         block_ids: lease.block_ids,
         kv_layout_hash: decode_info.kv_layout_hash.clone(),
         first_block,
+        // Set by the caller, from the period the decode worker granted.
+        lease_ttl_ms: 0,
     }
 }
 
@@ -284,11 +289,24 @@ async fn prefill_while_renewing(
                 // Returning drops the Generate stream, which cancels the reservation.
                 Err(status) => return Err(prefill_failure(&status, decode, prefill)),
             },
-            item = next_item(&mut stream, decode), if early.is_empty() => {
-                early.push_back(item.map_err(DisaggError::Decode)?);
+            message = stream.message(), if early.is_empty() => {
+                if let Err(status) = &message
+                    && lease_ended_without_kv(status)
+                {
+                    tracing::warn!(prefill = %prefill.url, decode = %decode.url, message = status.message(), "the KV did not arrive within the lease");
+                    return Err(DisaggError::Transfer(ApiError::WorkerUnavailable));
+                }
+                early.push_back(item_of(message, decode).map_err(DisaggError::Decode)?);
                 timing.on_token(RunMode::Disaggregated);
             }
             _ = renew.tick(), if prefill_answer.is_none() => {
+                // A prefill worker the health poll lost (its host's link went down, it
+                // hung) will not answer in time: place the request again now rather than
+                // wait on a call that may never return.
+                if !prefill.is_healthy() {
+                    tracing::warn!(prefill = %prefill.url, "prefill worker unhealthy while the prompt waited there; placing it again");
+                    return Err(DisaggError::Prefill(ApiError::WorkerUnavailable));
+                }
                 renew_lease(&client, &token, &req.request_id);
             }
         }
@@ -383,11 +401,12 @@ fn prefill_request(
 fn prefill_failure(status: &tonic::Status, decode: &Worker, prefill: &Worker) -> DisaggError {
     if status.code() == tonic::Code::Aborted {
         // The prefill worker is fine: the KV could not reach this decode worker (it refused,
-        // died, or could not be verified). Another decode worker may do; the decode worker's
-        // own poll finds out about it.
+        // died, could not be verified, or the link between them failed). The caller runs the
+        // request aggregated there, or on another decode worker if this one is down; the
+        // decode worker's own poll finds out which.
         tracing::warn!(prefill = %prefill.url, decode = %decode.url, message = status.message(), "KV transfer to the decode worker failed");
         decode.probe_now();
-        return DisaggError::Decode(AttemptError::DecodeDown(ApiError::WorkerUnavailable));
+        return DisaggError::Transfer(ApiError::WorkerUnavailable);
     }
     tracing::warn!(prefill = %prefill.url, code = ?status.code(), message = status.message(), "prefill failed");
     prefill.report_failure(status);

@@ -194,6 +194,10 @@ pub enum FallbackReason {
     NoPrefillWorker,
     /// Prefill failed on every worker tried, before any token reached the client.
     PrefillFailed,
+    /// The prompt ran, but its KV could not reach the decode worker (the link between the
+    /// two failed or stalled past the lease): the decode worker, which the router still
+    /// reaches, runs it itself.
+    TransferFailed,
 }
 
 impl FallbackReason {
@@ -202,6 +206,7 @@ impl FallbackReason {
         match self {
             FallbackReason::NoPrefillWorker => "no_prefill_worker",
             FallbackReason::PrefillFailed => "prefill_failed",
+            FallbackReason::TransferFailed => "transfer_failed",
         }
     }
 }

@@ -191,6 +191,12 @@ impl WorkerPool {
         self.model.get().cloned()
     }
 
+    /// Serves `model` without a worker having handed it over (the `http_bodies` fuzz target,
+    /// whose pool has no worker). `false` when the pool serves a model already.
+    pub(crate) fn adopt_model(&self, model: ServedModel) -> bool {
+        self.model.set(Arc::new(model)).is_ok()
+    }
+
     /// The KV transport requests ask for.
     pub fn transport(&self) -> Transport {
         self.transport

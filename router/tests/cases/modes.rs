@@ -61,6 +61,35 @@ async fn leases_are_renewed_within_the_period_the_decode_worker_granted() {
     router.stop().await;
 }
 
+/// A transfer that fails toward the only decode worker (the link between the workers, not the
+/// worker): that worker, which the router still reaches, runs the prompt itself, and the
+/// response says why.
+#[tokio::test]
+async fn a_failed_kv_transfer_to_the_only_decode_worker_runs_aggregated_there() {
+    let decode = FakeDecode::new("decode-0");
+    let ds = FakeServer::decode(&decode);
+    let prefill = FakePrefill::new("prefill-0");
+    let ps = FakeServer::prefill(&prefill);
+    prefill.set_script(PrefillScript {
+        abort_for: Some(ds.url.clone()),
+        ..Default::default()
+    });
+    let router = TestRouter::start(config(&[&ps], &[&ds])).await;
+    let r = complete(&router.url, 2).await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(r.headers()["x-tandem-mode"], "aggregated");
+    assert_eq!(r.headers()["x-tandem-fallback"], "transfer_failed");
+    assert_eq!(prefill.calls().len(), 1);
+    assert_eq!(
+        decode.generate_calls().len(),
+        2,
+        "the lease, then the aggregated run"
+    );
+    let series_name = "tandem_router_fallbacks_total{reason=\"transfer_failed\"}";
+    assert_eq!(series(&router.url, series_name).await, Some(1.0));
+    router.stop().await;
+}
+
 /// A prefill worker whose KV could not reach a decode worker answers ABORTED: the request
 /// moves to another decode worker, and the prefill worker stays healthy (it was not at fault).
 
