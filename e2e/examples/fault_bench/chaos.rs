@@ -128,7 +128,8 @@ impl Load {
                         let call = Call::completion(&prompts[which], MAX_TOKENS, i % 2 == 1);
                         let started = Instant::now();
                         let outcome = router.run(&call, HUNG_AFTER).await;
-                        if started.elapsed() > LEASE_TIMEOUT + Duration::from_secs(2) + STALL_SLACK {
+                        if started.elapsed() > LEASE_TIMEOUT + Duration::from_secs(2) + STALL_SLACK
+                        {
                             progress!(
                                 "chaos: a request took {} ({outcome:?}); stream {}",
                                 secs(started.elapsed()),
