@@ -56,6 +56,26 @@ fn the_safetensors_seeds_load_whole() {
     assert!(inputs("safetensors_header").len() >= seeds.len());
 }
 
+/// A tensor of another shape than the config gives it is refused by name before its bytes
+/// are converted and packed (which allocate many times its size), even when its element
+/// count is right.
+#[test]
+fn a_tensor_of_the_wrong_shape_is_refused_before_it_is_converted() {
+    let cfg = safetensors_config(0);
+    let mut tensors = hf_tensors(cfg);
+    tensors[0].1 = vec![1, cfg.vocab_size * cfg.hidden_size];
+    let file = safetensors_file(&tensors, "F32");
+    let st = SliceSafetensors::new(&file).unwrap();
+    let err = hf_weights(cfg, WeightFormat::F32, &st, Path::new("m"))
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        err.contains("model.embed_tokens.weight: shape [1, 128], expected [16, 8]"),
+        "{err}"
+    );
+}
+
 fn replay_dir() -> std::path::PathBuf {
     tandem_text::fuzzing::replay::fuzz_dir().join("corpus/safetensors_header")
 }

@@ -113,7 +113,11 @@ pub(crate) fn hf_weights(
             Want::Values(n) => shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d)) == Some(n),
         };
         if !fits {
-            return Err(fail(format!("shape {shape:?}, expected {want:?}")));
+            let expected = match want {
+                Want::Matrix(rows, cols) => format!("[{rows}, {cols}]"),
+                Want::Values(n) => format!("{n} values"),
+            };
+            return Err(fail(format!("shape {shape:?}, expected {expected}")));
         }
         st.tensor(name).map_err(|e| fail(e.to_string()))
     };
