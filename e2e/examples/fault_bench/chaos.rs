@@ -207,7 +207,7 @@ impl Impairment {
         }
     }
 
-    fn apply(self, hosts: &ChaosHosts) -> anyhow::Result<Applied> {
+    async fn apply(self, hosts: &ChaosHosts) -> anyhow::Result<Applied> {
         let (prefill, decode) = (hosts.host("prefill")?, hosts.host("decode")?.addr);
         let delay = || {
             Delay::start(
@@ -225,12 +225,12 @@ impl Impairment {
             Impairment::Partition => {
                 applied.delay = Some(delay()?);
                 // Transfers start under the delay, so the partition cuts some mid-layer.
-                std::thread::sleep(Duration::from_millis(700));
+                tokio::time::sleep(Duration::from_millis(700)).await;
                 applied._rules = Some(Rules::partition(prefill, decode)?);
             }
             Impairment::LinkDown => {
                 applied.delay = Some(delay()?);
-                std::thread::sleep(Duration::from_millis(700));
+                tokio::time::sleep(Duration::from_millis(700)).await;
                 applied._down = Some(LinkDown::new(prefill)?);
             }
         }
@@ -274,7 +274,7 @@ async fn row(
 ) -> anyhow::Result<ChaosRow> {
     let load = Load::start(&hosts.router, &reference.prompts);
     tokio::time::sleep(Duration::from_secs(1)).await;
-    let applied = impairment.apply(hosts)?;
+    let applied = impairment.apply(hosts).await?;
     tokio::time::sleep(hold).await;
     let packets = applied.packets();
     drop(applied);

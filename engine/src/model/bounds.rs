@@ -180,6 +180,18 @@ pub(super) fn check_parameters(cfg: &ModelConfig, weight_bytes: u64, path: &Path
     Ok(())
 }
 
+/// The `*.safetensors` files of an HF folder, in name order: the ones the check and the
+/// loader both read.
+pub(super) fn safetensors_files(dir: &Path) -> Result<Vec<PathBuf>> {
+    let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
+        .map_err(|e| EngineError::io(dir, e))?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+        .collect();
+    files.sort();
+    Ok(files)
+}
+
 /// The checks of an HF folder before its config is parsed for loading: `config.json` within
 /// the JSON ceiling, and each `*.safetensors` file's header. Returns the config and the
 /// weight files' total length.
@@ -189,12 +201,7 @@ pub(super) fn check_hf_folder(dir: &Path, limits: &ModelLimits) -> Result<(Model
     let json =
         String::from_utf8(json).map_err(|_| EngineError::load(&config_path, "not UTF-8 text"))?;
     let cfg = ModelConfig::from_hf_json(&json).map_err(|e| in_file(&config_path, e))?;
-    let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
-        .map_err(|e| EngineError::io(dir, e))?
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
-        .collect();
-    files.sort();
+    let files = safetensors_files(dir)?;
     let mut bytes = 0u64;
     let mut tensors = 0u64;
     for file in &files {

@@ -8,7 +8,7 @@
 //! times the tensor's size). So the memory a load takes follows from the config, whose sizes
 //! are bounded (`ModelConfig::validate`), and from bytes that are really in the file.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use candle_core::safetensors::{MmapedSafetensors, SliceSafetensors};
 use candle_core::{DType, Device, Tensor};
@@ -33,12 +33,7 @@ pub fn load_hf_model(dir: &Path, format: WeightFormat) -> Result<Model> {
     let json =
         std::fs::read_to_string(&config_path).map_err(|e| EngineError::io(&config_path, e))?;
     let cfg = ModelConfig::from_hf_json(&json)?;
-    let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
-        .map_err(|e| EngineError::io(dir, e))?
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
-        .collect();
-    files.sort();
+    let files = super::bounds::safetensors_files(dir)?;
     if files.is_empty() {
         return Err(EngineError::load(dir, "no *.safetensors file"));
     }

@@ -157,15 +157,15 @@ async fn open_lease(
         0 => ctx.lease_ttl_ms,
         ms => ms,
     };
-    let mut destination = destination(
+    let destination = destination(
         ctx,
         decode,
         &decode_info,
         prefill,
         lease,
         decode_cached_tokens,
+        granted_ttl_ms,
     );
-    destination.lease_ttl_ms = granted_ttl_ms;
     Ok(Opened::Leased(Box::new(Reservation {
         stream,
         client,
@@ -204,6 +204,7 @@ fn destination(
     prefill: &Worker,
     lease: Lease,
     decode_cached_tokens: u32,
+    granted_ttl_ms: u32,
 ) -> KvDestination {
     // The decode worker's cache holds the prompt's first blocks: they are not sent, and the
     // lease's blocks start after them.
@@ -229,8 +230,7 @@ fn destination(
         block_ids: lease.block_ids,
         kv_layout_hash: decode_info.kv_layout_hash.clone(),
         first_block,
-        // Set by the caller, from the period the decode worker granted.
-        lease_ttl_ms: 0,
+        lease_ttl_ms: granted_ttl_ms,
     }
 }
 
