@@ -1,7 +1,8 @@
 //! What every attention task reads: a sequence's query rows ([`AttnSeq`]) and the layer's
 //! options ([`AttnParams`]), where a layer's blocks lie and how they are laid out
-//! (`Geometry`), a task's share of the work (`TaskSpan`), one (row, head)'s online-softmax
-//! state (`RowState`), and reading (or prefetching) a block's K and V. A leaf that both paths,
+//! (`Geometry`), a task's share of the work (`TaskSpan`) and where it leaves its results
+//! (`PartialOut`), one (row, head)'s online-softmax state (`RowState`), and reading (or
+//! prefetching) a block's K and V. A leaf that both paths,
 //! the per-lane one and `lanes`, build on.
 
 use tandem_kv::{BLOCK_SIZE, KvDtype};
@@ -56,17 +57,35 @@ pub(super) struct Geometry {
 // SAFETY: the cache outlives the call; tasks only read through `layer_base`.
 unsafe impl Sync for Geometry {}
 
-/// One task's share: query rows `r0..r0 + rows` of a sequence, heads of KV group `group`.
+/// One task's share: query rows `r0..r0 + rows` of a sequence, heads of KV group `group`,
+/// over the keys of blocks `first_block..end_block` (one key span, `spans`).
 #[derive(Debug, Clone, Copy)]
 pub(super) struct TaskSpan {
     pub(super) group: usize,
     pub(super) r0: usize,
     pub(super) rows: usize,
+    pub(super) first_block: usize,
+    pub(super) end_block: usize,
 }
+
+/// Where a task leaves its lanes' results over its key span, not yet divided by the sum:
+/// lane `l`'s state at `states[l]`, its Σ p·V at `acc[l·d..(l + 1)·d]` (lane `l` is row
+/// `l / n_rep`, head `l % n_rep` of the group).
+#[derive(Debug, Clone, Copy)]
+pub(super) struct PartialOut {
+    pub(super) acc: *mut f32,
+    pub(super) states: *mut RowState,
+}
+// SAFETY: each task writes only its own lanes' part, which no other task touches until the
+// parallel region ends.
+unsafe impl Send for PartialOut {}
+unsafe impl Sync for PartialOut {}
 
 /// Online-softmax state of one (row, head). Both paths (`task_body` and `lanes`) advance it
 /// through these two functions, so they cannot drift apart.
-#[derive(Debug, Clone, Copy)]
+/// `repr(C)`: split spans keep their states in a buffer of f32s (`spans`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+#[repr(C)]
 pub(super) struct RowState {
     pub(super) max: f32,
     pub(super) sum: f32,

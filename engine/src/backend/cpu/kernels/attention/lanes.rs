@@ -22,8 +22,7 @@
 
 use tandem_kv::BLOCK_SIZE;
 
-use super::super::SharedMut;
-use super::geometry::{AttnSeq, Geometry, RowState, TaskSpan, block_kv};
+use super::geometry::{AttnSeq, Geometry, PartialOut, RowState, TaskSpan, block_kv};
 
 /// Lanes to a vector group.
 const W: usize = 16;
@@ -72,9 +71,15 @@ pub(super) unsafe fn task(
     q: &[f32],
     s: &AttnSeq<'_>,
     span: TaskSpan,
-    out: SharedMut,
+    part: PartialOut,
 ) {
-    let TaskSpan { group, r0, rows } = span;
+    let TaskSpan {
+        group,
+        r0,
+        rows,
+        first_block,
+        end_block,
+    } = span;
     let (d, n_rep) = (g.d, g.n_rep);
     let lanes = rows * n_rep;
     let first_pos = s.start_pos + r0;
@@ -106,7 +111,8 @@ pub(super) unsafe fn task(
         .collect();
     let (k_off, v_off) = g.kv_offsets(group);
     let mut widened = g.widening_buffer();
-    for b in g.window_start(first_pos) / BLOCK_SIZE..last_pos / BLOCK_SIZE + 1 {
+    let from = (g.window_start(first_pos) / BLOCK_SIZE).max(first_block);
+    for b in from..(last_pos / BLOCK_SIZE + 1).min(end_block) {
         let first_key = b * BLOCK_SIZE;
         let block = s.block_table[b] as usize * g.block_elems;
         // SAFETY: both parts lie inside the block (checked block id, layout sizes).
@@ -139,12 +145,12 @@ pub(super) unsafe fn task(
                 break;
             }
             let lane = k * W + l;
-            let row = s.q_row + r0 + lane / n_rep;
-            let head = group * n_rep + lane % n_rep;
-            let inv = 1.0 / grp.state[l].sum;
-            for i in 0..d {
-                // SAFETY: (row, head) belongs to this task alone.
-                unsafe { *out.0.add(row * g.width + head * d + i) = grp.acct[i * W + l] * inv };
+            // SAFETY: the part holds this task's lanes, and no other task writes them.
+            unsafe {
+                *part.states.add(lane) = grp.state[l];
+                for i in 0..d {
+                    *part.acc.add(lane * d + i) = grp.acct[i * W + l];
+                }
             }
         }
     }

@@ -9,20 +9,27 @@
 //! AVX-512 computes it 16 rows (and heads) to a vector (`lanes`); every other task one row and
 //! head at a time (`task_body`); the two give the same bits, which the tests check.
 //!
+//! Keys are taken in spans of a fixed number of blocks whose results fold in order
+//! (`spans`), so a decode step's few rows can spread over every thread without changing a
+//! bit.
+//!
 //! The files: `geometry` (what a task reads), `per_lane` (the per-lane path), `block_ops` (its
-//! lane-grouped scores and P·V), `lanes` (the AVX-512 path for many lanes).
+//! lane-grouped scores and P·V), `lanes` (the AVX-512 path for many lanes), `spans` (the
+//! key spans and their fold).
 
 mod block_ops;
 mod geometry;
 #[cfg(target_arch = "x86_64")]
 mod lanes;
 mod per_lane;
+mod spans;
 
 use tandem_kv::{BLOCK_SIZE, KvCache};
 
 use super::{Isa, SharedMut, isa};
-use geometry::{Geometry, TaskSpan};
+use geometry::{Geometry, PartialOut, RowState, TaskSpan};
 use per_lane::task_body;
+use spans::{LaneDest, SPAN_BLOCKS, fold, write_out};
 
 pub use geometry::{AttnParams, AttnSeq};
 
@@ -56,6 +63,52 @@ pub fn paged_attention_on(
     params: AttnParams,
     out: &mut [f32],
 ) {
+    attend(
+        isa,
+        cache,
+        layer,
+        q,
+        seqs,
+        n_heads,
+        params,
+        out,
+        Split::WhenFewUnits,
+    )
+}
+
+/// Whether units' key spans run as separate tasks: when there are too few units to keep
+/// every thread busy (the tests also ask for never and always: the bits are the same).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Split {
+    WhenFewUnits,
+    #[cfg_attr(not(test), allow(dead_code))]
+    Never,
+    #[cfg_attr(not(test), allow(dead_code))]
+    Always,
+}
+
+impl Split {
+    fn applies(self, units: usize) -> bool {
+        match self {
+            Split::WhenFewUnits => units < 4 * super::team::threads(),
+            Split::Never => false,
+            Split::Always => true,
+        }
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn attend(
+    isa: Isa,
+    cache: &KvCache,
+    layer: usize,
+    q: &[f32],
+    seqs: &[AttnSeq<'_>],
+    n_heads: usize,
+    params: AttnParams,
+    out: &mut [f32],
+    split: Split,
+) {
     assert!(
         isa.supported(),
         "attention: this CPU cannot run the {isa} kernels"
@@ -87,14 +140,6 @@ pub fn paged_attention_on(
                 .all(|&b| (b as usize) < cache.num_blocks())
         );
     }
-    let mut tasks = Vec::new();
-    for (si, s) in seqs.iter().enumerate() {
-        for g in 0..kv_heads {
-            for r0 in (0..s.q_len).step_by(ROWS_PER_TASK) {
-                tasks.push((si, g, r0));
-            }
-        }
-    }
     let geom = Geometry {
         layer_base: cache.layer_bytes_ptr(layer),
         dtype: layout.dtype,
@@ -107,15 +152,193 @@ pub fn paged_attention_on(
         softcap: params.softcap,
         window: params.window,
     };
-    let out_ptr = SharedMut(out.as_mut_ptr());
-    let run = |&(si, g, r0): &(usize, usize, usize)| {
-        let s = &seqs[si];
-        let rows = (s.q_len - r0).min(ROWS_PER_TASK);
-        // SAFETY: block ids were checked against the cache above; each task writes only the
-        // rows [r0, r0 + rows) of its sequence and the heads of its KV group.
-        unsafe { run_task(isa, &geom, q, s, TaskSpan { group: g, r0, rows }, out_ptr) }
+    run_units(isa, &geom, q, seqs, SharedMut(out.as_mut_ptr()), split);
+}
+
+/// One sequence's rows `r0..r0 + rows` for the heads of KV group `group`, over key spans
+/// `first_span..end_span`; `split`: one task per span, the spans' results kept from
+/// `scratch` on (else one task runs them in turn).
+struct Unit {
+    seq: usize,
+    group: usize,
+    r0: usize,
+    rows: usize,
+    first_span: usize,
+    end_span: usize,
+    split: bool,
+    scratch: usize,
+}
+
+impl Unit {
+    fn lanes(&self, g: &Geometry) -> usize {
+        self.rows * g.n_rep
+    }
+
+    fn span(&self, c: usize) -> TaskSpan {
+        TaskSpan {
+            group: self.group,
+            r0: self.r0,
+            rows: self.rows,
+            first_block: c * SPAN_BLOCKS,
+            end_block: (c + 1) * SPAN_BLOCKS,
+        }
+    }
+
+    fn dest(&self, g: &Geometry, s: &AttnSeq<'_>) -> LaneDest {
+        LaneDest {
+            row0: s.q_row + self.r0,
+            head0: self.group * g.n_rep,
+            n_rep: g.n_rep,
+            width: g.width,
+        }
+    }
+}
+
+/// Most floats of partial results a unit may keep to run its spans as separate tasks.
+const SPLIT_SCRATCH: usize = 1 << 16;
+
+/// Floats of one lane's part of a split span: `d` accumulators and a [`RowState`].
+const fn part_floats(d: usize) -> usize {
+    d + size_of::<RowState>() / size_of::<f32>()
+}
+
+/// Cuts the work into units, splits the units' spans into tasks when there are too few
+/// units to keep every thread busy, runs them, and folds the split units' spans.
+fn run_units(
+    isa: Isa,
+    g: &Geometry,
+    q: &[f32],
+    seqs: &[AttnSeq<'_>],
+    out: SharedMut,
+    split: Split,
+) {
+    let mut units = Vec::new();
+    for (si, s) in seqs.iter().enumerate() {
+        for group in 0..g.kv_heads {
+            for r0 in (0..s.q_len).step_by(ROWS_PER_TASK) {
+                let rows = (s.q_len - r0).min(ROWS_PER_TASK);
+                let first_pos = s.start_pos + r0;
+                let first_block = g.window_start(first_pos) / BLOCK_SIZE;
+                let end_block = (first_pos + rows - 1) / BLOCK_SIZE + 1;
+                units.push(Unit {
+                    seq: si,
+                    group,
+                    r0,
+                    rows,
+                    first_span: first_block / SPAN_BLOCKS,
+                    end_span: end_block.div_ceil(SPAN_BLOCKS),
+                    split: false,
+                    scratch: 0,
+                });
+            }
+        }
+    }
+    // Which units split changes no bit (see `spans`), only how the work spreads.
+    let mut scratch_len = 0;
+    if split.applies(units.len()) {
+        for u in &mut units {
+            let size = (u.end_span - u.first_span) * u.lanes(g) * part_floats(g.d);
+            if u.end_span - u.first_span > 1 && size <= SPLIT_SCRATCH {
+                u.split = true;
+                u.scratch = scratch_len;
+                scratch_len += size;
+            }
+        }
+    }
+    let mut tasks = Vec::new();
+    for (i, u) in units.iter().enumerate() {
+        if u.split {
+            tasks.extend((u.first_span..u.end_span).map(|c| (i, Some(c))));
+        } else {
+            tasks.push((i, None));
+        }
+    }
+    // Each split span's part: its lanes' accumulators, then their states.
+    let mut scratch = vec![0f32; scratch_len];
+    let scratch_ptr = SharedMut(scratch.as_mut_ptr());
+    let part_of = |u: &Unit, c: usize| {
+        // The whole wrapper, not its pointer field, is what the closure may share.
+        let base = &scratch_ptr;
+        let lanes = u.lanes(g);
+        let at = u.scratch + (c - u.first_span) * lanes * part_floats(g.d);
+        // SAFETY: inside the unit's share of `scratch`, `spans · lanes · (d + 2)` floats:
+        // each span's accumulators, then its states (a `RowState` is two f32s, aligned as
+        // one).
+        unsafe {
+            PartialOut {
+                acc: base.0.add(at),
+                states: base.0.add(at + lanes * g.d).cast::<RowState>(),
+            }
+        }
     };
-    super::team::parallel_for(tasks.len(), &|i| run(&tasks[i]));
+    super::team::parallel_for(tasks.len(), &|t| {
+        let (i, span) = tasks[t];
+        let u = &units[i];
+        let s = &seqs[u.seq];
+        match span {
+            // SAFETY: block ids were checked against the cache; the part is this span's.
+            Some(c) => unsafe { run_task(isa, g, q, s, u.span(c), part_of(u, c)) },
+            // SAFETY: as above; the unit's rows and heads are written by this task alone.
+            None => unsafe { run_whole(isa, g, q, s, u, out) },
+        }
+    });
+    let split_units: Vec<&Unit> = units.iter().filter(|u| u.split).collect();
+    super::team::parallel_for(split_units.len(), &|i| {
+        let u = split_units[i];
+        let lanes = u.lanes(g);
+        let (mut total, mut total_acc) = (vec![RowState::START; lanes], vec![0f32; lanes * g.d]);
+        for c in u.first_span..u.end_span {
+            let part = part_of(u, c);
+            // SAFETY: the span's task has finished writing its part.
+            let (states, acc) = unsafe {
+                (
+                    std::slice::from_raw_parts(part.states, lanes),
+                    std::slice::from_raw_parts(part.acc, lanes * g.d),
+                )
+            };
+            fold(isa, &mut total, &mut total_acc, states, acc, g.d);
+        }
+        // SAFETY: the unit's rows and heads are written by this task alone.
+        unsafe { write_out(&total, &total_acc, g.d, &u.dest(g, &seqs[u.seq]), out) };
+    });
+}
+
+/// A unit's spans in turn within one task, folded as they come.
+///
+/// # Safety
+/// As [`run_task`]'s; the unit's rows and heads of `out` are this task's alone.
+unsafe fn run_whole(isa: Isa, g: &Geometry, q: &[f32], s: &AttnSeq<'_>, u: &Unit, out: SharedMut) {
+    let lanes = u.lanes(g);
+    let mut part_states = vec![RowState::START; lanes];
+    let mut part_acc = vec![0f32; lanes * g.d];
+    let part = PartialOut {
+        acc: part_acc.as_mut_ptr(),
+        states: part_states.as_mut_ptr(),
+    };
+    let dest = u.dest(g, s);
+    if u.end_span - u.first_span == 1 {
+        // SAFETY: the caller's promises; the part holds the unit's lanes.
+        unsafe {
+            run_task(isa, g, q, s, u.span(u.first_span), part);
+            write_out(&part_states, &part_acc, g.d, &dest, out);
+        }
+        return;
+    }
+    let (mut total, mut total_acc) = (vec![RowState::START; lanes], vec![0f32; lanes * g.d]);
+    for c in u.first_span..u.end_span {
+        // SAFETY: as above.
+        unsafe { run_task(isa, g, q, s, u.span(c), part) };
+        fold(
+            isa,
+            &mut total,
+            &mut total_acc,
+            &part_states,
+            &part_acc,
+            g.d,
+        );
+    }
+    // SAFETY: the caller's promise.
+    unsafe { write_out(&total, &total_acc, g.d, &dest, out) };
 }
 
 /// Defines `$name`, [`task_body`] compiled with the target features `$features`, so that the
@@ -130,10 +353,10 @@ macro_rules! task_for_isa {
             q: &[f32],
             s: &AttnSeq<'_>,
             span: TaskSpan,
-            out: SharedMut,
+            part: PartialOut,
         ) {
             // SAFETY: the caller's promises, which are `task_body`'s.
-            unsafe { task_body(isa, g, q, s, span, out) }
+            unsafe { task_body(isa, g, q, s, span, part) }
         }
     };
 }
@@ -151,14 +374,14 @@ unsafe fn run_task(
     q: &[f32],
     s: &AttnSeq<'_>,
     span: TaskSpan,
-    out: SharedMut,
+    part: PartialOut,
 ) {
     match isa {
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 => unsafe { task_avx512(isa, g, q, s, span, out) },
+        Isa::Avx512 => unsafe { task_avx512(isa, g, q, s, span, part) },
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 => unsafe { task_avx2(isa, g, q, s, span, out) },
-        _ => unsafe { task_body(isa, g, q, s, span, out) },
+        Isa::Avx2 => unsafe { task_avx2(isa, g, q, s, span, part) },
+        _ => unsafe { task_body(isa, g, q, s, span, part) },
     }
 }
 

@@ -5,13 +5,16 @@
 
 use tandem_kv::BLOCK_SIZE;
 
-use super::super::{Isa, SharedMut};
+use super::super::Isa;
 use super::block_ops::{accumulate_v, block_scores};
-use super::geometry::{AttnSeq, Geometry, RowState, TaskSpan, block_kv, prefetch_block};
+use super::geometry::{
+    AttnSeq, Geometry, PartialOut, RowState, TaskSpan, block_kv, prefetch_block,
+};
 #[cfg(target_arch = "x86_64")]
 use super::lanes;
 
-/// The kernel body, compiled once per instruction set through the wrappers above.
+/// The kernel body, compiled once per instruction set through the wrappers above: the
+/// task's lanes over the keys of its blocks, left in `part` (see [`PartialOut`]).
 #[inline(always)]
 pub(super) unsafe fn task_body(
     isa: Isa,
@@ -19,9 +22,15 @@ pub(super) unsafe fn task_body(
     q: &[f32],
     s: &AttnSeq<'_>,
     span: TaskSpan,
-    out: SharedMut,
+    part: PartialOut,
 ) {
-    let TaskSpan { group, r0, rows } = span;
+    let TaskSpan {
+        group,
+        r0,
+        rows,
+        first_block,
+        end_block,
+    } = span;
     let d = g.d;
     let n_rep = g.n_rep;
     let lanes = rows * n_rep;
@@ -29,7 +38,7 @@ pub(super) unsafe fn task_body(
     if isa == Isa::Avx512 && lanes >= lanes::MIN_LANES {
         // SAFETY: this body was compiled for AVX-512 (`task_avx512`, the only caller with
         // that set); the rest are the caller's promises, which are this function's.
-        return unsafe { lanes::task(g, q, s, span, out) };
+        return unsafe { lanes::task(g, q, s, span, part) };
     }
     let mut states = vec![RowState::START; lanes];
     let mut acc = vec![0f32; lanes * d];
@@ -58,7 +67,8 @@ pub(super) unsafe fn task_body(
     // Rows `from..to` of this task as lanes (each row is `n_rep` lanes).
     let lanes_of = |from: usize, to: usize| (from.min(rows) * n_rep, to.min(rows) * n_rep);
     // Blocks wholly before the first row's window hold no key any row here sees.
-    for b in g.window_start(first_pos) / BLOCK_SIZE..blocks {
+    let from = (g.window_start(first_pos) / BLOCK_SIZE).max(first_block);
+    for b in from..blocks.min(end_block) {
         let first_key = b * BLOCK_SIZE;
         let last_key = first_key + BLOCK_SIZE - 1;
         // Lanes (row, head) that see at least one key of this block: the causal mask drops
@@ -123,17 +133,10 @@ pub(super) unsafe fn task_body(
             unsafe { accumulate_v(isa, vb, &probs, full_from, full_to, d, &mut acc) };
         }
     }
-    for r in 0..rows {
-        let row = s.q_row + r0 + r;
-        for h in 0..n_rep {
-            let lane = r * n_rep + h;
-            let head = group * n_rep + h;
-            let inv = 1.0 / states[lane].sum;
-            for i in 0..d {
-                // SAFETY: (row, head) belongs to this task alone.
-                unsafe { *out.0.add(row * g.width + head * d + i) = acc[lane * d + i] * inv };
-            }
-        }
+    // SAFETY: the part holds this task's `lanes` lanes, and no other task writes them.
+    unsafe {
+        std::ptr::copy_nonoverlapping(states.as_ptr(), part.states, lanes);
+        std::ptr::copy_nonoverlapping(acc.as_ptr(), part.acc, lanes * d);
     }
 }
 

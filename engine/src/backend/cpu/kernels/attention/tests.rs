@@ -338,3 +338,86 @@ fn a_row_gives_the_same_bits_in_a_prefill_chunk_as_alone() {
         }
     }
 }
+
+/// Contexts of several key spans: a row's bits are the same whether its spans ran as
+/// separate tasks or in turn, alone or in a prefill chunk, on every instruction set; and
+/// the folded spans agree with plain attention.
+#[test]
+fn key_spans_change_no_bit_however_the_work_is_divided() {
+    use rand::{Rng, SeedableRng, rngs::StdRng};
+    use tandem_kv::{KvCache, KvLayout};
+    let mut rng = StdRng::seed_from_u64(23);
+    let blocks = 3 * SPAN_BLOCKS + 3;
+    let layout = KvLayout {
+        num_layers: 1,
+        num_kv_heads: 2,
+        head_dim: 64,
+        block_size: BLOCK_SIZE,
+        dtype: KvDtype::F32,
+        model_fingerprint: "test".into(),
+    };
+    let mut cache = KvCache::with_budget(layout.clone(), blocks * layout.block_bytes()).unwrap();
+    for b in 0..blocks as u32 {
+        for v in cache.block_layer_mut(0, b).unwrap() {
+            *v = rng.random_range(-2.0f32..2.0);
+        }
+    }
+    // Blocks scattered over the pool, as a long-lived sequence's are.
+    let table: Vec<u32> = (0..blocks as u32)
+        .map(|b| (b * 7) % blocks as u32)
+        .collect();
+    let heads = 6;
+    let width = heads * 64;
+    let keys = blocks * BLOCK_SIZE;
+    let q: Vec<f32> = (0..keys * width)
+        .map(|_| rng.random_range(-2.0f32..2.0))
+        .collect();
+    // The last rows of the context: a chunk crossing a span boundary and ending mid-block.
+    let (start_pos, q_len) = (2 * SPAN_BLOCKS * BLOCK_SIZE - 5, 2 * BLOCK_SIZE + 3);
+    for window in [None, Some(100), Some(2 * SPAN_BLOCKS * BLOCK_SIZE + 9)] {
+        let params = AttnParams {
+            scale: 0.2,
+            softcap: None,
+            window,
+        };
+        let chunk = AttnSeq {
+            q_row: start_pos,
+            q_len,
+            start_pos,
+            block_table: &table,
+        };
+        let alone: Vec<AttnSeq> = (start_pos..start_pos + q_len)
+            .map(|pos| AttnSeq {
+                q_row: pos,
+                q_len: 1,
+                start_pos: pos,
+                block_table: &table,
+            })
+            .collect();
+        let rows = start_pos * width..(start_pos + q_len) * width;
+        let want = naive(&cache, &q, &chunk, heads, params);
+        let mut first: Option<Vec<f32>> = None;
+        for isa in Isa::available() {
+            for split in [Split::Never, Split::WhenFewUnits, Split::Always] {
+                for seqs in [std::slice::from_ref(&chunk), alone.as_slice()] {
+                    let mut out = vec![f32::NAN; keys * width];
+                    attend(isa, &cache, 0, &q, seqs, heads, params, &mut out, split);
+                    let got = out[rows.clone()].to_vec();
+                    match &first {
+                        None => {
+                            for (a, b) in got.iter().zip(&want) {
+                                assert!((a - b).abs() < 1e-4, "{a} vs plain {b}, {params:?}");
+                            }
+                            first = Some(got);
+                        }
+                        Some(f) => assert!(
+                            f.iter().zip(&got).all(|(a, b)| a.to_bits() == b.to_bits()),
+                            "{isa}, {split:?}, {} seqs, {params:?}",
+                            seqs.len()
+                        ),
+                    }
+                }
+            }
+        }
+    }
+}
