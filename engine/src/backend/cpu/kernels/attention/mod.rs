@@ -315,18 +315,9 @@ unsafe fn run_whole(isa: Isa, g: &Geometry, q: &[f32], s: &AttnSeq<'_>, u: &Unit
         acc: part_acc.as_mut_ptr(),
         states: part_states.as_mut_ptr(),
     };
-    let dest = u.dest(g, s);
-    if u.end_span - u.first_span == 1 {
-        // SAFETY: the caller's promises; the part holds the unit's lanes.
-        unsafe {
-            run_task(isa, g, q, s, u.span(u.first_span), part);
-            write_out(&part_states, &part_acc, g.d, &dest, out);
-        }
-        return;
-    }
     let (mut total, mut total_acc) = (vec![RowState::START; lanes], vec![0f32; lanes * g.d]);
     for c in u.first_span..u.end_span {
-        // SAFETY: as above.
+        // SAFETY: the caller's promises; the part holds the unit's lanes.
         unsafe { run_task(isa, g, q, s, u.span(c), part) };
         fold(
             isa,
@@ -338,7 +329,7 @@ unsafe fn run_whole(isa: Isa, g: &Geometry, q: &[f32], s: &AttnSeq<'_>, u: &Unit
         );
     }
     // SAFETY: the caller's promise.
-    unsafe { write_out(&total, &total_acc, g.d, &dest, out) };
+    unsafe { write_out(&total, &total_acc, g.d, &u.dest(g, s), out) };
 }
 
 /// Defines `$name`, [`task_body`] compiled with the target features `$features`, so that the
