@@ -12,7 +12,7 @@
 //! GGML format runs in `exact` mode, or with `:fast` in `fast` mode (integer dot products).
 //! The default shape is SmolLM2's fused gate/up projection.
 
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use candle_core::quantized::QTensor;
 use candle_core::{Device, Tensor};
@@ -122,35 +122,44 @@ fn matrix(name: &str, rows: usize, cols: usize, values: &[f32]) -> anyhow::Resul
 }
 
 /// Multiply-adds per second of `batch`-row `linear` over one matrix, best of three passes of
-/// at least ~0.3 s each (0 when `batch` is 0).
+/// at least [`PASS`] each (0 when `batch` is 0).
 fn batch_rate(w: &Matrix, x: &[f32], batch: usize, out: &mut [f32]) -> f64 {
     if batch == 0 {
         return 0.0;
     }
     let macs = (batch * w.rows * w.cols) as f64;
-    let per_pass = (3e8 / macs).ceil().max(1.0) as usize;
-    let mut best = 0f64;
-    for _ in 0..3 {
-        let t = Instant::now();
-        for _ in 0..per_pass {
-            linear(x, batch, w, out);
-        }
-        best = best.max(per_pass as f64 * macs / t.elapsed().as_secs_f64());
-    }
-    best
+    best_of_three(|| linear(x, batch, w, out), macs)
 }
 
-/// Weight bytes per second of one-row `linear` over `matrices` in turn, best of three passes
-/// of at least ~0.3 s each.
+/// Weight bytes per second of one-row `linear` over `matrices` in turn, best of three
+/// passes of at least [`PASS`] each.
 fn rate(matrices: &[Matrix], x: &[f32], out: &mut [f32], bytes: usize) -> f64 {
-    let per_pass = (300_000_000 / bytes.max(1)).max(matrices.len());
+    let mut next = 0;
+    best_of_three(
+        || {
+            linear(x, 1, &matrices[next % matrices.len()], out);
+            next += 1;
+        },
+        bytes as f64,
+    )
+}
+
+/// Shortest time a pass runs: long enough that a shared VM's hiccups average out (a pass
+/// of a fixed work count took 3-6 ms on these shapes and varied by 1.8x run to run).
+const PASS: Duration = Duration::from_millis(300);
+
+/// The best of three passes of `call`, each repeated until [`PASS`] has elapsed, as `units`
+/// (what one call does) per second.
+fn best_of_three(mut call: impl FnMut(), units: f64) -> f64 {
     let mut best = 0f64;
     for _ in 0..3 {
         let t = Instant::now();
-        for i in 0..per_pass {
-            linear(x, 1, &matrices[i % matrices.len()], out);
+        let mut calls = 0usize;
+        while calls == 0 || t.elapsed() < PASS {
+            call();
+            calls += 1;
         }
-        best = best.max((per_pass * bytes) as f64 / t.elapsed().as_secs_f64());
+        best = best.max(calls as f64 * units / t.elapsed().as_secs_f64());
     }
     best
 }
