@@ -313,14 +313,7 @@ fn a_row_gives_the_same_bits_in_a_prefill_chunk_as_alone() {
                             params,
                             &mut together,
                         );
-                        let alone: Vec<AttnSeq> = (start_pos..start_pos + q_len)
-                            .map(|pos| AttnSeq {
-                                q_row: pos,
-                                q_len: 1,
-                                start_pos: pos,
-                                block_table: &table,
-                            })
-                            .collect();
+                        let alone = rows_alone(start_pos, q_len, &table);
                         let mut apart = vec![f32::NAN; 90 * width];
                         paged_attention_on(isa, &cache, 0, &q, &alone, heads, params, &mut apart);
                         let rows = start_pos * width..(start_pos + q_len) * width;
@@ -337,6 +330,19 @@ fn a_row_gives_the_same_bits_in_a_prefill_chunk_as_alone() {
             }
         }
     }
+}
+
+/// Rows `start_pos..start_pos + q_len` of one sequence, each as a sequence of its own (a
+/// decode row), to set against the same rows as one prefill chunk.
+fn rows_alone(start_pos: usize, q_len: usize, table: &[u32]) -> Vec<AttnSeq<'_>> {
+    (start_pos..start_pos + q_len)
+        .map(|pos| AttnSeq {
+            q_row: pos,
+            q_len: 1,
+            start_pos: pos,
+            block_table: table,
+        })
+        .collect()
 }
 
 /// Contexts of several key spans: a row's bits are the same whether its spans ran as
@@ -386,14 +392,7 @@ fn key_spans_change_no_bit_however_the_work_is_divided() {
             start_pos,
             block_table: &table,
         };
-        let alone: Vec<AttnSeq> = (start_pos..start_pos + q_len)
-            .map(|pos| AttnSeq {
-                q_row: pos,
-                q_len: 1,
-                start_pos: pos,
-                block_table: &table,
-            })
-            .collect();
+        let alone = rows_alone(start_pos, q_len, &table);
         let rows = start_pos * width..(start_pos + q_len) * width;
         let want = naive(&cache, &q, &chunk, heads, params);
         let mut first: Option<Vec<f32>> = None;
