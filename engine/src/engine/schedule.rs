@@ -20,35 +20,60 @@ pub(super) struct Planned {
 /// is kept for the step (vocabulary × 4 bytes each), so its chunks stay this short.
 const PROMPT_LOGPROBS_CHUNK: usize = 256;
 
+/// Waiting sequences looked at for a prompt that ends within the pass, from the front: a
+/// bound on the scan, not on fairness (the rest are admitted in order after).
+const ENDING_SCAN: usize = 64;
+
+/// Which work of the running sequences a planning pass takes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Work {
+    /// Decode rows (at most one pending token).
+    Decode,
+    /// Whole remainders of prompts that fit the budget, shortest first.
+    PromptsEnding,
+    /// The next chunk of every other prompt, oldest first.
+    PromptChunks,
+}
+
 impl Engine {
     /// Picks this step's work: the decode rows of running sequences first (a prompt chunk
-    /// must never crowd a stream out of its step), then the next chunk of prompts under way,
-    /// then waiting ones, as the budget, the prompt allowance, the running limit and the pool
-    /// allow.
+    /// must never crowd a stream out of its step); then prompts that end within the pass,
+    /// running (shortest first) or waiting (in order); then the next chunk of the other
+    /// prompts under way, oldest first; then waiting ones; as the budget, the prompt
+    /// allowance, the running limit and the pool allow.
+    ///
+    /// Prompts that end go before longer ones because otherwise a 16-token prompt queued
+    /// behind a 2048-token one waits for that whole prompt: seconds on a CPU, and the whole
+    /// of a long prefill when a paced allowance lends prompts a few dozen tokens a pass. A
+    /// long prompt yields only to prompts that finish in the same pass, so each delays it
+    /// once, by its own tokens.
     pub(super) fn schedule(&mut self) -> Vec<Planned> {
         let mut plan = Vec::new();
         let mut budget = self.config.max_batch_tokens;
         let ids = self.running.clone();
-        self.plan_running(&ids, true, &mut plan, &mut budget);
+        self.plan_running(&ids, Work::Decode, &mut plan, &mut budget);
         // Beside decode rows, prompts get what the allowance lends them.
         if !plan.is_empty()
             && let Some(allowance) = self.prompt_allowance
         {
             budget = budget.min(allowance);
         }
-        self.plan_running(&ids, false, &mut plan, &mut budget);
+        let mut ending = ids.clone();
+        ending.sort_by_key(|id| self.seqs.get(id).map_or(usize::MAX, Sequence::pending));
+        self.plan_running(&ending, Work::PromptsEnding, &mut plan, &mut budget);
+        self.admit_ending(&mut plan, &mut budget);
+        self.plan_running(&ids, Work::PromptChunks, &mut plan, &mut budget);
         self.admit_waiting(&mut plan, &mut budget);
         // A prompt chunk's growth may have preempted a sequence planned before it.
         plan.retain(|p| self.running.contains(&p.id));
         plan
     }
 
-    /// Running sequences among `ids` (a snapshot, oldest first): their decode rows
-    /// (`decoding`), or the next chunk of their prompts.
+    /// `work` of the running sequences among `ids` (a snapshot), in that order.
     fn plan_running(
         &mut self,
         ids: &[SeqId],
-        decoding: bool,
+        work: Work,
         plan: &mut Vec<Planned>,
         budget: &mut usize,
     ) {
@@ -56,16 +81,23 @@ impl Engine {
             if *budget == 0 {
                 break;
             }
-            // Preempted since the snapshot (by another's growth).
-            if !self.running.contains(&id) {
+            // Preempted since the snapshot (by another's growth), or planned already.
+            if !self.running.contains(&id) || plan.iter().any(|p| p.id == id) {
                 continue;
             }
             let seq = &self.seqs[&id];
-            if (seq.pending() <= 1) != decoding {
+            let pending = seq.pending();
+            let row_budget = row_budget(seq, *budget);
+            let wanted = match work {
+                Work::Decode => pending <= 1,
+                Work::PromptsEnding => pending > 1 && pending <= row_budget,
+                Work::PromptChunks => pending > 1,
+            };
+            if !wanted {
                 continue;
             }
             let start = seq.computed;
-            let len = chunk_len(seq.pending(), row_budget(seq, *budget));
+            let len = chunk_len(pending, row_budget);
             if len == 0 {
                 continue;
             }
@@ -78,46 +110,76 @@ impl Engine {
         }
     }
 
-    /// Admits waiting sequences while the budget, the running limit and the pool allow;
-    /// keeps a few blocks spare so admissions do not immediately force preemptions.
-    fn admit_waiting(&mut self, plan: &mut Vec<Planned>, budget: &mut usize) {
-        let watermark = (self.pool().total() / 100).max(1);
-        while *budget > 0 && self.running.len() < self.config.max_running {
-            let Some(&id) = self.waiting.front() else {
-                break;
-            };
-            self.reuse_cached_prefix(id);
-            let seq = &self.seqs[&id];
-            let len = chunk_len(seq.pending(), row_budget(seq, *budget));
-            let needed = blocks_for(seq.computed + len).saturating_sub(seq.blocks.len());
-            let blocked = len == 0
-                || (needed + watermark > self.pool().free_count() && !self.running.is_empty());
-            let allocated = if blocked {
-                None
-            } else {
-                self.pool().allocate(needed).ok()
-            };
-            let Some(new_blocks) = allocated else {
-                // Not this step: the cached prefix goes back (still cached) until it is.
-                self.drop_cached_prefix(id);
-                break;
-            };
-            self.waiting.pop_front();
-            let seq = self.seqs.get_mut(&id).expect("waiting ids are in seqs");
-            seq.blocks.extend(new_blocks);
-            if self.prefix_salt.is_some() && seq.generated() == 0 && !seq.wants_prompt_logprobs() {
-                // Counted when a prompt is admitted, not each time it waits another step.
-                self.stats.prefix_query_tokens += seq.prompt_len as u64;
-                self.stats.prefix_hit_tokens += seq.cached_tokens as u64;
+    /// Admits, in queue order, the waiting sequences among the first [`ENDING_SCAN`] whose
+    /// whole prompt fits the budget (what a cached prefix saves is not counted here).
+    fn admit_ending(&mut self, plan: &mut Vec<Planned>, budget: &mut usize) {
+        let mut at = 0;
+        while at < self.waiting.len().min(ENDING_SCAN)
+            && *budget > 0
+            && self.running.len() < self.config.max_running
+        {
+            let id = self.waiting[at];
+            let fits = self
+                .seqs
+                .get(&id)
+                .is_some_and(|seq| seq.pending() <= row_budget(seq, *budget));
+            if fits && self.admit(at, plan, budget) {
+                continue; // the next one moved up to `at`
             }
-            plan.push(Planned {
-                id,
-                start: seq.computed,
-                len,
-            });
-            self.running.push(id);
-            *budget -= len;
+            at += 1;
         }
+    }
+
+    /// Admits waiting sequences from the front while the budget, the running limit and the
+    /// pool allow.
+    fn admit_waiting(&mut self, plan: &mut Vec<Planned>, budget: &mut usize) {
+        while *budget > 0
+            && self.running.len() < self.config.max_running
+            && !self.waiting.is_empty()
+            && self.admit(0, plan, budget)
+        {}
+    }
+
+    /// Admits the waiting sequence at `at` in the queue with a chunk of its prompt under the
+    /// budget, if the pool has its blocks; keeps a few blocks spare so that admissions do not
+    /// immediately force preemptions. Returns whether it was admitted.
+    fn admit(&mut self, at: usize, plan: &mut Vec<Planned>, budget: &mut usize) -> bool {
+        let watermark = (self.pool().total() / 100).max(1);
+        let Some(&id) = self.waiting.get(at) else {
+            return false;
+        };
+        self.reuse_cached_prefix(id);
+        let seq = &self.seqs[&id];
+        let len = chunk_len(seq.pending(), row_budget(seq, *budget));
+        let needed = blocks_for(seq.computed + len).saturating_sub(seq.blocks.len());
+        let blocked =
+            len == 0 || (needed + watermark > self.pool().free_count() && !self.running.is_empty());
+        let allocated = if blocked {
+            None
+        } else {
+            self.pool().allocate(needed).ok()
+        };
+        let Some(new_blocks) = allocated else {
+            // Not this step: the cached prefix goes back (still cached) until it is.
+            self.drop_cached_prefix(id);
+            return false;
+        };
+        self.waiting.remove(at);
+        let seq = self.seqs.get_mut(&id).expect("waiting ids are in seqs");
+        seq.blocks.extend(new_blocks);
+        if self.prefix_salt.is_some() && seq.generated() == 0 && !seq.wants_prompt_logprobs() {
+            // Counted when a prompt is admitted, not each time it waits another step.
+            self.stats.prefix_query_tokens += seq.prompt_len as u64;
+            self.stats.prefix_hit_tokens += seq.cached_tokens as u64;
+        }
+        plan.push(Planned {
+            id,
+            start: seq.computed,
+            len,
+        });
+        self.running.push(id);
+        *budget -= len;
+        true
     }
 
     /// Makes sure `id` has blocks for `tokens` tokens, preempting the youngest running

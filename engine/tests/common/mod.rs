@@ -3,14 +3,19 @@
 //! second engine imports them into blocks it reserved and continues the sequence.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 
 use tandem_engine::engine::ReceivedKv;
-use tandem_engine::{Engine, SampledToken, SamplingParams, StepOutput, StopParams};
+use tandem_engine::{
+    Engine, EngineConfig, Model, SampledToken, SamplingParams, StepOutput, StopParams,
+};
+use tandem_text::TextTokenizer;
 
 /// The greedy tokens of `prompt` prefilled on one engine and decoded on another (both made
 /// by `engine`), the first token from the prefill side. Both engines must free every block.
 /// As the workers do, only the blocks the decode side reads cross (a sliding-window model's
 /// earlier ones stay behind), into a reservation of just those.
+#[allow(dead_code)] // Not every test file that shares this module hands off.
 pub fn handoff(engine: impl Fn() -> Engine, prompt: &[u32], max_tokens: usize) -> Vec<u32> {
     let stop = StopParams {
         max_tokens,
@@ -26,6 +31,7 @@ pub fn handoff(engine: impl Fn() -> Engine, prompt: &[u32], max_tokens: usize) -
 /// [`handoff`] with any sampling and stop parameters, returning every output (of every
 /// choice, each choice's in order). The prefill side stops after one token per choice and
 /// sees the request's stop ids and `min_tokens`, as the prefill worker does.
+#[allow(dead_code)]
 pub fn handoff_with(
     engine: impl Fn() -> Engine,
     prompt: &[u32],
@@ -175,4 +181,66 @@ pub fn split_handoff(
     assert_eq!(decode.used_blocks(), 0, "decode side frees its blocks");
     outputs.sort_by_key(|o| o.choice);
     outputs
+}
+
+/// An engine on `model` with `blocks` KV blocks, 256-token passes and 64 sequences at most.
+#[allow(dead_code)] // Shared by the engine and scheduling tests only.
+pub fn engine(model: &Arc<Model>, blocks: usize) -> Engine {
+    let bytes = blocks * model.kv_layout().block_bytes();
+    let config = EngineConfig {
+        kv_budget_bytes: bytes,
+        max_batch_tokens: 256,
+        max_running: 64,
+        ..Default::default()
+    };
+    Engine::new(model.clone(), TextTokenizer::byte_level(), config).unwrap()
+}
+
+/// Prompt `i` of `len` tokens: distinct per `i`, away from the special tokens.
+#[allow(dead_code)]
+pub fn prompt(i: usize, len: usize) -> Vec<u32> {
+    (0..len)
+        .map(|j| 3 + ((i * 31 + j * 7) % 250) as u32)
+        .collect()
+}
+
+/// Greedy sampling for `max_tokens` tokens, EOS ignored.
+#[allow(dead_code)]
+pub fn greedy(max_tokens: usize) -> (SamplingParams, StopParams) {
+    (
+        SamplingParams::greedy(),
+        StopParams {
+            max_tokens,
+            ignore_eos: true,
+            ..Default::default()
+        },
+    )
+}
+
+/// The greedy tokens of `p` alone on a fresh engine: what every batch must reproduce.
+#[allow(dead_code)]
+pub fn run_alone(model: &Arc<Model>, p: &[u32], max_tokens: usize) -> Vec<u32> {
+    let mut e = engine(model, 64);
+    let (s, st) = greedy(max_tokens);
+    let id = e.add_request(p.to_vec(), s, st).unwrap();
+    e.run_to_completion(id)
+        .unwrap()
+        .iter()
+        .map(|o| o.token)
+        .collect()
+}
+
+/// Steps `e` until it has no work, collecting every output by sequence.
+#[allow(dead_code)]
+pub fn drain(e: &mut Engine) -> HashMap<u64, Vec<StepOutput>> {
+    let mut outs: HashMap<u64, Vec<StepOutput>> = HashMap::new();
+    let mut guard = 0;
+    while e.has_work() {
+        for o in e.step().unwrap() {
+            outs.entry(o.id).or_default().push(o);
+        }
+        guard += 1;
+        assert!(guard < 10_000, "engine did not finish");
+    }
+    outs
 }

@@ -127,13 +127,34 @@ impl CostView {
 
     /// Time for this worker to run `queued` prompt tokens ahead and then `tokens` of this
     /// prompt after `cached` ones, in chunks of `chunk` beside `beside`. The queue is priced
-    /// per token at this prompt's rate (the queued prompts' own lengths are not reported).
+    /// per token at this prompt's rate (the queued prompts' own lengths are not reported),
+    /// and not at all beyond the pass under way for a prompt that ends within one pass
+    /// ([`queue_ahead_ms`]).
     fn prompt_ms(&self, beside: StepShape, cached: u64, tokens: u64, chunk: u64) -> f64 {
-        let (own, _) = self
+        let tokens = tokens.max(1);
+        let (own, _) = self.coefficients.prompt_ms(beside, cached, tokens, chunk);
+        let pass_ms = self
             .coefficients
-            .prompt_ms(beside, cached, tokens.max(1), chunk);
-        let per_token = own / tokens.max(1) as f64;
-        own + per_token * self.queued_prompt_tokens as f64
+            .step_ms(&beside.plus(StepShape::chunk(0, chunk, false)));
+        own + queue_ahead_ms(
+            own / tokens as f64,
+            self.queued_prompt_tokens,
+            tokens <= chunk,
+            pass_ms,
+        )
+    }
+}
+
+/// The wait for the prompt tokens `queued` ahead of a prompt, at `per_token_ms` each. A worker
+/// schedules prompts that end within the coming pass before the chunks of longer ones (see
+/// the engine's `schedule`), so such a prompt (`ends_in_one_pass`) waits only for the rest of
+/// the pass under way: half a pass (`pass_ms`) on average.
+fn queue_ahead_ms(per_token_ms: f64, queued: u64, ends_in_one_pass: bool, pass_ms: f64) -> f64 {
+    let queue = per_token_ms * queued as f64;
+    if ends_in_one_pass {
+        queue.min(pass_ms / 2.0)
+    } else {
+        queue
     }
 }
 
@@ -283,14 +304,22 @@ struct DecodePart {
 fn decode_part(decode: &CostView, prompt: u64, start: u64, tpot_ms: f64) -> DecodePart {
     let tokens = prompt.saturating_sub(start).max(1);
     let after = decode.pass_with_one_more(prompt);
-    let per_queued = |own: f64| own / tokens as f64 * decode.queued_prompt_tokens as f64;
     if decode.decode_rows == 0 {
         let own = decode
             .coefficients
             .prompt_ms(StepShape::default(), start, tokens, decode.max_batch_tokens)
             .0;
+        let pass_ms =
+            decode
+                .coefficients
+                .step_ms(&StepShape::chunk(0, decode.max_batch_tokens, false));
         return DecodePart {
-            queue_ms: per_queued(own),
+            queue_ms: queue_ahead_ms(
+                own / tokens as f64,
+                decode.queued_prompt_tokens,
+                tokens <= decode.max_batch_tokens,
+                pass_ms,
+            ),
             own_ms: own,
             tpot_ms: after,
         };
@@ -305,8 +334,20 @@ fn decode_part(decode: &CostView, prompt: u64, start: u64, tpot_ms: f64) -> Deco
         CHUNK_GRANULE,
     );
     let streams = decode.coefficients.step_ms(&decode.streams());
+    let allowance = decode.coefficients.chunk_allowance(
+        decode.streams(),
+        start,
+        target,
+        decode.max_batch_tokens,
+        CHUNK_GRANULE,
+    );
     DecodePart {
-        queue_ms: per_queued(own),
+        queue_ms: queue_ahead_ms(
+            own / tokens as f64,
+            decode.queued_prompt_tokens,
+            tokens <= allowance,
+            streams.max(target),
+        ),
         own_ms: own,
         tpot_ms: after.max(streams.max(target)),
     }
@@ -499,6 +540,39 @@ mod tests {
             Some(Placement::Aggregated)
         );
         assert_eq!(choose(&[], &slo), None);
+    }
+
+    #[test]
+    fn a_prompt_that_ends_in_one_pass_waits_only_for_the_pass_under_way() {
+        let slo = slo();
+        // A prefill worker with four 2048-token prompts queued, 512-token passes.
+        let busy = view(0, 8192);
+        let full_pass = cost().step_ms(&StepShape::chunk(0, 512, false));
+        let short = predict_disaggregated(&busy, &view(0, 0), 100, 0);
+        let alone = predict_disaggregated(&view(0, 0), &view(0, 0), 100, 0);
+        assert!(
+            (short.ttft_ms - alone.ttft_ms - full_pass / 2.0).abs() < 1e-9,
+            "{short:?} vs {alone:?}"
+        );
+        // One that needs several passes waits for the whole queue.
+        let long = predict_disaggregated(&busy, &view(0, 0), 1024, 0);
+        let long_alone = predict_disaggregated(&view(0, 0), &view(0, 0), 1024, 0);
+        assert!(long.ttft_ms > long_alone.ttft_ms + 8192.0 * 3.0, "{long:?}");
+        // Beside streams, a prompt within the paced allowance (a worker at 1 ms a prompt
+        // token lends 32 of them a pass) waits at most half a period.
+        let cheap = |queued| CostView {
+            coefficients: Coefficients {
+                per_token_ms: 1.0,
+                ..cost()
+            },
+            ..view(4, queued)
+        };
+        let short_agg = predict_aggregated(&cheap(4096), 32, 0, slo.tpot_ms);
+        let idle_agg = predict_aggregated(&cheap(0), 32, 0, slo.tpot_ms);
+        assert!(
+            short_agg.ttft_ms <= idle_agg.ttft_ms + slo.tpot_ms * TPOT_HEADROOM / 2.0 + 1e-9,
+            "{short_agg:?} vs {idle_agg:?}"
+        );
     }
 
     #[test]
