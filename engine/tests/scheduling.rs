@@ -3,11 +3,39 @@
 //! it gets alone.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 
 mod common;
 use common::{drain, engine, greedy, prompt, run_alone, tiny_model as model};
 use tandem_engine::engine::EngineStats;
-use tandem_engine::{Engine, FinishReason, StepOutput};
+use tandem_engine::{Engine, FinishReason, Model, StepOutput};
+
+type Outputs = HashMap<u64, Vec<StepOutput>>;
+
+/// One step of `e`, its outputs added to `outs`.
+fn step_into(e: &mut Engine, outs: &mut Outputs) {
+    for o in e.step().unwrap() {
+        outs.entry(o.id).or_default().push(o);
+    }
+}
+
+/// Runs `e` to the end and checks that each of `ids` (id, prompt index, prompt length,
+/// tokens asked) got the tokens it gets alone, and that every block came back.
+fn drain_and_compare_solo(
+    model: &Arc<Model>,
+    e: &mut Engine,
+    mut outs: Outputs,
+    ids: Vec<(u64, usize, usize, usize)>,
+) {
+    for (id, o) in drain(e) {
+        outs.entry(id).or_default().extend(o);
+    }
+    for (id, i, len, n) in ids {
+        let got: Vec<u32> = outs[&id].iter().map(|o| o.token).collect();
+        assert_eq!(got, run_alone(model, &prompt(i, len), n), "sequence {i}");
+    }
+    assert_eq!(e.used_blocks(), 0, "every block returned");
+}
 
 #[test]
 fn continuous_batching_gives_each_sequence_its_solo_tokens() {
@@ -15,15 +43,13 @@ fn continuous_batching_gives_each_sequence_its_solo_tokens() {
     let mut e = engine(&model, 256);
     let lens = [3, 40, 17, 300, 1, 64, 90, 5];
     let mut ids = Vec::new();
-    let mut outs: HashMap<u64, Vec<StepOutput>> = HashMap::new();
+    let mut outs = Outputs::new();
     // Sequences join at different steps while others decode.
     for (i, &len) in lens.iter().enumerate() {
         let (s, st) = greedy(12 + i);
         ids.push((e.add_request(prompt(i, len), s, st).unwrap(), i, len));
         for _ in 0..i {
-            for o in e.step().unwrap() {
-                outs.entry(o.id).or_default().push(o);
-            }
+            step_into(&mut e, &mut outs);
         }
     }
     for (id, o) in drain(&mut e) {
@@ -54,11 +80,9 @@ fn a_prompt_beside_streams_runs_in_allowance_sized_chunks_with_the_same_tokens()
         let (s, st) = greedy(40);
         ids.push((e.add_request(prompt(i, 20), s, st).unwrap(), i, 20, 40));
     }
-    let mut outs: HashMap<u64, Vec<StepOutput>> = HashMap::new();
+    let mut outs = Outputs::new();
     for _ in 0..2 {
-        for o in e.step().unwrap() {
-            outs.entry(o.id).or_default().push(o);
-        }
+        step_into(&mut e, &mut outs);
     }
     e.set_prompt_allowance(Some(32));
     let (s, st) = greedy(8);
@@ -93,14 +117,7 @@ fn a_prompt_beside_streams_runs_in_allowance_sized_chunks_with_the_same_tokens()
     alone.add_request(prompt(9, 100), s, st).unwrap();
     alone.step().unwrap();
     assert_eq!(alone.last_pass().other_tokens, 99.0);
-    for (id, o) in drain(&mut e) {
-        outs.entry(id).or_default().extend(o);
-    }
-    for (id, i, len, n) in ids {
-        let got: Vec<u32> = outs[&id].iter().map(|o| o.token).collect();
-        assert_eq!(got, run_alone(&model, &prompt(i, len), n), "sequence {i}");
-    }
-    assert_eq!(e.used_blocks(), 0, "every block returned");
+    drain_and_compare_solo(&model, &mut e, outs, ids);
 }
 
 #[test]
@@ -108,45 +125,33 @@ fn a_short_prompt_does_not_wait_behind_long_ones() {
     let model = model();
     let mut e = engine(&model, 256);
     let mut ids = Vec::new();
-    let mut outs: HashMap<u64, Vec<StepOutput>> = HashMap::new();
-    let step = |e: &mut Engine, outs: &mut HashMap<u64, Vec<StepOutput>>| {
-        for o in e.step().unwrap() {
-            outs.entry(o.id).or_default().push(o);
-        }
-    };
+    let mut outs = Outputs::new();
     // Two streams decoding, prompt chunks beside them capped at 32 tokens a pass.
     for i in 0..2 {
         let (s, st) = greedy(30);
         ids.push((e.add_request(prompt(i, 20), s, st).unwrap(), i, 20, 30));
     }
-    step(&mut e, &mut outs);
+    step_into(&mut e, &mut outs);
     e.set_prompt_allowance(Some(32));
     // Two long prompts: the first under way, the second waiting behind it.
     for i in 2..4 {
         let (s, st) = greedy(4);
         ids.push((e.add_request(prompt(i, 200), s, st).unwrap(), i, 200, 4));
     }
-    step(&mut e, &mut outs);
+    step_into(&mut e, &mut outs);
     assert_eq!(e.num_waiting(), 1, "the second long prompt waits");
     // A short prompt queued behind both ends in the next pass, beside the streams, and the
     // first long prompt's chunk takes the rest of the allowance.
     let (s, st) = greedy(3);
     let short = e.add_request(prompt(4, 10), s, st).unwrap();
     ids.push((short, 4, 10, 3));
-    step(&mut e, &mut outs);
+    step_into(&mut e, &mut outs);
     assert_eq!(outs[&short].len(), 1, "the short prompt's first token");
     let pass = e.last_pass();
     assert_eq!(pass.sampled_rows, 3.0, "two streams and the short prompt");
     assert_eq!(pass.other_tokens, 9.0 + 16.0, "{pass:?}");
     assert_eq!(e.num_waiting(), 1, "the second long prompt still waits");
-    for (id, o) in drain(&mut e) {
-        outs.entry(id).or_default().extend(o);
-    }
-    for (id, i, len, n) in ids {
-        let got: Vec<u32> = outs[&id].iter().map(|o| o.token).collect();
-        assert_eq!(got, run_alone(&model, &prompt(i, len), n), "sequence {i}");
-    }
-    assert_eq!(e.used_blocks(), 0, "every block returned");
+    drain_and_compare_solo(&model, &mut e, outs, ids);
 }
 
 #[test]

@@ -114,36 +114,32 @@ impl Engine {
     /// whole prompt fits the budget (what a cached prefix saves is not counted here).
     fn admit_ending(&mut self, plan: &mut Vec<Planned>, budget: &mut usize) {
         let mut at = 0;
-        while at < self.waiting.len().min(ENDING_SCAN)
-            && *budget > 0
-            && self.running.len() < self.config.max_running
-        {
+        while at < self.waiting.len().min(ENDING_SCAN) && *budget > 0 {
             let id = self.waiting[at];
             let fits = self
                 .seqs
                 .get(&id)
                 .is_some_and(|seq| seq.pending() <= row_budget(seq, *budget));
-            if fits && self.admit(at, plan, budget) {
-                continue; // the next one moved up to `at`
+            if !(fits && self.admit(at, plan, budget)) {
+                at += 1; // else the next one moved up to `at`
             }
-            at += 1;
         }
     }
 
     /// Admits waiting sequences from the front while the budget, the running limit and the
     /// pool allow.
     fn admit_waiting(&mut self, plan: &mut Vec<Planned>, budget: &mut usize) {
-        while *budget > 0
-            && self.running.len() < self.config.max_running
-            && !self.waiting.is_empty()
-            && self.admit(0, plan, budget)
-        {}
+        while self.admit(0, plan, budget) {}
     }
 
     /// Admits the waiting sequence at `at` in the queue with a chunk of its prompt under the
-    /// budget, if the pool has its blocks; keeps a few blocks spare so that admissions do not
-    /// immediately force preemptions. Returns whether it was admitted.
+    /// budget, if the running limit allows and the pool has its blocks; keeps a few blocks
+    /// spare so that admissions do not immediately force preemptions. Returns whether it was
+    /// admitted.
     fn admit(&mut self, at: usize, plan: &mut Vec<Planned>, budget: &mut usize) -> bool {
+        if *budget == 0 || self.running.len() >= self.config.max_running {
+            return false;
+        }
         let watermark = (self.pool().total() / 100).max(1);
         let Some(&id) = self.waiting.get(at) else {
             return false;

@@ -129,32 +129,28 @@ impl CostView {
     /// prompt after `cached` ones, in chunks of `chunk` beside `beside`. The queue is priced
     /// per token at this prompt's rate (the queued prompts' own lengths are not reported),
     /// and not at all beyond the pass under way for a prompt that ends within one pass
-    /// ([`queue_ahead_ms`]).
+    /// ([`CostView::queue_ms`]).
     fn prompt_ms(&self, beside: StepShape, cached: u64, tokens: u64, chunk: u64) -> f64 {
         let tokens = tokens.max(1);
         let (own, _) = self.coefficients.prompt_ms(beside, cached, tokens, chunk);
         let pass_ms = self
             .coefficients
             .step_ms(&beside.plus(StepShape::chunk(0, chunk, false)));
-        own + queue_ahead_ms(
-            own / tokens as f64,
-            self.queued_prompt_tokens,
-            tokens <= chunk,
-            pass_ms,
-        )
+        own + self.queue_ms(own, tokens, chunk, pass_ms)
     }
-}
 
-/// The wait for the prompt tokens `queued` ahead of a prompt, at `per_token_ms` each. A worker
-/// schedules prompts that end within the coming pass before the chunks of longer ones (see
-/// the engine's `schedule`), so such a prompt (`ends_in_one_pass`) waits only for the rest of
-/// the pass under way: half a pass (`pass_ms`) on average.
-fn queue_ahead_ms(per_token_ms: f64, queued: u64, ends_in_one_pass: bool, pass_ms: f64) -> f64 {
-    let queue = per_token_ms * queued as f64;
-    if ends_in_one_pass {
-        queue.min(pass_ms / 2.0)
-    } else {
-        queue
+    /// The wait for the prompt tokens queued ahead of a prompt of `tokens` that computes in
+    /// `own_ms`, priced per token at its rate. A worker schedules prompts that end within the
+    /// coming pass before the chunks of longer ones (see the engine's `schedule`), so a prompt
+    /// of at most `one_pass` tokens waits only for the rest of the pass under way (`pass_ms`):
+    /// half of it on average.
+    fn queue_ms(&self, own_ms: f64, tokens: u64, one_pass: u64, pass_ms: f64) -> f64 {
+        let queue = own_ms / tokens.max(1) as f64 * self.queued_prompt_tokens as f64;
+        if tokens <= one_pass {
+            queue.min(pass_ms / 2.0)
+        } else {
+            queue
+        }
     }
 }
 
@@ -314,12 +310,7 @@ fn decode_part(decode: &CostView, prompt: u64, start: u64, tpot_ms: f64) -> Deco
                 .coefficients
                 .step_ms(&StepShape::chunk(0, decode.max_batch_tokens, false));
         return DecodePart {
-            queue_ms: queue_ahead_ms(
-                own / tokens as f64,
-                decode.queued_prompt_tokens,
-                tokens <= decode.max_batch_tokens,
-                pass_ms,
-            ),
+            queue_ms: decode.queue_ms(own, tokens, decode.max_batch_tokens, pass_ms),
             own_ms: own,
             tpot_ms: after,
         };
@@ -342,12 +333,7 @@ fn decode_part(decode: &CostView, prompt: u64, start: u64, tpot_ms: f64) -> Deco
         CHUNK_GRANULE,
     );
     DecodePart {
-        queue_ms: queue_ahead_ms(
-            own / tokens as f64,
-            decode.queued_prompt_tokens,
-            tokens <= allowance,
-            streams.max(target),
-        ),
+        queue_ms: decode.queue_ms(own, tokens, allowance, streams.max(target)),
         own_ms: own,
         tpot_ms: after.max(streams.max(target)),
     }
