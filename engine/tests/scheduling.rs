@@ -1,5 +1,5 @@
 //! The scheduler on the tiny built-in model: continuous batching, prompt chunks under a
-//! paced allowance, prompts that end going first, preemption; every sequence gets the tokens
+//! paced allowance, prompts that end going first (shortest first), preemption; every sequence gets the tokens
 //! it gets alone.
 
 use std::collections::HashMap;
@@ -151,6 +151,32 @@ fn a_short_prompt_does_not_wait_behind_long_ones() {
     assert_eq!(pass.sampled_rows, 3.0, "two streams and the short prompt");
     assert_eq!(pass.other_tokens, 9.0 + 16.0, "{pass:?}");
     assert_eq!(e.num_waiting(), 1, "the second long prompt still waits");
+    drain_and_compare_solo(&model, &mut e, outs, ids);
+}
+
+#[test]
+fn a_short_prompt_goes_before_whole_prompts_queued_ahead_of_it() {
+    let model = model();
+    let mut e = engine(&model, 256);
+    let mut ids = Vec::new();
+    let mut outs = Outputs::new();
+    // A prefill worker's queue: two prompts that each fill a whole 256-token pass, then a
+    // short one, all waiting before the first pass.
+    for i in 0..2 {
+        let (s, st) = greedy(2);
+        ids.push((e.add_request(prompt(i, 256), s, st).unwrap(), i, 256, 2));
+    }
+    let (s, st) = greedy(2);
+    let short = e.add_request(prompt(2, 10), s, st).unwrap();
+    ids.push((short, 2, 10, 2));
+    step_into(&mut e, &mut outs);
+    // The short one ends in the first pass; the first long one takes the rest of it (in
+    // whole blocks: 240 of the 246 tokens left).
+    assert_eq!(outs[&short].len(), 1, "the short prompt's first token");
+    let pass = e.last_pass();
+    assert_eq!(pass.sampled_rows, 1.0, "{pass:?}");
+    assert_eq!(pass.other_tokens, 9.0 + 240.0, "{pass:?}");
+    assert_eq!(e.num_waiting(), 1, "the second long prompt waits");
     drain_and_compare_solo(&model, &mut e, outs, ids);
 }
 

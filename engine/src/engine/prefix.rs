@@ -143,6 +143,16 @@ impl Engine {
             .sum()
     }
 
+    /// Prompts with tokens still to compute (those [`Self::pending_prefill_tokens`] counts):
+    /// with those tokens, the mean length of a queued prompt, which tells a router whether a
+    /// new prompt would go before them (the scheduler admits the shortest first).
+    pub fn pending_prefill_prompts(&self) -> usize {
+        self.seqs
+            .values()
+            .filter(|s| s.pending() > 1 || s.computed == 0)
+            .count()
+    }
+
     /// Tokens of a waiting sequence's prefix that the cache holds (what
     /// [`Self::reuse_cached_prefix`] would find), without holding them.
     fn cached_now(&self, pool: &BlockPool, seq: &Sequence) -> usize {

@@ -38,7 +38,7 @@ enum Work {
 impl Engine {
     /// Picks this step's work: the decode rows of running sequences first (a prompt chunk
     /// must never crowd a stream out of its step); then prompts that end within the pass,
-    /// running (shortest first) or waiting (in order); then the next chunk of the other
+    /// running or waiting (each shortest first); then the next chunk of the other
     /// prompts under way, oldest first; then waiting ones; as the budget, the prompt
     /// allowance, the running limit and the pool allow.
     ///
@@ -110,18 +110,36 @@ impl Engine {
         }
     }
 
-    /// Admits, in queue order, the waiting sequences among the first [`ENDING_SCAN`] whose
-    /// whole prompt fits the budget (what a cached prefix saves is not counted here).
+    /// Admits, shortest first (queue order between equals), the waiting sequences among the
+    /// first [`ENDING_SCAN`] whose whole prompt fits the budget (what a cached prefix saves
+    /// is not counted here).
+    ///
+    /// Shortest first because a prefill worker's budget holds a whole 2048-token prompt:
+    /// in queue order, a 16-token prompt behind four of them waited for all four passes
+    /// (tens of seconds on a CPU core) although it fitted beside any of them. A longer
+    /// prompt left out still gets what the shorter ones leave of the budget, as a chunk
+    /// (`admit_waiting`), so each shorter one delays it once, by its own tokens.
     fn admit_ending(&mut self, plan: &mut Vec<Planned>, budget: &mut usize) {
-        let mut at = 0;
-        while at < self.waiting.len().min(ENDING_SCAN) && *budget > 0 {
-            let id = self.waiting[at];
+        let mut candidates: Vec<(usize, SeqId)> = self
+            .waiting
+            .iter()
+            .take(ENDING_SCAN)
+            .filter_map(|id| self.seqs.get(id).map(|seq| (seq.pending(), *id)))
+            .collect();
+        candidates.sort_by_key(|&(pending, _)| pending);
+        for (_, id) in candidates {
+            if *budget == 0 {
+                break;
+            }
+            let Some(at) = self.waiting.iter().position(|w| *w == id) else {
+                continue;
+            };
             let fits = self
                 .seqs
                 .get(&id)
                 .is_some_and(|seq| seq.pending() <= row_budget(seq, *budget));
-            if !(fits && self.admit(at, plan, budget)) {
-                at += 1; // else the next one moved up to `at`
+            if fits {
+                self.admit(at, plan, budget);
             }
         }
     }

@@ -95,9 +95,11 @@ async fn establish_on(
     names: &mut PromptNames<'_>,
     timing: &mut Timing,
 ) -> Result<Live, AttemptError> {
-    // What the request adds to the worker's blocks: its prompt less the prefix cached there.
+    // What the request adds to the worker's blocks: its prompt less the prefix cached there,
+    // measured before this prompt is noted there (from then on it counts as cached).
+    let cached_blocks = decode.cached_blocks(names);
     let new_blocks = prompt_blocks(decode, req.prompt.len())
-        .saturating_sub(u32::try_from(decode.cached_blocks(names)).unwrap_or(u32::MAX));
+        .saturating_sub(u32::try_from(cached_blocks).unwrap_or(u32::MAX));
     decode.note_dispatch(new_blocks);
     decode.note_prompt(names);
     let first_prefill = routing::pick_prefill(
@@ -107,7 +109,7 @@ async fn establish_on(
     );
     let by_slo = match ctx.placement {
         PlacementPolicy::Slo if ctx.pool.prefill_configured() => {
-            place(ctx, req, decode, names, timing)
+            place(ctx, req, decode, cached_blocks, names, timing)
         }
         _ => None,
     };

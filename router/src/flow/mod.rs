@@ -135,9 +135,12 @@ async fn drive(
     let mode = live.head.mode;
     if head_tx.send(Ok(live.head.clone())).is_err() {
         tracing::info!("client went away before the response head; request cancelled");
+        live.decode.note_ended();
         return record_outcome(&Outcome::Cancelled(Some(mode)), req.arrival);
     }
+    let decode = Arc::clone(&live.decode);
     let outcome = pump::pump(live, &req, &tx, &mut timing).await;
+    decode.note_ended();
     if matches!(outcome, Outcome::Ok(..)) {
         timing.settle(&req, &ctx);
     }

@@ -123,6 +123,8 @@ impl Timing {
             ttft_ms,
             predicted_tpot_ms = p.corrected.tpot_ms,
             tpot_ms,
+            model_ttft_ms = p.raw.ttft_ms,
+            model_tpot_ms = p.raw.tpot_ms,
             "placement outcome"
         );
         if let Ok(mut c) = ctx.calibration.lock() {

@@ -24,12 +24,14 @@ pub(super) struct Placed {
     pub split_at: u32,
 }
 
-/// The placement of `req` on `decode` by its targets, or `None` when the costs are not
-/// known yet.
+/// The placement of `req` on `decode`, whose prefix cache holds `decode_cached_blocks` of
+/// its prompt (counted before the prompt was noted there), by its targets, or `None` when
+/// the costs are not known yet.
 pub(super) fn place(
     ctx: &FlowContext,
     req: &FlowRequest,
     decode: &Worker,
+    decode_cached_blocks: usize,
     names: &mut PromptNames<'_>,
     timing: &mut Timing,
 ) -> Option<Placed> {
@@ -51,6 +53,13 @@ pub(super) fn place(
         let Some(view) = view else {
             return unknown("a prefill worker cannot price a prompt token yet");
         };
+        tracing::debug!(
+            prefill = candidate.id,
+            queued_tokens = view.queued_prompt_tokens,
+            cached_tokens = candidate.cached_tokens,
+            cost = ?view.coefficients,
+            "prefill worker's view"
+        );
         prefills.push((candidate.id, view, candidate.cached_tokens));
     }
     if let Some((_, lender, _)) = prefills.first() {
@@ -59,7 +68,7 @@ pub(super) fn place(
     if !decode_view.prompts_known {
         return unknown("the decode worker cannot price a prompt token yet");
     }
-    let decode_cached = (decode.cached_blocks(names) * tandem_kv::BLOCK_SIZE) as u64;
+    let decode_cached = (decode_cached_blocks * tandem_kv::BLOCK_SIZE) as u64;
     let calibration = ctx.calibration.lock().map(|c| *c).unwrap_or_default();
     let mut raw: Vec<(Placement, Prediction)> = vec![(
         Placement::Aggregated,
@@ -124,6 +133,11 @@ pub(super) fn place(
         ttft_target_ms = req.slo.ttft_ms,
         tpot_target_ms = req.slo.tpot_ms,
         meets,
+        decode_rows = decode_view.decode_rows,
+        decode_context = decode_view.decode_context,
+        decode_queued_tokens = decode_view.queued_prompt_tokens,
+        decode_cached,
+        decode_cost = ?decode_view.coefficients,
         "placed by the latency targets"
     );
     metrics::counter!(

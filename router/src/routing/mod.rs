@@ -14,8 +14,8 @@ pub mod slo;
 
 pub use calibration::Calibration;
 pub use placement::{
-    CostView, Placement, PlacementKind, Prediction, best_split, choose, predict_aggregated,
-    predict_disaggregated, predict_split,
+    CostView, Placement, PlacementKind, Prediction, SinceReport, best_split, choose,
+    predict_aggregated, predict_disaggregated, predict_split,
 };
 pub use policy::{
     DecodeCandidate, FallbackReason, ModeDecision, PickRule, PrefillCandidate, blocks_for_tokens,

@@ -29,7 +29,9 @@ use tandem_proto::v1::prefill_service_client::PrefillServiceClient;
 use tandem_proto::v1::{LoadReport, Role, Transport, WorkerInfo};
 
 use crate::metrics as m;
-use crate::routing::{CostView, DecodeCandidate, PrefillCandidate, PrefixIndex, PromptNames};
+use crate::routing::{
+    CostView, DecodeCandidate, PrefillCandidate, PrefixIndex, PromptNames, SinceReport,
+};
 
 /// Largest gRPC message the router accepts (a `tokenizer.json` can be several MiB).
 const MAX_MESSAGE_BYTES: usize = 64 << 20;
@@ -97,6 +99,10 @@ pub struct Worker {
     pending_blocks: AtomicU32,
     pending_requests: AtomicU32,
     pending_tokens: AtomicU64,
+    /// The prompts those tokens belong to.
+    pending_prompts: AtomicU32,
+    /// Requests whose stream on this (decode) worker ended since the last load report.
+    ended_requests: AtomicU32,
     /// Load reports applied: a prompt that finished before the next report takes its tokens
     /// back out of `pending_tokens` only if no report cleared them meanwhile.
     reports: AtomicU64,
@@ -129,6 +135,8 @@ impl Worker {
             pending_blocks: AtomicU32::new(0),
             pending_requests: AtomicU32::new(0),
             pending_tokens: AtomicU64::new(0),
+            pending_prompts: AtomicU32::new(0),
+            ended_requests: AtomicU32::new(0),
             reports: AtomicU64::new(0),
             prefix: Mutex::new(PrefixIndex::default()),
             probe: tokio::sync::Notify::new(),
@@ -191,6 +199,12 @@ impl Worker {
         self.pending_requests.fetch_add(1, Ordering::Relaxed);
     }
 
+    /// Records that a request's stream on this (decode) worker ended, however it ended,
+    /// until the next load report accounts for it.
+    pub fn note_ended(&self) {
+        self.ended_requests.fetch_add(1, Ordering::Relaxed);
+    }
+
     /// Records prompt tokens sent to this prefill worker, until the prompt is done or the next
     /// load report accounts for them, whichever comes first: a prompt that finished between
     /// two reports must not make the worker look busy to the next request (kv-aware routing
@@ -199,6 +213,7 @@ impl Worker {
         let report = {
             let _s = self.state();
             self.pending_tokens.fetch_add(tokens, Ordering::Relaxed);
+            self.pending_prompts.fetch_add(1, Ordering::Relaxed);
             self.reports.load(Ordering::Relaxed)
         };
         PendingPrompt {
@@ -208,10 +223,12 @@ impl Worker {
         }
     }
 
-    /// Records prompt tokens sent to this worker to compute itself (an aggregated request),
-    /// until the next load report accounts for them.
+    /// Records a prompt of `tokens` tokens sent to this (decode) worker to compute itself
+    /// (an aggregated request, or a split prompt's tail), until the next load report accounts
+    /// for it: queued prompt work, and a stream only once it is done.
     pub fn note_prompt_tokens(&self, tokens: u64) {
         self.pending_tokens.fetch_add(tokens, Ordering::Relaxed);
+        self.pending_prompts.fetch_add(1, Ordering::Relaxed);
     }
 
     /// Its costs and work as SLO placement sees them (see `routing::placement`); `None`
@@ -219,11 +236,24 @@ impl Worker {
     pub fn cost_view(&self) -> Option<CostView> {
         let s = self.state();
         let load = s.load.as_ref()?;
-        let rows = match self.role {
-            WorkerRole::Decode => u64::from(self.pending_requests.load(Ordering::Relaxed)),
-            WorkerRole::Prefill => 0,
+        let prompts = self.pending_prompts.load(Ordering::Relaxed);
+        let since = match self.role {
+            // Of the requests sent since, those that brought a prompt to compute are queued
+            // prompts; the others (computed elsewhere) decode at once.
+            WorkerRole::Decode => SinceReport {
+                streams: i64::from(self.pending_requests.load(Ordering::Relaxed))
+                    - i64::from(prompts)
+                    - i64::from(self.ended_requests.load(Ordering::Relaxed)),
+                prompt_tokens: self.pending_tokens.load(Ordering::Relaxed),
+                prompts: u64::from(prompts),
+            },
+            WorkerRole::Prefill => SinceReport {
+                streams: 0,
+                prompt_tokens: self.pending_tokens.load(Ordering::Relaxed),
+                prompts: u64::from(prompts),
+            },
         };
-        CostView::from_report(load, rows, self.pending_tokens.load(Ordering::Relaxed))
+        CostView::from_report(load, since, self.role == WorkerRole::Decode)
     }
 
     /// After a request saw this worker fail: a failure of the connection or the process
@@ -350,6 +380,8 @@ impl Worker {
             self.pending_blocks.store(0, Ordering::Relaxed);
             self.pending_requests.store(0, Ordering::Relaxed);
             self.pending_tokens.store(0, Ordering::Relaxed);
+            self.pending_prompts.store(0, Ordering::Relaxed);
+            self.ended_requests.store(0, Ordering::Relaxed);
             self.reports.fetch_add(1, Ordering::Relaxed);
             s.load = Some(load);
             std::mem::replace(&mut s.healthy, true)
@@ -423,6 +455,11 @@ impl Drop for PendingPrompt<'_> {
                 .pending_tokens
                 .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |t| {
                     Some(t.saturating_sub(self.tokens))
+                });
+            let _ = w
+                .pending_prompts
+                .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| {
+                    Some(n.saturating_sub(1))
                 });
         }
     }
@@ -517,8 +554,10 @@ mod tests {
         let first = w.note_prefill(416);
         let second = w.note_prefill(32);
         assert_eq!(pending(), 448);
+        assert_eq!(w.pending_prompts.load(Ordering::Relaxed), 2);
         drop(first);
         assert_eq!(pending(), 32, "done before the next report");
+        assert_eq!(w.pending_prompts.load(Ordering::Relaxed), 1);
         // A report counts what is still queued itself: the older prompt's tokens are not
         // taken out of what came after it.
         w.set_load(LoadReport::default());
@@ -527,6 +566,45 @@ mod tests {
         assert_eq!(pending(), 100);
         drop(third);
         assert_eq!(pending(), 0);
+    }
+
+    #[tokio::test]
+    async fn a_decode_workers_view_counts_streams_started_and_ended_since_its_report() {
+        let auth = tandem_auth::InternalAuth::none();
+        let w = Worker::new(WorkerRole::Decode, 0, "http://127.0.0.1:1", &auth).unwrap();
+        let report = LoadReport {
+            step_cost: Some(tandem_proto::v1::StepCost {
+                base_ms: 2.0,
+                per_row_ms: 1.0,
+                passes: 10,
+                decode_rows: 4,
+                decode_context_tokens: 400,
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        w.set_load(report.clone());
+        // Three requests sent since: two prefilled elsewhere, one with a 100-token prompt to
+        // compute here; two of the reported streams ended.
+        for _ in 0..3 {
+            w.note_dispatch(1);
+        }
+        w.note_prompt_tokens(100);
+        w.note_ended();
+        w.note_ended();
+        let v = w.cost_view().unwrap();
+        assert_eq!((v.decode_rows, v.decode_context), (4, 400));
+        assert_eq!(
+            (v.prompt_rows, v.queued_prompts, v.queued_prompt_tokens),
+            (1, 1, 100)
+        );
+        // The next report says it all itself.
+        w.set_load(report);
+        let v = w.cost_view().unwrap();
+        assert_eq!(
+            (v.decode_rows, v.prompt_rows, v.queued_prompt_tokens),
+            (4, 0, 0)
+        );
     }
 
     #[test]

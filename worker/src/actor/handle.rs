@@ -93,6 +93,51 @@ pub(super) enum Command {
     },
 }
 
+impl Command {
+    /// What the command brings the engine, counted in the load reports from the moment it
+    /// is sent (see [`LoadSnapshot::inbox`]) as the engine counts it once taken: a prompt to
+    /// compute is queued prompt work (its streams decode only once it is done); a prompt
+    /// computed elsewhere whole decodes at once.
+    fn inbox_share(&self) -> InboxShare {
+        let (prompt, computed_elsewhere, n) = match self {
+            Command::Add {
+                prompt, sampling, ..
+            } => (prompt, 0, sampling.n),
+            Command::AddPrefilled {
+                prompt,
+                part,
+                sampling,
+                ..
+            } => {
+                let done = match part {
+                    PrefilledPart::Whole(_) => prompt.len(),
+                    PrefilledPart::Prefix(n) => (*n).min(prompt.len()),
+                };
+                (prompt, done, sampling.n)
+            }
+        };
+        let prompt_tokens = (prompt.len() - computed_elsewhere) as u64;
+        let streams = if prompt_tokens == 0 { n as u64 } else { 0 };
+        InboxShare {
+            prompt_tokens,
+            prompts: u64::from(prompt_tokens > 0),
+            streams,
+            context_tokens: streams * prompt.len() as u64,
+        }
+    }
+}
+
+/// Work sent to the engine thread (see [`Command::inbox_share`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct InboxShare {
+    /// Prompt tokens to compute here, and the prompts they belong to.
+    pub prompt_tokens: u64,
+    pub prompts: u64,
+    /// Streams that decode from their first pass here, and their contexts summed.
+    pub streams: u64,
+    pub context_tokens: u64,
+}
+
 /// How much of a prompt another worker computed (see [`EngineHandle::add_prefilled`]).
 #[derive(Debug, Clone)]
 pub enum PrefilledPart {
@@ -108,6 +153,7 @@ pub struct LoadSnapshot {
     pub running: AtomicU64,
     pub waiting: AtomicU64,
     pub queued_prefill_tokens: AtomicU64,
+    pub queued_prompts: AtomicU64,
     pub steps: AtomicU64,
     pub preemptions: AtomicU64,
     /// The prefix cache: prompt tokens looked up, and found.
@@ -115,6 +161,56 @@ pub struct LoadSnapshot {
     pub prefix_hit_tokens: AtomicU64,
     /// What a pass costs here and the decode work under way (see `pacing`).
     pub cost: CostBoard,
+    /// Work sent to the engine thread that it has not taken yet. The figures above are
+    /// published between passes, and the thread takes commands only then: without these, a
+    /// prompt sent during a prefill worker's ten-second pass would be missing from every
+    /// report until the pass ended, and the router (which forgets what it sent once a report
+    /// comes) would price that worker's queue as if it were not there.
+    inbox_prompt_tokens: AtomicU64,
+    inbox_prompts: AtomicU64,
+    inbox_streams: AtomicU64,
+    inbox_context_tokens: AtomicU64,
+}
+
+impl LoadSnapshot {
+    fn enter_inbox(&self, share: InboxShare) {
+        self.inbox_prompt_tokens
+            .fetch_add(share.prompt_tokens, Ordering::Relaxed);
+        self.inbox_prompts
+            .fetch_add(share.prompts, Ordering::Relaxed);
+        self.inbox_streams
+            .fetch_add(share.streams, Ordering::Relaxed);
+        self.inbox_context_tokens
+            .fetch_add(share.context_tokens, Ordering::Relaxed);
+    }
+
+    fn leave_inbox(&self, share: InboxShare) {
+        // Each share leaves once, after it entered (a send happens before its receipt).
+        self.inbox_prompt_tokens
+            .fetch_sub(share.prompt_tokens, Ordering::Relaxed);
+        self.inbox_prompts
+            .fetch_sub(share.prompts, Ordering::Relaxed);
+        self.inbox_streams
+            .fetch_sub(share.streams, Ordering::Relaxed);
+        self.inbox_context_tokens
+            .fetch_sub(share.context_tokens, Ordering::Relaxed);
+    }
+
+    /// The work sent to the engine thread and not yet taken by it.
+    pub fn inbox(&self) -> InboxShare {
+        InboxShare {
+            prompt_tokens: self.inbox_prompt_tokens.load(Ordering::Relaxed),
+            prompts: self.inbox_prompts.load(Ordering::Relaxed),
+            streams: self.inbox_streams.load(Ordering::Relaxed),
+            context_tokens: self.inbox_context_tokens.load(Ordering::Relaxed),
+        }
+    }
+}
+
+/// Takes `cmd` off the engine thread's inbox: its share leaves the load reports' inbox
+/// counts (the engine's own figures take it over from the next publish on).
+pub(super) fn take_from_inbox(load: &LoadSnapshot, cmd: &Command) {
+    load.leave_inbox(cmd.inbox_share());
 }
 
 /// A cheap, cloneable way to reach the engine thread.
@@ -143,6 +239,16 @@ fn gone() -> EngineError {
 }
 
 impl EngineHandle {
+    /// Sends `cmd` to the engine thread, counted in the load reports until it takes it.
+    fn send(&self, cmd: Command) -> Result<(), EngineError> {
+        let share = cmd.inbox_share();
+        self.load.enter_inbox(share);
+        self.tx.send(cmd).map_err(|_| {
+            self.load.leave_inbox(share);
+            gone()
+        })
+    }
+
     /// Compiles a request's grammar on the blocking pool (milliseconds of work that must not
     /// hold up the engine's thread or an async worker).
     pub async fn compile_guide(
@@ -171,18 +277,16 @@ impl EngineHandle {
     ) -> Result<SeqId, EngineError> {
         let guide = self.compile_guide(&sampling).await?;
         let (reply, rx) = oneshot::channel();
-        self.tx
-            .send(Command::Add {
-                prompt,
-                sampling,
-                stop,
-                guide,
-                kv,
-                tpot_target,
-                events,
-                reply,
-            })
-            .map_err(|_| gone())?;
+        self.send(Command::Add {
+            prompt,
+            sampling,
+            stop,
+            guide,
+            kv,
+            tpot_target,
+            events,
+            reply,
+        })?;
         rx.await.map_err(|_| gone())?
     }
 
@@ -215,7 +319,7 @@ impl EngineHandle {
             events,
             reply,
         };
-        self.tx.send(command).map_err(|_| gone())?;
+        self.send(command)?;
         rx.await.map_err(|_| gone())?
     }
 
@@ -269,6 +373,14 @@ impl EngineHandle {
                 }
             });
         let (threads, team) = self.compute_threads().unwrap_or((0, 0));
+        let inbox = self.load.inbox();
+        let mut step_cost = self.load.cost.report();
+        step_cost.decode_rows = step_cost
+            .decode_rows
+            .saturating_add(u32::try_from(inbox.streams).unwrap_or(u32::MAX));
+        step_cost.decode_context_tokens = step_cost
+            .decode_context_tokens
+            .saturating_add(inbox.context_tokens);
         LoadReport {
             prefix_query_tokens,
             prefix_hit_tokens,
@@ -278,12 +390,23 @@ impl EngineHandle {
             free_blocks: self.pool.free_count() as u32,
             running: self.load.running.load(Ordering::Relaxed) as u32,
             waiting: self.load.waiting.load(Ordering::Relaxed) as u32,
-            queued_prefill_tokens: self.load.queued_prefill_tokens.load(Ordering::Relaxed),
+            queued_prefill_tokens: self
+                .load
+                .queued_prefill_tokens
+                .load(Ordering::Relaxed)
+                .saturating_add(inbox.prompt_tokens),
+            queued_prompts: u32::try_from(
+                self.load
+                    .queued_prompts
+                    .load(Ordering::Relaxed)
+                    .saturating_add(inbox.prompts),
+            )
+            .unwrap_or(u32::MAX),
             leases,
             draining,
             instance_id: instance_id.to_vec(),
             block_events,
-            step_cost: Some(self.load.cost.report()),
+            step_cost: Some(step_cost),
             compute_threads: threads as u32,
             max_compute_threads: team as u32,
         }
@@ -326,5 +449,75 @@ impl EngineHandle {
             evictions,
             u32::try_from(cached).unwrap_or(u32::MAX),
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn channels() -> (
+        tmpsc::UnboundedSender<SeqEvent>,
+        oneshot::Sender<Result<SeqId, EngineError>>,
+    ) {
+        (tmpsc::unbounded_channel().0, oneshot::channel().0)
+    }
+
+    fn add(prompt: usize, n: usize) -> Command {
+        let (events, reply) = channels();
+        let sampling = SamplingParams {
+            n,
+            ..SamplingParams::greedy()
+        };
+        Command::Add {
+            prompt: vec![7; prompt],
+            sampling,
+            stop: StopParams::default(),
+            guide: None,
+            kv: None,
+            tpot_target: None,
+            events,
+            reply,
+        }
+    }
+
+    fn prefilled(prompt: usize, part: PrefilledPart) -> Command {
+        let (events, reply) = channels();
+        Command::AddPrefilled {
+            prompt: vec![7; prompt],
+            part,
+            kv: ReceivedKv::host(Vec::new()),
+            sampling: SamplingParams::greedy(),
+            stop: StopParams::default(),
+            guide: None,
+            tpot_target: None,
+            events,
+            reply,
+        }
+    }
+
+    #[test]
+    fn commands_count_in_the_load_until_the_engine_takes_them() {
+        let load = LoadSnapshot::default();
+        // An aggregated request of two choices: a prompt to compute (its streams come after).
+        let aggregated = add(100, 2);
+        // A prompt computed elsewhere up to block 64: the rest is a prompt to compute.
+        let split = prefilled(100, PrefilledPart::Prefix(64));
+        // A prompt computed elsewhere whole: a stream of its context, at once.
+        let whole = prefilled(100, PrefilledPart::Whole(Vec::new()));
+        for cmd in [&aggregated, &split, &whole] {
+            load.enter_inbox(cmd.inbox_share());
+        }
+        let expected = InboxShare {
+            prompt_tokens: 100 + 36,
+            prompts: 2,
+            streams: 1,
+            context_tokens: 100,
+        };
+        assert_eq!(load.inbox(), expected);
+        for cmd in [&aggregated, &split, &whole] {
+            take_from_inbox(&load, cmd);
+        }
+        assert_eq!(load.inbox(), InboxShare::default());
     }
 }

@@ -97,13 +97,13 @@ fn run(mut engine: Engine, rx: mpsc::Receiver<Command>, load: &LoadSnapshot, len
         // Block while idle; otherwise take whatever arrived since the last step.
         if !engine.has_work() {
             match rx.recv_timeout(Duration::from_millis(200)) {
-                Ok(cmd) => handle_command(&mut engine, &mut entries, cmd),
+                Ok(cmd) => handle_command(&mut engine, &mut entries, load, cmd),
                 Err(mpsc::RecvTimeoutError::Timeout) => continue,
                 Err(mpsc::RecvTimeoutError::Disconnected) => break,
             }
         }
         while let Ok(cmd) = rx.try_recv() {
-            handle_command(&mut engine, &mut entries, cmd);
+            handle_command(&mut engine, &mut entries, load, cmd);
         }
         // Cancelled requests leave before the step, so their blocks are free for it.
         let cancelled: Vec<SeqId> = entries
@@ -116,9 +116,11 @@ fn run(mut engine: Engine, rx: mpsc::Receiver<Command>, load: &LoadSnapshot, len
             entries.remove(&id);
             tracing::debug!(seq = id, "request went away; aborted");
         }
+        // Published before the pass as well as after it: the commands just taken left the
+        // inbox count, and a pass may take seconds.
+        publish(&engine, load);
+        pacer.publish(&engine, &load.cost);
         if !engine.has_work() {
-            publish(&engine, load);
-            pacer.publish(&engine, &load.cost);
             continue;
         }
         pacer.before_pass(&mut engine, tightest_tpot(&entries));
@@ -234,7 +236,7 @@ fn run(mut engine: Engine, rx: mpsc::Receiver<Command>, load: &LoadSnapshot, len
         // request ends it early.
         if let Some(idle) = lent {
             match rx.recv_timeout(idle) {
-                Ok(cmd) => handle_command(&mut engine, &mut entries, cmd),
+                Ok(cmd) => handle_command(&mut engine, &mut entries, load, cmd),
                 Err(mpsc::RecvTimeoutError::Timeout) => {}
                 Err(mpsc::RecvTimeoutError::Disconnected) => break,
             }
@@ -242,7 +244,13 @@ fn run(mut engine: Engine, rx: mpsc::Receiver<Command>, load: &LoadSnapshot, len
     }
 }
 
-fn handle_command(engine: &mut Engine, entries: &mut HashMap<SeqId, Entry>, cmd: Command) {
+fn handle_command(
+    engine: &mut Engine,
+    entries: &mut HashMap<SeqId, Entry>,
+    load: &LoadSnapshot,
+    cmd: Command,
+) {
+    handle::take_from_inbox(load, &cmd);
     match cmd {
         Command::Add {
             prompt,
@@ -400,6 +408,8 @@ fn publish(engine: &Engine, load: &LoadSnapshot) {
         .store(engine.num_waiting() as u64, Ordering::Relaxed);
     load.queued_prefill_tokens
         .store(engine.pending_prefill_tokens() as u64, Ordering::Relaxed);
+    load.queued_prompts
+        .store(engine.pending_prefill_prompts() as u64, Ordering::Relaxed);
     load.steps.store(engine.stats().steps, Ordering::Relaxed);
     load.preemptions
         .store(engine.stats().preemptions, Ordering::Relaxed);
