@@ -181,6 +181,8 @@ impl Pacer {
             prompt_allowance: self
                 .allowance
                 .map_or(0, |a| u32::try_from(a).unwrap_or(u32::MAX)),
+            // The load report fills it in (see `actor::LoadSnapshot`).
+            pass_elapsed_ms: 0.0,
         });
     }
 }

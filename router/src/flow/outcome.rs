@@ -119,6 +119,7 @@ impl Timing {
         }
         tracing::info!(
             placement = p.kind.as_str(),
+            prompt_tokens = req.prompt.len(),
             predicted_ttft_ms = p.corrected.ttft_ms,
             ttft_ms,
             predicted_tpot_ms = p.corrected.tpot_ms,

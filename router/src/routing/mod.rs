@@ -3,19 +3,22 @@
 //! crate of their own (as Dynamo's `kv-router` did). `workers` builds the snapshots;
 //! `flow` acts on the decisions. `prefix_index` follows what each worker's prefix cache
 //! holds, from the block events on its load reports. `slo` holds the latency targets,
-//! `placement` predicts, from the workers' cost models, where a request meets them, and
+//! `cost_view` what a worker's load report and this router's dispatches since say of its
+//! costs and queue, `placement` predicts from those views where a request meets them, and
 //! `calibration` corrects the predictions by what the requests measured.
 
 pub mod calibration;
+pub mod cost_view;
 pub mod placement;
 pub mod policy;
 pub mod prefix_index;
 pub mod slo;
 
 pub use calibration::Calibration;
+pub use cost_view::{CostView, SinceReport};
 pub use placement::{
-    CostView, Placement, PlacementKind, Prediction, SinceReport, best_split, choose,
-    predict_aggregated, predict_disaggregated, predict_split,
+    Placement, PlacementKind, Prediction, best_split, choose, predict_aggregated,
+    predict_disaggregated, predict_split,
 };
 pub use policy::{
     DecodeCandidate, FallbackReason, ModeDecision, PickRule, PrefillCandidate, blocks_for_tokens,

@@ -19,191 +19,10 @@
 //!
 //! Predictions are kept honest by what the requests then measure (`calibration`).
 
-use tandem_cost::{Coefficients, MIN_PROMPT_TOKENS_SEEN, StepShape, TPOT_HEADROOM};
-use tandem_proto::v1::LoadReport;
+use tandem_cost::{StepShape, TPOT_HEADROOM};
 
+use super::cost_view::{CHUNK_GRANULE, CostView};
 use super::slo::RequestSlo;
-
-/// The granule of a prompt chunk (whole KV blocks).
-const CHUNK_GRANULE: u64 = tandem_kv::BLOCK_SIZE as u64;
-
-/// What routing knows of one worker's costs and work: its last load report's cost model,
-/// and what was sent to it since.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct CostView {
-    pub coefficients: Coefficients,
-    /// Streams decoding now (reported, plus sent since less ended since), and their contexts.
-    pub decode_rows: u64,
-    pub decode_context: u64,
-    /// Prompts queued here that become streams here once computed (a decode worker's
-    /// aggregated prompts and split tails): they stretch the streams' passes later, not the
-    /// passes a new prompt shares with today's streams.
-    pub prompt_rows: u64,
-    /// Prompt tokens ahead of a new prompt (reported plus dispatched since), and the prompts
-    /// they belong to.
-    pub queued_prompt_tokens: u64,
-    pub queued_prompts: u64,
-    /// Tokens one pass may run.
-    pub max_batch_tokens: u64,
-    /// Whether its fit has seen enough prompt tokens to price a prompt (or it borrowed a
-    /// price from one that has).
-    pub prompts_known: bool,
-}
-
-/// What a router sent to a worker and saw end there since its last load report.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct SinceReport {
-    /// Streams that started decoding there (requests whose prompt was computed elsewhere)
-    /// less streams that ended: a wave of streams ending together must not count twice
-    /// beside the wave replacing it.
-    pub streams: i64,
-    /// Prompts sent there to compute, and their tokens.
-    pub prompts: u64,
-    pub prompt_tokens: u64,
-}
-
-impl CostView {
-    /// The view of a worker whose last report is `load`, with `since` sent to it or ended
-    /// there since; `streams_follow_prompts` for a decode worker, whose queued prompts become
-    /// streams. `None` before its first pass.
-    pub fn from_report(
-        load: &LoadReport,
-        since: SinceReport,
-        streams_follow_prompts: bool,
-    ) -> Option<Self> {
-        let cost = load.step_cost.as_ref()?;
-        let mut coefficients = Coefficients {
-            base_ms: cost.base_ms,
-            per_row_ms: cost.per_row_ms,
-            per_token_ms: cost.per_token_ms,
-            per_mpair_ms: cost.per_mpair_ms,
-        };
-        let finite = [
-            cost.base_ms,
-            cost.per_row_ms,
-            cost.per_token_ms,
-            cost.per_mpair_ms,
-        ]
-        .iter()
-        .all(|v| v.is_finite() && *v >= 0.0);
-        if !finite || cost.passes == 0 {
-            return None;
-        }
-        // Workers fit their whole compute team's costs; one the elastic planner runs on part
-        // of it computes that much slower (as if compute-bound, as the worker scaled them).
-        if load.compute_threads > 0 && load.compute_threads < load.max_compute_threads {
-            let slower = f64::from(load.max_compute_threads) / f64::from(load.compute_threads);
-            coefficients.base_ms *= slower;
-            coefficients.per_row_ms *= slower;
-            coefficients.per_token_ms *= slower;
-            coefficients.per_mpair_ms *= slower;
-        }
-        // A price of a prompt token resting on a few short chunks is noise: unknown instead
-        // (a decode worker then borrows a prefill worker's). One that has seen enough prices
-        // prompts by whatever it fitted, per token or per attention pair.
-        let prompts_known = cost.prompt_tokens_seen >= MIN_PROMPT_TOKENS_SEEN
-            && (cost.per_token_ms > 0.0 || cost.per_mpair_ms > 0.0);
-        if !prompts_known {
-            coefficients.per_token_ms = 0.0;
-        }
-        let reported = u64::from(cost.decode_rows);
-        let rows = reported.saturating_add_signed(since.streams);
-        // A stream that came or went since is not in the reported contexts: count it at the
-        // mean of the others.
-        let mean_context = cost
-            .decode_context_tokens
-            .checked_div(reported)
-            .unwrap_or(0);
-        let context = if rows >= reported {
-            cost.decode_context_tokens
-                .saturating_add((rows - reported).saturating_mul(mean_context))
-        } else {
-            cost.decode_context_tokens
-                .saturating_sub((reported - rows).saturating_mul(mean_context))
-        };
-        let queued_prompts = u64::from(load.queued_prompts).saturating_add(since.prompts);
-        Some(Self {
-            coefficients,
-            decode_rows: rows,
-            decode_context: context,
-            prompt_rows: if streams_follow_prompts {
-                queued_prompts
-            } else {
-                0
-            },
-            queued_prompt_tokens: load
-                .queued_prefill_tokens
-                .saturating_add(since.prompt_tokens),
-            queued_prompts,
-            max_batch_tokens: u64::from(cost.max_batch_tokens).max(CHUNK_GRANULE),
-            prompts_known,
-        })
-    }
-
-    /// A decode worker that has not run a prompt chunk yet cannot price one: it borrows the
-    /// prompt costs of a worker that has (the same model; a first guess its own passes
-    /// correct once it runs one).
-    pub fn borrow_prompt_costs(&mut self, from: &CostView) {
-        if !self.prompts_known && from.prompts_known {
-            self.coefficients.per_token_ms = from.coefficients.per_token_ms;
-            self.coefficients.per_mpair_ms = self
-                .coefficients
-                .per_mpair_ms
-                .max(from.coefficients.per_mpair_ms);
-            self.prompts_known = true;
-        }
-    }
-
-    /// The streams decoding now: what a prompt computed here shares its passes with.
-    fn streams(&self) -> StepShape {
-        StepShape::decode(self.decode_rows, self.decode_context)
-    }
-
-    /// The streams' pass once the queued prompts here and a new stream of `context` tokens
-    /// have joined them (each queued prompt's context counted as its share of the queue).
-    fn pass_with_one_more(&self, context: u64) -> f64 {
-        let (rows, prompts_context) = if self.prompt_rows > 0 {
-            (self.prompt_rows, self.queued_prompt_tokens)
-        } else {
-            (0, 0)
-        };
-        let shape = StepShape::decode(
-            self.decode_rows + rows + 1,
-            self.decode_context + prompts_context + context,
-        );
-        self.coefficients.step_ms(&shape)
-    }
-
-    /// Time for this worker to run `queued` prompt tokens ahead and then `tokens` of this
-    /// prompt after `cached` ones, in chunks of `chunk` beside `beside`. The queue is priced
-    /// per token at this prompt's rate, and not at all beyond the pass under way for a
-    /// prompt that goes before it ([`CostView::queue_ms`]).
-    fn prompt_ms(&self, beside: StepShape, cached: u64, tokens: u64, chunk: u64) -> f64 {
-        let tokens = tokens.max(1);
-        let (own, _) = self.coefficients.prompt_ms(beside, cached, tokens, chunk);
-        let pass_ms = self
-            .coefficients
-            .step_ms(&beside.plus(StepShape::chunk(0, chunk, false)));
-        own + self.queue_ms(own, tokens, chunk, pass_ms)
-    }
-
-    /// The wait for the prompt tokens queued ahead of a prompt of `tokens` that computes in
-    /// `own_ms`, priced per token at its rate. A worker schedules prompts that end within the
-    /// coming pass before the chunks of longer ones, the shortest first (see the engine's
-    /// `schedule`), so a prompt of at most `one_pass` tokens and at most half the queued
-    /// prompts' mean length goes before them: it waits only for the rest of the pass under
-    /// way (`pass_ms`), half of it on average. A prompt as long as those queued waits for
-    /// them all.
-    fn queue_ms(&self, own_ms: f64, tokens: u64, one_pass: u64, pass_ms: f64) -> f64 {
-        let queue = own_ms / tokens.max(1) as f64 * self.queued_prompt_tokens as f64;
-        let mean_queued = self.queued_prompt_tokens / self.queued_prompts.max(1);
-        if tokens <= one_pass && tokens.saturating_mul(2) <= mean_queued {
-            queue.min(pass_ms / 2.0)
-        } else {
-            queue
-        }
-    }
-}
 
 /// Where a request runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -457,7 +276,7 @@ pub fn choose(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use tandem_proto::v1::StepCost;
+    use tandem_cost::Coefficients;
 
     /// A CPU-like worker: 2 ms a pass, 1 ms a row, 4 ms a prompt token, 30 ms per million
     /// attention pairs.
@@ -478,6 +297,7 @@ mod tests {
             prompt_rows: 0,
             queued_prompt_tokens: queued,
             queued_prompts: queued.div_ceil(2048),
+            pass_elapsed_ms: 0.0,
             max_batch_tokens: 512,
             prompts_known: true,
         }
@@ -488,81 +308,6 @@ mod tests {
             ttft_ms: 1000.0 + 1.5 * 2048.0,
             tpot_ms: 60.0,
         }
-    }
-
-    #[test]
-    fn reports_become_views_with_what_was_sent_since() {
-        let load = LoadReport {
-            queued_prefill_tokens: 100,
-            step_cost: Some(StepCost {
-                base_ms: 2.0,
-                per_row_ms: 1.0,
-                per_token_ms: 4.0,
-                per_mpair_ms: 30.0,
-                passes: 50,
-                decode_rows: 4,
-                decode_context_tokens: 4000,
-                max_batch_tokens: 512,
-                prompt_allowance: 0,
-                prompt_tokens_seen: 4096.0,
-            }),
-            ..Default::default()
-        };
-        let queued = LoadReport {
-            queued_prompts: 1,
-            ..load.clone()
-        };
-        let since = |streams, prompts, prompt_tokens| SinceReport {
-            streams,
-            prompts,
-            prompt_tokens,
-        };
-        // Two streams started since, and a prompt of 64 tokens was sent: counted at the
-        // mean context, and in the queue.
-        let v = CostView::from_report(&queued, since(2, 1, 64), true).unwrap();
-        assert_eq!(v.coefficients.per_token_ms, 4.0);
-        assert_eq!((v.decode_rows, v.decode_context), (6, 6000));
-        assert_eq!((v.queued_prompt_tokens, v.queued_prompts), (164, 2));
-        // On a decode worker both queued prompts become streams; on a prefill worker, none.
-        assert_eq!(v.prompt_rows, 2);
-        let prefill = CostView::from_report(&queued, since(0, 1, 64), false).unwrap();
-        assert_eq!(prefill.prompt_rows, 0);
-        // Three of the four reported streams ended since, and one more started: two rows,
-        // the new one counted at the mean context.
-        let v = CostView::from_report(&load, since(1 - 3, 0, 0), true).unwrap();
-        assert_eq!((v.decode_rows, v.decode_context), (2, 2000));
-        // More ended than were reported (a report crossed their ends): none, not a wrap.
-        let v = CostView::from_report(&load, since(-9, 0, 0), true).unwrap();
-        assert_eq!((v.decode_rows, v.decode_context), (0, 0));
-        // A price of a prompt token that rests on a few tokens is not trusted.
-        let mut few = load.clone();
-        few.step_cost.as_mut().unwrap().prompt_tokens_seen = 100.0;
-        let v = CostView::from_report(&few, SinceReport::default(), true).unwrap();
-        assert!(!v.prompts_known && !v.coefficients.knows_prompts());
-        // One that has seen enough prompts prices them even with all of it on attention.
-        let mut on_attention = load.clone();
-        on_attention.step_cost.as_mut().unwrap().per_token_ms = 0.0;
-        assert!(
-            CostView::from_report(&on_attention, SinceReport::default(), true)
-                .unwrap()
-                .prompts_known
-        );
-        // Nothing fitted yet, or nonsense from a peer: no view.
-        assert_eq!(
-            CostView::from_report(&LoadReport::default(), SinceReport::default(), true),
-            None
-        );
-        let mut bad = load.clone();
-        bad.step_cost.as_mut().unwrap().per_mpair_ms = f64::NAN;
-        assert_eq!(
-            CostView::from_report(&bad, SinceReport::default(), true),
-            None
-        );
-        bad.step_cost.as_mut().unwrap().per_mpair_ms = -1.0;
-        assert_eq!(
-            CostView::from_report(&bad, SinceReport::default(), true),
-            None
-        );
     }
 
     #[test]
@@ -627,6 +372,25 @@ mod tests {
         let long = predict_disaggregated(&busy, &view(0, 0), 1024, 0);
         let long_alone = predict_disaggregated(&view(0, 0), &view(0, 0), 1024, 0);
         assert!(long.ttft_ms > long_alone.ttft_ms + 8192.0 * 3.0, "{long:?}");
+        // A report that caught a pass 1 s in (and came 0.2 s ago): the long prompt waits
+        // for 1.2 s less of the queue, the short one for the rest of that pass.
+        let into = CostView {
+            pass_elapsed_ms: 1000.0,
+            ..busy
+        }
+        .aged(200.0);
+        let long_into = predict_disaggregated(&into, &view(0, 0), 1024, 0);
+        assert!(
+            (long.ttft_ms - long_into.ttft_ms - 1200.0).abs() < 1e-6,
+            "{long:?} vs {long_into:?}"
+        );
+        let short_into = predict_disaggregated(&into, &view(0, 0), 100, 0);
+        assert!(
+            (short_into.ttft_ms - alone.ttft_ms - (full_pass - 1200.0)).abs() < 1e-6,
+            "{short_into:?}"
+        );
+        // Between passes when reported, the report's age says nothing of the pass now.
+        assert_eq!(busy.aged(200.0).pass_elapsed_ms, 0.0);
         // So does one that ends in a pass when the prompts queued are no longer than it (the
         // worker admits the shortest first): eighty 100-token prompts ahead of it.
         let shorts = CostView {

@@ -65,6 +65,8 @@ impl WorkerRole {
 struct WorkerState {
     info: Option<Arc<WorkerInfo>>,
     load: Option<LoadReport>,
+    /// When `load` came.
+    load_at: Option<std::time::Instant>,
     healthy: bool,
     /// Set when the worker can never be used (protocol version or role mismatch).
     refused: Option<String>,
@@ -253,7 +255,8 @@ impl Worker {
                 prompts: u64::from(prompts),
             },
         };
-        CostView::from_report(load, since, self.role == WorkerRole::Decode)
+        let age_ms = s.load_at.map_or(0.0, |at| at.elapsed().as_secs_f64() * 1e3);
+        CostView::from_report(load, since, self.role == WorkerRole::Decode).map(|v| v.aged(age_ms))
     }
 
     /// After a request saw this worker fail: a failure of the connection or the process
@@ -384,6 +387,7 @@ impl Worker {
             self.ended_requests.store(0, Ordering::Relaxed);
             self.reports.fetch_add(1, Ordering::Relaxed);
             s.load = Some(load);
+            s.load_at = Some(std::time::Instant::now());
             std::mem::replace(&mut s.healthy, true)
         };
         if !was {

@@ -5,7 +5,7 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use tandem_engine::{
     Engine, EngineError, ReceivedKv, SampledToken, SamplingParams, SeqId, StepOutput, StopParams,
@@ -154,6 +154,9 @@ pub struct LoadSnapshot {
     pub waiting: AtomicU64,
     pub queued_prefill_tokens: AtomicU64,
     pub queued_prompts: AtomicU64,
+    /// When the pass under way began, in microseconds after `epoch` (0: between passes).
+    pub pass_started_us: AtomicU64,
+    pub epoch: EpochInstant,
     pub steps: AtomicU64,
     pub preemptions: AtomicU64,
     /// The prefix cache: prompt tokens looked up, and found.
@@ -211,6 +214,40 @@ impl LoadSnapshot {
 /// counts (the engine's own figures take it over from the next publish on).
 pub(super) fn take_from_inbox(load: &LoadSnapshot, cmd: &Command) {
     load.leave_inbox(cmd.inbox_share());
+}
+
+/// The instant a worker's pass times are counted from (its load snapshot's creation).
+#[derive(Debug, Clone, Copy)]
+pub struct EpochInstant(pub Instant);
+
+impl Default for EpochInstant {
+    fn default() -> Self {
+        Self(Instant::now())
+    }
+}
+
+impl LoadSnapshot {
+    /// Marks a pass as under way from now (`true`) or over (`false`).
+    pub fn pass_under_way(&self, under_way: bool) {
+        let us = if under_way {
+            // At least 1: 0 means between passes.
+            (self.epoch.0.elapsed().as_micros() as u64).max(1)
+        } else {
+            0
+        };
+        self.pass_started_us.store(us, Ordering::Relaxed);
+    }
+
+    /// How long the pass under way has run (0 between passes).
+    pub fn pass_elapsed_ms(&self) -> f64 {
+        match self.pass_started_us.load(Ordering::Relaxed) {
+            0 => 0.0,
+            started => {
+                let now = self.epoch.0.elapsed().as_micros() as u64;
+                now.saturating_sub(started) as f64 / 1e3
+            }
+        }
+    }
 }
 
 /// A cheap, cloneable way to reach the engine thread.
@@ -375,6 +412,7 @@ impl EngineHandle {
         let (threads, team) = self.compute_threads().unwrap_or((0, 0));
         let inbox = self.load.inbox();
         let mut step_cost = self.load.cost.report();
+        step_cost.pass_elapsed_ms = self.load.pass_elapsed_ms();
         step_cost.decode_rows = step_cost
             .decode_rows
             .saturating_add(u32::try_from(inbox.streams).unwrap_or(u32::MAX));
@@ -494,6 +532,18 @@ mod tests {
             events,
             reply,
         }
+    }
+
+    #[test]
+    fn the_pass_under_way_reports_how_long_it_has_run() {
+        let load = LoadSnapshot::default();
+        assert_eq!(load.pass_elapsed_ms(), 0.0, "between passes");
+        load.pass_under_way(true);
+        std::thread::sleep(Duration::from_millis(20));
+        let elapsed = load.pass_elapsed_ms();
+        assert!((20.0..10_000.0).contains(&elapsed), "{elapsed}");
+        load.pass_under_way(false);
+        assert_eq!(load.pass_elapsed_ms(), 0.0);
     }
 
     #[test]

@@ -134,6 +134,7 @@ fn run(mut engine: Engine, rx: mpsc::Receiver<Command>, load: &LoadSnapshot, len
         );
         let step = engine.stats().steps;
         let started = Instant::now();
+        load.pass_under_way(true);
         let result =
             engine.step_with(&mut |layer: usize, cache: &KvCache, chunks: &[ChunkInfo]| {
                 for chunk in chunks {
@@ -194,6 +195,7 @@ fn run(mut engine: Engine, rx: mpsc::Receiver<Command>, load: &LoadSnapshot, len
                     }
                 }
             });
+        load.pass_under_way(false);
         let lent = if engine.stats().steps > step {
             pacer.after_pass(&engine, started.elapsed(), &load.cost)
         } else {
