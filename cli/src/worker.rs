@@ -118,6 +118,22 @@ pub struct EngineArgs {
     /// model's identity.
     #[arg(long, env = "TANDEM_COMPUTE", default_value = "auto", value_parser = clap::builder::PossibleValuesParser::new(COMPUTE_MODES))]
     pub compute: String,
+    /// Prompt tokens of made-up work run at start-up to fit the worker's cost model before
+    /// the first request (prompts of three lengths and decode batches, a few seconds on a
+    /// small CPU, at most 20 s); a router placing by latency targets prices prompts on a
+    /// worker only once its fit has seen 1024 prompt tokens. 0: none, the model learns
+    /// from requests alone.
+    #[arg(long, env = "TANDEM_CALIBRATION_TOKENS", default_value_t = DEFAULT_CALIBRATION_TOKENS)]
+    #[serde(default = "default_calibration_tokens")]
+    pub calibration_tokens: usize,
+}
+
+/// The default of `--calibration-tokens`: the 1024 a fit needs to price prompts, with room
+/// for its decay.
+pub const DEFAULT_CALIBRATION_TOKENS: usize = 1280;
+
+fn default_calibration_tokens() -> usize {
+    DEFAULT_CALIBRATION_TOKENS
 }
 
 /// Where the gRPC server listens, and the credentials it requires.

@@ -196,14 +196,17 @@ impl Coefficients {
 pub const STARVED_PASSES: u64 = 8;
 
 /// How far ahead (in targets) a paced worker banks the slack of short passes, and how far
-/// behind it lets a long one put it: a chunk may stretch a pass to this many targets more
-/// when earlier passes left the time, so that the streams' average (their TPOT) stays
-/// within the target while single passes may not.
+/// into debt a long one may put it: a chunk may stretch a pass to the target plus the
+/// banked slack plus this many targets of debt, which the passes after it repay by running
+/// under the target (a lending worker idles less), so that the streams' average (their
+/// TPOT) stays within the target while single passes may not. A wave of short prompts
+/// thus starts in a pass or two instead of a granule at a time.
 pub const CREDIT_TARGETS: f64 = 4.0;
 
 /// The prompt tokens a decode worker lets into each pass beside its streams so that the
 /// streams' time per token stays within their target on average: each pass may take the
-/// target plus the slack banked by earlier passes (at most [`CREDIT_TARGETS`] targets).
+/// target plus the slack banked by earlier passes plus what is left of the debt it may run
+/// (each [`CREDIT_TARGETS`] targets).
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct Pacing {
     credit_ms: f64,
@@ -223,7 +226,7 @@ impl Pacing {
         max: u64,
         granule: u64,
     ) -> u64 {
-        let budget = target_ms + self.credit_ms.max(0.0);
+        let budget = target_ms + self.credit_ms + CREDIT_TARGETS * target_ms;
         let tokens = cost.chunk_allowance(beside, start, budget, max, granule);
         if tokens > 0 {
             self.starved = 0;
@@ -249,6 +252,13 @@ impl Pacing {
     /// The slack banked now (negative: passes ran over).
     pub fn credit_ms(&self) -> f64 {
         self.credit_ms
+    }
+
+    /// The idle time after a pass of streams alone that took `elapsed_ms` against
+    /// `target_ms`, for a worker that lends its slack: the rest of the period less the debt
+    /// to repay.
+    pub fn idle_ms(&self, target_ms: f64, elapsed_ms: f64) -> f64 {
+        (target_ms - elapsed_ms + self.credit_ms.min(0.0)).max(0.0)
     }
 }
 
@@ -297,7 +307,15 @@ impl CostFit {
 
     /// Adds a pass of `shape` that took `ms` (ignored when not a finite, non-negative time).
     pub fn observe(&mut self, shape: &StepShape, ms: f64) {
-        if !ms.is_finite() || ms < 0.0 {
+        self.observe_weighted(shape, ms, 1.0);
+    }
+
+    /// [`CostFit::observe`] for a pass that counts `weight` times a real one in the fit
+    /// (a worker's start-up calibration: it gives the fit shapes to tell its costs apart,
+    /// while the real passes, which may run beside other work on the same cores, soon set
+    /// their level). Its prompt tokens count in full in [`CostFit::prompt_tokens_seen`].
+    pub fn observe_weighted(&mut self, shape: &StepShape, ms: f64, weight: f64) {
+        if !ms.is_finite() || ms < 0.0 || !weight.is_finite() || weight <= 0.0 {
             return;
         }
         let x = shape.features();
@@ -306,9 +324,9 @@ impl CostFit {
         }
         for i in 0..4 {
             for j in 0..4 {
-                self.xtx[i][j] = self.decay * self.xtx[i][j] + x[i] * x[j];
+                self.xtx[i][j] = self.decay * self.xtx[i][j] + weight * x[i] * x[j];
             }
-            self.xty[i] = self.decay * self.xty[i] + x[i] * ms;
+            self.xty[i] = self.decay * self.xty[i] + weight * x[i] * ms;
         }
         self.passes += 1;
         self.prompt_tokens = self.decay * self.prompt_tokens + shape.other_tokens;
@@ -438,6 +456,39 @@ mod tests {
     }
 
     #[test]
+    fn light_calibration_passes_price_alone_and_give_way_to_real_ones() {
+        // Calibration alone, at any weight: the coefficients of its passes.
+        let mut fit = CostFit::default();
+        for s in shapes() {
+            fit.observe_weighted(&s, TRUE.step_ms(&s), 0.05);
+        }
+        let c = fit.coefficients();
+        assert!(close(c.per_token_ms, 0.3, 1e-3), "{c:?}");
+        assert!(
+            fit.prompt_tokens_seen() > MIN_PROMPT_TOKENS_SEEN,
+            "counted in full"
+        );
+        // Real passes of one shape that run four times slower (a worker sharing its cores):
+        // a few of them and the fit prices that shape near what they measured, not the
+        // calibration's level.
+        let long = StepShape::chunk(0, 2048, true);
+        for _ in 0..5 {
+            fit.observe(&long, 4.0 * TRUE.step_ms(&long));
+        }
+        let c = fit.coefficients();
+        let predicted = c.step_ms(&long);
+        assert!(
+            close(predicted, 4.0 * TRUE.step_ms(&long), 0.1),
+            "{predicted} {c:?}"
+        );
+        // Nonsense weights are ignored.
+        let before = fit.coefficients();
+        fit.observe_weighted(&long, 1.0, f64::NAN);
+        fit.observe_weighted(&long, 1.0, -1.0);
+        assert_eq!(fit.coefficients(), before);
+    }
+
+    #[test]
     fn noisy_passes_predict_within_a_few_percent() {
         let mut fit = CostFit::default();
         // A fixed pseudo-random ±10 % noise.
@@ -533,20 +584,33 @@ mod tests {
     }
 
     #[test]
-    fn pacing_banks_slack_and_never_starves_a_prompt() {
+    fn pacing_banks_slack_lends_against_debt_and_never_starves_a_prompt() {
         let beside = StepShape::decode(8, 8 * 1000);
         let streams = TRUE.step_ms(&beside);
         let mut pacing = Pacing::default();
-        // A target just above the streams' pass: not a granule fits at first...
+        // A target just above the streams' pass: no slack in it, but a pass may run up to
+        // CREDIT_TARGETS targets into debt, so a chunk goes in at once...
         let target = streams + 1.0;
+        assert_eq!(TRUE.chunk_allowance(beside, 0, target, 512, 16), 0);
+        let granted = pacing.allowance(&TRUE, beside, 0, target, 512, 16);
+        assert!(granted > 0, "{pacing:?}");
+        let pass = TRUE.step_ms(&beside.plus(StepShape::chunk(0, granted, false)));
+        assert!(pass <= (1.0 + CREDIT_TARGETS) * target + 1e-9, "{pass}");
+        // ...and once the debt is run, none until passes under the target repay it: a
+        // lending worker idles less to do so.
+        pacing.after_pass(target, (1.0 + CREDIT_TARGETS) * target);
+        assert!((pacing.credit_ms() + CREDIT_TARGETS * target).abs() < 1e-9);
         assert_eq!(pacing.allowance(&TRUE, beside, 0, target, 512, 16), 0);
-        // ...but the passes that ran without a chunk banked their slack.
-        for _ in 0..5 {
+        assert_eq!(pacing.idle_ms(target, streams), 0.0);
+        // Passes of the streams alone repay 1 ms each; once repaid, 5 ms more are banked,
+        // the debt room is whole again, and a lending worker idles the rest of each period.
+        let repay = (CREDIT_TARGETS * target).ceil() as usize;
+        for _ in 0..repay + 5 {
             pacing.after_pass(target, streams);
         }
-        assert!((pacing.credit_ms() - 5.0).abs() < 1e-9);
-        let granted = pacing.allowance(&TRUE, beside, 0, target, 512, 16);
-        assert_eq!(granted, 16, "{pacing:?}");
+        assert!(pacing.credit_ms() > 4.0, "{pacing:?}");
+        assert!((pacing.idle_ms(target, streams) - 1.0).abs() < 1e-9);
+        assert!(pacing.allowance(&TRUE, beside, 0, target, 512, 16) >= granted);
         // The credit is bounded both ways.
         for _ in 0..1000 {
             pacing.after_pass(target, 0.0);

@@ -41,6 +41,9 @@ pub struct DecodeConfig {
     /// Pace decode passes to the streams' TPOT targets and leave the rest idle (see
     /// `tandem_worker::pacing`).
     pub lend_slack: bool,
+    /// Prompt tokens of made-up work the cost model is fitted to at start-up (0: none; see
+    /// `tandem_worker::pacing`).
+    pub calibration_tokens: usize,
     /// Who may call: call tokens, the info proof, the KV hello.
     pub auth: InternalAuth,
 }
@@ -60,6 +63,7 @@ impl Default for DecodeConfig {
             reserve_wait: Duration::from_secs(120),
             kv_tcp: TcpLimits::default(),
             lend_slack: false,
+            calibration_tokens: 0,
             auth: InternalAuth::none(),
         }
     }

@@ -54,6 +54,7 @@ async fn run(args: Args, engine_config: EngineConfig, opened: Opened) -> anyhow:
         caller_lease_share: args.caller_lease_share,
         reserve_wait: Duration::from_millis(args.reserve_wait_ms),
         lend_slack: args.lend_slack,
+        calibration_tokens: args.engine.calibration_tokens,
         kv_tcp: TcpLimits {
             max_connections: args.kv_tcp_max_connections.max(1),
             hello_timeout: Duration::from_millis(args.kv_tcp_hello_timeout_ms),
@@ -70,6 +71,13 @@ async fn run(args: Args, engine_config: EngineConfig, opened: Opened) -> anyhow:
     };
     let worker = DecodeWorker::new(model, tokenizer, engine_config, config, kv_port)
         .context("starting the engine")?;
+    tokio::select! {
+        () = worker.calibrated() => {}
+        () = shutdown.as_mut() => {
+            tracing::info!("stopped while calibrating");
+            return Ok(());
+        }
+    }
     tracing::info!(grpc = %local, kv_tcp_port = kv_port, "decode worker ready");
     serve(worker, grpc, kv, shutdown).await?;
     tracing::info!("decode worker stopped");

@@ -11,7 +11,9 @@ use tandem_proto::v1::decode_service_server::{DecodeService, DecodeServiceServer
 use tandem_proto::v1::*;
 use tandem_text::TextTokenizer;
 use tandem_transfer::{LeaseTable, kv_rpcs, serve_tcp};
-use tandem_worker::{Serving, WorkerCore, serve_until_drained, spawn_engine, worker_info};
+use tandem_worker::{
+    EngineThreadOptions, Serving, WorkerCore, serve_until_drained, spawn_engine, worker_info,
+};
 use tokio::net::TcpListener;
 use tonic::server::NamedService;
 use tonic::service::Routes;
@@ -141,7 +143,13 @@ impl DecodeWorker {
             )?
         };
         let core = WorkerCore::new(
-            spawn_engine(engine, config.lend_slack)?,
+            spawn_engine(
+                engine,
+                EngineThreadOptions {
+                    lend_slack: config.lend_slack,
+                    calibration_tokens: config.calibration_tokens,
+                },
+            )?,
             model,
             tokenizer,
             info,
@@ -158,6 +166,11 @@ impl DecodeWorker {
                 nccl_receivers: Default::default(),
             }),
         })
+    }
+
+    /// Waits for the engine's start-up calibration (see `tandem_worker::pacing`): serve after it.
+    pub async fn calibrated(&self) {
+        self.inner.core.engine.calibrated().await;
     }
 
     pub fn leases(&self) -> &Arc<LeaseTable> {

@@ -30,6 +30,7 @@ async fn run(args: Args, engine_config: EngineConfig, opened: Opened) -> anyhow:
         shm_dir: tandem_worker::shm_dir(&args.server),
         auth,
         pull_prefix: !args.no_prefix_pull,
+        calibration_tokens: args.engine.calibration_tokens,
     };
     let Some((model, tokenizer)) = tandem_worker::load_model_until(&args.model, &mut shutdown)
         .await
@@ -39,6 +40,13 @@ async fn run(args: Args, engine_config: EngineConfig, opened: Opened) -> anyhow:
     };
     let worker = PrefillWorker::new(model, tokenizer, engine_config, config)
         .context("starting the engine")?;
+    tokio::select! {
+        () = worker.calibrated() => {}
+        () = shutdown.as_mut() => {
+            tracing::info!("stopped while calibrating");
+            return Ok(());
+        }
+    }
     tracing::info!(grpc = %local, "prefill worker ready");
     serve(worker, grpc, shutdown).await?;
     tracing::info!("prefill worker stopped");

@@ -17,7 +17,8 @@ use tandem_transfer::{
 use tandem_worker::convert::{engine_status, prompt_logprobs_to_proto, sampling_from_proto};
 use tandem_worker::requests::{prefill_first_block, prefill_stop};
 use tandem_worker::{
-    KvShipment, SeqEvent, Serving, WorkerCore, serve_until_drained, spawn_engine, worker_info,
+    EngineThreadOptions, KvShipment, SeqEvent, Serving, WorkerCore, serve_until_drained,
+    spawn_engine, worker_info,
 };
 use tokio::net::TcpListener;
 use tokio::sync::mpsc;
@@ -41,6 +42,9 @@ pub struct PrefillConfig {
     /// Read back the part of a decode worker's cached prefix this worker lacks (else
     /// compute it).
     pub pull_prefix: bool,
+    /// Prompt tokens of made-up work the cost model is fitted to at start-up (0: none; see
+    /// `tandem_worker::pacing`).
+    pub calibration_tokens: usize,
 }
 
 impl Default for PrefillConfig {
@@ -51,6 +55,7 @@ impl Default for PrefillConfig {
             shm_dir: tandem_kv::shm::default_shm_dir(),
             auth: InternalAuth::none(),
             pull_prefix: true,
+            calibration_tokens: 0,
         }
     }
 }
@@ -118,7 +123,13 @@ impl PrefillWorker {
             transports,
         )?;
         let core = WorkerCore::new(
-            spawn_engine(engine, false)?,
+            spawn_engine(
+                engine,
+                EngineThreadOptions {
+                    lend_slack: false,
+                    calibration_tokens: config.calibration_tokens,
+                },
+            )?,
             model,
             tokenizer,
             info,
@@ -132,6 +143,11 @@ impl PrefillWorker {
                 in_flight: AtomicUsize::new(0),
             }),
         })
+    }
+
+    /// Waits for the engine's start-up calibration (see `tandem_worker::pacing`): serve after it.
+    pub async fn calibrated(&self) {
+        self.inner.core.engine.calibrated().await;
     }
 }
 

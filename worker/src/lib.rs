@@ -17,7 +17,10 @@ pub mod service;
 pub mod startup;
 pub mod telemetry;
 
-pub use actor::{EngineHandle, KvShipment, LoadSnapshot, PrefilledPart, SeqEvent, spawn_engine};
+pub use actor::{
+    EngineHandle, EngineThreadOptions, KvShipment, LoadSnapshot, PrefilledPart, SeqEvent,
+    spawn_engine,
+};
 pub use args::{
     EngineArgs, ModelArgs, ServerArgs, engine_config, init_compute, internal_auth, load_model,
     load_model_until, shm_dir,

@@ -59,6 +59,15 @@ pub struct Pacer {
 /// idles up to 0.9 of it after each pass.
 pub const MAX_TPOT_TARGET: Duration = Duration::from_secs(10);
 
+/// The longest a start-up calibration adds work for (a large model on a small CPU stops
+/// early, with what it has fitted so far).
+const CALIBRATION_BUDGET: Duration = Duration::from_secs(20);
+
+/// What a calibration pass weighs in the fit against a real one: alone they price every
+/// shape; beside a few real passes those set the level (a prefill worker at idle priority
+/// computes far slower beside a busy decode worker than it calibrated alone).
+const CALIBRATION_WEIGHT: f64 = 0.05;
+
 /// The shortest window over which CPU stall time is judged (the kernel's figures move in
 /// scheduler ticks).
 const STALL_WINDOW: Duration = Duration::from_millis(20);
@@ -72,6 +81,45 @@ impl Pacer {
             someone_waits: true,
             ..Self::default()
         }
+    }
+
+    /// Fits the cost model to a few made-up passes before any request (see
+    /// `tandem_engine::Engine::calibrate`), so that the first load report already prices
+    /// prompts and decode steps; `prompt_tokens` 0 skips it. A failure is logged and leaves
+    /// the fit to the real passes.
+    pub fn calibrate(&mut self, engine: &mut Engine, prompt_tokens: usize, board: &CostBoard) {
+        if prompt_tokens == 0 {
+            return;
+        }
+        let share = team_share();
+        let fit = &mut self.fit;
+        let run = engine.calibrate(prompt_tokens, CALIBRATION_BUDGET, &mut |shape, elapsed| {
+            fit.observe_weighted(
+                shape,
+                elapsed.as_secs_f64() * 1e3 * share,
+                CALIBRATION_WEIGHT,
+            );
+        });
+        self.coefficients = self.fit.coefficients();
+        match run {
+            Ok(run) => {
+                let c = self.coefficients;
+                tracing::info!(
+                    passes = run.passes,
+                    prompt_tokens = run.prompt_tokens,
+                    seconds = run.elapsed.as_secs_f64(),
+                    base_ms = c.base_ms,
+                    per_row_ms = c.per_row_ms,
+                    per_token_ms = c.per_token_ms,
+                    per_mpair_ms = c.per_mpair_ms,
+                    "cost model calibrated"
+                );
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "calibration failed; the cost model learns from requests")
+            }
+        }
+        self.publish(engine, board);
     }
 
     /// Before a pass: caps the prompt tokens beside decode rows by `tpot_target` (the
@@ -131,7 +179,7 @@ impl Pacer {
             && engine.pending_prefill_tokens() == 0
             && self.someone_waits()
         {
-            (target_ms - ms).max(0.0)
+            self.pacing.idle_ms(target_ms, ms)
         } else {
             0.0
         };
@@ -183,6 +231,7 @@ impl Pacer {
                 .map_or(0, |a| u32::try_from(a).unwrap_or(u32::MAX)),
             // The load report fills it in (see `actor::LoadSnapshot`).
             pass_elapsed_ms: 0.0,
+            lends_slack: self.lend_slack,
         });
     }
 }

@@ -11,7 +11,7 @@ use tandem_engine::model::dummy_model;
 use tandem_engine::{Engine, EngineConfig, SamplingParams, StopParams};
 use tandem_proto::v1::StepCost;
 use tandem_text::TextTokenizer;
-use tandem_worker::{SeqEvent, spawn_engine};
+use tandem_worker::{EngineThreadOptions, SeqEvent, spawn_engine};
 use tokio::sync::mpsc;
 
 /// Streams of `tokens` tokens each under a TPOT target on an engine that does (not) lend
@@ -31,7 +31,11 @@ async fn streams(lend_slack: bool, target: Duration, tokens: usize) -> (Duration
         ..Default::default()
     };
     let engine = Engine::new(model, TextTokenizer::byte_level(), config).unwrap();
-    let handle = spawn_engine(engine, lend_slack).unwrap();
+    let options = EngineThreadOptions {
+        lend_slack,
+        calibration_tokens: 0,
+    };
+    let handle = spawn_engine(engine, options).unwrap();
     let mut receivers = Vec::new();
     for i in 0..2u32 {
         let (events, rx) = mpsc::unbounded_channel();
@@ -111,4 +115,55 @@ async fn a_lending_decode_worker_paces_its_streams_to_their_target() {
         let (unwanted, _) = streams(true, target, 12).await;
         assert!(unwanted < gap, "{unwanted:?} vs {gap:?}");
     }
+}
+
+#[tokio::test]
+async fn a_calibrated_worker_reports_a_cost_model_before_any_request() {
+    let model = Arc::new(
+        dummy_model(
+            ModelConfig::preset("tiny").unwrap(),
+            WeightFormat::F32,
+            0,
+            "tiny",
+        )
+        .unwrap(),
+    );
+    let config = EngineConfig {
+        kv_budget_bytes: 512 * model.kv_layout().block_bytes(),
+        max_batch_tokens: 512,
+        ..Default::default()
+    };
+    let engine = Engine::new(model, TextTokenizer::byte_level(), config).unwrap();
+    let options = EngineThreadOptions {
+        lend_slack: false,
+        calibration_tokens: 1280,
+    };
+    let handle = spawn_engine(engine, options).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let cost = loop {
+        let cost = handle.load().cost.report();
+        if cost.passes > 0 || Instant::now() > deadline {
+            break cost;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
+    // Priced from made-up passes alone: enough prompt tokens for a router to trust the
+    // price (tandem_cost::MIN_PROMPT_TOKENS_SEEN), a decode step priced, nothing decoding.
+    assert!(cost.passes >= 8, "{cost:?}");
+    assert!(
+        cost.prompt_tokens_seen >= tandem_cost::MIN_PROMPT_TOKENS_SEEN,
+        "{cost:?}"
+    );
+    assert!(cost.per_token_ms + cost.per_mpair_ms > 0.0, "{cost:?}");
+    // (A tiny model's passes are so short that the fit may put a step's cost on any term.)
+    assert!(
+        cost.base_ms + cost.per_row_ms + cost.per_mpair_ms > 0.0,
+        "{cost:?}"
+    );
+    assert_eq!(cost.decode_rows, 0);
+    assert_eq!(
+        handle.load().steps.load(Ordering::Relaxed),
+        0,
+        "no pass counted"
+    );
 }

@@ -14,7 +14,8 @@
 //! - `prefix`: the prefix cache (reusing, naming and importing cached blocks);
 //! - `choices`: the `n > 1` choices of a request forking from its first token;
 //! - `kv_io`: KV that crosses the engine's edge (reservations, received blocks, exports);
-//! - `step`: one forward pass as named phases (plan, masks, forward, absorb).
+//! - `step`: one forward pass as named phases (plan, masks, forward, absorb);
+//! - `calibration`: made-up passes at start-up that a worker's cost model is fitted to.
 //!
 //! When the pool runs dry the youngest running sequence is preempted: its blocks are freed
 //! and it is recomputed from its tokens later (counted in [`EngineStats::preemptions`]).
@@ -37,6 +38,7 @@
 //! pass brings down.
 
 mod admission;
+mod calibration;
 mod choices;
 mod kv_io;
 mod prefix;
@@ -58,6 +60,7 @@ use crate::sequence::Sequence;
 use crate::types::SeqId;
 
 pub use admission::{first_token_output, validate_request};
+pub use calibration::CalibrationRun;
 pub use kv_io::ReceivedKv;
 pub use tandem_cost::StepShape;
 

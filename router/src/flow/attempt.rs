@@ -13,7 +13,7 @@ use super::request::{FlowContext, FlowRequest};
 use crate::config::{FallbackPolicy, PlacementPolicy};
 use crate::error::ApiError;
 use crate::metrics as m;
-use crate::routing::{self, FallbackReason, ModeDecision, PromptNames};
+use crate::routing::{self, FallbackReason, ModeDecision, Placement, PromptNames};
 use crate::workers::{Worker, WorkerRole};
 
 /// Picks workers and gets the first token: a decode worker found down before it is replaced
@@ -107,24 +107,30 @@ async fn establish_on(
         &[],
         &ctx.rule(req, &ctx.prefill_turn),
     );
+    let static_decision = routing::decide_mode(
+        req.prompt.len(),
+        ctx.agg_threshold,
+        ctx.pool.prefill_configured(),
+        first_prefill,
+        ctx.fallback,
+    );
     let by_slo = match ctx.placement {
         PlacementPolicy::Slo if ctx.pool.prefill_configured() => {
-            place(ctx, req, decode, cached_blocks, names, timing)
+            let default = match static_decision {
+                ModeDecision::Aggregated { .. } => Some(Placement::Aggregated),
+                ModeDecision::Disaggregated { prefill } => {
+                    Some(Placement::Disaggregated { prefill })
+                }
+                ModeDecision::Refuse => None,
+            };
+            place(ctx, req, decode, cached_blocks, default, names, timing)
         }
         _ => None,
     };
     // A split prompt's first part goes to the first prefill worker tried; a retry computes
     // it all.
     let mut split_at = by_slo.as_ref().map_or(0, |p| p.split_at);
-    let mut decision = by_slo.map(|p| p.decision).unwrap_or_else(|| {
-        routing::decide_mode(
-            req.prompt.len(),
-            ctx.agg_threshold,
-            ctx.pool.prefill_configured(),
-            first_prefill,
-            ctx.fallback,
-        )
-    });
+    let mut decision = by_slo.map_or(static_decision, |p| p.decision);
     let mut tried_prefill: Vec<usize> = Vec::new();
     let mut last_prefill_error: Option<ApiError> = None;
     loop {

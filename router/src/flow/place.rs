@@ -26,12 +26,14 @@ pub(super) struct Placed {
 
 /// The placement of `req` on `decode`, whose prefix cache holds `decode_cached_blocks` of
 /// its prompt (counted before the prompt was noted there), by its targets, or `None` when
-/// the costs are not known yet.
+/// the costs are not known yet. `default` is the static rule's placement, kept unless the
+/// predictions clearly favour another (`routing::choose`).
 pub(super) fn place(
     ctx: &FlowContext,
     req: &FlowRequest,
     decode: &Worker,
     decode_cached_blocks: usize,
+    default: Option<Placement>,
     names: &mut PromptNames<'_>,
     timing: &mut Timing,
 ) -> Option<Placed> {
@@ -77,7 +79,7 @@ pub(super) fn place(
     for (id, view, cached) in &prefills {
         raw.push((
             Placement::Disaggregated { prefill: *id },
-            predict_disaggregated(view, &decode_view, prompt, *cached),
+            predict_disaggregated(view, &decode_view, prompt, *cached, req.slo.tpot_ms),
         ));
     }
     let corrected: Vec<(Placement, Prediction)> = raw
@@ -93,7 +95,7 @@ pub(super) fn place(
             "placement option"
         );
     }
-    let (mut placement, mut prediction) = routing::choose(&corrected, &req.slo)?;
+    let (mut placement, mut prediction) = routing::choose(&corrected, default, &req.slo)?;
     let mut meets = prediction.pressure(&req.slo) <= 1.0;
     let mut raw_prediction = raw
         .iter()

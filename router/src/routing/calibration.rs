@@ -55,9 +55,11 @@ impl LineFit {
         (offset.clamp(OFFSET_RANGE_MS.0, OFFSET_RANGE_MS.1), slope)
     }
 
+    /// `raw` corrected, never below the least slope times it: a line fitted over large
+    /// predictions may have a negative offset that would put a small one at nothing.
     fn correct(&self, raw: f64) -> f64 {
         let (offset, slope) = self.line();
-        (offset + slope * raw).max(0.0)
+        (offset + slope * raw).max(SLOPE_RANGE.0 * raw.max(0.0))
     }
 }
 
@@ -147,5 +149,21 @@ mod tests {
         assert!(slope <= SLOPE_RANGE.1 && offset <= OFFSET_RANGE_MS.1);
         assert_eq!(tpot, (0.0, 1.0), "no TPOT was learned");
         assert!(c.correct(kind, p(0.0, 0.0)).ttft_ms >= 0.0);
+    }
+
+    #[test]
+    fn a_negative_offset_never_puts_a_small_prediction_at_nothing() {
+        let mut c = Calibration::default();
+        let kind = PlacementKind::Disaggregated;
+        // Large predictions measured 2 s under them, small ones about right: a line with a
+        // negative offset.
+        for i in 0..100 {
+            let raw = if i % 2 == 0 { 10_000.0 } else { 5_000.0 };
+            c.learn(kind, p(raw, 50.0), raw - 2_000.0, Some(50.0));
+        }
+        let [(offset, _), _] = c.lines(kind);
+        assert!(offset < 0.0, "{offset}");
+        let small = c.correct(kind, p(100.0, 50.0));
+        assert!(small.ttft_ms >= SLOPE_RANGE.0 * 100.0, "{small:?}");
     }
 }

@@ -3,7 +3,7 @@
 //! since ([`SinceReport`]), and the times SLO placement (`placement`) reads off it: a pass of
 //! its streams, a prompt's compute and the queue ahead of it.
 
-use tandem_cost::{Coefficients, MIN_PROMPT_TOKENS_SEEN, StepShape};
+use tandem_cost::{Coefficients, MIN_PROMPT_TOKENS_SEEN, StepShape, TPOT_HEADROOM};
 use tandem_proto::v1::LoadReport;
 
 /// The granule of a prompt chunk (whole KV blocks).
@@ -33,6 +33,8 @@ pub struct CostView {
     /// Whether its fit has seen enough prompt tokens to price a prompt (or it borrowed a
     /// price from one that has).
     pub prompts_known: bool,
+    /// It paces its streams to their target and idles the rest (`StepCost::lends_slack`).
+    pub lends_slack: bool,
 }
 
 /// What a router sent to a worker and saw end there since its last load report.
@@ -127,6 +129,7 @@ impl CostView {
             },
             max_batch_tokens: u64::from(cost.max_batch_tokens).max(CHUNK_GRANULE),
             prompts_known,
+            lends_slack: cost.lends_slack,
         })
     }
 
@@ -171,6 +174,16 @@ impl CostView {
             self.decode_context + prompts_context + context,
         );
         self.coefficients.step_ms(&shape)
+    }
+
+    /// The TPOT of streams whose passes take `pass_ms` here, under a target of `tpot_ms`: a
+    /// worker that lends its slack stretches each period to 0.9 of the target.
+    pub(super) fn stream_tpot(&self, pass_ms: f64, tpot_ms: f64) -> f64 {
+        if self.lends_slack {
+            pass_ms.max(tpot_ms * TPOT_HEADROOM)
+        } else {
+            pass_ms
+        }
     }
 
     /// Time for this worker to run `queued` prompt tokens ahead and then `tokens` of this
@@ -231,6 +244,7 @@ mod tests {
                 prompt_allowance: 0,
                 prompt_tokens_seen: 4096.0,
                 pass_elapsed_ms: 0.0,
+                lends_slack: false,
             }),
             ..Default::default()
         };

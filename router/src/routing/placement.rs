@@ -1,8 +1,11 @@
 //! SLO placement (`--placement slo`): for a request and the decode worker routing picked,
 //! predict each placement's TTFT and what it does to the decode worker's streams' TPOT, from
 //! the cost models the workers fit to their own passes (`tandem_cost`, on every load
-//! report), and pick the one that meets both targets with the most room (else the one that
-//! misses least). The placements:
+//! report), and pick one ([`choose`]): the static rule's while it is predicted to meet both
+//! targets, else the one that meets them; when none does, the one that costs the streams
+//! it joins least (the request is lost to goodput wherever it goes; predictions under load
+//! are off by half or more, and the static rule is the placement known to work). The
+//! placements:
 //!
 //! - **disaggregated on prefill worker P**: TTFT is P's queued prompt tokens and then this
 //!   prompt (less what P's cache holds) in full passes; the streams' passes gain one row.
@@ -19,7 +22,7 @@
 //!
 //! Predictions are kept honest by what the requests then measure (`calibration`).
 
-use tandem_cost::{StepShape, TPOT_HEADROOM};
+use tandem_cost::{STARVED_PASSES, StepShape, TPOT_HEADROOM};
 
 use super::cost_view::{CHUNK_GRANULE, CostView};
 use super::slo::RequestSlo;
@@ -97,6 +100,7 @@ pub fn predict_disaggregated(
     decode: &CostView,
     prompt: u64,
     prefill_cached: u64,
+    tpot_ms: f64,
 ) -> Prediction {
     let cached = prefill_cached.min(prompt.saturating_sub(1));
     let ttft = prefill.prompt_ms(
@@ -107,7 +111,7 @@ pub fn predict_disaggregated(
     );
     Prediction {
         ttft_ms: ttft,
-        tpot_ms: decode.pass_with_one_more(prompt),
+        tpot_ms: decode.stream_tpot(decode.pass_with_one_more(prompt), tpot_ms),
     }
 }
 
@@ -182,7 +186,7 @@ fn decode_part(decode: &CostView, prompt: u64, start: u64, tpot_ms: f64) -> Deco
         return DecodePart {
             queue_ms: decode.queue_ms(own, tokens, decode.max_batch_tokens, pass_ms),
             own_ms: own,
-            tpot_ms: after,
+            tpot_ms: decode.stream_tpot(after, tpot_ms),
         };
     }
     let target = tpot_ms * TPOT_HEADROOM;
@@ -202,8 +206,16 @@ fn decode_part(decode: &CostView, prompt: u64, start: u64, tpot_ms: f64) -> Deco
         decode.max_batch_tokens,
         CHUNK_GRANULE,
     );
+    // Streams that fill their target leave a waiting prompt a granule every
+    // STARVED_PASSES passes (`tandem_cost::Pacing`): a prompt of a granule goes before the
+    // queued ones at the next such pass.
+    let (one_pass, pass_ms) = if allowance == 0 {
+        (CHUNK_GRANULE, STARVED_PASSES as f64 * streams.max(target))
+    } else {
+        (allowance, streams.max(target))
+    };
     DecodePart {
-        queue_ms: decode.queue_ms(own, tokens, allowance, streams.max(target)),
+        queue_ms: decode.queue_ms(own, tokens, one_pass, pass_ms),
         own_ms: own,
         tpot_ms: after.max(streams.max(target)),
     }
@@ -261,16 +273,46 @@ pub fn best_split(
     fits(&prediction).then_some((lo * CHUNK_GRANULE, prediction))
 }
 
-/// The placement with the least pressure (see [`Prediction::pressure`]); between equals the
-/// first listed. `None` for no options.
+/// How much less a placement must be predicted to stretch the streams' TPOT than the
+/// default, when every placement misses its targets, for the router to leave the default.
+pub const TPOT_SWITCH_SHARE: f64 = 0.9;
+
+/// The placement to run: `default` (the static rule's, among `options`) while it is
+/// predicted to meet both targets; else the one with the least pressure (see
+/// [`Prediction::pressure`]) if that one meets them. When none does, the request is lost to
+/// goodput wherever it goes, and what matters is what it costs the streams it joins: the
+/// default, unless another is predicted to keep their TPOT at most [`TPOT_SWITCH_SHARE`] of
+/// the default's (a request that misses anyway must not take the slack that keeps others
+/// within their targets). Without a default among the options, the least pressure (between
+/// equals, the first listed). `None` for no options.
 pub fn choose(
     options: &[(Placement, Prediction)],
+    default: Option<Placement>,
     slo: &RequestSlo,
 ) -> Option<(Placement, Prediction)> {
-    options
+    let least = options
         .iter()
         .copied()
-        .min_by(|a, b| a.1.pressure(slo).total_cmp(&b.1.pressure(slo)))
+        .min_by(|a, b| a.1.pressure(slo).total_cmp(&b.1.pressure(slo)))?;
+    let Some(default) = default.and_then(|d| options.iter().copied().find(|(p, _)| *p == d)) else {
+        return Some(least);
+    };
+    if default.1.pressure(slo) <= 1.0 {
+        return Some(default);
+    }
+    if least.1.pressure(slo) <= 1.0 {
+        return Some(least);
+    }
+    let gentlest = options
+        .iter()
+        .copied()
+        .min_by(|a, b| a.1.tpot_ms.total_cmp(&b.1.tpot_ms))
+        .unwrap_or(default);
+    if gentlest.1.tpot_ms <= TPOT_SWITCH_SHARE * default.1.tpot_ms {
+        Some(gentlest)
+    } else {
+        Some(default)
+    }
 }
 
 #[cfg(test)]
@@ -300,6 +342,7 @@ mod tests {
             pass_elapsed_ms: 0.0,
             max_batch_tokens: 512,
             prompts_known: true,
+            lends_slack: false,
         }
     }
 
@@ -315,7 +358,7 @@ mod tests {
         let prefill = view(0, 0);
         let decode = view(8, 0);
         let slo = slo();
-        let disagg = predict_disaggregated(&prefill, &decode, 2048, 0);
+        let disagg = predict_disaggregated(&prefill, &decode, 2048, 0, 60.0);
         let agg = predict_aggregated(&decode, 2048, 0, slo.tpot_ms);
         // Beside 8 streams the prompt gets their slack: it starts later than alone.
         assert!(agg.ttft_ms > disagg.ttft_ms, "{agg:?} vs {disagg:?}");
@@ -330,7 +373,7 @@ mod tests {
             (Placement::Disaggregated { prefill: 3 }, disagg),
         ];
         assert_eq!(
-            choose(&options, &slo).map(|c| c.0),
+            choose(&options, None, &slo).map(|c| c.0),
             Some(Placement::Disaggregated { prefill: 3 })
         );
     }
@@ -340,7 +383,7 @@ mod tests {
         let prefill = view(0, 8192);
         let decode = view(0, 0);
         let slo = slo();
-        let disagg = predict_disaggregated(&prefill, &decode, 2048, 0);
+        let disagg = predict_disaggregated(&prefill, &decode, 2048, 0, 60.0);
         let agg = predict_aggregated(&decode, 2048, 0, slo.tpot_ms);
         // Alone, the decode worker runs the prompt in full passes, as the prefill worker
         // would, without four prompts ahead of it.
@@ -350,10 +393,10 @@ mod tests {
             (Placement::Aggregated, agg),
         ];
         assert_eq!(
-            choose(&options, &slo).map(|c| c.0),
+            choose(&options, None, &slo).map(|c| c.0),
             Some(Placement::Aggregated)
         );
-        assert_eq!(choose(&[], &slo), None);
+        assert_eq!(choose(&[], None, &slo), None);
     }
 
     #[test]
@@ -362,15 +405,15 @@ mod tests {
         // A prefill worker with four 2048-token prompts queued, 512-token passes.
         let busy = view(0, 8192);
         let full_pass = cost().step_ms(&StepShape::chunk(0, 512, false));
-        let short = predict_disaggregated(&busy, &view(0, 0), 100, 0);
-        let alone = predict_disaggregated(&view(0, 0), &view(0, 0), 100, 0);
+        let short = predict_disaggregated(&busy, &view(0, 0), 100, 0, 60.0);
+        let alone = predict_disaggregated(&view(0, 0), &view(0, 0), 100, 0, 60.0);
         assert!(
             (short.ttft_ms - alone.ttft_ms - full_pass / 2.0).abs() < 1e-9,
             "{short:?} vs {alone:?}"
         );
         // One that needs several passes waits for the whole queue.
-        let long = predict_disaggregated(&busy, &view(0, 0), 1024, 0);
-        let long_alone = predict_disaggregated(&view(0, 0), &view(0, 0), 1024, 0);
+        let long = predict_disaggregated(&busy, &view(0, 0), 1024, 0, 60.0);
+        let long_alone = predict_disaggregated(&view(0, 0), &view(0, 0), 1024, 0, 60.0);
         assert!(long.ttft_ms > long_alone.ttft_ms + 8192.0 * 3.0, "{long:?}");
         // A report that caught a pass 1 s in (and came 0.2 s ago): the long prompt waits
         // for 1.2 s less of the queue, the short one for the rest of that pass.
@@ -379,12 +422,12 @@ mod tests {
             ..busy
         }
         .aged(200.0);
-        let long_into = predict_disaggregated(&into, &view(0, 0), 1024, 0);
+        let long_into = predict_disaggregated(&into, &view(0, 0), 1024, 0, 60.0);
         assert!(
             (long.ttft_ms - long_into.ttft_ms - 1200.0).abs() < 1e-6,
             "{long:?} vs {long_into:?}"
         );
-        let short_into = predict_disaggregated(&into, &view(0, 0), 100, 0);
+        let short_into = predict_disaggregated(&into, &view(0, 0), 100, 0, 60.0);
         assert!(
             (short_into.ttft_ms - alone.ttft_ms - (full_pass - 1200.0)).abs() < 1e-6,
             "{short_into:?}"
@@ -397,7 +440,7 @@ mod tests {
             queued_prompts: 80,
             ..view(0, 8000)
         };
-        let behind = predict_disaggregated(&shorts, &view(0, 0), 100, 0);
+        let behind = predict_disaggregated(&shorts, &view(0, 0), 100, 0, 60.0);
         assert!(
             behind.ttft_ms > alone.ttft_ms + 8000.0 * 3.0,
             "{behind:?} vs {alone:?}"
@@ -424,7 +467,7 @@ mod tests {
         let prefill = view(0, 0);
         let decode = view(4, 0);
         let tpot = slo().tpot_ms;
-        let disagg = predict_disaggregated(&prefill, &decode, 2048, 0);
+        let disagg = predict_disaggregated(&prefill, &decode, 2048, 0, 60.0);
         let agg = predict_aggregated(&decode, 2048, 0, tpot);
         let mut last = agg.ttft_ms;
         for at in [256, 1024, 1792] {
@@ -454,7 +497,7 @@ mod tests {
         assert_eq!(at, 16, "everything but the first block fits: {p:?}");
         // A tighter target keeps more of the prompt on the prefill worker, and the split
         // found is the shortest part whose prediction fits.
-        let whole = predict_disaggregated(&prefill, &decode, 2048, 0).ttft_ms;
+        let whole = predict_disaggregated(&prefill, &decode, 2048, 0, 60.0).ttft_ms;
         let tight = RequestSlo {
             ttft_ms: whole * 1.3,
             tpot_ms: 60.0,
@@ -508,16 +551,90 @@ mod tests {
     fn cached_tokens_are_not_priced_and_decode_workers_borrow_prompt_costs() {
         let prefill = view(0, 0);
         let decode = view(2, 0);
-        let whole = predict_disaggregated(&prefill, &decode, 2048, 0);
-        let mostly_cached = predict_disaggregated(&prefill, &decode, 2048, 2000);
+        let whole = predict_disaggregated(&prefill, &decode, 2048, 0, 60.0);
+        let mostly_cached = predict_disaggregated(&prefill, &decode, 2048, 2000, 60.0);
         assert!(mostly_cached.ttft_ms * 10.0 < whole.ttft_ms);
         // A cache claiming the whole prompt still leaves its last token to compute.
-        assert!(predict_disaggregated(&prefill, &decode, 2048, 5000).ttft_ms > 0.0);
+        assert!(predict_disaggregated(&prefill, &decode, 2048, 5000, 60.0).ttft_ms > 0.0);
         let mut blind = view(2, 0);
         blind.coefficients.per_token_ms = 0.0;
         blind.prompts_known = false;
         blind.borrow_prompt_costs(&prefill);
         assert_eq!(blind.coefficients.per_token_ms, 4.0);
         assert!(blind.prompts_known);
+    }
+
+    #[test]
+    fn the_static_rules_placement_stays_unless_the_predictions_clearly_favour_another() {
+        let slo = RequestSlo {
+            ttft_ms: 1000.0,
+            tpot_ms: 60.0,
+        };
+        let p = |ttft_ms, tpot_ms| Prediction { ttft_ms, tpot_ms };
+        let disagg = Placement::Disaggregated { prefill: 0 };
+        let pick = |agg: Prediction, dis: Prediction, default| {
+            choose(
+                &[(Placement::Aggregated, agg), (disagg, dis)],
+                default,
+                &slo,
+            )
+            .map(|c| c.0)
+        };
+        let agg = Some(Placement::Aggregated);
+        // The default meets its targets: kept, even beside one with more room.
+        assert_eq!(pick(p(900.0, 54.0), p(100.0, 30.0), agg), agg);
+        // It misses and another meets: that one.
+        assert_eq!(pick(p(1500.0, 54.0), p(900.0, 54.0), agg), Some(disagg));
+        // Both miss: the default, unless the other is clearly gentler on the streams, however
+        // much sooner either would start.
+        assert_eq!(pick(p(9000.0, 54.0), p(2000.0, 54.0), agg), agg);
+        assert_eq!(pick(p(2000.0, 54.0), p(9000.0, 40.0), agg), Some(disagg));
+        // No default (or one not among the options): the least pressure.
+        assert_eq!(pick(p(900.0, 30.0), p(100.0, 30.0), None), Some(disagg));
+        let other = Some(Placement::Disaggregated { prefill: 7 });
+        assert_eq!(pick(p(900.0, 30.0), p(100.0, 30.0), other), Some(disagg));
+    }
+
+    #[test]
+    fn a_short_prompt_on_a_starved_decode_worker_waits_for_a_granule_not_the_queue() {
+        // Streams whose passes alone fill their target (24 rows of 600 tokens: 2 + 24 +
+        // 0.43 ms = 26 ms against 0.9 x 20 ms), and two long prompts queued.
+        let mut decode = view(24, 4096);
+        decode.prompt_rows = 2;
+        decode.queued_prompts = 2;
+        let tight = 20.0;
+        let short = predict_aggregated(&decode, 16, 0, tight);
+        let streams = decode.coefficients.step_ms(&decode.streams());
+        assert!(streams > tight * TPOT_HEADROOM, "{streams}");
+        // At most the starved pacing's wait for a granule, then its own granule.
+        assert!(
+            short.ttft_ms <= 2.0 * STARVED_PASSES as f64 * streams,
+            "{short:?}, a pass {streams} ms"
+        );
+        // A long one waits for the queue.
+        let long = predict_aggregated(&decode, 2048, 0, tight);
+        assert!(long.ttft_ms > 20.0 * short.ttft_ms, "{long:?} vs {short:?}");
+    }
+
+    #[test]
+    fn streams_of_a_worker_that_lends_its_slack_run_at_their_target() {
+        let prefill = view(0, 0);
+        let mut decode = view(2, 0);
+        let fast = predict_disaggregated(&prefill, &decode, 64, 0, 60.0);
+        assert!(fast.tpot_ms < 10.0, "{fast:?}");
+        decode.lends_slack = true;
+        let paced = predict_disaggregated(&prefill, &decode, 64, 0, 60.0);
+        assert!(
+            (paced.tpot_ms - 60.0 * TPOT_HEADROOM).abs() < 1e-9,
+            "{paced:?}"
+        );
+        let alone = predict_aggregated(&view(0, 0), 64, 0, 60.0);
+        let mut lending = view(0, 0);
+        lending.lends_slack = true;
+        let paced_alone = predict_aggregated(&lending, 64, 0, 60.0);
+        assert!(
+            alone.tpot_ms < paced_alone.tpot_ms,
+            "{alone:?} {paced_alone:?}"
+        );
     }
 }

@@ -263,6 +263,8 @@ pub struct EngineHandle {
     pub(super) guides: GuideFactory,
     /// The engine computes on the CPU: its compute threads can be told how many take part.
     pub(super) on_cpu: bool,
+    /// Becomes true when the engine thread has calibrated and takes requests.
+    pub(super) calibrated: tokio::sync::watch::Receiver<bool>,
 }
 
 impl std::fmt::Debug for EngineHandle {
@@ -471,6 +473,15 @@ impl EngineHandle {
     /// The block pool, for reservations that must not wait for a forward pass.
     pub fn pool(&self) -> &SharedPool {
         &self.pool
+    }
+
+    /// Waits until the engine thread has run its start-up calibration (at once without one,
+    /// or when the thread has ended). A worker serves only after it, so that nobody waits
+    /// behind made-up work and the first load report prices prompts.
+    pub async fn calibrated(&self) {
+        let mut rx = self.calibrated.clone();
+        // An error means the thread ended: nothing to wait for.
+        let _ = rx.wait_for(|done| *done).await;
     }
 
     pub fn load(&self) -> &LoadSnapshot {

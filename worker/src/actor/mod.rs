@@ -70,11 +70,22 @@ impl Entry {
     }
 }
 
-/// Starts the engine thread. It ends when every handle is dropped. `lend_slack`: pace
-/// decode passes to the streams' TPOT targets, idle in between (see `pacing`).
-pub fn spawn_engine(engine: Engine, lend_slack: bool) -> std::io::Result<EngineHandle> {
+/// How the engine thread runs.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct EngineThreadOptions {
+    /// Pace decode passes to the streams' TPOT targets, idle in between (see `pacing`).
+    pub lend_slack: bool,
+    /// Prompt tokens of made-up work to fit the cost model to before the first request
+    /// (`Pacer::calibrate`; 0: none, the model learns from requests alone).
+    pub calibration_tokens: usize,
+}
+
+/// Starts the engine thread. It ends when every handle is dropped. Requests sent while it
+/// calibrates wait for it (a worker serves once [`EngineHandle::calibrated`]).
+pub fn spawn_engine(engine: Engine, options: EngineThreadOptions) -> std::io::Result<EngineHandle> {
     let (tx, rx) = mpsc::channel();
     let load = Arc::new(LoadSnapshot::default());
+    let (calibrated_tx, calibrated) = tokio::sync::watch::channel(false);
     let handle = EngineHandle {
         tx,
         prefix_salt: engine.prefix_salt(),
@@ -83,16 +94,25 @@ pub fn spawn_engine(engine: Engine, lend_slack: bool) -> std::io::Result<EngineH
         load: load.clone(),
         guides: engine.guides(),
         on_cpu: engine.config().device == tandem_engine::Device::Cpu,
+        calibrated,
     };
     std::thread::Builder::new()
         .name("engine".into())
-        .spawn(move || run(engine, rx, &load, lend_slack))?;
+        .spawn(move || run(engine, rx, &load, options, &calibrated_tx))?;
     Ok(handle)
 }
 
-fn run(mut engine: Engine, rx: mpsc::Receiver<Command>, load: &LoadSnapshot, lend_slack: bool) {
+fn run(
+    mut engine: Engine,
+    rx: mpsc::Receiver<Command>,
+    load: &LoadSnapshot,
+    options: EngineThreadOptions,
+    calibrated: &tokio::sync::watch::Sender<bool>,
+) {
     let mut entries: HashMap<SeqId, Entry> = HashMap::new();
-    let mut pacer = Pacer::new(lend_slack);
+    let mut pacer = Pacer::new(options.lend_slack);
+    pacer.calibrate(&mut engine, options.calibration_tokens, &load.cost);
+    calibrated.send_replace(true);
     loop {
         // Block while idle; otherwise take whatever arrived since the last step.
         if !engine.has_work() {
@@ -470,7 +490,7 @@ mod tests {
             ..Default::default()
         };
         let engine = Engine::new(model, TextTokenizer::byte_level(), config).unwrap();
-        let handle = spawn_engine(engine, false).unwrap();
+        let handle = spawn_engine(engine, EngineThreadOptions::default()).unwrap();
         let (events, mut rx) = tmpsc::unbounded_channel();
         let stop = StopParams {
             max_tokens: 1,
