@@ -5,7 +5,7 @@
 use std::time::Duration;
 
 mod common;
-use common::{engine, greedy, prompt, run_alone, tiny_model as model};
+use common::{engine, greedy, greedy_tokens, prompt, run_alone, tiny_model as model};
 use tandem_engine::engine::EngineStats;
 use tandem_engine::engine::StepShape;
 
@@ -60,15 +60,7 @@ fn calibration_reports_passes_of_several_shapes_and_leaves_no_trace() {
     assert_eq!(*e.stats(), EngineStats::default());
     // A request after it gets what it gets on a fresh engine.
     let p = prompt(3, 40);
-    let (s, st) = greedy(8);
-    let id = e.add_request(p.clone(), s, st).unwrap();
-    let tokens: Vec<u32> = e
-        .run_to_completion(id)
-        .unwrap()
-        .iter()
-        .map(|o| o.token)
-        .collect();
-    assert_eq!(tokens, run_alone(&model, &p, 8));
+    assert_eq!(greedy_tokens(&mut e, &p, 8), run_alone(&model, &p, 8));
 }
 
 #[test]

@@ -14,9 +14,8 @@ use tandem_text::TextTokenizer;
 use tandem_worker::{EngineThreadOptions, SeqEvent, spawn_engine};
 use tokio::sync::mpsc;
 
-/// Streams of `tokens` tokens each under a TPOT target on an engine that does (not) lend
-/// its slack: the mean time between a stream's tokens, and the cost model it reported.
-async fn streams(lend_slack: bool, target: Duration, tokens: usize) -> (Duration, StepCost) {
+/// An engine on the tiny built-in model with `blocks` KV blocks and `config`'s other sizes.
+fn tiny_engine(blocks: usize, config: EngineConfig) -> Engine {
     let model = Arc::new(
         dummy_model(
             ModelConfig::preset("tiny").unwrap(),
@@ -27,10 +26,16 @@ async fn streams(lend_slack: bool, target: Duration, tokens: usize) -> (Duration
         .unwrap(),
     );
     let config = EngineConfig {
-        kv_budget_bytes: 64 * model.kv_layout().block_bytes(),
-        ..Default::default()
+        kv_budget_bytes: blocks * model.kv_layout().block_bytes(),
+        ..config
     };
-    let engine = Engine::new(model, TextTokenizer::byte_level(), config).unwrap();
+    Engine::new(model, TextTokenizer::byte_level(), config).unwrap()
+}
+
+/// Streams of `tokens` tokens each under a TPOT target on an engine that does (not) lend
+/// its slack: the mean time between a stream's tokens, and the cost model it reported.
+async fn streams(lend_slack: bool, target: Duration, tokens: usize) -> (Duration, StepCost) {
+    let engine = tiny_engine(64, EngineConfig::default());
     let options = EngineThreadOptions {
         lend_slack,
         calibration_tokens: 0,
@@ -119,34 +124,19 @@ async fn a_lending_decode_worker_paces_its_streams_to_their_target() {
 
 #[tokio::test]
 async fn a_calibrated_worker_reports_a_cost_model_before_any_request() {
-    let model = Arc::new(
-        dummy_model(
-            ModelConfig::preset("tiny").unwrap(),
-            WeightFormat::F32,
-            0,
-            "tiny",
-        )
-        .unwrap(),
-    );
     let config = EngineConfig {
-        kv_budget_bytes: 512 * model.kv_layout().block_bytes(),
         max_batch_tokens: 512,
         ..Default::default()
     };
-    let engine = Engine::new(model, TextTokenizer::byte_level(), config).unwrap();
     let options = EngineThreadOptions {
         lend_slack: false,
         calibration_tokens: 1280,
     };
-    let handle = spawn_engine(engine, options).unwrap();
-    let deadline = Instant::now() + Duration::from_secs(60);
-    let cost = loop {
-        let cost = handle.load().cost.report();
-        if cost.passes > 0 || Instant::now() > deadline {
-            break cost;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    };
+    let handle = spawn_engine(tiny_engine(512, config), options).unwrap();
+    tokio::time::timeout(Duration::from_secs(60), handle.calibrated())
+        .await
+        .expect("calibration ends");
+    let cost = handle.load().cost.report();
     // Priced from made-up passes alone: enough prompt tokens for a router to trust the
     // price (tandem_cost::MIN_PROMPT_TOKENS_SEEN), a decode step priced, nothing decoding.
     assert!(cost.passes >= 8, "{cost:?}");

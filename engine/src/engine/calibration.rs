@@ -99,12 +99,12 @@ impl Engine {
             .saturating_sub(eighth + quarter)
             .clamp(SHORT_PROMPT, longest);
         groups.extend([(1, eighth, 1), (1, quarter, 1), (1, rest, 1)]);
-        for (salt, (count, len, tokens)) in groups.into_iter().enumerate() {
+        for (group, (count, len, tokens)) in groups.into_iter().enumerate() {
             if started.elapsed() >= budget {
                 break;
             }
             for i in 0..count {
-                self.add_made_up(len, tokens, salt * DECODE_BATCH + i + 1)?;
+                self.add_made_up(len, tokens, group * DECODE_BATCH + i + 1)?;
             }
             while self.has_work() && started.elapsed() < budget {
                 let pass = Instant::now();

@@ -220,7 +220,12 @@ pub fn greedy(max_tokens: usize) -> (SamplingParams, StopParams) {
 /// The greedy tokens of `p` alone on a fresh engine: what every batch must reproduce.
 #[allow(dead_code)]
 pub fn run_alone(model: &Arc<Model>, p: &[u32], max_tokens: usize) -> Vec<u32> {
-    let mut e = engine(model, 64);
+    greedy_tokens(&mut engine(model, 64), p, max_tokens)
+}
+
+/// The greedy tokens of `p` run to completion on `e`.
+#[allow(dead_code)]
+pub fn greedy_tokens(e: &mut Engine, p: &[u32], max_tokens: usize) -> Vec<u32> {
     let (s, st) = greedy(max_tokens);
     let id = e.add_request(p.to_vec(), s, st).unwrap();
     e.run_to_completion(id)

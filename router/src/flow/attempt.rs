@@ -116,13 +116,7 @@ async fn establish_on(
     );
     let by_slo = match ctx.placement {
         PlacementPolicy::Slo if ctx.pool.prefill_configured() => {
-            let default = match static_decision {
-                ModeDecision::Aggregated { .. } => Some(Placement::Aggregated),
-                ModeDecision::Disaggregated { prefill } => {
-                    Some(Placement::Disaggregated { prefill })
-                }
-                ModeDecision::Refuse => None,
-            };
+            let default = Placement::of_decision(static_decision);
             place(ctx, req, decode, cached_blocks, default, names, timing)
         }
         _ => None,

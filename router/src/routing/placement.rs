@@ -25,6 +25,7 @@
 use tandem_cost::{STARVED_PASSES, StepShape, TPOT_HEADROOM};
 
 use super::cost_view::{CHUNK_GRANULE, CostView};
+use super::policy::ModeDecision;
 use super::slo::RequestSlo;
 
 /// Where a request runs.
@@ -42,6 +43,15 @@ pub enum Placement {
 }
 
 impl Placement {
+    /// The placement a static decision makes (`None` for a refusal).
+    pub fn of_decision(decision: ModeDecision) -> Option<Self> {
+        match decision {
+            ModeDecision::Aggregated { .. } => Some(Placement::Aggregated),
+            ModeDecision::Disaggregated { prefill } => Some(Placement::Disaggregated { prefill }),
+            ModeDecision::Refuse => None,
+        }
+    }
+
     pub fn kind(self) -> PlacementKind {
         match self {
             Placement::Aggregated => PlacementKind::Aggregated,
