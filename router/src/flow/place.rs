@@ -135,11 +135,9 @@ pub(super) fn place(
         ttft_target_ms = req.slo.ttft_ms,
         tpot_target_ms = req.slo.tpot_ms,
         meets,
-        decode_rows = decode_view.decode_rows,
-        decode_context = decode_view.decode_context,
-        decode_queued_tokens = decode_view.queued_prompt_tokens,
+        prompt_tokens = prompt,
         decode_cached,
-        decode_cost = ?decode_view.coefficients,
+        decode_view = ?decode_view,
         "placed by the latency targets"
     );
     metrics::counter!(

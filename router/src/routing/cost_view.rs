@@ -35,6 +35,8 @@ pub struct CostView {
     pub prompts_known: bool,
     /// It paces its streams to their target and idles the rest (`StepCost::lends_slack`).
     pub lends_slack: bool,
+    /// The prompt tokens its pacing let into its last pass beside streams (0: not capped).
+    pub prompt_allowance: u64,
 }
 
 /// What a router sent to a worker and saw end there since its last load report.
@@ -130,6 +132,7 @@ impl CostView {
             max_batch_tokens: u64::from(cost.max_batch_tokens).max(CHUNK_GRANULE),
             prompts_known,
             lends_slack: cost.lends_slack,
+            prompt_allowance: u64::from(cost.prompt_allowance),
         })
     }
 
@@ -161,18 +164,25 @@ impl CostView {
         StepShape::decode(self.decode_rows, self.decode_context)
     }
 
-    /// The streams' pass once the queued prompts here and a new stream of `context` tokens
-    /// have joined them (each queued prompt's context counted as its share of the queue).
-    pub(super) fn pass_with_one_more(&self, context: u64) -> f64 {
+    /// The streams decoding now and those that the prompts queued here become once
+    /// computed (each queued prompt's context counted as its share of the queue): what the
+    /// passes run soon, as a wave of prompts placed here starts decoding.
+    pub fn streams_to_come(&self) -> StepShape {
         let (rows, prompts_context) = if self.prompt_rows > 0 {
             (self.prompt_rows, self.queued_prompt_tokens)
         } else {
             (0, 0)
         };
-        let shape = StepShape::decode(
-            self.decode_rows + rows + 1,
-            self.decode_context + prompts_context + context,
-        );
+        StepShape::decode(
+            self.decode_rows + rows,
+            self.decode_context + prompts_context,
+        )
+    }
+
+    /// The streams' pass once the queued prompts here and a new stream of `context` tokens
+    /// have joined them ([`CostView::streams_to_come`] and one more).
+    pub(super) fn pass_with_one_more(&self, context: u64) -> f64 {
+        let shape = self.streams_to_come().plus(StepShape::decode(1, context));
         self.coefficients.step_ms(&shape)
     }
 
@@ -227,6 +237,31 @@ impl CostView {
 mod tests {
     use super::*;
     use tandem_proto::v1::StepCost;
+
+    #[test]
+    fn queued_prompts_count_as_the_streams_they_become() {
+        let load = LoadReport {
+            queued_prompts: 3,
+            queued_prefill_tokens: 48,
+            step_cost: Some(StepCost {
+                base_ms: 2.0,
+                per_row_ms: 1.0,
+                per_mpair_ms: 1000.0,
+                passes: 5,
+                decode_rows: 2,
+                decode_context_tokens: 1000,
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        let decode = CostView::from_report(&load, SinceReport::default(), true).unwrap();
+        assert_eq!(decode.streams_to_come(), StepShape::decode(5, 1048));
+        // 2 ms + 6 rows · 1 ms + 1100 keys (the new stream's 52 among them) · 1 µs.
+        assert!((decode.pass_with_one_more(52) - 9.1).abs() < 1e-9);
+        // A prefill worker's queued prompts become streams elsewhere.
+        let prefill = CostView::from_report(&load, SinceReport::default(), false).unwrap();
+        assert_eq!(prefill.streams_to_come(), StepShape::decode(2, 1000));
+    }
 
     #[test]
     fn reports_become_views_with_what_was_sent_since() {

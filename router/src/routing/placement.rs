@@ -353,6 +353,7 @@ mod tests {
             max_batch_tokens: 512,
             prompts_known: true,
             lends_slack: false,
+            prompt_allowance: 0,
         }
     }
 

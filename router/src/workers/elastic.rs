@@ -3,7 +3,8 @@
 //! compute threads between the decode and prefill workers at their next parallel region.
 //!
 //! A decode worker keeps the fewest threads whose predicted step meets the TPOT target (with
-//! the pacing headroom) while a prefill worker has prompts queued, and gets them all back
+//! the pacing headroom) for its streams and for those the prompts queued there become,
+//! while a prefill worker has prompts queued, and gets them all back
 //! when none has; the prefill workers share what the decode workers leave (at least one
 //! each). Two workers whose teams both span every core would otherwise contend in every
 //! parallel region, the idle-priority one a straggler its own regions wait for. Workers
@@ -16,7 +17,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use tandem_cost::{StepShape, TPOT_HEADROOM};
+use tandem_cost::TPOT_HEADROOM;
 use tokio_util::sync::CancellationToken;
 
 use super::{Worker, WorkerPool, WorkerRole};
@@ -30,10 +31,11 @@ pub const PLAN_INTERVAL: Duration = Duration::from_millis(100);
 pub struct ThreadView {
     /// Threads its team has (the most it can take part with).
     pub max_threads: u32,
-    /// Decode workers: the predicted step of the streams under way on the whole team, in
-    /// ms (`None`: no fitted cost yet).
+    /// Decode workers: the predicted step on the whole team of the streams under way and
+    /// of those its queued prompts become, in ms (`None`: no fitted cost yet).
     pub full_team_step_ms: Option<f64>,
-    /// Decode workers: streams decoding. Prefill workers: prompt tokens queued or computing.
+    /// Decode workers: streams decoding and prompts queued there to become streams.
+    /// Prefill workers: prompt tokens queued or computing.
     pub work: u64,
 }
 
@@ -105,16 +107,17 @@ impl ThreadView {
             n => f64::from(n.min(load.max_compute_threads)) / f64::from(load.max_compute_threads),
         };
         let (full_team_step_ms, work) = match worker.role {
+            // The streams to come, not only those decoding: when a wave of streams ends
+            // and the next wave's prompts are queued here, the few rows left would let a
+            // thread go just as the new wave needs it (on 2 cores, its prompts then trickled
+            // in a granule a pass, past their TTFT).
             WorkerRole::Decode => (
                 cost.as_ref()
                     .filter(|c| c.coefficients.is_fitted())
-                    .map(|c| {
-                        share
-                            * c.coefficients
-                                .step_ms(&StepShape::decode(c.decode_rows, c.decode_context))
-                    }),
-                cost.as_ref()
-                    .map_or(u64::from(load.running), |c| c.decode_rows),
+                    .map(|c| share * c.coefficients.step_ms(&c.streams_to_come())),
+                cost.as_ref().map_or(u64::from(load.running), |c| {
+                    c.decode_rows.saturating_add(c.prompt_rows)
+                }),
             ),
             WorkerRole::Prefill => (
                 None,
@@ -217,6 +220,41 @@ mod tests {
         assert_eq!(plan(&[decode(30.0, 16)], &[prefill(2048)], 60.0), [2, 1]);
         // Nothing decoding: the prompt gets every core (the decode worker's one thread idles).
         assert_eq!(plan(&[decode(30.0, 0)], &[prefill(2048)], 60.0), [1, 2]);
+    }
+
+    #[tokio::test]
+    async fn a_decode_worker_plans_for_the_streams_its_queued_prompts_become() {
+        let auth = tandem_auth::InternalAuth::none();
+        let w = Worker::new(WorkerRole::Decode, 0, "http://127.0.0.1:1", &auth).unwrap();
+        let report = |queued_prompts: u32| tandem_proto::v1::LoadReport {
+            max_compute_threads: 2,
+            compute_threads: 2,
+            queued_prompts,
+            queued_prefill_tokens: 16 * u64::from(queued_prompts),
+            step_cost: Some(tandem_proto::v1::StepCost {
+                base_ms: 2.0,
+                per_row_ms: 3.0,
+                passes: 10,
+                decode_rows: 4,
+                decode_context_tokens: 4 * 300,
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        // Four streams left of a wave: 14 ms on two threads, 28 on one, so a thread goes.
+        w.set_load(report(0));
+        let streams_only = ThreadView::of(&w).unwrap();
+        assert_eq!(
+            (streams_only.work, streams_only.full_team_step_ms),
+            (4, Some(14.0))
+        );
+        assert_eq!(plan(&[streams_only], &[prefill(2048)], 60.0), [1, 1]);
+        // With the next wave's twelve prompts queued there: sixteen streams soon, 50 ms on
+        // two threads and 100 on one, so it keeps both.
+        w.set_load(report(12));
+        let wave = ThreadView::of(&w).unwrap();
+        assert_eq!((wave.work, wave.full_team_step_ms), (16, Some(50.0)));
+        assert_eq!(plan(&[wave], &[prefill(2048)], 60.0), [2, 1]);
     }
 
     #[test]
