@@ -1,7 +1,9 @@
 //! The per-lane path: one task's (row, head) lanes walk their sequence's blocks one lane at a
 //! time through the online softmax, scores and P·V grouped across lanes where a whole block
 //! is seen (`block_ops`). Decode steps take it on every instruction set, prefill chunks
-//! everywhere but AVX-512, where a task of many lanes hands over to `lanes`.
+//! everywhere but AVX-512, where a task of many lanes hands over to `lanes`. Each block's
+//! online-softmax bookkeeping runs in phases over the task's lanes, in AVX2 registers on
+//! x86-64 (`x86`), with the portable code's operations and so its bits.
 
 use tandem_kv::BLOCK_SIZE;
 
@@ -59,7 +61,14 @@ pub(super) unsafe fn task_body(
     }
     let mut scores = vec![[0f32; BLOCK_SIZE]; lanes];
     let mut probs = vec![[0f32; BLOCK_SIZE]; lanes];
+    // Per lane, for the block at hand: its keys `skip..valid`, its running maximum's move
+    // (`RowState::advance`) and its `Σ p`.
+    let mut keys = vec![(0usize, 0usize); lanes];
+    let mut moves = vec![(0f32, None::<f32>); lanes];
+    let mut psums = vec![0f32; lanes];
     let first_pos = s.start_pos + r0;
+    // Each lane's position, once (a division per lane and block showed in profiles).
+    let lane_pos: Vec<usize> = (0..lanes).map(|lane| first_pos + lane / n_rep).collect();
     let last_pos = first_pos + rows - 1;
     let blocks = last_pos / BLOCK_SIZE + 1;
     let (k_off, v_off) = g.kv_offsets(group);
@@ -94,21 +103,36 @@ pub(super) unsafe fn task_body(
                 softcap16(sc, cap);
             }
         }
+        // The online softmax in phases over the lanes rather than lane after lane: each
+        // lane's steps form one long dependent chain (maximum, exponentials, sum), and a
+        // phase's lanes are independent, so their chains overlap in the core instead of
+        // running one after another (a 2048-token prefill spent more of its attention here
+        // than in the multiply-adds). Each lane's operations are the same, so are the bits.
         for lane in first_lane..end_lane {
-            let pos = first_pos + lane / n_rep;
+            let pos = lane_pos[lane];
             // This lane's keys in the block: slots `skip..valid`.
             let valid = (pos - first_key + 1).min(BLOCK_SIZE);
             let skip = g.window_start(pos).saturating_sub(first_key);
-            let st = &mut states[lane];
-            let (new_max, correction, p, psum) = block_softmax(&scores[lane], skip, valid, st);
+            let block_max = masked_max(isa, &scores[lane], skip, valid);
+            keys[lane] = (skip, valid);
+            moves[lane] = states[lane].advance(block_max);
+        }
+        for lane in first_lane..end_lane {
+            let (skip, valid) = keys[lane];
+            (probs[lane], psums[lane]) =
+                block_probs(isa, &scores[lane], skip, valid, moves[lane].0);
+        }
+        for lane in first_lane..end_lane {
+            let (skip, valid) = keys[lane];
+            let (new_max, correction) = moves[lane];
             let a = &mut acc[lane * d..(lane + 1) * d];
             if let Some(c) = correction {
                 for x in a.iter_mut() {
                     *x *= c;
                 }
             }
-            st.fold(new_max, correction, psum);
-            probs[lane] = p;
+            states[lane].fold(new_max, correction, psums[lane]);
+            let p = &probs[lane];
             if skip > 0 || valid < BLOCK_SIZE {
                 // The diagonal block, or the window's first: only slots `skip..valid` count
                 // (past `valid` the block may hold stale data, never to be multiplied, even
@@ -140,21 +164,23 @@ pub(super) unsafe fn task_body(
     }
 }
 
-/// One lane's share of a block in the online softmax: the running maximum updated with the
-/// block's scores `skip..valid` and the factor earlier sums shrink by
-/// ([`RowState::advance`]), `p = exp(score - max)` (0 outside `skip..valid`) and `Σ p`.
+/// One lane's share of a block in the online softmax, first part: the maximum of the
+/// block's scores `skip..valid` (which [`RowState::advance`] takes in).
 ///
-/// Written as whole-block operations and fixed-shape reduction trees so it compiles to a
-/// handful of vector instructions on every instruction set (a scalar pass over the 16
-/// positions, with a 16-long chain of dependent additions, was most of a prefill's attention
-/// time); the tree's order is the same on every path, so the bits are too.
+/// Written as whole-block operations and fixed-shape reduction trees (here and in
+/// [`block_probs`]) so it compiles to a handful of vector instructions on every instruction
+/// set (a scalar pass over the 16 positions, with a 16-long chain of dependent additions,
+/// was most of a prefill's attention time); the tree's order is the same on every path, so
+/// the bits are too.
 #[inline(always)]
-fn block_softmax(
-    scores: &[f32; BLOCK_SIZE],
-    skip: usize,
-    valid: usize,
-    state: &RowState,
-) -> (f32, Option<f32>, [f32; BLOCK_SIZE], f32) {
+fn masked_max(isa: Isa, scores: &[f32; BLOCK_SIZE], skip: usize, valid: usize) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if matches!(isa, Isa::Avx2 | Isa::Avx512) {
+        // SAFETY: both instruction sets include AVX2 and FMA, which the CPU runs (the
+        // task's `isa` is one it supports).
+        return unsafe { x86::masked_max(scores, skip, valid) };
+    }
+    let _ = isa;
     let mut masked = [f32::NEG_INFINITY; BLOCK_SIZE];
     for (j, (m, &sc)) in masked.iter_mut().zip(scores).enumerate() {
         if j >= skip && j < valid {
@@ -163,8 +189,24 @@ fn block_softmax(
     }
     // The maximum is exact whatever the order; the tree only shortens the chain. A plain
     // comparison rather than `f32::max`, whose NaN rules kept the tree scalar.
-    let block_max = tree16(&masked, |a, b| if a > b { a } else { b });
-    let (new_max, correction) = state.advance(block_max);
+    tree16(&masked, |a, b| if a > b { a } else { b })
+}
+
+/// The second part: `p = exp(score - new_max)` (0 outside `skip..valid`) and `Σ p`.
+#[inline(always)]
+fn block_probs(
+    isa: Isa,
+    scores: &[f32; BLOCK_SIZE],
+    skip: usize,
+    valid: usize,
+    new_max: f32,
+) -> ([f32; BLOCK_SIZE], f32) {
+    #[cfg(target_arch = "x86_64")]
+    if matches!(isa, Isa::Avx2 | Isa::Avx512) {
+        // SAFETY: as in `masked_max`.
+        return unsafe { x86::block_probs(scores, skip, valid, new_max) };
+    }
+    let _ = isa;
     let mut p = [0f32; BLOCK_SIZE];
     for (pj, &sc) in p.iter_mut().zip(scores) {
         *pj = sc - new_max;
@@ -175,7 +217,8 @@ fn block_softmax(
             *pj = 0.0;
         }
     }
-    (new_max, correction, p, tree16(&p, |a, b| a + b))
+    let psum = tree16(&p, |a, b| a + b);
+    (p, psum)
 }
 
 /// `x[0..16]` folded by halves: `x[j] ∘ x[j + 8]`, then `+4`, `+2`, `+1`.
@@ -208,5 +251,144 @@ fn softcap16(x: &mut [f32; BLOCK_SIZE], cap: f32) {
 pub(super) fn exp16(x: &mut [f32; BLOCK_SIZE]) {
     for v in x.iter_mut() {
         *v = super::super::ops::exp_poly(*v);
+    }
+}
+
+/// [`masked_max`] and [`block_probs`] in AVX2 registers, operation for operation: the
+/// compiler's own vectorization of the portable code kept its reduction trees and
+/// exponentials in scalar shuffles and memory, which made this bookkeeping cost more than
+/// the block's multiply-adds in a long prefill.
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use std::arch::x86_64::*;
+
+    use super::BLOCK_SIZE;
+
+    /// Lanes `skip..valid` of the block's two halves (all ones where counted).
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    fn counted(skip: usize, valid: usize) -> [__m256; 2] {
+        // Key slots fit an i32: both bounds are at most 16.
+        let (skip, valid) = (skip.min(BLOCK_SIZE) as i32, valid.min(BLOCK_SIZE) as i32);
+        let (lo, hi) = (_mm256_set1_epi32(skip - 1), _mm256_set1_epi32(valid));
+        std::array::from_fn(|half| {
+            let j = _mm256_add_epi32(
+                _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+                _mm256_set1_epi32(8 * half as i32),
+            );
+            // skip <= j < valid
+            _mm256_castsi256_ps(_mm256_and_si256(
+                _mm256_cmpgt_epi32(j, lo),
+                _mm256_cmpgt_epi32(hi, j),
+            ))
+        })
+    }
+
+    /// `tree16` over the two halves `x[0..8]`, `x[8..16]`: `x[j] ∘ x[j + 8]`, then `+4`,
+    /// `+2`, `+1`, each step the first operand from the lower positions.
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    fn tree(
+        x: [__m256; 2],
+        op8: impl Fn(__m256, __m256) -> __m256,
+        op4: impl Fn(__m128, __m128) -> __m128,
+    ) -> f32 {
+        let h = op8(x[0], x[1]);
+        let q = op4(_mm256_castps256_ps128(h), _mm256_extractf128_ps::<1>(h));
+        // [q0 ∘ q2, q1 ∘ q3], then their own ∘.
+        let pair = op4(q, _mm_movehl_ps(q, q));
+        _mm_cvtss_f32(op4(pair, _mm_movehdup_ps(pair)))
+    }
+
+    /// `ops::exp_poly` for 8 lanes, operation for operation (see the AVX-512 copy in
+    /// `lanes`, whose clamp and rounding this follows).
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    fn exp(v: __m256) -> __m256 {
+        let set = _mm256_set1_ps;
+        let xc = _mm256_min_ps(set(88.3), _mm256_max_ps(set(-87.3), v));
+        let fx = _mm256_floor_ps(_mm256_add_ps(
+            _mm256_mul_ps(xc, set(std::f32::consts::LOG2_E)),
+            set(0.5),
+        ));
+        let r = _mm256_sub_ps(
+            _mm256_sub_ps(xc, _mm256_mul_ps(fx, set(0.693_359_4))),
+            _mm256_mul_ps(fx, set(-2.121_944_4e-4)),
+        );
+        let mut y = set(1.987_569_1e-4);
+        for c in [
+            1.398_199_9e-3,
+            8.333_452e-3,
+            4.166_579_6e-2,
+            1.666_666_5e-1,
+            0.5,
+        ] {
+            y = _mm256_fmadd_ps(y, r, set(c));
+        }
+        y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, set(1.0)));
+        let biased = _mm256_sub_epi32(
+            _mm256_castps_si256(_mm256_add_ps(fx, set(127.0 + 8_388_608.0))),
+            _mm256_set1_epi32(0x4B00_0000),
+        );
+        _mm256_mul_ps(y, _mm256_castsi256_ps(_mm256_slli_epi32::<23>(biased)))
+    }
+
+    /// The block's two halves of scores.
+    ///
+    /// # Safety
+    /// The CPU runs AVX2.
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    unsafe fn halves(scores: &[f32; BLOCK_SIZE]) -> [__m256; 2] {
+        // SAFETY: 16 floats, two loads of 8.
+        unsafe {
+            [
+                _mm256_loadu_ps(scores.as_ptr()),
+                _mm256_loadu_ps(scores.as_ptr().add(8)),
+            ]
+        }
+    }
+
+    /// `super::masked_max`.
+    ///
+    /// # Safety
+    /// The CPU runs AVX2 and FMA.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn masked_max(scores: &[f32; BLOCK_SIZE], skip: usize, valid: usize) -> f32 {
+        // SAFETY: the caller's promise.
+        let x = unsafe { halves(scores) };
+        let keep = counted(skip, valid);
+        let neg_inf = _mm256_set1_ps(f32::NEG_INFINITY);
+        let masked: [__m256; 2] = std::array::from_fn(|h| _mm256_blendv_ps(neg_inf, x[h], keep[h]));
+        // `maxps(a, b)` is `a > b ? a : b` (b when either is NaN or both are zeros): the
+        // portable comparison exactly.
+        tree(masked, |a, b| _mm256_max_ps(a, b), |a, b| _mm_max_ps(a, b))
+    }
+
+    /// `super::block_probs`.
+    ///
+    /// # Safety
+    /// The CPU runs AVX2 and FMA.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn block_probs(
+        scores: &[f32; BLOCK_SIZE],
+        skip: usize,
+        valid: usize,
+        new_max: f32,
+    ) -> ([f32; BLOCK_SIZE], f32) {
+        // SAFETY: the caller's promise.
+        let x = unsafe { halves(scores) };
+        let keep = counted(skip, valid);
+        let m = _mm256_set1_ps(new_max);
+        let p: [__m256; 2] =
+            std::array::from_fn(|h| _mm256_and_ps(exp(_mm256_sub_ps(x[h], m)), keep[h]));
+        let mut out = [0f32; BLOCK_SIZE];
+        // SAFETY: 16 floats, two stores of 8.
+        unsafe {
+            _mm256_storeu_ps(out.as_mut_ptr(), p[0]);
+            _mm256_storeu_ps(out.as_mut_ptr().add(8), p[1]);
+        }
+        let psum = tree(p, |a, b| _mm256_add_ps(a, b), |a, b| _mm_add_ps(a, b));
+        (out, psum)
     }
 }
