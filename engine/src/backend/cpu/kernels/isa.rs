@@ -66,8 +66,10 @@ impl Isa {
         match self {
             Isa::Scalar => true,
             #[cfg(target_arch = "x86_64")]
+            // AVX2 too: the AVX-512 kernels share AVX2 helpers (the per-lane softmax).
             Isa::Avx512 => {
-                std::arch::is_x86_feature_detected!("avx512f")
+                std::arch::is_x86_feature_detected!("avx2")
+                    && std::arch::is_x86_feature_detected!("avx512f")
                     && std::arch::is_x86_feature_detected!("avx512bw")
                     && std::arch::is_x86_feature_detected!("avx512vl")
                     && std::arch::is_x86_feature_detected!("f16c")
