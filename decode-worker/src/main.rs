@@ -71,12 +71,8 @@ async fn run(args: Args, engine_config: EngineConfig, opened: Opened) -> anyhow:
     };
     let worker = DecodeWorker::new(model, tokenizer, engine_config, config, kv_port)
         .context("starting the engine")?;
-    tokio::select! {
-        () = worker.calibrated() => {}
-        () = shutdown.as_mut() => {
-            tracing::info!("stopped while calibrating");
-            return Ok(());
-        }
+    if !worker.calibrated_until(&mut shutdown).await {
+        return Ok(());
     }
     tracing::info!(grpc = %local, kv_tcp_port = kv_port, "decode worker ready");
     serve(worker, grpc, kv, shutdown).await?;

@@ -168,9 +168,13 @@ impl DecodeWorker {
         })
     }
 
-    /// Waits for the engine's start-up calibration (see `tandem_worker::pacing`): serve after it.
-    pub async fn calibrated(&self) {
-        self.inner.core.engine.calibrated().await;
+    /// Waits for the engine's start-up calibration (see `tandem_worker::pacing`) unless
+    /// `shutdown` comes first: whether to serve.
+    pub async fn calibrated_until(
+        &self,
+        shutdown: &mut std::pin::Pin<Box<dyn Future<Output = ()> + Send>>,
+    ) -> bool {
+        self.inner.core.engine.calibrated_until(shutdown).await
     }
 
     pub fn leases(&self) -> &Arc<LeaseTable> {

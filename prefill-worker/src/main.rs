@@ -40,12 +40,8 @@ async fn run(args: Args, engine_config: EngineConfig, opened: Opened) -> anyhow:
     };
     let worker = PrefillWorker::new(model, tokenizer, engine_config, config)
         .context("starting the engine")?;
-    tokio::select! {
-        () = worker.calibrated() => {}
-        () = shutdown.as_mut() => {
-            tracing::info!("stopped while calibrating");
-            return Ok(());
-        }
+    if !worker.calibrated_until(&mut shutdown).await {
+        return Ok(());
     }
     tracing::info!(grpc = %local, "prefill worker ready");
     serve(worker, grpc, shutdown).await?;

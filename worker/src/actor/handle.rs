@@ -484,6 +484,21 @@ impl EngineHandle {
         let _ = rx.wait_for(|done| *done).await;
     }
 
+    /// [`EngineHandle::calibrated`], unless `shutdown` comes first: whether the worker may
+    /// serve (false: it was stopped while calibrating, as `load_model_until` is while loading).
+    pub async fn calibrated_until(
+        &self,
+        shutdown: &mut std::pin::Pin<Box<dyn Future<Output = ()> + Send>>,
+    ) -> bool {
+        tokio::select! {
+            () = self.calibrated() => true,
+            () = shutdown.as_mut() => {
+                tracing::info!("stopped while calibrating");
+                false
+            }
+        }
+    }
+
     pub fn load(&self) -> &LoadSnapshot {
         &self.load
     }

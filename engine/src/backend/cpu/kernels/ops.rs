@@ -173,19 +173,31 @@ pub(crate) fn sum_exp_on(isa: super::Isa, x: &[f32], max: f32) -> f32 {
     })
 }
 
+/// [`exp_poly`]'s clamp of its input, `ln 2` in two parts (high, low) and its polynomial's
+/// coefficients (the first, then each multiply-add's): shared by the vector copies below.
+const EXP_CLAMP: (f32, f32) = (-87.3, 88.3);
+const EXP_LN2: (f32, f32) = (0.693_359_4, -2.121_944_4e-4);
+const EXP_POLY: [f32; 6] = [
+    1.987_569_1e-4,
+    1.398_199_9e-3,
+    8.333_452e-3,
+    4.166_579_6e-2,
+    1.666_666_5e-1,
+    0.5,
+];
+
 /// `e^x`: Cephes' polynomial, written to vectorize inside target-feature code (relative error
 /// ~1e-7; inputs below -87 give ~1e-38 rather than 0, which callers mask where it matters).
+/// [`exp_poly_avx2`] and [`exp_poly_avx512`] compute it operation for operation.
 #[inline(always)]
 pub(crate) fn exp_poly(v: f32) -> f32 {
-    let xc = v.clamp(-87.3, 88.3);
+    let xc = v.clamp(EXP_CLAMP.0, EXP_CLAMP.1);
     let fx = (xc * std::f32::consts::LOG2_E + 0.5).floor();
-    let r = xc - fx * 0.693_359_4 - fx * -2.121_944_4e-4;
-    let mut y = 1.987_569_1e-4f32;
-    y = y.mul_add(r, 1.398_199_9e-3);
-    y = y.mul_add(r, 8.333_452e-3);
-    y = y.mul_add(r, 4.166_579_6e-2);
-    y = y.mul_add(r, 1.666_666_5e-1);
-    y = y.mul_add(r, 0.5);
+    let r = xc - fx * EXP_LN2.0 - fx * EXP_LN2.1;
+    let mut y = EXP_POLY[0];
+    for c in &EXP_POLY[1..] {
+        y = y.mul_add(r, *c);
+    }
     y = y.mul_add(r * r, r + 1.0);
     // 2^fx from its exponent bits. `fx + 127` is an integer in 1..=254 (the clamp), so adding
     // 2^23 puts it exactly in the low mantissa bits: no float-to-int conversion, whose
@@ -195,6 +207,65 @@ pub(crate) fn exp_poly(v: f32) -> f32 {
         .wrapping_sub(0x4B00_0000);
     let pow2 = f32::from_bits(biased << 23);
     y * pow2
+}
+
+/// [`exp_poly`] for 8 lanes, operation for operation (the same bits): the clamp as
+/// `max(lo, v)` then `min(hi, ·)` (`(a > b) ? a : b` and `(a < b) ? a : b`, the second
+/// operand when either is NaN, so a NaN passes through as `f32::clamp` lets it), products
+/// and sums rounded where the scalar code rounds them.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+pub(crate) fn exp_poly_avx2(v: std::arch::x86_64::__m256) -> std::arch::x86_64::__m256 {
+    use std::arch::x86_64::*;
+    let set = _mm256_set1_ps;
+    let xc = _mm256_min_ps(set(EXP_CLAMP.1), _mm256_max_ps(set(EXP_CLAMP.0), v));
+    let fx = _mm256_floor_ps(_mm256_add_ps(
+        _mm256_mul_ps(xc, set(std::f32::consts::LOG2_E)),
+        set(0.5),
+    ));
+    let r = _mm256_sub_ps(
+        _mm256_sub_ps(xc, _mm256_mul_ps(fx, set(EXP_LN2.0))),
+        _mm256_mul_ps(fx, set(EXP_LN2.1)),
+    );
+    let mut y = set(EXP_POLY[0]);
+    for c in &EXP_POLY[1..] {
+        y = _mm256_fmadd_ps(y, r, set(*c));
+    }
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, set(1.0)));
+    let biased = _mm256_sub_epi32(
+        _mm256_castps_si256(_mm256_add_ps(fx, set(127.0 + 8_388_608.0))),
+        _mm256_set1_epi32(0x4B00_0000),
+    );
+    _mm256_mul_ps(y, _mm256_castsi256_ps(_mm256_slli_epi32::<23>(biased)))
+}
+
+/// [`exp_poly`] for 16 lanes, as [`exp_poly_avx2`] for 8.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[inline]
+pub(crate) fn exp_poly_avx512(v: std::arch::x86_64::__m512) -> std::arch::x86_64::__m512 {
+    use std::arch::x86_64::*;
+    let set = _mm512_set1_ps;
+    let xc = _mm512_min_ps(set(EXP_CLAMP.1), _mm512_max_ps(set(EXP_CLAMP.0), v));
+    let fx = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC }>(_mm512_add_ps(
+        _mm512_mul_ps(xc, set(std::f32::consts::LOG2_E)),
+        set(0.5),
+    ));
+    let r = _mm512_sub_ps(
+        _mm512_sub_ps(xc, _mm512_mul_ps(fx, set(EXP_LN2.0))),
+        _mm512_mul_ps(fx, set(EXP_LN2.1)),
+    );
+    let mut y = set(EXP_POLY[0]);
+    for c in &EXP_POLY[1..] {
+        y = _mm512_fmadd_ps(y, r, set(*c));
+    }
+    y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, set(1.0)));
+    let biased = _mm512_sub_epi32(
+        _mm512_castps_si512(_mm512_add_ps(fx, set(127.0 + 8_388_608.0))),
+        _mm512_set1_epi32(0x4B00_0000),
+    );
+    _mm512_mul_ps(y, _mm512_castsi512_ps(_mm512_slli_epi32::<23>(biased)))
 }
 
 /// `x += y`.
@@ -339,6 +410,67 @@ fn llama3_scale(inv_freq: &mut [f32], factor: f32, low: f32, high: f32, old_ctx:
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Inputs for the exponential: every region of it, the clamp's edges, and the values
+    /// whose handling differs between instructions (NaN, infinities, signed zeros).
+    fn exp_inputs() -> Vec<f32> {
+        let mut x: Vec<f32> = (-2000..2000).map(|i| i as f32 * 0.0471).collect();
+        x.extend([
+            f32::NAN,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            0.0,
+            -0.0,
+            -87.3,
+            88.3,
+            -87.31,
+            88.31,
+            f32::MAX,
+            f32::MIN,
+            1e-30,
+        ]);
+        x.resize(x.len().next_multiple_of(16), 1.0);
+        x
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn the_vector_exponentials_give_the_scalar_bits() {
+        use std::arch::x86_64::*;
+        let x = exp_inputs();
+        let want: Vec<u32> = x.iter().map(|&v| exp_poly(v).to_bits()).collect();
+        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+        {
+            for (i, chunk) in x.chunks_exact(8).enumerate() {
+                let mut got = [0f32; 8];
+                // SAFETY: AVX2 and FMA were detected; 8 floats in and out.
+                unsafe {
+                    _mm256_storeu_ps(
+                        got.as_mut_ptr(),
+                        exp_poly_avx2(_mm256_loadu_ps(chunk.as_ptr())),
+                    );
+                }
+                for (j, g) in got.iter().enumerate() {
+                    assert_eq!(g.to_bits(), want[8 * i + j], "avx2, exp({})", chunk[j]);
+                }
+            }
+        }
+        if std::arch::is_x86_feature_detected!("avx512f") {
+            for (i, chunk) in x.chunks_exact(16).enumerate() {
+                let mut got = [0f32; 16];
+                // SAFETY: AVX-512 F was detected; 16 floats in and out.
+                unsafe {
+                    _mm512_storeu_ps(
+                        got.as_mut_ptr(),
+                        exp_poly_avx512(_mm512_loadu_ps(chunk.as_ptr())),
+                    );
+                }
+                for (j, g) in got.iter().enumerate() {
+                    assert_eq!(g.to_bits(), want[16 * i + j], "avx512, exp({})", chunk[j]);
+                }
+            }
+        }
+    }
 
     #[test]
     fn rms_norm_unit_rows() {

@@ -205,7 +205,7 @@ mod x86 {
     //! per-lane path, lane for lane.
     use std::arch::x86_64::*;
 
-    use super::super::super::ops::tanh_poly;
+    use super::super::super::ops::{exp_poly_avx512, tanh_poly};
     use super::{BLOCK_SIZE, Group, Ranges, W};
 
     type Keys = [__m512; BLOCK_SIZE];
@@ -239,40 +239,6 @@ mod x86 {
         let h: [__m512; 8] = std::array::from_fn(|j| op(x[j], x[j + 8]));
         let q: [__m512; 4] = std::array::from_fn(|j| op(h[j], h[j + 4]));
         op(op(q[0], q[2]), op(q[1], q[3]))
-    }
-
-    /// `ops::exp_poly` for 16 lanes, operation for operation (the same bits): the clamp as
-    /// `max(lo, v)` then `min(hi, ·)` (`(a > b) ? a : b` and `(a < b) ? a : b`, the second
-    /// operand when either is NaN, so a NaN passes through as `f32::clamp` lets it), products
-    /// and sums rounded where the scalar code rounds them.
-    #[target_feature(enable = "avx512f")]
-    #[inline]
-    fn exp(v: __m512) -> __m512 {
-        let set = _mm512_set1_ps;
-        let xc = _mm512_min_ps(set(88.3), _mm512_max_ps(set(-87.3), v));
-        let fx = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC }>(
-            _mm512_add_ps(_mm512_mul_ps(xc, set(std::f32::consts::LOG2_E)), set(0.5)),
-        );
-        let r = _mm512_sub_ps(
-            _mm512_sub_ps(xc, _mm512_mul_ps(fx, set(0.693_359_4))),
-            _mm512_mul_ps(fx, set(-2.121_944_4e-4)),
-        );
-        let mut y = set(1.987_569_1e-4);
-        for c in [
-            1.398_199_9e-3,
-            8.333_452e-3,
-            4.166_579_6e-2,
-            1.666_666_5e-1,
-            0.5,
-        ] {
-            y = _mm512_fmadd_ps(y, r, set(c));
-        }
-        y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, set(1.0)));
-        let biased = _mm512_sub_epi32(
-            _mm512_castps_si512(_mm512_add_ps(fx, set(127.0 + 8_388_608.0))),
-            _mm512_set1_epi32(0x4B00_0000),
-        );
-        _mm512_mul_ps(y, _mm512_castsi512_ps(_mm512_slli_epi32::<23>(biased)))
     }
 
     /// The block step for 16 lanes: scores, softmax and P·V without leaving the registers,
@@ -332,8 +298,9 @@ mod x86 {
         let active = |l: usize| ranges.active(l);
         let (new_max, corrections, factors) = grp.advance(&block_max, active);
         let nm = unsafe { _mm512_loadu_ps(new_max.as_ptr()) };
-        let p: Keys =
-            std::array::from_fn(|j| _mm512_maskz_mov_ps(masks[j], exp(_mm512_sub_ps(s[j], nm))));
+        let p: Keys = std::array::from_fn(|j| {
+            _mm512_maskz_mov_ps(masks[j], exp_poly_avx512(_mm512_sub_ps(s[j], nm)))
+        });
         let mut psum = [0f32; W];
         unsafe { _mm512_storeu_ps(psum.as_mut_ptr(), tree(&p, |a, b| _mm512_add_ps(a, b))) };
         grp.fold(&new_max, &corrections, &psum, active);

@@ -262,6 +262,7 @@ pub(super) fn exp16(x: &mut [f32; BLOCK_SIZE]) {
 mod x86 {
     use std::arch::x86_64::*;
 
+    use super::super::super::ops::exp_poly_avx2;
     use super::BLOCK_SIZE;
 
     /// Lanes `skip..valid` of the block's two halves (all ones where counted).
@@ -298,39 +299,6 @@ mod x86 {
         // [q0 ∘ q2, q1 ∘ q3], then their own ∘.
         let pair = op4(q, _mm_movehl_ps(q, q));
         _mm_cvtss_f32(op4(pair, _mm_movehdup_ps(pair)))
-    }
-
-    /// `ops::exp_poly` for 8 lanes, operation for operation (see the AVX-512 copy in
-    /// `lanes`, whose clamp and rounding this follows).
-    #[target_feature(enable = "avx2,fma")]
-    #[inline]
-    fn exp(v: __m256) -> __m256 {
-        let set = _mm256_set1_ps;
-        let xc = _mm256_min_ps(set(88.3), _mm256_max_ps(set(-87.3), v));
-        let fx = _mm256_floor_ps(_mm256_add_ps(
-            _mm256_mul_ps(xc, set(std::f32::consts::LOG2_E)),
-            set(0.5),
-        ));
-        let r = _mm256_sub_ps(
-            _mm256_sub_ps(xc, _mm256_mul_ps(fx, set(0.693_359_4))),
-            _mm256_mul_ps(fx, set(-2.121_944_4e-4)),
-        );
-        let mut y = set(1.987_569_1e-4);
-        for c in [
-            1.398_199_9e-3,
-            8.333_452e-3,
-            4.166_579_6e-2,
-            1.666_666_5e-1,
-            0.5,
-        ] {
-            y = _mm256_fmadd_ps(y, r, set(c));
-        }
-        y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, set(1.0)));
-        let biased = _mm256_sub_epi32(
-            _mm256_castps_si256(_mm256_add_ps(fx, set(127.0 + 8_388_608.0))),
-            _mm256_set1_epi32(0x4B00_0000),
-        );
-        _mm256_mul_ps(y, _mm256_castsi256_ps(_mm256_slli_epi32::<23>(biased)))
     }
 
     /// The block's two halves of scores.
@@ -381,7 +349,7 @@ mod x86 {
         let keep = counted(skip, valid);
         let m = _mm256_set1_ps(new_max);
         let p: [__m256; 2] =
-            std::array::from_fn(|h| _mm256_and_ps(exp(_mm256_sub_ps(x[h], m)), keep[h]));
+            std::array::from_fn(|h| _mm256_and_ps(exp_poly_avx2(_mm256_sub_ps(x[h], m)), keep[h]));
         let mut out = [0f32; BLOCK_SIZE];
         // SAFETY: 16 floats, two stores of 8.
         unsafe {
