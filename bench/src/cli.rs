@@ -212,7 +212,8 @@ pub struct BenchArgs {
     /// Percentiles printed per section, comma-separated.
     #[arg(long, default_value = "99")]
     pub metric_percentiles: String,
-    /// SLOs for goodput, KEY:VALUE in ms (ttft, tpot, e2el).
+    /// SLOs for goodput, KEY:VALUE in ms (ttft, tpot, e2el); `ttft_per_token:MS` adds that
+    /// much to each request's TTFT limit per prompt token.
     #[arg(long, num_args = 1..)]
     pub goodput: Vec<String>,
     /// Block layout: new (vLLM ≥ 0.13) or old (legacy script).
@@ -649,7 +650,7 @@ mod tests {
             .into_config()
             .unwrap();
         assert_eq!(config.num_prompts, vec![1, 2, 4, 8]);
-        assert_eq!(config.goodput.len(), 2);
+        assert_eq!(config.goodput.limit(MetricKind::Tpot, 1), Some(50.0));
     }
 
     #[test]

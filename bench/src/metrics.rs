@@ -213,7 +213,56 @@ impl BenchmarkMetrics {
 }
 
 /// Service-level objectives for goodput, in milliseconds, as `--goodput ttft:300 tpot:50`.
-pub type GoodputSlos = BTreeMap<MetricKind, f64>;
+///
+/// Beyond vLLM's keys, `ttft_per_token:MS` makes the TTFT limit grow with the request's prompt
+/// (`ttft + ttft_per_token × prompt tokens`), the form a serving plane's TTFT targets take
+/// (tandem's `[router.slo]`): with prompts of mixed lengths, or turns whose prompts carry a
+/// growing conversation, one fixed TTFT would be too strict for the long ones or too loose
+/// for the short.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct GoodputSlos {
+    /// Each metric's limit (`ttft` the fixed part when `ttft_per_token_ms` is set).
+    limits: BTreeMap<MetricKind, f64>,
+    /// Milliseconds the TTFT limit gains per prompt token (`None`: a fixed limit).
+    ttft_per_token_ms: Option<f64>,
+}
+
+impl GoodputSlos {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Whether no objective was given (goodput not requested).
+    pub fn is_empty(&self) -> bool {
+        self.limits.is_empty() && self.ttft_per_token_ms.is_none()
+    }
+
+    /// The limit of `kind`, in ms, for a request of `prompt_len` tokens (`None`: no limit).
+    pub fn limit(&self, kind: MetricKind, prompt_len: usize) -> Option<f64> {
+        let fixed = self.limits.get(&kind).copied();
+        match self.ttft_per_token_ms {
+            Some(per_token) if kind == MetricKind::Ttft => {
+                Some(fixed.unwrap_or(0.0) + per_token * prompt_len as f64)
+            }
+            _ => fixed,
+        }
+    }
+
+    /// Whether a request of `prompt_len` tokens with these values (seconds) meets every
+    /// objective.
+    fn met(&self, prompt_len: usize, ttft: f64, tpot: f64, e2el: f64) -> bool {
+        [
+            (MetricKind::Ttft, ttft),
+            (MetricKind::Tpot, tpot),
+            (MetricKind::E2el, e2el),
+        ]
+        .into_iter()
+        .all(|(kind, value)| {
+            self.limit(kind, prompt_len)
+                .is_none_or(|limit_ms| value <= limit_ms / 1000.0)
+        })
+    }
+}
 
 /// Inputs of [`calculate_metrics`] that are not per-request outputs.
 #[derive(Debug, Clone)]
@@ -244,6 +293,8 @@ pub fn calculate_metrics(
     let mut all_tpots = Vec::new();
     let mut itls = Vec::new();
     let mut e2els = Vec::new();
+    // Completed requests' prompt lengths, for TTFT limits that grow with the prompt.
+    let mut prompt_lens = Vec::new();
     for output in outputs {
         if !output.success {
             output_lens.push(0);
@@ -256,6 +307,7 @@ pub fn calculate_metrics(
         };
         output_lens.push(output_len);
         total_input += output.prompt_len;
+        prompt_lens.push(output.prompt_len);
         let mut tpot = 0.0;
         if output_len > 1 {
             tpot = (output.latency - output.ttft) / (output_len - 1) as f64;
@@ -277,16 +329,9 @@ pub fn calculate_metrics(
     let request_goodput = (!options.goodput.is_empty()).then(|| {
         let good = (0..completed)
             .filter(|&i| {
-                options.goodput.iter().all(|(kind, slo_ms)| {
-                    let value = match kind {
-                        MetricKind::Ttft => ttfts[i],
-                        MetricKind::Tpot => all_tpots[i],
-                        MetricKind::E2el => e2els[i],
-                        // Rejected at parse time; an ITL SLO has no per-request value.
-                        MetricKind::Itl => return true,
-                    };
-                    value <= slo_ms / 1000.0
-                })
+                options
+                    .goodput
+                    .met(prompt_lens[i], ttfts[i], all_tpots[i], e2els[i])
             })
             .count();
         good as f64 / options.duration
@@ -385,30 +430,38 @@ fn sweep_line_peak(outputs: &[&RequestOutput]) -> usize {
     peak.max(0) as usize
 }
 
-/// Parses `--goodput` arguments (`ttft:300 tpot:50`), with vLLM's validation.
+/// Parses `--goodput` arguments (`ttft:300 tpot:50`), with vLLM's validation, and tandem's
+/// `ttft_per_token:MS` (see [`GoodputSlos`]).
 pub fn parse_goodput(items: &[String]) -> Result<GoodputSlos, String> {
     let mut slos = GoodputSlos::new();
     for item in items {
         let (key, value) = item.split_once(':').ok_or_else(|| {
             "Invalid format found for service level objectives. Specify service level objectives for goodput as \"KEY:VALUE\" pairs, where the key is a metric name, and the value is a number in milliseconds.".to_string()
         })?;
-        let kind = MetricKind::from_key(key.trim())
-            .filter(|k| *k != MetricKind::Itl)
-            .ok_or_else(|| {
-                format!(
-                    "Invalid metric name found, {key}. The service level objective name should be one of ttft, tpot, e2el."
-                )
-            })?;
+        let key = key.trim();
+        let per_token = key == "ttft_per_token";
+        let kind = MetricKind::from_key(key).filter(|k| *k != MetricKind::Itl);
+        if kind.is_none() && !per_token {
+            return Err(format!(
+                "Invalid metric name found, {key}. The service level objective name should be one of ttft, tpot, e2el (or ttft_per_token)."
+            ));
+        }
         let value: f64 = value
             .trim()
             .parse()
             .map_err(|_| format!("Invalid value found for {key}: {value}"))?;
-        if value < 0.0 || value.is_nan() {
+        // vLLM's check, and a per-token limit must be finite to add up.
+        if value < 0.0 || value.is_nan() || (per_token && value.is_infinite()) {
             return Err(format!(
-                "Invalid value found, {key}: {value}. The service level objective value should be non-negative."
+                "Invalid value found, {key}: {value}. The service level objective value should be non-negative (and finite for ttft_per_token)."
             ));
         }
-        slos.insert(kind, value);
+        match kind {
+            Some(kind) => {
+                slos.limits.insert(kind, value);
+            }
+            None => slos.ttft_per_token_ms = Some(value),
+        }
     }
     Ok(slos)
 }
@@ -604,7 +657,36 @@ mod tests {
         assert!(parse_goodput(&["itl:5".into()]).is_err());
         assert!(parse_goodput(&["ttft:-1".into()]).is_err());
         assert!(parse_goodput(&["ttft:abc".into()]).is_err());
+        assert!(parse_goodput(&["ttft_per_token:inf".into()]).is_err());
+        assert!(parse_goodput(&["tpot_per_token:1".into()]).is_err());
         let slos = parse_goodput(&["e2el:1000".into()]).unwrap();
-        assert_eq!(slos.get(&MetricKind::E2el), Some(&1000.0));
+        assert_eq!(slos.limit(MetricKind::E2el, 7), Some(1000.0));
+        assert_eq!(slos.limit(MetricKind::Ttft, 7), None);
+    }
+
+    #[test]
+    fn a_ttft_limit_per_prompt_token_follows_each_prompt() {
+        let mut short = ok(0.0, 0.5, &[0.01; 4], Some(5));
+        short.prompt_len = 100;
+        let mut long = ok(0.0, 2.5, &[0.01; 4], Some(5));
+        long.prompt_len = 2000;
+        let mut too_slow = ok(0.0, 2.5, &[0.01; 4], Some(5));
+        too_slow.prompt_len = 100;
+        let outputs = vec![short, long, too_slow];
+        // 1000 ms + 1.5 ms a token: 1150 ms for 100 tokens, 4000 ms for 2000.
+        let slos = parse_goodput(&[
+            "ttft:1000".into(),
+            "ttft_per_token:1.5".into(),
+            "tpot:50".into(),
+        ])
+        .unwrap();
+        assert_eq!(slos.limit(MetricKind::Ttft, 2000), Some(4000.0));
+        let (m, _) = calculate_metrics(&outputs, &|_| 0, &options(1.0, &slos));
+        assert_eq!(m.request_goodput, Some(2.0));
+        // Alone, the per-token part is the whole limit: 2600 ms for the long prompt only.
+        let slos = parse_goodput(&["ttft_per_token:1.3".into()]).unwrap();
+        assert!(!slos.is_empty());
+        let (m, _) = calculate_metrics(&outputs, &|_| 0, &options(1.0, &slos));
+        assert_eq!(m.request_goodput, Some(1.0));
     }
 }
