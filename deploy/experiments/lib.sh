@@ -1,6 +1,6 @@
 # Shared by the experiment scripts (and scripts/bench-prefix, bench-structured, bench-peers,
-# bench-quant): build once, start and stop deployments with `tandem up`, run tandem-bench,
-# fetch the book text. Sourced, not run.
+# bench-goodput, bench-quant): build once, start and stop deployments with `tandem up` and the
+# peers' servers, run tandem-bench, fetch the book text. Sourced, not run.
 #
 # SMOKE=1 (scripts/lib.sh): the dev-profile binaries CI has built, every deployment file's
 # model replaced by the built-in `tiny` (its weights storage and KV dtype dropped, its KV
@@ -73,6 +73,39 @@ down() {
   PIDS=()
 }
 trap down EXIT
+
+# llama_up BINARY GGUF PORT SLOTS CONTEXT: llama.cpp's server on every core (continuous
+# batching, SLOTS slots sharing CONTEXT tokens), once it answers /health (2 minutes at most).
+llama_up() {
+  local bin=$1 gguf=$2 port=$3 slots=$4 context=$5
+  "$bin" -m "$gguf" -t "$(nproc)" -tb "$(nproc)" --host 127.0.0.1 --port "$port" \
+    -c "$context" -np "$slots" -cb >"$OUT/llama-server.log" 2>&1 &
+  PIDS+=($!)
+  for _ in $(seq 1 120); do
+    curl -sf "http://127.0.0.1:$port/health" >/dev/null 2>&1 && break
+    sleep 1
+  done
+}
+
+# vllm_up PYTHON GGUF PORT MAX_LEN: vLLM's CPU server (PYTHON: its venv's, from
+# scripts/build-vllm-cpu) on the GGUF's f32 widening, a Hugging Face folder made once next to
+# the venv; f32, 2 GB of KV cache, one OpenMP thread per core. Returns once it answers
+# /health; the first start compiles the model for minutes (cached afterwards).
+vllm_up() {
+  local py=$1 gguf=$2 port=$3 max_len=$4
+  local hf
+  hf="$(dirname "$(dirname "$(dirname "$py")")")/smollm2-hf"
+  [ -s "$hf/model.safetensors" ] || "$py" "$ROOT/scripts/gguf-to-hf" "$gguf" "$hf" >&2
+  VLLM_TARGET_DEVICE=cpu VLLM_CPU_KVCACHE_SPACE=2 OMP_NUM_THREADS="$(nproc)" \
+    "$py" -m vllm.entrypoints.openai.api_server --model "$hf" --dtype float32 \
+    --host 127.0.0.1 --port "$port" --max-model-len "$max_len" >"$OUT/vllm.log" 2>&1 &
+  PIDS+=($!)
+  for _ in $(seq 1 900); do
+    curl -sf "http://127.0.0.1:$port/health" >/dev/null 2>&1 && return 0
+    kill -0 "${PIDS[-1]}" 2>/dev/null || { tail -20 "$OUT/vllm.log" >&2; exit 1; }
+    sleep 1
+  done
+}
 
 # bench ARGS...: tandem-bench with this model's tokenizer, no progress bar; its log goes to
 # $OUT/bench.err, whose end is shown when it fails.
