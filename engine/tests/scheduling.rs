@@ -1,6 +1,6 @@
 //! The scheduler on the tiny built-in model: continuous batching, prompt chunks under a
-//! paced allowance, prompts that end going first (shortest first), preemption; every sequence gets the tokens
-//! it gets alone.
+//! paced allowance, prompts that end going first (shortest first, a cached history not
+//! counted), preemption; every sequence gets the tokens it gets alone.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -11,6 +11,8 @@ use tandem_engine::engine::EngineStats;
 use tandem_engine::{Engine, FinishReason, Model, StepOutput};
 
 type Outputs = HashMap<u64, Vec<StepOutput>>;
+/// Sequences to check against their solo runs: (id, prompt index, prompt length, tokens asked).
+type Checks = Vec<(u64, usize, usize, usize)>;
 
 /// One step of `e`, its outputs added to `outs`.
 fn step_into(e: &mut Engine, outs: &mut Outputs) {
@@ -177,6 +179,69 @@ fn a_short_prompt_goes_before_whole_prompts_queued_ahead_of_it() {
     assert_eq!(pass.sampled_rows, 1.0, "{pass:?}");
     assert_eq!(pass.other_tokens, 9.0 + 240.0, "{pass:?}");
     assert_eq!(e.num_waiting(), 1, "the second long prompt waits");
+    drain_and_compare_solo(&model, &mut e, outs, ids);
+}
+
+/// Two streams decoding with prompt chunks beside them capped at 32 tokens a pass, after
+/// `before` ran to its first token, then a 200-token prompt under way (its first chunk
+/// computed) with a second one waiting.
+fn streams_and_a_long_prompt_under_way(
+    model: &Arc<Model>,
+    before: &[u32],
+) -> (Engine, Outputs, Checks) {
+    let mut e = engine(model, 256);
+    let mut ids = Vec::new();
+    let mut outs = Outputs::new();
+    for i in 0..2 {
+        let (s, st) = greedy(30);
+        ids.push((e.add_request(prompt(i, 20), s, st).unwrap(), i, 20, 30));
+    }
+    step_into(&mut e, &mut outs);
+    e.set_prompt_allowance(Some(32));
+    let (s, st) = greedy(1);
+    let first = e.add_request(before.to_vec(), s, st).unwrap();
+    while !outs.contains_key(&first) {
+        step_into(&mut e, &mut outs);
+    }
+    outs.remove(&first);
+    for i in 2..4 {
+        let (s, st) = greedy(4);
+        ids.push((e.add_request(prompt(i, 200), s, st).unwrap(), i, 200, 4));
+    }
+    step_into(&mut e, &mut outs);
+    assert_eq!(e.num_waiting(), 1, "the second long prompt waits");
+    (e, outs, ids)
+}
+
+#[test]
+fn a_next_turn_counts_only_what_its_cached_history_lacks() {
+    let model = model();
+    // A first turn of 96 tokens ran to its end (its blocks stay cached) before the long
+    // prompts came; its next turn is those 96 tokens and 10 more: 106 tokens, 10 to compute,
+    // which end within one 32-token allowance ahead of the long prompt's chunk.
+    let history = prompt(5, 96);
+    let (mut e, mut outs, mut ids) = streams_and_a_long_prompt_under_way(&model, &history);
+    let mut next = history;
+    next.extend(prompt(6, 10));
+    let (s, st) = greedy(3);
+    let turn = e.add_request(next.clone(), s, st).unwrap();
+    step_into(&mut e, &mut outs);
+    assert_eq!(
+        outs[&turn].len(),
+        1,
+        "the next turn's first token, in one pass"
+    );
+    assert_eq!(
+        e.last_pass().sampled_rows,
+        3.0,
+        "two streams and the next turn"
+    );
+    for (id, o) in drain(&mut e) {
+        outs.entry(id).or_default().extend(o);
+    }
+    let got: Vec<u32> = outs[&turn].iter().map(|o| o.token).collect();
+    assert_eq!(got, run_alone(&model, &next, 3), "the next turn");
+    ids.retain(|&(id, ..)| id != turn);
     drain_and_compare_solo(&model, &mut e, outs, ids);
 }
 

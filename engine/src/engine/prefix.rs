@@ -153,6 +153,13 @@ impl Engine {
             .count()
     }
 
+    /// The prompt tokens a waiting sequence would still compute once admitted: its pending
+    /// tokens less the cached prefix admission would take (a conversation's next turn is
+    /// mostly its history, already cached). `pool` is the engine's, locked by the caller.
+    pub(super) fn uncached_pending(&self, pool: &BlockPool, seq: &Sequence) -> usize {
+        seq.pending().saturating_sub(self.cached_now(pool, seq))
+    }
+
     /// Tokens of a waiting sequence's prefix that the cache holds (what
     /// [`Self::reuse_cached_prefix`] would find), without holding them.
     fn cached_now(&self, pool: &BlockPool, seq: &Sequence) -> usize {

@@ -6,8 +6,10 @@
 //! the pacing headroom) for its streams and for those the prompts queued there become,
 //! while a prefill worker has prompts queued, and gets them all back
 //! when none has; the prefill workers share what the decode workers leave (at least one
-//! each). Two workers whose teams both span every core would otherwise contend in every
-//! parallel region, the idle-priority one a straggler its own regions wait for. Workers
+//! each), or every core when the decode workers need them all (the prefill workers then run
+//! only in the slack the decode workers lend between passes). Two workers whose teams both
+//! span every core while the streams leave some free would contend in every parallel
+//! region, the idle-priority one a straggler its own regions wait for. Workers
 //! publish their step costs for their whole team (`tandem-worker`'s pacer), so a step at `d`
 //! of `m` threads is predicted as `m / d` times the fitted cost: compute-bound work scales
 //! so, a memory-bound step does better, and the planner errs towards more decode threads.
@@ -72,7 +74,17 @@ pub fn plan(decode: &[ThreadView], prefill: &[ThreadView], tpot_target_ms: f64) 
         .map(|(_, &n)| n)
         .sum();
     let busy_prefill = prefill.iter().filter(|p| p.work > 0).count().max(1) as u32;
-    let prefill_share = (cores.saturating_sub(decode_used) / busy_prefill).max(1);
+    // When the streams' passes take every core, the prefill workers compute only in the
+    // slack the decode workers lend between passes, when every core is free: a team of one
+    // would leave the others idle through each lent period (on 2 cores, a quarter of the
+    // machine at 16 streams). No team straddles a core the streams run on then, so none
+    // waits on a straggler.
+    let free_cores = if decode_used >= cores {
+        cores
+    } else {
+        cores - decode_used
+    };
+    let prefill_share = (free_cores / busy_prefill).max(1);
     let mut out: Vec<u32> = decode
         .iter()
         .zip(&needs)
@@ -216,8 +228,9 @@ mod tests {
     fn a_queued_prompt_takes_the_cores_the_streams_can_spare() {
         // 20 ms on two threads is 40 on one: within 0.9 x 60.
         assert_eq!(plan(&[decode(20.0, 16)], &[prefill(2048)], 60.0), [1, 1]);
-        // 30 ms on two is 60 on one: over 54, so the streams keep both.
-        assert_eq!(plan(&[decode(30.0, 16)], &[prefill(2048)], 60.0), [2, 1]);
+        // 30 ms on two is 60 on one: over 54, so the streams keep both, and the prompt
+        // computes on both in the slack between their passes.
+        assert_eq!(plan(&[decode(30.0, 16)], &[prefill(2048)], 60.0), [2, 2]);
         // Nothing decoding: the prompt gets every core (the decode worker's one thread idles).
         assert_eq!(plan(&[decode(30.0, 0)], &[prefill(2048)], 60.0), [1, 2]);
     }
@@ -254,7 +267,7 @@ mod tests {
         w.set_load(report(12));
         let wave = ThreadView::of(&w).unwrap();
         assert_eq!((wave.work, wave.full_team_step_ms), (16, Some(50.0)));
-        assert_eq!(plan(&[wave], &[prefill(2048)], 60.0), [2, 1]);
+        assert_eq!(plan(&[wave], &[prefill(2048)], 60.0), [2, 2]);
     }
 
     #[test]
@@ -265,7 +278,7 @@ mod tests {
             full_team_step_ms: None,
             ..decode(0.0, 4)
         };
-        assert_eq!(plan(&[unfitted], &[prefill(100)], 60.0), [2, 1]);
+        assert_eq!(plan(&[unfitted], &[prefill(100)], 60.0), [2, 2]);
     }
 
     #[test]
