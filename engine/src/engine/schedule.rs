@@ -51,9 +51,10 @@ impl Engine {
     /// its whole length it would never end within a paced allowance, and waited seconds
     /// behind a first turn's chunks on a decode worker.
     ///
-    /// Not the fewest tokens left first for every chunk: under the mixed load of
-    /// BENCHMARKS.md ("Goodput under latency targets") an aggregated worker scheduled so let
-    /// waves of streams' first tokens wait seconds (P99 TTFT 1.5-2.5 s against 0.26 s).
+    /// Not the fewest tokens left first for every chunk: in both runs of the mixed load of
+    /// BENCHMARKS.md ("Goodput under latency targets") with it, an aggregated worker let a
+    /// wave of streams' first tokens wait seconds (P99 TTFT 1.5-2.5 s against 0.26-0.29 s),
+    /// though this order saw it once too; kept until runs tell the two apart.
     pub(super) fn schedule(&mut self) -> Vec<Planned> {
         let mut plan = Vec::new();
         let mut budget = self.config.max_batch_tokens;
