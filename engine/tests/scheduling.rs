@@ -122,26 +122,43 @@ fn a_prompt_beside_streams_runs_in_allowance_sized_chunks_with_the_same_tokens()
     drain_and_compare_solo(&model, &mut e, outs, ids);
 }
 
-#[test]
-fn a_short_prompt_does_not_wait_behind_long_ones() {
-    let model = model();
-    let mut e = engine(&model, 256);
+/// Two streams decoding with prompt chunks beside them capped at 32 tokens a pass, after
+/// `before` (if any) ran to its first token, then two 200-token prompts: the first under way
+/// (its first chunk computed), the second waiting behind it.
+fn streams_and_a_long_prompt_under_way(
+    model: &Arc<Model>,
+    before: Option<&[u32]>,
+) -> (Engine, Outputs, Checks) {
+    let mut e = engine(model, 256);
     let mut ids = Vec::new();
     let mut outs = Outputs::new();
-    // Two streams decoding, prompt chunks beside them capped at 32 tokens a pass.
     for i in 0..2 {
         let (s, st) = greedy(30);
         ids.push((e.add_request(prompt(i, 20), s, st).unwrap(), i, 20, 30));
     }
     step_into(&mut e, &mut outs);
     e.set_prompt_allowance(Some(32));
-    // Two long prompts: the first under way, the second waiting behind it.
+    if let Some(before) = before {
+        let (s, st) = greedy(1);
+        let first = e.add_request(before.to_vec(), s, st).unwrap();
+        while !outs.contains_key(&first) {
+            step_into(&mut e, &mut outs);
+        }
+        outs.remove(&first);
+    }
     for i in 2..4 {
         let (s, st) = greedy(4);
         ids.push((e.add_request(prompt(i, 200), s, st).unwrap(), i, 200, 4));
     }
     step_into(&mut e, &mut outs);
     assert_eq!(e.num_waiting(), 1, "the second long prompt waits");
+    (e, outs, ids)
+}
+
+#[test]
+fn a_short_prompt_does_not_wait_behind_long_ones() {
+    let model = model();
+    let (mut e, mut outs, mut ids) = streams_and_a_long_prompt_under_way(&model, None);
     // A short prompt queued behind both ends in the next pass, beside the streams, and the
     // first long prompt's chunk takes the rest of the allowance.
     let (s, st) = greedy(3);
@@ -182,37 +199,6 @@ fn a_short_prompt_goes_before_whole_prompts_queued_ahead_of_it() {
     drain_and_compare_solo(&model, &mut e, outs, ids);
 }
 
-/// Two streams decoding with prompt chunks beside them capped at 32 tokens a pass, after
-/// `before` ran to its first token, then a 200-token prompt under way (its first chunk
-/// computed) with a second one waiting.
-fn streams_and_a_long_prompt_under_way(
-    model: &Arc<Model>,
-    before: &[u32],
-) -> (Engine, Outputs, Checks) {
-    let mut e = engine(model, 256);
-    let mut ids = Vec::new();
-    let mut outs = Outputs::new();
-    for i in 0..2 {
-        let (s, st) = greedy(30);
-        ids.push((e.add_request(prompt(i, 20), s, st).unwrap(), i, 20, 30));
-    }
-    step_into(&mut e, &mut outs);
-    e.set_prompt_allowance(Some(32));
-    let (s, st) = greedy(1);
-    let first = e.add_request(before.to_vec(), s, st).unwrap();
-    while !outs.contains_key(&first) {
-        step_into(&mut e, &mut outs);
-    }
-    outs.remove(&first);
-    for i in 2..4 {
-        let (s, st) = greedy(4);
-        ids.push((e.add_request(prompt(i, 200), s, st).unwrap(), i, 200, 4));
-    }
-    step_into(&mut e, &mut outs);
-    assert_eq!(e.num_waiting(), 1, "the second long prompt waits");
-    (e, outs, ids)
-}
-
 #[test]
 fn a_next_turn_counts_only_what_its_cached_history_lacks() {
     let model = model();
@@ -220,7 +206,7 @@ fn a_next_turn_counts_only_what_its_cached_history_lacks() {
     // prompts came; its next turn is those 96 tokens and 10 more: 106 tokens, 10 to compute,
     // which end within one 32-token allowance ahead of the long prompt's chunk.
     let history = prompt(5, 96);
-    let (mut e, mut outs, mut ids) = streams_and_a_long_prompt_under_way(&model, &history);
+    let (mut e, mut outs, ids) = streams_and_a_long_prompt_under_way(&model, Some(&history));
     let mut next = history;
     next.extend(prompt(6, 10));
     let (s, st) = greedy(3);
@@ -241,7 +227,6 @@ fn a_next_turn_counts_only_what_its_cached_history_lacks() {
     }
     let got: Vec<u32> = outs[&turn].iter().map(|o| o.token).collect();
     assert_eq!(got, run_alone(&model, &next, 3), "the next turn");
-    ids.retain(|&(id, ..)| id != turn);
     drain_and_compare_solo(&model, &mut e, outs, ids);
 }
 
