@@ -275,7 +275,10 @@ async fn killing_a_decode_worker_ends_its_streams_with_an_error_and_routes_aroun
             match tokio::time::timeout(deadline - Instant::now(), s.next()).await {
                 Ok(Some(Ok(chunk))) => {
                     text.push_str(&String::from_utf8_lossy(&chunk));
-                    if text.contains("\"error\"") {
+                    // The error event may arrive split over chunks: read it whole.
+                    if text.contains("\"error\"")
+                        && (text.contains("[DONE]") || text.ends_with("\n\n"))
+                    {
                         break;
                     }
                 }
