@@ -46,7 +46,9 @@ pub struct QuantizedActs {
 }
 
 impl QuantizedActs {
-    /// Quantizes `m` rows of `k` (a multiple of 32) activations, reusing the buffers.
+    /// Quantizes `m` rows of `k` (a multiple of 32) activations, reusing the buffers; the
+    /// rows of a prefill chunk over the compute team (a row's blocks come out the same
+    /// whichever thread quantizes them).
     ///
     /// # Panics
     /// If `k` is not a multiple of 32 or `x` holds fewer than `m·k` values.
@@ -59,15 +61,23 @@ impl QuantizedActs {
         self.scale.resize(m * k / ACT_BLOCK, 0.0);
         self.q_sum.resize(m * k / SUM_BLOCK, 0);
         self.x_sum.resize(m * k / ACT_BLOCK, 0.0);
-        let blocks = x[..m * k].chunks_exact(ACT_BLOCK);
-        let outs = self.q.chunks_exact_mut(ACT_BLOCK);
-        for (b, (xb, qb)) in blocks.zip(outs).enumerate() {
-            let xb: &[f32; ACT_BLOCK] = xb.try_into().expect("blocks of 32");
-            let qb: &mut [i8; ACT_BLOCK] = qb.try_into().expect("blocks of 32");
-            let sums = quantize_block(xb, qb, &mut self.scale[b]);
-            self.q_sum[2 * b..2 * b + 2].copy_from_slice(&sums);
-            self.x_sum[b] = block_sum(xb);
+        let out = ActsOut {
+            q: self.q.as_mut_ptr(),
+            scale: self.scale.as_mut_ptr(),
+            q_sum: self.q_sum.as_mut_ptr(),
+            x_sum: self.x_sum.as_mut_ptr(),
+        };
+        let per_row = k / ACT_BLOCK;
+        if m < 2 * ROWS_PER_TASK {
+            // SAFETY: the four buffers were just sized for these blocks.
+            unsafe { quantize_blocks(x, &out, 0..m * per_row) };
+            return;
         }
+        crate::backend::cpu::kernels::team::parallel_for(m.div_ceil(ROWS_PER_TASK), &|t| {
+            let rows = t * ROWS_PER_TASK..((t + 1) * ROWS_PER_TASK).min(m);
+            // SAFETY: as above; tasks own disjoint row ranges, so disjoint blocks.
+            unsafe { quantize_blocks(x, &out, rows.start * per_row..rows.end * per_row) };
+        });
     }
 
     /// Row `r`'s integers.
@@ -96,19 +106,81 @@ impl QuantizedActs {
     }
 }
 
+/// Rows per task when a prefill chunk's activations are quantized over the team.
+const ROWS_PER_TASK: usize = 16;
+
+/// Where [`quantize_blocks`] writes: the buffers of a [`QuantizedActs`].
+struct ActsOut {
+    q: *mut i8,
+    scale: *mut f32,
+    q_sum: *mut i32,
+    x_sum: *mut f32,
+}
+// SAFETY: the tasks of `QuantizedActs::quantize` write disjoint blocks through it.
+unsafe impl Sync for ActsOut {}
+
+/// Quantizes blocks `range` of `x` into `out`.
+///
+/// # Safety
+/// `out`'s buffers hold every block of `range`, and no other thread touches those blocks
+/// meanwhile.
+unsafe fn quantize_blocks(x: &[f32], out: &ActsOut, range: std::ops::Range<usize>) {
+    for b in range {
+        let xb: &[f32; ACT_BLOCK] = x[b * ACT_BLOCK..(b + 1) * ACT_BLOCK]
+            .try_into()
+            .expect("blocks of 32");
+        // SAFETY: block `b` lies inside every buffer and belongs to this caller alone.
+        unsafe {
+            let qb = &mut *out.q.add(b * ACT_BLOCK).cast::<[i8; ACT_BLOCK]>();
+            let sums = quantize_block(xb, qb, &mut *out.scale.add(b));
+            *out.q_sum.add(2 * b) = sums[0];
+            *out.q_sum.add(2 * b + 1) = sums[1];
+            *out.x_sum.add(b) = block_sum(xb);
+        }
+    }
+}
+
 /// Quantizes one block: its scale (`max |x| / 127`) into `scale`, `round(x / scale)` (ties
 /// to even) into `q`; returns the sums of the integers of each 16.
 fn quantize_block(x: &[f32; ACT_BLOCK], q: &mut [i8; ACT_BLOCK], scale: &mut f32) -> [i32; 2] {
-    let amax = x.iter().fold(0f32, |a, &v| a.max(v.abs()));
-    let d = amax / 127.0;
-    let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
-    *scale = d;
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx2") {
         // SAFETY: AVX2 was just detected.
+        let amax = unsafe { abs_max_avx2(x) };
+        let inv = scale_for(amax, scale);
+        // SAFETY: as above.
         return unsafe { quantize_block_avx2(x, q, inv) };
     }
+    let amax = x.iter().fold(0f32, |a, &v| a.max(v.abs()));
+    let inv = scale_for(amax, scale);
     quantize_block_portable(x, q, inv)
+}
+
+/// Sets a block's scale from its largest magnitude; returns the scale's inverse (0 for an
+/// all-zero block).
+fn scale_for(amax: f32, scale: &mut f32) -> f32 {
+    let d = amax / 127.0;
+    *scale = d;
+    if d > 0.0 { 1.0 / d } else { 0.0 }
+}
+
+/// The largest `|x|` of a block, as the portable fold finds it: a maximum is exact whatever
+/// the order, and `vmaxps` with the running maximum second passes a NaN over as
+/// `f32::max` does.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn abs_max_avx2(x: &[f32; ACT_BLOCK]) -> f32 {
+    use std::arch::x86_64::*;
+    let sign = _mm256_set1_ps(-0.0);
+    let mut m = _mm256_setzero_ps();
+    for c in 0..ACT_BLOCK / 8 {
+        // SAFETY: 32 floats in.
+        let v = unsafe { _mm256_loadu_ps(x.as_ptr().add(8 * c)) };
+        m = _mm256_max_ps(_mm256_andnot_ps(sign, v), m);
+    }
+    let m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps::<1>(m));
+    let m2 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    _mm_cvtss_f32(_mm_max_ss(m2, _mm_shuffle_ps::<1>(m2, m2)))
 }
 
 fn quantize_block_portable(x: &[f32; ACT_BLOCK], q: &mut [i8; ACT_BLOCK], inv: f32) -> [i32; 2] {
@@ -254,6 +326,8 @@ mod tests {
             let (mut a, mut b) = ([0i8; ACT_BLOCK], [0i8; ACT_BLOCK]);
             let mut scale = 0.0;
             let sums = quantize_block(&x, &mut a, &mut scale);
+            let amax = x.iter().fold(0f32, |a, &v| a.max(v.abs()));
+            assert_eq!(scale.to_bits(), (amax / 127.0).to_bits(), "case {case}");
             let inv = if scale > 0.0 { 1.0 / scale } else { 0.0 };
             assert_eq!(
                 sums,
