@@ -77,6 +77,15 @@ impl Model {
         fingerprint: String,
         name: String,
     ) -> Self {
+        let mut weights = weights;
+        match weights.gather_quantized() {
+            Ok(0) => {}
+            Ok(bytes) => tracing::debug!(bytes, "quantized weights in one huge-page mapping"),
+            Err(e) => tracing::warn!(
+                error = %e,
+                "quantized weights stay in separate buffers (no memory for one mapping)"
+            ),
+        }
         let rope = RopeTable::new(&cfg);
         let rope_local = RopeTable::local(&cfg);
         let fast = weights

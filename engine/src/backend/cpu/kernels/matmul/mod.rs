@@ -150,6 +150,14 @@ impl Matrix {
         }
     }
 
+    /// The quantized parts' panels, to move their bytes (`quant::arena`).
+    pub(crate) fn quant_parts_mut(&mut self) -> impl Iterator<Item = &mut QuantPanels> {
+        self.parts.iter_mut().filter_map(|p| match &mut p.storage {
+            Storage::Quant(q) => Some(q),
+            Storage::Dense(_) => None,
+        })
+    }
+
     /// Stacks matrices of the same width by rows (`None` if the widths differ).
     pub fn stack(matrices: Vec<Matrix>) -> Option<Matrix> {
         let cols = matrices.first()?.cols;

@@ -32,11 +32,13 @@
 //! each lane's consecutive inputs side by side ([`Arrangement::Quads`]), and `int8` runs them
 //! as integer dot products over 8-bit activations.
 //!
-//! The files: `panels` (the packed storage), `ggml` (GGML's blocks, decoded), `x86` (the
-//! vector dequantizers), `fused` (tiles that dequantize in registers), `int8`, `x86_int` and
-//! `neon_int` (the integer tiles); this file picks the dequantizer and the integer tile for
-//! an instruction set.
+//! The files: `panels` (the packed storage), `arena` (a loaded model's panels in one
+//! huge-page mapping), `ggml` (GGML's blocks, decoded), `x86` (the vector dequantizers),
+//! `fused` (tiles that dequantize in registers), `int8`, `x86_int` and `neon_int` (the
+//! integer tiles); this file picks the dequantizer and the integer tile for an instruction
+//! set.
 
+pub(crate) mod arena;
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod fused;
 pub mod ggml;

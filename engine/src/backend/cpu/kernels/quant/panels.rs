@@ -6,6 +6,7 @@
 use half::f16;
 use rayon::prelude::*;
 
+use super::arena::PanelBytes;
 use super::ggml::{DecodedRow, QuantKind, SUPER_BLOCK, decode_row};
 use crate::backend::cpu::kernels::matmul::PANEL;
 
@@ -50,7 +51,7 @@ pub struct QuantPanels {
     pub(super) rows: usize,
     pub(super) cols: usize,
     pub(super) layout: Layout,
-    pub(super) data: Vec<u8>,
+    pub(super) data: PanelBytes,
 }
 
 /// Where things lie inside one panel's bytes, for a format and row length.
@@ -259,7 +260,7 @@ impl QuantPanels {
             rows,
             cols,
             layout,
-            data,
+            data: PanelBytes::Owned(data),
         })
     }
 
