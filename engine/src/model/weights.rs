@@ -114,7 +114,7 @@ impl Weights {
             .chain(self.lm_head.as_mut())
             .flat_map(Matrix::quant_parts_mut)
             .collect();
-        crate::backend::cpu::kernels::quant::arena::gather(&mut panels)
+        crate::backend::cpu::kernels::quant::gather_panels(&mut panels)
     }
 
     /// Bytes of all matrices and vectors (tied embeddings once).

@@ -14,8 +14,6 @@ use std::sync::Arc;
 
 use memmap2::MmapMut;
 
-use super::panels::QuantPanels;
-
 /// A transparent huge page on x86-64 and most aarch64 kernels.
 const HUGE_PAGE: usize = 2 << 20;
 /// Each matrix starts on a cache line, as a heap buffer of this size would.
@@ -54,14 +52,14 @@ impl std::fmt::Debug for PanelBytes {
     }
 }
 
-/// Moves the bytes of `panels` into one new anonymous mapping, 2 MiB-aligned and advised for
-/// huge pages; returns its size. Each matrix's own buffer is freed as soon as it is copied,
-/// so loading never holds the weights twice. On an error (no memory for the mapping, the
-/// only step that can fail) every matrix keeps its own buffer.
-pub(crate) fn gather(panels: &mut [&mut QuantPanels]) -> std::io::Result<usize> {
-    let total: usize = panels
+/// Moves `buffers` into one new anonymous mapping, 2 MiB-aligned and advised for huge pages;
+/// returns its size. Each buffer's own memory is freed as soon as it is copied, so loading
+/// never holds the weights twice. On an error (no memory for the mapping, the only step that
+/// can fail) every buffer stays as it was.
+pub(crate) fn gather(buffers: &mut [&mut PanelBytes]) -> std::io::Result<usize> {
+    let total: usize = buffers
         .iter()
-        .map(|p| p.data.len().next_multiple_of(ALIGN))
+        .map(|b| b.len().next_multiple_of(ALIGN))
         .sum();
     if total == 0 {
         return Ok(0);
@@ -73,16 +71,16 @@ pub(crate) fn gather(panels: &mut [&mut QuantPanels]) -> std::io::Result<usize> 
     let _ = map.advise(memmap2::Advice::HugePage);
     let base = map.as_ptr() as usize;
     let mut at = base.next_multiple_of(HUGE_PAGE) - base;
-    let mut places = Vec::with_capacity(panels.len());
-    for p in panels.iter_mut() {
-        let own = std::mem::replace(&mut p.data, PanelBytes::Owned(Vec::new()));
+    let mut places = Vec::with_capacity(buffers.len());
+    for b in buffers.iter_mut() {
+        let own = std::mem::replace(&mut **b, PanelBytes::Owned(Vec::new()));
         map[at..at + own.len()].copy_from_slice(&own);
         places.push((at, own.len()));
         at += own.len().next_multiple_of(ALIGN);
     }
     let map = Arc::new(map);
-    for (p, (start, len)) in panels.iter_mut().zip(places) {
-        p.data = PanelBytes::Mapped {
+    for (b, (start, len)) in buffers.iter_mut().zip(places) {
+        **b = PanelBytes::Mapped {
             map: map.clone(),
             start,
             len,
@@ -94,29 +92,22 @@ pub(crate) fn gather(panels: &mut [&mut QuantPanels]) -> std::io::Result<usize> 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::backend::cpu::kernels::quant::{Arrangement, QuantKind};
 
     #[test]
-    fn gathered_matrices_keep_their_bytes_and_values() {
-        let (rows, cols) = (37, 256);
-        let mut made: Vec<QuantPanels> = QuantKind::ALL
+    fn gathered_buffers_keep_their_bytes_aligned() {
+        let lens = [0usize, 1, 63, 64, 65, 5760, 300_001];
+        let made: Vec<Vec<u8>> = lens
             .iter()
-            .enumerate()
-            .map(|(i, &kind)| {
-                let (bytes, _) = super::super::tests::quantized(kind, rows, cols, 30 + i as u64);
-                QuantPanels::from_ggml_in(Arrangement::Quads, kind, rows, cols, &bytes).unwrap()
-            })
+            .map(|&n| (0..n).map(|i| (i * 31 + n) as u8).collect())
             .collect();
-        let before: Vec<Vec<u8>> = made.iter().map(|p| p.data.to_vec()).collect();
-        let values: Vec<f32> = made.iter().map(|p| p.get(rows - 1, cols - 1)).collect();
-        let mut refs: Vec<&mut QuantPanels> = made.iter_mut().collect();
+        let mut buffers: Vec<PanelBytes> = made.iter().cloned().map(PanelBytes::Owned).collect();
+        let mut refs: Vec<&mut PanelBytes> = buffers.iter_mut().collect();
         let total = gather(&mut refs).unwrap();
-        assert!(total >= before.iter().map(Vec::len).sum::<usize>());
-        for ((p, bytes), value) in made.iter().zip(&before).zip(values) {
-            assert!(matches!(p.data, PanelBytes::Mapped { .. }));
-            assert_eq!(&p.data[..], &bytes[..]);
-            assert_eq!(p.get(rows - 1, cols - 1).to_bits(), value.to_bits());
-            assert_eq!(p.data.as_ptr() as usize % ALIGN, 0);
+        assert!(total >= lens.iter().sum::<usize>());
+        for (b, want) in buffers.iter().zip(&made) {
+            assert!(matches!(b, PanelBytes::Mapped { .. }));
+            assert_eq!(&b[..], &want[..]);
+            assert_eq!(b.as_ptr() as usize % ALIGN, 0);
         }
         assert_eq!(gather(&mut []).unwrap(), 0);
     }

@@ -86,6 +86,13 @@ pub fn dequant_panel(isa: Isa, w: &QuantPanels, p: usize, out: &mut [f32]) {
     }
 }
 
+/// Moves the bytes of `panels` into one mapping backed by huge pages where the OS gives them
+/// ([`arena::gather`]); returns its size.
+pub(crate) fn gather_panels(panels: &mut [&mut QuantPanels]) -> std::io::Result<usize> {
+    let mut bytes: Vec<&mut arena::PanelBytes> = panels.iter_mut().map(|p| &mut p.data).collect();
+    arena::gather(&mut bytes)
+}
+
 /// Rows of x per cache block of the integer tiles: the block's activations stay in cache
 /// while a task's panels pass under them.
 const ROW_BLOCK: usize = 64;

@@ -165,3 +165,36 @@ fn malformed_tensors_are_refused_with_their_shape() {
         "q8_0 tensor of 2x64 takes 136 bytes; 10 given"
     );
 }
+
+#[test]
+fn matrices_gathered_into_one_mapping_compute_the_same_bits() {
+    let (n, k, m) = (37, 512, 5);
+    let x = random(m * k, 41);
+    for arrangement in [Arrangement::InputMajor, Arrangement::Quads] {
+        let mut matrices: Vec<Matrix> = QuantKind::ALL
+            .iter()
+            .enumerate()
+            .map(|(i, &kind)| {
+                let (bytes, _) = quantized(kind, n, k, 50 + i as u64);
+                let q = QuantPanels::from_ggml_in(arrangement, kind, n, k, &bytes).unwrap();
+                Matrix::quantized(q)
+            })
+            .collect();
+        let run = |ms: &[Matrix]| -> Vec<Vec<u32>> {
+            ms.iter()
+                .map(|w| {
+                    let mut out = vec![0f32; m * n];
+                    linear_on(Isa::Scalar, &x, m, w, &mut out);
+                    out.iter().map(|v| v.to_bits()).collect()
+                })
+                .collect()
+        };
+        let before = run(&matrices);
+        let mut panels: Vec<&mut QuantPanels> = matrices
+            .iter_mut()
+            .flat_map(Matrix::quant_parts_mut)
+            .collect();
+        assert!(gather_panels(&mut panels).unwrap() > 0);
+        assert_eq!(run(&matrices), before, "{arrangement:?}");
+    }
+}
