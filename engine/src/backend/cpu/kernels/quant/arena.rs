@@ -1,5 +1,5 @@
 //! Where a quantized matrix's packed bytes live: its own heap buffer while it is built, then
-//! (for a loaded model) one read-only mapping shared by every quantized matrix of the model,
+//! (for a loaded model) one mapping shared by every quantized matrix of the model,
 //! advised for transparent huge pages ([`gather`]).
 //!
 //! Why: a batch-1 decode step streams every weight once, about 100 MB for SmolLM2, through
