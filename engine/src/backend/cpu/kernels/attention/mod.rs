@@ -283,7 +283,7 @@ fn run_units(
         }
     });
     let split_units: Vec<&Unit> = units.iter().filter(|u| u.split).collect();
-    super::team::parallel_for(split_units.len(), &|i| {
+    let fold_unit = |i: usize| {
         let u = split_units[i];
         let lanes = u.lanes(g);
         let (mut total, mut total_acc) = (vec![RowState::START; lanes], vec![0f32; lanes * g.d]);
@@ -300,8 +300,22 @@ fn run_units(
         }
         // SAFETY: the unit's rows and heads are written by this task alone.
         unsafe { write_out(&total, &total_acc, g.d, &u.dest(g, &seqs[u.seq]), out) };
-    });
+    };
+    // A fold is a multiply-add per float of each span's part: a decode step's few (three
+    // units of 2-4 spans at batch 1) cost less than handing them to the team.
+    let fold_floats: usize = split_units
+        .iter()
+        .map(|u| (u.end_span - u.first_span) * u.lanes(g) * g.d)
+        .sum();
+    if fold_floats <= FOLD_INLINE_FLOATS {
+        (0..split_units.len()).for_each(fold_unit);
+    } else {
+        super::team::parallel_for(split_units.len(), &fold_unit);
+    }
 }
+
+/// Floats of split spans' parts up to which one thread folds them all.
+const FOLD_INLINE_FLOATS: usize = 1 << 14;
 
 /// A unit's spans in turn within one task, folded as they come.
 ///
