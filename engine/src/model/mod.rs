@@ -70,14 +70,15 @@ impl SeqInput<'_> {
 }
 
 impl Model {
+    /// A model over `weights`, whose quantized matrices it first moves into one huge-page
+    /// mapping ([`Weights::gather_quantized`]).
     pub fn new(
         cfg: ModelConfig,
-        weights: Weights,
+        mut weights: Weights,
         format: WeightFormat,
         fingerprint: String,
         name: String,
     ) -> Self {
-        let mut weights = weights;
         match weights.gather_quantized() {
             Ok(0) => {}
             Ok(bytes) => tracing::debug!(bytes, "quantized weights in one huge-page mapping"),

@@ -214,6 +214,21 @@ pub fn parallel_for(tasks: usize, f: &(dyn Fn(usize) + Sync)) {
 /// (starting a region costs more than a few short rows, as in every decode step).
 const MIN_ROWS_PER_TASK: usize = 16;
 
+/// Runs `f(rows)` over disjoint ranges covering `0..rows` on the team, for per-row work a
+/// row computes the same way whichever thread runs it; fewer than twice
+/// [`MIN_ROWS_PER_TASK`] rows run on the caller alone.
+pub fn parallel_row_ranges(rows: usize, f: &(dyn Fn(std::ops::Range<usize>) + Sync)) {
+    if rows < 2 * MIN_ROWS_PER_TASK {
+        f(0..rows);
+        return;
+    }
+    let tasks = (rows / MIN_ROWS_PER_TASK).min(threads() * 4);
+    let per_task = rows.div_ceil(tasks);
+    parallel_for(rows.div_ceil(per_task), &|t| {
+        f(t * per_task..((t + 1) * per_task).min(rows))
+    });
+}
+
 /// Runs `f(first_row, rows)` over disjoint runs of `out`'s rows (`width` floats each) on the
 /// team: for per-row operations (norms, RoPE, SwiGLU, residual adds) of a prefill chunk,
 /// which a row computes the same way whichever thread runs it.
@@ -223,16 +238,13 @@ pub fn parallel_rows(out: &mut [f32], width: usize, f: &(dyn Fn(usize, &mut [f32
         f(0, out);
         return;
     }
-    let tasks = (rows / MIN_ROWS_PER_TASK).min(threads() * 4);
-    let per_task = rows.div_ceil(tasks);
     let base = super::SharedMut(out.as_mut_ptr());
-    parallel_for(rows.div_ceil(per_task), &|t| {
-        let (r0, r1) = (t * per_task, ((t + 1) * per_task).min(rows));
+    parallel_row_ranges(rows, &|r| {
         let base = &base;
-        // SAFETY: tasks own disjoint row ranges of `out`, which outlives the region.
+        // SAFETY: ranges are disjoint rows of `out`, which outlives the region.
         let chunk =
-            unsafe { std::slice::from_raw_parts_mut(base.0.add(r0 * width), (r1 - r0) * width) };
-        f(r0, chunk);
+            unsafe { std::slice::from_raw_parts_mut(base.0.add(r.start * width), r.len() * width) };
+        f(r.start, chunk);
     });
 }
 
@@ -262,6 +274,22 @@ mod tests {
             });
             let want: Vec<f32> = (0..rows).flat_map(|r| [r as f32; 3]).collect();
             assert_eq!(out, want, "{rows} rows");
+        }
+    }
+
+    #[test]
+    fn row_ranges_cover_each_row_once() {
+        for rows in [0, 1, 31, 32, 33, 200, 513] {
+            let hits: Vec<AtomicUsize> = (0..rows).map(|_| AtomicUsize::new(0)).collect();
+            parallel_row_ranges(rows, &|r| {
+                for i in r {
+                    hits[i].fetch_add(1, Ordering::Relaxed);
+                }
+            });
+            assert!(
+                hits.iter().all(|h| h.load(Ordering::Relaxed) == 1),
+                "{rows} rows"
+            );
         }
     }
 

@@ -9,6 +9,15 @@ fn random(n: usize, seed: u64) -> Vec<f32> {
     (0..n).map(|_| rng.random_range(-1.0f32..1.0)).collect()
 }
 
+/// `w` in each dense storage.
+fn every_dtype(w: &[f32]) -> [WeightData; 3] {
+    [
+        WeightData::F32(w.to_vec()),
+        WeightData::F16(w.iter().map(|&v| f16::from_f32(v)).collect()),
+        WeightData::Bf16(w.iter().map(|&v| bf16::from_f32(v)).collect()),
+    ]
+}
+
 fn naive(x: &[f32], m: usize, w: &Matrix) -> Vec<f32> {
     let mut out = vec![0f32; m * w.rows];
     for i in 0..m {
@@ -52,11 +61,7 @@ fn matches_naive_for_odd_shapes_and_all_dtypes() {
     ] {
         let x = random(m * k, 1);
         let wf = random(n * k, 2);
-        for data in [
-            WeightData::F32(wf.clone()),
-            WeightData::F16(wf.iter().map(|&v| f16::from_f32(v)).collect()),
-            WeightData::Bf16(wf.iter().map(|&v| bf16::from_f32(v)).collect()),
-        ] {
+        for data in every_dtype(&wf) {
             let w = Matrix::new(n, k, data);
             let mut out = vec![f32::NAN; m * n + 3];
             linear(&x, m, &w, &mut out);
@@ -106,11 +111,7 @@ fn every_instruction_set_gives_the_same_bits() {
     ] {
         let x = random(m * k, 5);
         let wf = random(n * k, 6);
-        for data in [
-            WeightData::F32(wf.clone()),
-            WeightData::F16(wf.iter().map(|&v| f16::from_f32(v)).collect()),
-            WeightData::Bf16(wf.iter().map(|&v| bf16::from_f32(v)).collect()),
-        ] {
+        for data in every_dtype(&wf) {
             let w = Matrix::new(n, k, data);
             let mut scalar = vec![0f32; m * n];
             linear_on(Isa::Scalar, &x, m, &w, &mut scalar);

@@ -68,14 +68,9 @@ impl QuantizedActs {
             x_sum: self.x_sum.as_mut_ptr(),
         };
         let per_row = k / ACT_BLOCK;
-        if m < 2 * ROWS_PER_TASK {
-            // SAFETY: the four buffers were just sized for these blocks.
-            unsafe { quantize_blocks(x, &out, 0..m * per_row) };
-            return;
-        }
-        crate::backend::cpu::kernels::team::parallel_for(m.div_ceil(ROWS_PER_TASK), &|t| {
-            let rows = t * ROWS_PER_TASK..((t + 1) * ROWS_PER_TASK).min(m);
-            // SAFETY: as above; tasks own disjoint row ranges, so disjoint blocks.
+        crate::backend::cpu::kernels::team::parallel_row_ranges(m, &|rows| {
+            // SAFETY: the four buffers were just sized for `m` rows of blocks; the ranges are
+            // disjoint rows, so disjoint blocks.
             unsafe { quantize_blocks(x, &out, rows.start * per_row..rows.end * per_row) };
         });
     }
@@ -105,9 +100,6 @@ impl QuantizedActs {
         self.x_sum[(r * self.k + i) / ACT_BLOCK]
     }
 }
-
-/// Rows per task when a prefill chunk's activations are quantized over the team.
-const ROWS_PER_TASK: usize = 16;
 
 /// Where [`quantize_blocks`] writes: the buffers of a [`QuantizedActs`].
 struct ActsOut {
