@@ -165,7 +165,8 @@ fn the_q4_1_file_runs_in_its_own_size_with_the_logits_of_its_f32_widening() {
 /// rounding, and in `fast` mode the activations' too (measured, exact: bf16 −0.07 %, q8_0
 /// −0.49 %, q4_0 +16.1 %, native with a bf16 KV cache −0.004 %; fast: native +2.51 %, q8_0
 /// −0.20 %, q4_0 +17.0 %, native with a bf16 KV cache +1.54 %; on 1024 tokens of the book
-/// text fast mode adds 0.81 % to native: BENCHMARKS.md).
+/// text fast mode adds 0.37 % to native, 0.81 % before commit 9b8eee6's attention order:
+/// BENCHMARKS.md).
 #[test]
 fn each_storage_keeps_the_perplexity_within_its_stated_margin() {
     let text = include_str!("golden/tale-of-two-cities.txt");
