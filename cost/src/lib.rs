@@ -14,6 +14,17 @@
 //! A crate of its own, with no dependencies, so that the workers (which fit) and the router
 //! (which predicts) share one definition without the router taking the engine.
 
+mod pacing;
+
+pub use pacing::{
+    DEBT_HORIZON, LONGEST_PASS_TARGETS, MIN_PACED_CHUNK, Pacing, PassBudget, Standing, Waiting,
+    idle_ms, pass_budget,
+};
+
+/// When the streams' passes alone fill their aim, a waiting prompt still gets one granule
+/// every this many passes (`Pacing`): late, never starved.
+pub const STARVED_PASSES: u64 = 8;
+
 /// The share of a TPOT target that a decode worker fills a pass to when it lends its
 /// streams' slack to a prompt chunk: the fit's error and the passes' noise stay within the
 /// rest. The router predicts with the same share.
@@ -164,8 +175,9 @@ impl Coefficients {
     }
 
     /// How long prompt tokens `start..start + tokens` take on a worker whose streams
-    /// (`beside`) are paced to `target_ms` by [`Pacing`]: the prompt gets the passes' slack,
-    /// `target_ms - pass`, of every `target_ms`; when the streams alone fill their target it
+    /// (`beside`) are paced to `target_ms` by [`Pacing`] with no lead banked: over the
+    /// streams' periods the prompt gets their slack, `target_ms - pass` of every `target_ms`
+    /// (a lead the streams banked lets it go faster); when the streams alone fill their target it
     /// gets a granule every [`STARVED_PASSES`] passes.
     pub fn paced_prompt_ms(
         &self,
@@ -188,77 +200,6 @@ impl Coefficients {
         let (with_streams, passes) = self.prompt_ms(beside, start, tokens, chunk);
         let prompt_alone = (with_streams - passes as f64 * streams_ms).max(0.0);
         prompt_alone * target_ms / (target_ms - streams_ms)
-    }
-}
-
-/// When the streams' passes alone fill their TPOT target, a waiting prompt still gets one
-/// granule every this many passes: late, never starved.
-pub const STARVED_PASSES: u64 = 8;
-
-/// How far ahead (in targets) a paced worker banks the slack of short passes, and how far
-/// into debt a long one may put it: a chunk may stretch a pass to the target plus the
-/// banked slack plus this many targets of debt, which the passes after it repay by running
-/// under the target (a lending worker idles less), so that the streams' average (their
-/// TPOT) stays within the target while single passes may not. A wave of short prompts
-/// thus starts in a pass or two instead of a granule at a time.
-pub const CREDIT_TARGETS: f64 = 4.0;
-
-/// The prompt tokens a decode worker lets into each pass beside its streams so that the
-/// streams' time per token stays within their target on average: each pass may take the
-/// target plus the slack banked by earlier passes plus what is left of the debt it may run
-/// (each [`CREDIT_TARGETS`] targets).
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
-pub struct Pacing {
-    credit_ms: f64,
-    starved: u64,
-}
-
-impl Pacing {
-    /// The prompt tokens the next pass running `beside` may add after `start` computed
-    /// prompt tokens, for streams whose target is `target_ms`: 0 to let this pass run the
-    /// streams alone.
-    pub fn allowance(
-        &mut self,
-        cost: &Coefficients,
-        beside: StepShape,
-        start: u64,
-        target_ms: f64,
-        max: u64,
-        granule: u64,
-    ) -> u64 {
-        let budget = target_ms + self.credit_ms + CREDIT_TARGETS * target_ms;
-        let tokens = cost.chunk_allowance(beside, start, budget, max, granule);
-        if tokens > 0 {
-            self.starved = 0;
-            return tokens;
-        }
-        self.starved += 1;
-        if self.starved >= STARVED_PASSES {
-            self.starved = 0;
-            return granule.max(1);
-        }
-        0
-    }
-
-    /// Books a pass with streams that took `elapsed_ms` against `target_ms`.
-    pub fn after_pass(&mut self, target_ms: f64, elapsed_ms: f64) {
-        if !(target_ms.is_finite() && elapsed_ms.is_finite()) {
-            return;
-        }
-        let cap = CREDIT_TARGETS * target_ms;
-        self.credit_ms = (self.credit_ms + target_ms - elapsed_ms).clamp(-cap, cap);
-    }
-
-    /// The slack banked now (negative: passes ran over).
-    pub fn credit_ms(&self) -> f64 {
-        self.credit_ms
-    }
-
-    /// The idle time after a pass of streams alone that took `elapsed_ms` against
-    /// `target_ms`, for a worker that lends its slack: the rest of the period less the debt
-    /// to repay.
-    pub fn idle_ms(&self, target_ms: f64, elapsed_ms: f64) -> f64 {
-        (target_ms - elapsed_ms + self.credit_ms.min(0.0)).max(0.0)
     }
 }
 
@@ -581,54 +522,6 @@ mod tests {
             ..TRUE
         };
         assert_eq!(blind.chunk_allowance(beside, 0, 60.0, 512, 16), 512);
-    }
-
-    #[test]
-    fn pacing_banks_slack_lends_against_debt_and_never_starves_a_prompt() {
-        let beside = StepShape::decode(8, 8 * 1000);
-        let streams = TRUE.step_ms(&beside);
-        let mut pacing = Pacing::default();
-        // A target just above the streams' pass: no slack in it, but a pass may run up to
-        // CREDIT_TARGETS targets into debt, so a chunk goes in at once...
-        let target = streams + 1.0;
-        assert_eq!(TRUE.chunk_allowance(beside, 0, target, 512, 16), 0);
-        let granted = pacing.allowance(&TRUE, beside, 0, target, 512, 16);
-        assert!(granted > 0, "{pacing:?}");
-        let pass = TRUE.step_ms(&beside.plus(StepShape::chunk(0, granted, false)));
-        assert!(pass <= (1.0 + CREDIT_TARGETS) * target + 1e-9, "{pass}");
-        // ...and once the debt is run, none until passes under the target repay it: a
-        // lending worker idles less to do so.
-        pacing.after_pass(target, (1.0 + CREDIT_TARGETS) * target);
-        assert!((pacing.credit_ms() + CREDIT_TARGETS * target).abs() < 1e-9);
-        assert_eq!(pacing.allowance(&TRUE, beside, 0, target, 512, 16), 0);
-        assert_eq!(pacing.idle_ms(target, streams), 0.0);
-        // Passes of the streams alone repay 1 ms each; once repaid, 5 ms more are banked,
-        // the debt room is whole again, and a lending worker idles the rest of each period.
-        let repay = (CREDIT_TARGETS * target).ceil() as usize;
-        for _ in 0..repay + 5 {
-            pacing.after_pass(target, streams);
-        }
-        assert!(pacing.credit_ms() > 4.0, "{pacing:?}");
-        assert!((pacing.idle_ms(target, streams) - 1.0).abs() < 1e-9);
-        assert!(pacing.allowance(&TRUE, beside, 0, target, 512, 16) >= granted);
-        // The credit is bounded both ways.
-        for _ in 0..1000 {
-            pacing.after_pass(target, 0.0);
-        }
-        assert!(pacing.credit_ms() <= CREDIT_TARGETS * target + 1e-9);
-        for _ in 0..1000 {
-            pacing.after_pass(target, 1e6);
-        }
-        assert!(pacing.credit_ms() >= -CREDIT_TARGETS * target - 1e-9);
-        // Streams that fill their target alone: a granule every STARVED_PASSES passes.
-        let grants: Vec<u64> = (0..2 * STARVED_PASSES)
-            .map(|_| pacing.allowance(&TRUE, beside, 0, streams / 2.0, 512, 16))
-            .collect();
-        assert_eq!(grants.iter().filter(|&&g| g == 16).count(), 2, "{grants:?}");
-        assert_eq!(
-            grants.iter().filter(|&&g| g == 0).count(),
-            2 * STARVED_PASSES as usize - 2
-        );
     }
 
     #[test]

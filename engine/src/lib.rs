@@ -23,7 +23,7 @@ pub use device::Device;
 
 /// Whether this build has the CUDA engine (the `cuda` feature).
 pub const CUDA_SUPPORT: bool = cfg!(feature = "cuda");
-pub use engine::{CalibrationRun, Engine, EngineConfig, EngineStats, ReceivedKv};
+pub use engine::{CalibrationRun, DecodeStream, Engine, EngineConfig, EngineStats, ReceivedKv};
 pub use error::{EngineError, Result};
 pub use guides::compile_guide;
 pub use model::{LoadOptions, Model, ModelSource, SeqInput, load_model};

@@ -111,14 +111,26 @@ fn a_prompt_beside_streams_runs_in_allowance_sized_chunks_with_the_same_tokens()
         }
     }
     assert!(prompt_passes >= 200 / 32, "{prompt_passes} passes");
-    // Without decode rows the allowance does not apply.
+    // Without decode rows the allowance applies too (a new stream's prompt arriving
+    // meanwhile waits for the pass), and a pass is never empty while a prompt waits.
     e.set_prompt_allowance(Some(16));
     let (s, st) = greedy(1);
     let mut alone = engine(&model, 64);
     alone.set_prompt_allowance(Some(16));
     alone.add_request(prompt(9, 100), s, st).unwrap();
     alone.step().unwrap();
-    assert_eq!(alone.last_pass().other_tokens, 99.0);
+    assert_eq!(alone.last_pass().other_tokens, 16.0);
+    alone.set_prompt_allowance(Some(0));
+    alone.step().unwrap();
+    assert_eq!(
+        alone.last_pass().other_tokens,
+        16.0,
+        "a block, not an empty pass"
+    );
+    alone.set_prompt_allowance(None);
+    alone.step().unwrap();
+    assert_eq!(alone.last_pass().other_tokens, 67.0);
+    assert_eq!(alone.last_pass().sampled_rows, 1.0);
     drain_and_compare_solo(&model, &mut e, outs, ids);
 }
 

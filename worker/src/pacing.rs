@@ -1,9 +1,10 @@
 //! Step pacing: what the engine thread learns from its own passes and what it does with it.
 //! Every pass is timed and fitted into a cost model (`tandem_cost`), published for the load
 //! report (the router predicts with it); and when streams with a TPOT target are decoding,
-//! the prompt chunks that join their passes are sized so that the streams' time per token
-//! stays within the tightest target on average: the decode worker lends its streams' slack
-//! to prompts instead of stalling them (Sarathi-Serve's stall-free batching). With
+//! the prompt chunks that join their passes are sized so that every stream's time per token
+//! stays within its target on average (`tandem_cost::Pacing`): the decode worker lends its
+//! streams' slack to prompts instead of stalling them (Sarathi-Serve's stall-free batching).
+//! Each stream's standing is kept here, by its clock since it was first seen decoding. With
 //! `lend_slack`, a pass of decode rows alone is followed by the rest of the streams' period
 //! idle while some other thread of the host waits for a CPU (an idle-priority prefill worker
 //! on the same cores), which then computes in it.
@@ -13,11 +14,12 @@
 //! compute-bound), so the model a router reads, and the chunk sizes here, do not change
 //! meaning when threads move.
 
+use std::collections::HashMap;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use tandem_cost::{Coefficients, CostFit, Pacing, TPOT_HEADROOM};
-use tandem_engine::Engine;
+use tandem_cost::{Coefficients, CostFit, Pacing, Standing, StepShape};
+use tandem_engine::{Engine, SeqId};
 use tandem_proto::v1::StepCost;
 
 /// What the engine thread publishes after each pass for the load report.
@@ -46,13 +48,22 @@ pub struct Pacer {
     coefficients: Coefficients,
     pacing: Pacing,
     allowance: Option<usize>,
-    /// The target the last pass ran under, with decode rows in it.
-    paced: Option<f64>,
+    /// Whether the last pass decoded streams with a target.
+    paced: bool,
+    /// When each stream decoding here was first seen, and what it had generated then.
+    clocks: HashMap<SeqId, StreamClock>,
     /// When the current window of CPU stall time began, and the stall time then (see
     /// [`cpu_stall_us`]).
     stall_window: Option<(Instant, u64)>,
     /// What the last window said: someone else wants the CPU.
     someone_waits: bool,
+}
+
+/// Where a stream's standing is measured from.
+#[derive(Debug, Clone, Copy)]
+struct StreamClock {
+    since: Instant,
+    generated: usize,
 }
 
 /// The longest TPOT target a worker paces to, whatever a request asks: a lending worker
@@ -122,70 +133,136 @@ impl Pacer {
         self.publish(engine, board);
     }
 
-    /// Before a pass: caps the prompt tokens beside decode rows by `tpot_target` (the
-    /// tightest target of the streams here; see `tandem_cost::Pacing`), or lifts the cap when
-    /// there is none, no stream decodes, or the fit cannot price a prompt token yet.
-    pub fn before_pass(&mut self, engine: &mut Engine, tpot_target: Option<Duration>) {
+    /// Before a pass: caps the prompt tokens beside decode rows so that every stream with a
+    /// target (`target_of` its request) stays within it (see `tandem_cost::Pacing`); with
+    /// no such stream, a pass of prompts alone to `tandem_cost::LONGEST_PASS_TARGETS` of the
+    /// `tightest` target of the requests here (a new stream's prompt may arrive meanwhile);
+    /// lifts the cap when no request has a target or the fit cannot price a prompt token.
+    pub fn before_pass(
+        &mut self,
+        engine: &mut Engine,
+        target_of: &dyn Fn(SeqId) -> Option<Duration>,
+        tightest: Option<Duration>,
+    ) {
+        let standings = self.standings(engine, target_of, Instant::now());
+        self.paced = !standings.is_empty();
         let (decode, prompt_at) = engine.decode_load();
-        self.paced = tpot_target
-            .filter(|_| decode.sampled_rows > 0.0)
-            .map(|t| t.as_secs_f64() * 1e3 * TPOT_HEADROOM);
         let share = team_share();
-        let allowance = self.paced.map(|t| t * share).and_then(|target_ms| {
-            if self.fit.prompt_tokens_seen() < tandem_cost::MIN_PROMPT_TOKENS_SEEN {
-                return None;
+        // The fit prices the whole team's milliseconds; the standings are wall time.
+        let streams_ms = self.coefficients.step_ms(&decode) / share;
+        let budget = tandem_cost::pass_budget(&standings, streams_ms);
+        let max = engine.config().max_batch_tokens as u64;
+        let granule = tandem_kv::BLOCK_SIZE as u64;
+        let knows_prompts = self.fit.prompt_tokens_seen() >= tandem_cost::MIN_PROMPT_TOKENS_SEEN;
+        let allowance = match budget {
+            _ if !knows_prompts => None,
+            None => tightest.map(|target| {
+                let longest_ms =
+                    target.as_secs_f64() * 1e3 * tandem_cost::LONGEST_PASS_TARGETS * share;
+                let tokens = self.coefficients.chunk_allowance(
+                    StepShape::default(),
+                    prompt_at,
+                    longest_ms,
+                    max,
+                    granule,
+                );
+                usize::try_from(tokens.max(granule)).unwrap_or(usize::MAX)
+            }),
+            Some(budget) => {
+                let pending: Vec<u64> = engine
+                    .pending_prompts()
+                    .into_iter()
+                    .map(|tokens| tokens as u64)
+                    .collect();
+                let tokens = self.pacing.allowance(
+                    &self.coefficients,
+                    decode,
+                    tandem_cost::PassBudget {
+                        paced_ms: budget.paced_ms * share,
+                        limit_ms: budget.limit_ms * share,
+                    },
+                    &tandem_cost::Waiting {
+                        start: prompt_at,
+                        pending: &pending,
+                        max,
+                        granule,
+                    },
+                );
+                Some(usize::try_from(tokens).unwrap_or(usize::MAX))
             }
-            let tokens = self.pacing.allowance(
-                &self.coefficients,
-                decode,
-                prompt_at,
-                target_ms,
-                engine.config().max_batch_tokens as u64,
-                tandem_kv::BLOCK_SIZE as u64,
-            );
-            Some(usize::try_from(tokens).unwrap_or(usize::MAX))
-        });
+        };
         if allowance != self.allowance {
-            tracing::trace!(
-                ?allowance,
-                credit_ms = self.pacing.credit_ms(),
-                "prompt allowance beside decode rows"
-            );
+            tracing::trace!(?allowance, ?budget, "prompt allowance beside decode rows");
             self.allowance = allowance;
             engine.set_prompt_allowance(allowance);
         }
     }
 
+    /// The standings of the streams the next pass decodes that have a target, at `now`;
+    /// starts the clocks of new streams and forgets those gone.
+    fn standings(
+        &mut self,
+        engine: &Engine,
+        target_of: &dyn Fn(SeqId) -> Option<Duration>,
+        now: Instant,
+    ) -> Vec<Standing> {
+        let streams = engine.decode_streams();
+        self.clocks
+            .retain(|id, _| streams.iter().any(|stream| stream.id == *id));
+        streams
+            .iter()
+            .filter_map(|stream| {
+                let clock = *self.clocks.entry(stream.id).or_insert(StreamClock {
+                    since: now,
+                    generated: stream.generated,
+                });
+                let target = target_of(stream.request)?;
+                Some(Standing {
+                    target_ms: target.as_secs_f64() * 1e3,
+                    tokens: stream.generated.saturating_sub(clock.generated) as u64,
+                    elapsed_ms: now.saturating_duration_since(clock.since).as_secs_f64() * 1e3,
+                    remaining: stream.remaining as u64,
+                })
+            })
+            .collect()
+    }
+
     /// After a pass that took `elapsed`: fits it and publishes the model and the decode work
     /// now under way on `board`. Returns how long to stay idle when lending slack: the rest
     /// of the streams' period after a pass of decode rows alone with no prompt waiting here
-    /// (a prompt here takes that time as a chunk instead).
+    /// (a prompt here takes that time as a chunk instead), no more than any stream's lead.
     pub fn after_pass(
         &mut self,
         engine: &Engine,
         elapsed: Duration,
+        target_of: &dyn Fn(SeqId) -> Option<Duration>,
         board: &CostBoard,
     ) -> Option<Duration> {
         let ms = elapsed.as_secs_f64() * 1e3;
         let share = team_share();
         let pass = engine.last_pass();
+        tracing::trace!(
+            ms,
+            predicted_ms = self.coefficients.step_ms(&pass) / share,
+            rows = pass.sampled_rows,
+            prompt_tokens = pass.other_tokens,
+            attention_mpairs = pass.attention_mpairs,
+            "pass"
+        );
         self.fit.observe(&pass, ms * share);
         self.coefficients = self.fit.coefficients();
         self.publish(engine, board);
-        let target_ms = self.paced?;
-        let idle_ms = if self.lend_slack
+        let lends = self.paced
+            && self.lend_slack
             && pass.other_tokens == 0.0
             && engine.num_waiting() == 0
             && engine.pending_prefill_tokens() == 0
-            && self.someone_waits()
-        {
-            self.pacing.idle_ms(target_ms, ms)
-        } else {
-            0.0
-        };
-        // The streams' period is the pass and the idle time after it (in the fit's units).
-        self.pacing
-            .after_pass(target_ms * share, (ms + idle_ms) * share);
+            && self.someone_waits();
+        if !lends {
+            return None;
+        }
+        let standings = self.standings(engine, target_of, Instant::now());
+        let idle_ms = tandem_cost::idle_ms(&standings, ms);
         (idle_ms > 0.0).then(|| Duration::from_secs_f64(idle_ms / 1e3))
     }
 

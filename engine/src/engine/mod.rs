@@ -126,6 +126,18 @@ pub struct EngineStats {
     pub prefix_hit_tokens: u64,
 }
 
+/// A sequence that decodes in the next pass (see [`Engine::decode_streams`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DecodeStream {
+    pub id: SeqId,
+    /// The request it answers (see [`crate::StepOutput::request`]).
+    pub request: SeqId,
+    /// Tokens it has generated.
+    pub generated: usize,
+    /// Tokens it may still generate (its `max_tokens` left).
+    pub remaining: usize,
+}
+
 /// A model, its KV cache and the sequences sharing them.
 pub struct Engine {
     model: Arc<Model>,
@@ -292,11 +304,11 @@ impl Engine {
         self.model.config().max_position_embeddings
     }
 
-    /// Caps the prompt tokens of each pass that also runs decode rows (`None`: only the
-    /// token budget does; 0: the next pass runs its decode rows alone). A decode worker sizes
-    /// it so its streams' steps stay within their TPOT target, lending prompts the rest
-    /// (Sarathi-Serve's stall-free batching). A pass without decode rows is not capped:
-    /// nobody waits on its length but the prompt itself.
+    /// Caps the prompt tokens of each pass (`None`: only the token budget does; 0: the next
+    /// pass runs its decode rows alone, and a pass without any still takes a block). A
+    /// decode worker sizes it so its streams' steps stay within their TPOT target, lending
+    /// prompts the rest (Sarathi-Serve's stall-free batching), and bounds a pass without
+    /// streams too: a new stream's prompt that arrives meanwhile waits for it.
     pub fn set_prompt_allowance(&mut self, tokens: Option<usize>) {
         self.prompt_allowance = tokens;
     }
@@ -320,6 +332,23 @@ impl Engine {
             }
         }
         (StepShape::decode(rows, context), prompt_at.unwrap_or(0))
+    }
+
+    /// The sequences the next pass decodes a token for (past their prompt), with what they
+    /// have generated and may still generate: a decode worker paces its prompt chunks to
+    /// each stream's TPOT target from these.
+    pub fn decode_streams(&self) -> Vec<DecodeStream> {
+        self.running
+            .iter()
+            .filter_map(|id| self.seqs.get(id))
+            .filter(|seq| seq.pending() <= 1)
+            .map(|seq| DecodeStream {
+                id: seq.id,
+                request: seq.request,
+                generated: seq.generated(),
+                remaining: seq.stop.max_tokens.saturating_sub(seq.generated()),
+            })
+            .collect()
     }
 
     /// Removes a request (every choice of it) wherever it is and frees its blocks. Returns

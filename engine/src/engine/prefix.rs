@@ -135,12 +135,21 @@ impl Engine {
     /// every prompt under way, and every waiting one less the prefix the cache holds for it
     /// now (which it takes when admitted).
     pub fn pending_prefill_tokens(&self) -> usize {
+        self.pending_prompts().iter().sum()
+    }
+
+    /// The prompt tokens [`Self::pending_prefill_tokens`] counts, prompt by prompt, fewest
+    /// first (the order in which the scheduler finishes prompts beside decode rows).
+    pub fn pending_prompts(&self) -> Vec<usize> {
         let pool = self.pool.lock();
-        self.seqs
+        let mut pending: Vec<usize> = self
+            .seqs
             .values()
             .filter(|s| s.pending() > 1 || s.computed == 0)
             .map(|s| s.pending() - self.cached_now(&pool, s))
-            .sum()
+            .collect();
+        pending.sort_unstable();
+        pending
     }
 
     /// Prompts with tokens still to compute (those [`Self::pending_prefill_tokens`] counts):

@@ -60,11 +60,14 @@ impl Engine {
         let mut budget = self.config.max_batch_tokens;
         let ids = self.running.clone();
         self.plan_running(&ids, Work::Decode, &mut plan, &mut budget);
-        // Beside decode rows, prompts get what the allowance lends them.
-        if !plan.is_empty()
-            && let Some(allowance) = self.prompt_allowance
-        {
-            budget = budget.min(allowance);
+        // Prompts get what the allowance lends them; a pass without decode rows at least a
+        // block (a chunk is whole blocks), so that it is never empty while prompts wait.
+        if let Some(allowance) = self.prompt_allowance {
+            budget = budget.min(if plan.is_empty() {
+                allowance.max(BLOCK_SIZE)
+            } else {
+                allowance
+            });
         }
         let mut ending = ids.clone();
         ending.sort_by_key(|id| self.seqs.get(id).map_or(usize::MAX, Sequence::pending));

@@ -143,7 +143,15 @@ fn run(
         if !engine.has_work() {
             continue;
         }
-        pacer.before_pass(&mut engine, tightest_tpot(&entries));
+        let tightest = entries
+            .keys()
+            .filter_map(|&request| tpot_target(&entries, request))
+            .min();
+        pacer.before_pass(
+            &mut engine,
+            &|request| tpot_target(&entries, request),
+            tightest,
+        );
         let now = Instant::now();
         // A GPU engine stages prompt KV on the host only for senders that read host bytes.
         let device_kv = engine.device_kv();
@@ -217,7 +225,12 @@ fn run(
             });
         load.pass_under_way(false);
         let lent = if engine.stats().steps > step {
-            pacer.after_pass(&engine, started.elapsed(), &load.cost)
+            pacer.after_pass(
+                &engine,
+                started.elapsed(),
+                &|request| tpot_target(&entries, request),
+                &load.cost,
+            )
         } else {
             None
         };
@@ -414,13 +427,12 @@ fn deliver(engine: &mut Engine, entries: &mut HashMap<SeqId, Entry>, out: StepOu
     }
 }
 
-/// The tightest TPOT target of the streams here (prefill-only sequences have none).
-fn tightest_tpot(entries: &HashMap<SeqId, Entry>) -> Option<Duration> {
+/// The TPOT target of a request decoding here (a prefill-side sequence has none to keep).
+fn tpot_target(entries: &HashMap<SeqId, Entry>, request: SeqId) -> Option<Duration> {
     entries
-        .values()
+        .get(&request)
         .filter(|e| e.kv.is_none())
-        .filter_map(|e| e.tpot_target)
-        .min()
+        .and_then(|e| e.tpot_target)
 }
 
 fn publish(engine: &Engine, load: &LoadSnapshot) {
