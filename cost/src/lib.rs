@@ -18,7 +18,7 @@ mod pacing;
 
 pub use pacing::{
     DEBT_HORIZON, LONGEST_PASS_TARGETS, MIN_PACED_CHUNK, Pacing, PassBudget, Standing, Waiting,
-    idle_ms, pass_budget,
+    idle_ms, lone_pass_allowance, pass_budget,
 };
 
 /// When the streams' passes alone fill their aim, a waiting prompt still gets one granule

@@ -22,7 +22,9 @@
 //! the targets themselves, which a stream that has run a while holds plenty of: they start
 //! at once instead of waiting for the tightest stream to repay a long prompt's chunks. When
 //! the streams alone fill their aim, a waiting prompt still gets a granule every
-//! [`STARVED_PASSES`] passes.
+//! [`STARVED_PASSES`] passes. A pass without streams is held to [`LONGEST_PASS_TARGETS`] of
+//! the tightest target of the requests on the worker ([`lone_pass_allowance`]): a new
+//! stream's prompt arriving meanwhile waits for it.
 
 use crate::{Coefficients, STARVED_PASSES, StepShape, TPOT_HEADROOM};
 
@@ -89,16 +91,9 @@ pub struct PassBudget {
 /// The next pass's budget for every stream in `standings`, whose passes alone take
 /// `streams_ms`: the tightest stream's rooms.
 pub fn pass_budget(standings: &[Standing], streams_ms: f64) -> Option<PassBudget> {
-    let least = |room: &dyn Fn(&Standing) -> f64| {
-        standings
-            .iter()
-            .map(room)
-            .filter(|ms| !ms.is_nan())
-            .min_by(f64::total_cmp)
-    };
     Some(PassBudget {
-        paced_ms: least(&|s| s.paced_room_ms(streams_ms))?,
-        limit_ms: least(&|s| s.limit_room_ms(streams_ms))?,
+        paced_ms: least(standings, |s| s.paced_room_ms(streams_ms))?,
+        limit_ms: least(standings, |s| s.limit_room_ms(streams_ms))?,
     })
 }
 
@@ -106,21 +101,39 @@ pub fn pass_budget(standings: &[Standing], streams_ms: f64) -> Option<PassBudget
 /// `elapsed_ms` (standings taken after it): the rest of the tightest aim's period, but no
 /// more than any stream's lead on its aim, so a stream behind is not held back.
 pub fn idle_ms(standings: &[Standing], elapsed_ms: f64) -> f64 {
-    let least = |of: &dyn Fn(&Standing) -> f64| {
-        standings
-            .iter()
-            .map(of)
-            .filter(|ms| !ms.is_nan())
-            .min_by(f64::total_cmp)
-    };
-    let (Some(aim), Some(lead)) = (
-        least(&|s| s.target_ms * TPOT_HEADROOM),
-        least(&|s| s.lead_ms(s.target_ms * TPOT_HEADROOM)),
+    let aim = |s: &Standing| s.target_ms * TPOT_HEADROOM;
+    let (Some(tightest), Some(lead)) = (
+        least(standings, aim),
+        least(standings, |s| s.lead_ms(aim(s))),
     ) else {
         return 0.0;
     };
-    let idle = (aim - elapsed_ms).min(lead);
+    let idle = (tightest - elapsed_ms).min(lead);
     if idle.is_finite() { idle.max(0.0) } else { 0.0 }
+}
+
+/// The prompt tokens a pass without streams may take when the tightest TPOT target of the
+/// requests on the worker is `target_ms`: what [`LONGEST_PASS_TARGETS`] of it hold (a new
+/// stream's prompt arriving meanwhile waits for the pass), at least a granule.
+pub fn lone_pass_allowance(cost: &Coefficients, target_ms: f64, waiting: &Waiting) -> u64 {
+    let granule = waiting.granule.max(1);
+    cost.chunk_allowance(
+        StepShape::default(),
+        waiting.start,
+        LONGEST_PASS_TARGETS * target_ms,
+        waiting.max,
+        granule,
+    )
+    .max(granule)
+}
+
+/// The least of `of` over `standings`, NaNs left out (`None`: none).
+fn least(standings: &[Standing], of: impl Fn(&Standing) -> f64) -> Option<f64> {
+    standings
+        .iter()
+        .map(of)
+        .filter(|ms| !ms.is_nan())
+        .min_by(f64::total_cmp)
 }
 
 /// The prompts waiting on a decode worker, and how it chunks them.
@@ -286,6 +299,19 @@ mod tests {
             grants.iter().filter(|&&g| g == 0).count(),
             2 * STARVED_PASSES as usize - 2
         );
+    }
+
+    #[test]
+    fn a_pass_without_streams_holds_to_five_targets_and_never_to_nothing() {
+        let tokens = lone_pass_allowance(&COST, 20.0, &waiting(0, &[2048]));
+        let pass = COST.step_ms(&StepShape::chunk(0, tokens, false));
+        assert!(
+            tokens >= 16 && pass <= LONGEST_PASS_TARGETS * 20.0,
+            "{tokens}: {pass}"
+        );
+        let more = COST.step_ms(&StepShape::chunk(0, tokens + 16, false));
+        assert!(more > LONGEST_PASS_TARGETS * 20.0, "{more}");
+        assert_eq!(lone_pass_allowance(&COST, 0.1, &waiting(0, &[2048])), 16);
     }
 
     #[test]

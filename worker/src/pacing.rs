@@ -14,11 +14,11 @@
 //! compute-bound), so the model a router reads, and the chunk sizes here, do not change
 //! meaning when threads move.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use tandem_cost::{Coefficients, CostFit, Pacing, Standing, StepShape};
+use tandem_cost::{Coefficients, CostFit, Pacing, Standing};
 use tandem_engine::{Engine, SeqId};
 use tandem_proto::v1::StepCost;
 
@@ -151,46 +151,38 @@ impl Pacer {
         // The fit prices the whole team's milliseconds; the standings are wall time.
         let streams_ms = self.coefficients.step_ms(&decode) / share;
         let budget = tandem_cost::pass_budget(&standings, streams_ms);
-        let max = engine.config().max_batch_tokens as u64;
-        let granule = tandem_kv::BLOCK_SIZE as u64;
         let knows_prompts = self.fit.prompt_tokens_seen() >= tandem_cost::MIN_PROMPT_TOKENS_SEEN;
-        let allowance = match budget {
+        let pending: Vec<u64> = match (knows_prompts, budget) {
+            (true, Some(_)) => engine
+                .pending_prompts()
+                .into_iter()
+                .map(|tokens| tokens as u64)
+                .collect(),
+            _ => Vec::new(),
+        };
+        let waiting = tandem_cost::Waiting {
+            start: prompt_at,
+            pending: &pending,
+            max: engine.config().max_batch_tokens as u64,
+            granule: tandem_kv::BLOCK_SIZE as u64,
+        };
+        let tokens = match budget {
             _ if !knows_prompts => None,
             None => tightest.map(|target| {
-                let longest_ms =
-                    target.as_secs_f64() * 1e3 * tandem_cost::LONGEST_PASS_TARGETS * share;
-                let tokens = self.coefficients.chunk_allowance(
-                    StepShape::default(),
-                    prompt_at,
-                    longest_ms,
-                    max,
-                    granule,
-                );
-                usize::try_from(tokens.max(granule)).unwrap_or(usize::MAX)
+                let target_ms = target.as_secs_f64() * 1e3 * share;
+                tandem_cost::lone_pass_allowance(&self.coefficients, target_ms, &waiting)
             }),
-            Some(budget) => {
-                let pending: Vec<u64> = engine
-                    .pending_prompts()
-                    .into_iter()
-                    .map(|tokens| tokens as u64)
-                    .collect();
-                let tokens = self.pacing.allowance(
-                    &self.coefficients,
-                    decode,
-                    tandem_cost::PassBudget {
-                        paced_ms: budget.paced_ms * share,
-                        limit_ms: budget.limit_ms * share,
-                    },
-                    &tandem_cost::Waiting {
-                        start: prompt_at,
-                        pending: &pending,
-                        max,
-                        granule,
-                    },
-                );
-                Some(usize::try_from(tokens).unwrap_or(usize::MAX))
-            }
+            Some(budget) => Some(self.pacing.allowance(
+                &self.coefficients,
+                decode,
+                tandem_cost::PassBudget {
+                    paced_ms: budget.paced_ms * share,
+                    limit_ms: budget.limit_ms * share,
+                },
+                &waiting,
+            )),
         };
+        let allowance = tokens.map(|t| usize::try_from(t).unwrap_or(usize::MAX));
         if allowance != self.allowance {
             tracing::trace!(?allowance, ?budget, "prompt allowance beside decode rows");
             self.allowance = allowance;
@@ -207,8 +199,8 @@ impl Pacer {
         now: Instant,
     ) -> Vec<Standing> {
         let streams = engine.decode_streams();
-        self.clocks
-            .retain(|id, _| streams.iter().any(|stream| stream.id == *id));
+        let decoding: HashSet<SeqId> = streams.iter().map(|stream| stream.id).collect();
+        self.clocks.retain(|id, _| decoding.contains(id));
         streams
             .iter()
             .filter_map(|stream| {
