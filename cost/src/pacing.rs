@@ -26,16 +26,11 @@
 //! the tightest target of the requests on the worker ([`lone_pass_allowance`]): a new
 //! stream's prompt arriving meanwhile waits for it.
 
-use crate::{Coefficients, STARVED_PASSES, StepShape, TPOT_HEADROOM};
+use crate::{Coefficients, LONGEST_PASS_TARGETS, STARVED_PASSES, StepShape, TPOT_HEADROOM};
 
 /// The tokens over which a stream repays a long pass: a pass may leave a stream behind its
 /// aim by what its next this-many tokens, run at the streams' own pace, make up.
 pub const DEBT_HORIZON: u64 = 16;
-
-/// The longest a paced pass may take, in its tightest stream's targets, however much room
-/// the streams have: whatever arrives meanwhile (a new stream's prompt, with a TTFT target
-/// of about a second) waits for the pass under way.
-pub const LONGEST_PASS_TARGETS: f64 = 5.0;
 
 /// The fewest prompt tokens a paced pass takes (fewer only when fewer are waiting): smaller
 /// chunks spend the streams' slack on per-pass costs.

@@ -172,11 +172,25 @@ async fn slo_placement_keeps_every_token_and_learns_from_its_predictions() {
     assert_eq!(info["placement"], "slo");
     assert_eq!(info["slo"]["tpot_ms"], 40.0);
     assert_eq!(info["slo"]["ttft_per_token_ms"], 1.5);
-    let slope = info["slo_calibration"]["disaggregated"]["ttft"]["slope"]
-        .as_f64()
-        .unwrap_or(0.0);
-    assert!((0.25..=4.0).contains(&slope), "{info}");
-    assert!(info["slo_calibration"]["aggregated"]["tpot"]["offset_ms"].is_number());
+    // What calibration learned, per placement and prompt length class: the requests whose
+    // prediction errors were recorded above taught at least one class.
+    let mut learned = 0;
+    for kind in ["aggregated", "disaggregated", "split"] {
+        let slope = info["slo_calibration"][kind]["ttft"]["slope"]
+            .as_f64()
+            .unwrap_or(0.0);
+        assert!((0.25..=4.0).contains(&slope), "{info}");
+        for class in info["slo_calibration"][kind]["ttft_by_prompt_length"]
+            .as_array()
+            .into_iter()
+            .flatten()
+        {
+            assert!(class["from_prompt_tokens"].is_u64(), "{class}");
+            assert!(class["offset_ms"].is_number(), "{class}");
+            learned += 1;
+        }
+    }
+    assert!(learned >= 1, "{info}");
 
     // A request's own targets come from its headers; a bad one is refused, naming it.
     let client = reqwest::Client::new();

@@ -191,11 +191,19 @@ pub async fn tgi_info(State(state): State<AppState>) -> Response {
         .lock()
         .map(|c| *c)
         .unwrap_or_default();
+    // TTFT's lines: every prompt length together, and per length class that has learned
+    // anything, from its lowest prompt length.
     let lines = |kind| {
-        let [(ttft_offset, ttft_slope), (tpot_offset, tpot_slope)] = calibration.lines(kind);
+        let ((offset_ms, slope), classes) = calibration.lines(kind);
+        let classes: Vec<_> = classes
+            .into_iter()
+            .map(|(from_tokens, (offset_ms, slope))| {
+                json!({ "from_prompt_tokens": from_tokens, "offset_ms": offset_ms, "slope": slope })
+            })
+            .collect();
         json!({
-            "ttft": { "offset_ms": ttft_offset, "slope": ttft_slope },
-            "tpot": { "offset_ms": tpot_offset, "slope": tpot_slope },
+            "ttft": { "offset_ms": offset_ms, "slope": slope },
+            "ttft_by_prompt_length": classes,
         })
     };
     axum::Json(json!({
@@ -219,7 +227,7 @@ pub async fn tgi_info(State(state): State<AppState>) -> Response {
             "ttft_per_token_ms": slo.ttft_per_token_ms,
             "tpot_ms": slo.tpot_ms,
         },
-        // measured ≈ offset + slope × predicted, as SLO placement has learned it.
+        // Measured TTFT ≈ offset + slope × predicted, as SLO placement has learned it.
         "slo_calibration": {
             "aggregated": lines(PlacementKind::Aggregated),
             "disaggregated": lines(PlacementKind::Disaggregated),

@@ -129,7 +129,7 @@ impl Timing {
             "placement outcome"
         );
         if let Ok(mut c) = ctx.calibration.lock() {
-            c.learn(p.kind, p.raw, ttft_ms, tpot_ms);
+            c.learn(p.kind, req.prompt.len() as u64, p.raw, ttft_ms);
         }
     }
 }

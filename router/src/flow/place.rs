@@ -84,7 +84,10 @@ pub(super) fn place(
     }
     let corrected: Vec<(Placement, Prediction)> = raw
         .iter()
-        .map(|&(p, prediction)| (p, calibration.correct(p.kind(), prediction)))
+        .map(|&(p, prediction)| {
+            let corrected = calibration.correct(p.kind(), prompt, prediction);
+            (p, corrected)
+        })
         .collect();
     for (placement, p) in &corrected {
         tracing::debug!(
@@ -114,7 +117,7 @@ pub(super) fn place(
             *cached,
             decode_cached,
             &req.slo,
-            |p| calibration.correct(PlacementKind::Split, p),
+            |p| calibration.correct(PlacementKind::Split, prompt, p),
         )
     {
         tracing::debug!(

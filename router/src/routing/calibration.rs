@@ -1,9 +1,25 @@
-//! What SLO placement learns from the requests it placed: per placement kind and metric
-//! (TTFT, TPOT), a running linear fit of measured on predicted, `measured ≈ offset + slope ×
-//! predicted`, that corrects later predictions. The offset carries what the cost model
-//! leaves out at any size (the HTTP and gRPC hops, a pass boundary to wait for, the KV
-//! commit); the slope what grows with the work (a worker that gets less of the CPU than its
-//! passes' fit assumed, queues that formed between two load reports).
+//! What SLO placement learns from the requests it placed: per placement kind and prompt
+//! length class ([`length_class`]), a running linear fit of measured TTFT on predicted,
+//! `measured ≈ offset + slope × predicted`, that corrects later predictions. The offset
+//! carries what the cost model leaves out at any size (the HTTP and gRPC hops, a pass
+//! boundary to wait for, the KV commit); the slope what grows with the work (a worker that
+//! gets less of the CPU than its passes' fit assumed, queues that formed between two load
+//! reports).
+//!
+//! Why per length class: what the model misses differs by kind of prompt. A short prompt's
+//! TTFT is mostly the pass under way and the prompts arriving with it, a long one's its own
+//! compute; one line over both fits the long prompts' seconds and moves a short prompt's
+//! tens of milliseconds by their error (on the mixed load of `scripts/bench-goodput`, short
+//! prompts' corrected TTFTs went to a quarter of their model's). A class that has not yet
+//! seen [`MIN_SEEN`] requests borrows the line of every class of its kind together: that a
+//! worker runs slower than its fit says is news for every length.
+//!
+//! TPOT is not corrected: its prediction is already a measurement where one exists (the
+//! decode worker's streams' period, `StepCost.stream_period_ms`) and the pacing aim the worker
+//! holds new streams to where none does. A line fitted over it learned from one wave of
+//! streams and taught the next, which ran in another regime (with or without prompt chunks
+//! to pace): the corrected TPOT was off by a median 0.11-0.25 where the prediction alone was
+//! off by 0.01-0.14 (`scripts/prediction-errors` on `scripts/bench-goodput`'s calls).
 
 use super::placement::{PlacementKind, Prediction};
 
@@ -63,42 +79,71 @@ impl LineFit {
     }
 }
 
-/// The running fits, per placement kind and metric.
+/// Prompt length classes: lengths under 4, under 16, …, under 4^(N-1), and the rest.
+pub const LENGTH_CLASSES: usize = 8;
+
+/// The class of a prompt of `tokens` tokens: powers of four (16-63 tokens is class 2, 1024-4095
+/// class 5), so that each class's lengths differ by at most four times.
+pub fn length_class(tokens: u64) -> usize {
+    ((tokens.max(1).ilog2() / 2) as usize).min(LENGTH_CLASSES - 1)
+}
+
+/// The lower bound of a length class, in prompt tokens.
+pub fn class_floor(class: usize) -> u64 {
+    if class == 0 { 0 } else { 1u64 << (2 * class) }
+}
+
+/// A learned line, `(offset_ms, slope)`.
+pub type Line = (f64, f64);
+
+/// The running TTFT fits, per placement kind: every class together, and each class.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct Calibration {
-    fits: [[LineFit; 2]; 3],
+    pooled: [LineFit; 3],
+    by_class: [[LineFit; LENGTH_CLASSES]; 3],
 }
 
 impl Calibration {
-    /// `raw` as this calibration corrects it for `kind`.
-    pub fn correct(&self, kind: PlacementKind, raw: Prediction) -> Prediction {
-        let [ttft, tpot] = &self.fits[kind.index()];
+    /// `raw` as this calibration corrects it for a prompt of `prompt_tokens` placed as
+    /// `kind`: its TTFT by its class's line, or the pooled one while the class has seen too
+    /// few requests; its TPOT as it is.
+    pub fn correct(&self, kind: PlacementKind, prompt_tokens: u64, raw: Prediction) -> Prediction {
+        let class = &self.by_class[kind.index()][length_class(prompt_tokens)];
+        let fit = if class.seen >= MIN_SEEN {
+            class
+        } else {
+            &self.pooled[kind.index()]
+        };
         Prediction {
-            ttft_ms: ttft.correct(raw.ttft_ms),
-            tpot_ms: tpot.correct(raw.tpot_ms),
+            ttft_ms: fit.correct(raw.ttft_ms),
+            tpot_ms: raw.tpot_ms,
         }
     }
 
-    /// Learns from a request placed as `kind` with the raw prediction `raw` that measured
-    /// `ttft_ms` and (with two tokens or more) `tpot_ms`.
+    /// Learns from a request of `prompt_tokens` placed as `kind`, with the raw prediction
+    /// `raw`, that measured `ttft_ms`.
     pub fn learn(
         &mut self,
         kind: PlacementKind,
+        prompt_tokens: u64,
         raw: Prediction,
         ttft_ms: f64,
-        tpot_ms: Option<f64>,
     ) {
-        let [ttft, tpot] = &mut self.fits[kind.index()];
-        ttft.learn(raw.ttft_ms, ttft_ms);
-        if let Some(measured) = tpot_ms {
-            tpot.learn(raw.tpot_ms, measured);
-        }
+        self.pooled[kind.index()].learn(raw.ttft_ms, ttft_ms);
+        self.by_class[kind.index()][length_class(prompt_tokens)].learn(raw.ttft_ms, ttft_ms);
     }
 
-    /// The lines, for `/info`: `[(offset_ms, slope) for TTFT, for TPOT]` of `kind`.
-    pub fn lines(&self, kind: PlacementKind) -> [(f64, f64); 2] {
-        let [ttft, tpot] = &self.fits[kind.index()];
-        [ttft.line(), tpot.line()]
+    /// The TTFT lines of `kind`, for `/info`: every class's together, and per class that
+    /// has learned anything, its lowest prompt length and its line (the pooled one corrects
+    /// a class until it has seen [`MIN_SEEN`] requests).
+    pub fn lines(&self, kind: PlacementKind) -> (Line, Vec<(u64, Line)>) {
+        let classes = self.by_class[kind.index()]
+            .iter()
+            .enumerate()
+            .filter(|(_, fit)| fit.seen > 0)
+            .map(|(class, fit)| (class_floor(class), fit.line()))
+            .collect();
+        (self.pooled[kind.index()].line(), classes)
     }
 }
 
@@ -110,31 +155,80 @@ mod tests {
         Prediction { ttft_ms, tpot_ms }
     }
 
+    /// A prompt length in one class.
+    const PROMPT: u64 = 2048;
+
+    fn class_line(c: &Calibration, kind: PlacementKind, tokens: u64) -> Line {
+        c.lines(kind)
+            .1
+            .into_iter()
+            .find(|(floor, _)| *floor == class_floor(length_class(tokens)))
+            .map_or((0.0, 1.0), |(_, l)| l)
+    }
+
+    #[test]
+    fn length_classes_are_powers_of_four() {
+        assert_eq!(length_class(0), 0);
+        assert_eq!(length_class(3), 0);
+        assert_eq!(length_class(16), 2);
+        assert_eq!(length_class(63), 2);
+        assert_eq!(length_class(64), 3);
+        assert_eq!(length_class(2048), 5);
+        assert_eq!(length_class(u64::MAX), LENGTH_CLASSES - 1);
+        for class in 0..LENGTH_CLASSES {
+            assert_eq!(length_class(class_floor(class).max(1)), class);
+        }
+    }
+
     #[test]
     fn a_fixed_overhead_and_a_slow_worker_are_both_learned() {
         let mut c = Calibration::default();
         let kind = PlacementKind::Disaggregated;
-        assert_eq!(c.correct(kind, p(100.0, 20.0)), p(100.0, 20.0));
+        assert_eq!(c.correct(kind, PROMPT, p(100.0, 20.0)), p(100.0, 20.0));
         // Requests of every size measure 60 ms more than twice the prediction.
         for i in 0..400 {
             let raw = p(50.0 + f64::from(i % 20) * 100.0, 20.0);
-            c.learn(kind, raw, 60.0 + 2.0 * raw.ttft_ms, Some(25.0));
+            c.learn(kind, PROMPT, raw, 60.0 + 2.0 * raw.ttft_ms);
         }
-        let [(offset, slope), (_, tpot_slope)] = c.lines(kind);
+        let (offset, slope) = class_line(&c, kind, PROMPT);
         assert!(
             (slope - 2.0).abs() < 0.01 && (offset - 60.0).abs() < 1.0,
             "{offset} {slope}"
         );
-        let small = c.correct(kind, p(10.0, 20.0));
+        let small = c.correct(kind, PROMPT, p(10.0, 20.0));
         assert!((small.ttft_ms - 80.0).abs() < 2.0, "{small:?}");
-        // The TPOT predictions never spread: a ratio through the origin.
-        assert!((tpot_slope - 1.25).abs() < 0.01, "{tpot_slope}");
-        assert!((small.tpot_ms - 25.0).abs() < 0.1, "{small:?}");
-        // The other kind is untouched.
+        // TPOT is never corrected.
+        assert_eq!(small.tpot_ms, 20.0);
+        // The other kind is untouched; a class of this kind that has seen nothing borrows
+        // the pooled line.
         assert_eq!(
-            c.correct(PlacementKind::Aggregated, p(100.0, 20.0)),
+            c.correct(PlacementKind::Aggregated, PROMPT, p(100.0, 20.0)),
             p(100.0, 20.0)
         );
+        let borrowed = c.correct(kind, 16, p(10.0, 20.0));
+        assert!((borrowed.ttft_ms - 80.0).abs() < 2.0, "{borrowed:?}");
+        assert_eq!(c.lines(kind).1.len(), 1);
+    }
+
+    #[test]
+    fn short_prompts_learn_apart_from_long_ones() {
+        let mut c = Calibration::default();
+        let kind = PlacementKind::Aggregated;
+        // Long prompts measure half their prediction; short ones wait 60 ms more than
+        // predicted for the pass under way.
+        for i in 0..100 {
+            let long = 4000.0 + f64::from(i % 5) * 1000.0;
+            c.learn(kind, 2048, p(long, 20.0), long / 2.0);
+            let short = 10.0 + f64::from(i % 5) * 10.0;
+            c.learn(kind, 16, p(short, 20.0), short + 60.0);
+        }
+        let long = c.correct(kind, 2048, p(6000.0, 20.0));
+        assert!((long.ttft_ms - 3000.0).abs() < 10.0, "{long:?}");
+        let short = c.correct(kind, 16, p(30.0, 20.0));
+        assert!((short.ttft_ms - 90.0).abs() < 2.0, "{short:?}");
+        // The pooled line, which a new class borrows, is neither.
+        let (pooled_offset, pooled_slope) = c.lines(kind).0;
+        assert!(pooled_offset != 60.0 && pooled_slope != 0.5);
     }
 
     #[test]
@@ -142,13 +236,13 @@ mod tests {
         let mut c = Calibration::default();
         let kind = PlacementKind::Aggregated;
         for _ in 0..100 {
-            c.learn(kind, p(100.0, 10.0), 1e12, None);
-            c.learn(kind, p(100.0, 10.0), f64::NAN, Some(-5.0));
+            c.learn(kind, PROMPT, p(100.0, 10.0), 1e12);
+            c.learn(kind, PROMPT, p(100.0, 10.0), f64::NAN);
         }
-        let [(offset, slope), tpot] = c.lines(kind);
+        let (offset, slope) = class_line(&c, kind, PROMPT);
         assert!(slope <= SLOPE_RANGE.1 && offset <= OFFSET_RANGE_MS.1);
-        assert_eq!(tpot, (0.0, 1.0), "no TPOT was learned");
-        assert!(c.correct(kind, p(0.0, 0.0)).ttft_ms >= 0.0);
+        assert!(c.correct(kind, PROMPT, p(0.0, 0.0)).ttft_ms >= 0.0);
+        assert!(c.correct(kind, 0, p(0.0, 0.0)).ttft_ms >= 0.0);
     }
 
     #[test]
@@ -159,11 +253,11 @@ mod tests {
         // negative offset.
         for i in 0..100 {
             let raw = if i % 2 == 0 { 10_000.0 } else { 5_000.0 };
-            c.learn(kind, p(raw, 50.0), raw - 2_000.0, Some(50.0));
+            c.learn(kind, PROMPT, p(raw, 50.0), raw - 2_000.0);
         }
-        let [(offset, _), _] = c.lines(kind);
+        let (offset, _) = class_line(&c, kind, PROMPT);
         assert!(offset < 0.0, "{offset}");
-        let small = c.correct(kind, p(100.0, 50.0));
+        let small = c.correct(kind, PROMPT, p(100.0, 50.0));
         assert!(small.ttft_ms >= SLOPE_RANGE.0 * 100.0, "{small:?}");
     }
 }

@@ -37,6 +37,10 @@ pub struct CostView {
     pub lends_slack: bool,
     /// The prompt tokens its pacing let into its last pass beside streams (0: not capped).
     pub prompt_allowance: u64,
+    /// The least lead its streams hold on their pacing aims (`StepCost.streams_lead_ms`).
+    pub streams_lead_ms: f64,
+    /// Its streams' TPOT as they ran lately (`StepCost.stream_period_ms`; 0: unknown).
+    pub stream_period_ms: f64,
 }
 
 /// What a router sent to a worker and saw end there since its last load report.
@@ -133,6 +137,16 @@ impl CostView {
             prompts_known,
             lends_slack: cost.lends_slack,
             prompt_allowance: u64::from(cost.prompt_allowance),
+            streams_lead_ms: if cost.streams_lead_ms.is_finite() {
+                cost.streams_lead_ms
+            } else {
+                0.0
+            },
+            stream_period_ms: if cost.stream_period_ms.is_finite() {
+                cost.stream_period_ms.max(0.0)
+            } else {
+                0.0
+            },
         })
     }
 
@@ -186,11 +200,21 @@ impl CostView {
         self.coefficients.step_ms(&shape)
     }
 
-    /// The TPOT of streams whose passes take `pass_ms` here, under a target of `tpot_ms`: a
-    /// worker that lends its slack stretches each period to 0.9 of the target.
+    /// The TPOT of a new stream whose passes take `pass_ms` here, under a target of
+    /// `tpot_ms`: what the streams' periods measure now (idling and prompt chunks
+    /// included), but no more than the pacing aim (0.9 of the target: a new stream has no
+    /// lead, so the worker's pacing holds the passes to its aim, however long the periods of
+    /// streams spending their lead ran), and never under the pass. Unmeasured, a worker that
+    /// lends its slack stretches each period to the aim. A lending worker idles only while
+    /// another thread on its cores wants them, and its streams ran at 37-45 ms under a 60 ms
+    /// target on `scripts/bench-goodput`'s load when nothing did: its aim is a bound, not a
+    /// forecast.
     pub(super) fn stream_tpot(&self, pass_ms: f64, tpot_ms: f64) -> f64 {
-        if self.lends_slack {
-            pass_ms.max(tpot_ms * TPOT_HEADROOM)
+        let aim = tpot_ms * TPOT_HEADROOM;
+        if self.stream_period_ms > 0.0 {
+            pass_ms.max(self.stream_period_ms.min(aim))
+        } else if self.lends_slack {
+            pass_ms.max(aim)
         } else {
             pass_ms
         }
@@ -222,13 +246,30 @@ impl CostView {
     /// unknown: half done on average.
     pub(super) fn queue_ms(&self, own_ms: f64, tokens: u64, one_pass: u64, pass_ms: f64) -> f64 {
         let queue = own_ms / tokens.max(1) as f64 * self.queued_prompt_tokens as f64;
-        let into_pass = (self.pass_elapsed_ms > 0.0 && self.pass_elapsed_ms < pass_ms)
-            .then_some(self.pass_elapsed_ms);
-        let mean_queued = self.queued_prompt_tokens / self.queued_prompts.max(1);
-        if tokens <= one_pass && tokens.saturating_mul(2) <= mean_queued {
-            queue.min(into_pass.map_or(pass_ms / 2.0, |done| pass_ms - done))
+        if self.goes_before_queue(tokens, one_pass) {
+            queue.min(self.rest_of_pass_ms(pass_ms))
         } else {
+            let into_pass = (self.pass_elapsed_ms > 0.0 && self.pass_elapsed_ms < pass_ms)
+                .then_some(self.pass_elapsed_ms);
             queue - into_pass.unwrap_or(0.0).min(queue)
+        }
+    }
+
+    /// Whether a prompt of `tokens` is scheduled before the queued prompts (see
+    /// [`CostView::queue_ms`]): it ends within one pass of `one_pass` tokens and is at most
+    /// half their mean length.
+    pub(super) fn goes_before_queue(&self, tokens: u64, one_pass: u64) -> bool {
+        let mean_queued = self.queued_prompt_tokens / self.queued_prompts.max(1);
+        tokens <= one_pass && tokens.saturating_mul(2) <= mean_queued
+    }
+
+    /// What is left of the pass under way, a pass of `pass_ms`: known from the report when
+    /// it ran less than that, else half of it.
+    pub(super) fn rest_of_pass_ms(&self, pass_ms: f64) -> f64 {
+        if self.pass_elapsed_ms > 0.0 && self.pass_elapsed_ms < pass_ms {
+            pass_ms - self.pass_elapsed_ms
+        } else {
+            pass_ms / 2.0
         }
     }
 }
@@ -280,9 +321,14 @@ mod tests {
                 prompt_tokens_seen: 4096.0,
                 pass_elapsed_ms: 0.0,
                 lends_slack: false,
+                streams_lead_ms: -25.0,
+                stream_period_ms: f64::NAN,
             }),
             ..Default::default()
         };
+        // A debt is kept; a period that is no number is unknown.
+        let v = CostView::from_report(&load, SinceReport::default(), true).unwrap();
+        assert_eq!((v.streams_lead_ms, v.stream_period_ms), (-25.0, 0.0));
         let queued = LoadReport {
             queued_prompts: 1,
             ..load.clone()

@@ -205,6 +205,7 @@ fn decode_part(decode: &CostView, prompt: u64, start: u64, tpot_ms: f64) -> Deco
         start,
         tokens,
         target,
+        decode.streams_lead_ms,
         decode.max_batch_tokens,
         CHUNK_GRANULE,
     );
@@ -224,10 +225,42 @@ fn decode_part(decode: &CostView, prompt: u64, start: u64, tpot_ms: f64) -> Deco
     } else {
         (allowance, streams.max(target))
     };
+    // A prompt that runs over many passes holds the streams at their aim while it does; one
+    // that ends in the next pass leaves them as they run.
+    let tpot_ms = if tokens <= one_pass {
+        decode.stream_tpot(after, tpot_ms)
+    } else {
+        after.max(streams.max(target))
+    };
+    // A short prompt behind queued prompt work goes first, but not alone: the worker's
+    // pacing fills the pass under way and the prompt's own with chunks of the queue, as
+    // many tokens as it let in at its last pass (with the lead its streams had banked, which
+    // the model's allowance at the aim does not see). Such passes ran 120-650 ms beside 16
+    // streams under a 60 ms target, where a pass of the streams' period had predicted
+    // short prompts 40 ms that measured 140-600 (`scripts/bench-goodput`'s mixed load).
+    if allowance > 0 && decode.prompt_allowance > 0 && decode.goes_before_queue(tokens, one_pass) {
+        let chunk = decode.prompt_allowance.min(decode.queued_prompt_tokens);
+        let under_way = decode
+            .coefficients
+            .step_ms(&decode.streams().plus(StepShape::chunk(0, chunk, false)))
+            .max(pass_ms);
+        let with_queue = chunk
+            .saturating_add(tokens)
+            .min(decode.prompt_allowance.max(tokens));
+        let own_pass = decode
+            .coefficients
+            .step_ms(&decode.streams().plus(StepShape::chunk(0, with_queue, true)))
+            .max(own);
+        return DecodePart {
+            queue_ms: decode.rest_of_pass_ms(under_way),
+            own_ms: own_pass,
+            tpot_ms,
+        };
+    }
     DecodePart {
         queue_ms: decode.queue_ms(own, tokens, one_pass, pass_ms),
         own_ms: own,
-        tpot_ms: after.max(streams.max(target)),
+        tpot_ms,
     }
 }
 
@@ -354,6 +387,8 @@ mod tests {
             prompts_known: true,
             lends_slack: false,
             prompt_allowance: 0,
+            streams_lead_ms: 0.0,
+            stream_period_ms: 0.0,
         }
     }
 
@@ -628,6 +663,47 @@ mod tests {
     }
 
     #[test]
+    fn a_short_prompt_behind_a_long_one_waits_for_the_chunks_the_pacing_lets_in() {
+        let slo = slo();
+        // 4 streams and a 2048-token prompt in progress on a worker at 1 ms a prompt token;
+        // its last pass beside the streams let in 96 prompt tokens (its streams had a lead
+        // to spend), where the model at the aim allows 32.
+        let cost = Coefficients {
+            per_token_ms: 1.0,
+            ..cost()
+        };
+        let mut decode = CostView {
+            coefficients: cost,
+            ..view(4, 2048)
+        };
+        let unreported = predict_aggregated(&decode, 16, 0, slo.tpot_ms);
+        decode.prompt_allowance = 96;
+        let chunk_pass = cost.step_ms(&decode.streams().plus(StepShape::chunk(0, 96, false)));
+        let short = predict_aggregated(&decode, 16, 0, slo.tpot_ms);
+        // Half the pass under way, then a pass of its own that the queue's chunk fills.
+        let expected = chunk_pass / 2.0 + chunk_pass;
+        assert!(
+            (short.ttft_ms - expected).abs() < 1e-6,
+            "{short:?}, {expected}"
+        );
+        assert!(
+            short.ttft_ms > unreported.ttft_ms,
+            "{short:?} {unreported:?}"
+        );
+        // A pass under way that the report caught 100 ms in leaves the rest of it.
+        decode.pass_elapsed_ms = 100.0;
+        let caught = predict_aggregated(&decode, 16, 0, slo.tpot_ms);
+        assert!(
+            (caught.ttft_ms - (chunk_pass - 100.0 + chunk_pass)).abs() < 1e-6,
+            "{caught:?}"
+        );
+        // A long prompt queues behind the other as before.
+        decode.pass_elapsed_ms = 0.0;
+        let long = predict_aggregated(&decode, 2048, 0, slo.tpot_ms);
+        assert!(long.ttft_ms > 10.0 * short.ttft_ms, "{long:?}");
+    }
+
+    #[test]
     fn streams_of_a_worker_that_lends_its_slack_run_at_their_target() {
         let prefill = view(0, 0);
         let mut decode = view(2, 0);
@@ -638,6 +714,22 @@ mod tests {
         assert!(
             (paced.tpot_ms - 60.0 * TPOT_HEADROOM).abs() < 1e-9,
             "{paced:?}"
+        );
+        // Streams measured running faster than the aim (no one took the slack) are
+        // predicted as they run, never under their pass.
+        decode.stream_period_ms = 30.0;
+        let measured = predict_disaggregated(&prefill, &decode, 64, 0, 60.0);
+        assert!((measured.tpot_ms - 30.0).abs() < 1e-9, "{measured:?}");
+        decode.stream_period_ms = 1.0;
+        let floor = predict_disaggregated(&prefill, &decode, 64, 0, 60.0);
+        assert!((floor.tpot_ms - fast.tpot_ms).abs() < 1e-9, "{floor:?}");
+        // Periods of streams spending their lead on a long prompt's chunks: a new stream,
+        // with none, is held to the aim.
+        decode.stream_period_ms = 200.0;
+        let held = predict_disaggregated(&prefill, &decode, 64, 0, 60.0);
+        assert!(
+            (held.tpot_ms - 60.0 * TPOT_HEADROOM).abs() < 1e-9,
+            "{held:?}"
         );
         let alone = predict_aggregated(&view(0, 0), 64, 0, 60.0);
         let mut lending = view(0, 0);
