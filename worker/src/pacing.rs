@@ -59,14 +59,7 @@ pub struct Pacer {
     someone_waits: bool,
     /// The least lead of the streams with a target on their aims, as of the last pass.
     streams_lead_ms: f64,
-    /// When the last pass with decode rows started, and the moving average of the time
-    /// between such starts while streams kept decoding (see [`PERIOD_WEIGHT`]).
-    last_decode_start: Option<Instant>,
-    stream_period_ms: f64,
 }
-
-/// How much one period moves the reported stream period: about the last 16 count.
-const PERIOD_WEIGHT: f64 = 1.0 / 16.0;
 
 /// Where a stream's standing is measured from.
 #[derive(Debug, Clone, Copy)]
@@ -162,7 +155,6 @@ impl Pacer {
             .min_by(f64::total_cmp)
             .unwrap_or(0.0);
         let (decode, prompt_at) = engine.decode_load();
-        self.time_period(decode.sampled_rows > 0.0, now);
         let share = team_share();
         // The fit prices the whole team's milliseconds; the standings are wall time.
         let streams_ms = self.coefficients.step_ms(&decode) / share;
@@ -203,24 +195,6 @@ impl Pacer {
             tracing::trace!(?allowance, ?budget, "prompt allowance beside decode rows");
             self.allowance = allowance;
             engine.set_prompt_allowance(allowance);
-        }
-    }
-
-    /// Times the streams' period: the start of a pass with decode rows (`decodes`) at
-    /// `now`. A pass without them ends the streams' run and forgets the period.
-    fn time_period(&mut self, decodes: bool, now: Instant) {
-        if !decodes {
-            self.last_decode_start = None;
-            self.stream_period_ms = 0.0;
-            return;
-        }
-        if let Some(last) = self.last_decode_start.replace(now) {
-            let ms = now.saturating_duration_since(last).as_secs_f64() * 1e3;
-            self.stream_period_ms = if self.stream_period_ms > 0.0 {
-                self.stream_period_ms + PERIOD_WEIGHT * (ms - self.stream_period_ms)
-            } else {
-                ms
-            };
         }
     }
 
@@ -336,11 +310,6 @@ impl Pacer {
             pass_elapsed_ms: 0.0,
             lends_slack: self.lend_slack,
             streams_lead_ms: self.streams_lead_ms,
-            stream_period_ms: if decode.sampled_rows > 0.0 {
-                self.stream_period_ms
-            } else {
-                0.0
-            },
         });
     }
 }
@@ -361,29 +330,4 @@ fn cpu_stall_us() -> Option<u64> {
         .find_map(|field| field.strip_prefix("total="))?
         .parse()
         .ok()
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_stream_period_averages_pass_starts_and_ends_with_the_streams() {
-        let mut pacer = Pacer::new(true);
-        let start = Instant::now();
-        let at = |ms: u64| start + Duration::from_millis(ms);
-        // The first pass times nothing; the next ones average their gaps.
-        pacer.time_period(true, at(0));
-        assert_eq!(pacer.stream_period_ms, 0.0);
-        pacer.time_period(true, at(50));
-        assert!((pacer.stream_period_ms - 50.0).abs() < 1e-9);
-        pacer.time_period(true, at(50 + 66));
-        assert!((pacer.stream_period_ms - (50.0 + PERIOD_WEIGHT * 16.0)).abs() < 1e-9);
-        // A pass without streams forgets it: the next run starts afresh.
-        pacer.time_period(false, at(200));
-        assert_eq!(pacer.stream_period_ms, 0.0);
-        pacer.time_period(true, at(300));
-        pacer.time_period(true, at(320));
-        assert!((pacer.stream_period_ms - 20.0).abs() < 1e-9);
-    }
 }

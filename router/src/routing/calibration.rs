@@ -14,12 +14,11 @@
 //! seen [`MIN_SEEN`] requests borrows the line of every class of its kind together: that a
 //! worker runs slower than its fit says is news for every length.
 //!
-//! TPOT is not corrected: its prediction is already a measurement where one exists (the
-//! decode worker's streams' period, `StepCost.stream_period_ms`) and the pacing aim the worker
-//! holds new streams to where none does. A line fitted over it learned from one wave of
-//! streams and taught the next, which ran in another regime (with or without prompt chunks
-//! to pace): the corrected TPOT was off by a median 0.11-0.25 where the prediction alone was
-//! off by 0.01-0.14 (`scripts/prediction-errors` on `scripts/bench-goodput`'s calls).
+//! TPOT is not corrected: on a decode worker that paces its streams the prediction is the
+//! aim the worker holds them to, and a line fitted over it learned from one wave of streams
+//! and taught the next, which ran in another regime (with or without prompt chunks to pace):
+//! the corrected TPOT was off by a median 0.13-0.33 where the prediction alone was off by
+//! 0.00-0.08 (`scripts/prediction-errors` on `scripts/bench-goodput`'s calls, 2026-11-30).
 
 use super::placement::{PlacementKind, Prediction};
 

@@ -39,8 +39,6 @@ pub struct CostView {
     pub prompt_allowance: u64,
     /// The least lead its streams hold on their pacing aims (`StepCost.streams_lead_ms`).
     pub streams_lead_ms: f64,
-    /// Its streams' TPOT as they ran lately (`StepCost.stream_period_ms`; 0: unknown).
-    pub stream_period_ms: f64,
 }
 
 /// What a router sent to a worker and saw end there since its last load report.
@@ -142,11 +140,6 @@ impl CostView {
             } else {
                 0.0
             },
-            stream_period_ms: if cost.stream_period_ms.is_finite() {
-                cost.stream_period_ms.max(0.0)
-            } else {
-                0.0
-            },
         })
     }
 
@@ -200,21 +193,11 @@ impl CostView {
         self.coefficients.step_ms(&shape)
     }
 
-    /// The TPOT of a new stream whose passes take `pass_ms` here, under a target of
-    /// `tpot_ms`: what the streams' periods measure now (idling and prompt chunks
-    /// included), but no more than the pacing aim (0.9 of the target: a new stream has no
-    /// lead, so the worker's pacing holds the passes to its aim, however long the periods of
-    /// streams spending their lead ran), and never under the pass. Unmeasured, a worker that
-    /// lends its slack stretches each period to the aim. A lending worker idles only while
-    /// another thread on its cores wants them, and its streams ran at 37-45 ms under a 60 ms
-    /// target on `scripts/bench-goodput`'s load when nothing did: its aim is a bound, not a
-    /// forecast.
+    /// The TPOT of streams whose passes take `pass_ms` here, under a target of `tpot_ms`: a
+    /// worker that lends its slack stretches each period to 0.9 of the target.
     pub(super) fn stream_tpot(&self, pass_ms: f64, tpot_ms: f64) -> f64 {
-        let aim = tpot_ms * TPOT_HEADROOM;
-        if self.stream_period_ms > 0.0 {
-            pass_ms.max(self.stream_period_ms.min(aim))
-        } else if self.lends_slack {
-            pass_ms.max(aim)
+        if self.lends_slack {
+            pass_ms.max(tpot_ms * TPOT_HEADROOM)
         } else {
             pass_ms
         }
@@ -322,13 +305,12 @@ mod tests {
                 pass_elapsed_ms: 0.0,
                 lends_slack: false,
                 streams_lead_ms: -25.0,
-                stream_period_ms: f64::NAN,
             }),
             ..Default::default()
         };
-        // A debt is kept; a period that is no number is unknown.
+        // A debt is kept.
         let v = CostView::from_report(&load, SinceReport::default(), true).unwrap();
-        assert_eq!((v.streams_lead_ms, v.stream_period_ms), (-25.0, 0.0));
+        assert_eq!(v.streams_lead_ms, -25.0);
         let queued = LoadReport {
             queued_prompts: 1,
             ..load.clone()

@@ -225,13 +225,7 @@ fn decode_part(decode: &CostView, prompt: u64, start: u64, tpot_ms: f64) -> Deco
     } else {
         (allowance, streams.max(target))
     };
-    // A prompt that runs over many passes holds the streams at their aim while it does; one
-    // that ends in the next pass leaves them as they run.
-    let tpot_ms = if tokens <= one_pass {
-        decode.stream_tpot(after, tpot_ms)
-    } else {
-        after.max(streams.max(target))
-    };
+    let tpot_ms = after.max(streams.max(target));
     // A short prompt behind queued prompt work goes first, but not alone: the worker's
     // pacing fills the pass under way and the prompt's own with chunks of the queue, as
     // many tokens as it let in at its last pass (with the lead its streams had banked, which
@@ -388,7 +382,6 @@ mod tests {
             lends_slack: false,
             prompt_allowance: 0,
             streams_lead_ms: 0.0,
-            stream_period_ms: 0.0,
         }
     }
 
@@ -714,22 +707,6 @@ mod tests {
         assert!(
             (paced.tpot_ms - 60.0 * TPOT_HEADROOM).abs() < 1e-9,
             "{paced:?}"
-        );
-        // Streams measured running faster than the aim (no one took the slack) are
-        // predicted as they run, never under their pass.
-        decode.stream_period_ms = 30.0;
-        let measured = predict_disaggregated(&prefill, &decode, 64, 0, 60.0);
-        assert!((measured.tpot_ms - 30.0).abs() < 1e-9, "{measured:?}");
-        decode.stream_period_ms = 1.0;
-        let floor = predict_disaggregated(&prefill, &decode, 64, 0, 60.0);
-        assert!((floor.tpot_ms - fast.tpot_ms).abs() < 1e-9, "{floor:?}");
-        // Periods of streams spending their lead on a long prompt's chunks: a new stream,
-        // with none, is held to the aim.
-        decode.stream_period_ms = 200.0;
-        let held = predict_disaggregated(&prefill, &decode, 64, 0, 60.0);
-        assert!(
-            (held.tpot_ms - 60.0 * TPOT_HEADROOM).abs() < 1e-9,
-            "{held:?}"
         );
         let alone = predict_aggregated(&view(0, 0), 64, 0, 60.0);
         let mut lending = view(0, 0);
