@@ -17,7 +17,7 @@
 mod pacing;
 
 pub use pacing::{
-    DEBT_HORIZON, MIN_PACED_CHUNK, Pacing, PassBudget, Standing, Waiting, idle_ms,
+    DEBT_HORIZON, MIN_PACED_CHUNK, Pacing, PassBudget, Standing, Waiting, idle_ms, least_lead_ms,
     lone_pass_allowance, pass_budget,
 };
 

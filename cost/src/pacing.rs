@@ -96,15 +96,21 @@ pub fn pass_budget(standings: &[Standing], streams_ms: f64) -> Option<PassBudget
 /// `elapsed_ms` (standings taken after it): the rest of the tightest aim's period, but no
 /// more than any stream's lead on its aim, so a stream behind is not held back.
 pub fn idle_ms(standings: &[Standing], elapsed_ms: f64) -> f64 {
-    let aim = |s: &Standing| s.target_ms * TPOT_HEADROOM;
     let (Some(tightest), Some(lead)) = (
-        least(standings, aim),
-        least(standings, |s| s.lead_ms(aim(s))),
+        least(standings, |s| s.target_ms * TPOT_HEADROOM),
+        least_lead_ms(standings),
     ) else {
         return 0.0;
     };
     let idle = (tightest - elapsed_ms).min(lead);
     if idle.is_finite() { idle.max(0.0) } else { 0.0 }
+}
+
+/// The least lead of `standings` on their aims ([`TPOT_HEADROOM`] of each target; `None`:
+/// no stream): what the tightest stream may still spend, which a router predicting a paced
+/// prompt reads from the load report.
+pub fn least_lead_ms(standings: &[Standing]) -> Option<f64> {
+    least(standings, |s| s.lead_ms(s.target_ms * TPOT_HEADROOM))
 }
 
 /// The prompt tokens a pass without streams may take when the tightest TPOT target of the
@@ -319,5 +325,9 @@ mod tests {
         let behind = stream(60.0, 10, 10.0 * 54.0 + 5.0, 100);
         assert_eq!(idle_ms(&[far_ahead, behind], 24.0), 0.0);
         assert_eq!(idle_ms(&[], 24.0), 0.0);
+        // What the worker reports: the tightest stream's lead on its aim, a debt negative.
+        assert!((least_lead_ms(&[far_ahead, on_pace]).unwrap() - 30.0).abs() < 1e-9);
+        assert!((least_lead_ms(&[far_ahead, behind]).unwrap() + 5.0).abs() < 1e-9);
+        assert_eq!(least_lead_ms(&[]), None);
     }
 }

@@ -17,57 +17,40 @@ use tandem_engine::{
     Engine, EngineConfig, LoadOptions, ModelSource, SamplingParams, StopParams, load_model,
 };
 
+/// What a prompt costs beside decode streams, by the size of the chunks it runs in.
+#[derive(clap::Parser)]
 struct Args {
+    /// The model (a preset name or a path, as `tandem-worker --model` takes).
+    #[arg(long, default_value = "smollm2")]
     model: String,
-    cache: PathBuf,
-    rows: usize,
-    prompt_len: usize,
-    chunks: Vec<usize>,
-}
-
-fn parse_args() -> anyhow::Result<Args> {
-    let mut args = Args {
-        model: "smollm2".into(),
-        cache: std::env::var_os("TANDEM_CACHE")
-            .map_or_else(tandem_engine::fetch::default_cache_dir, PathBuf::from),
-        rows: 16,
-        prompt_len: 2048,
-        chunks: vec![16, 32, 64, 128, 256, 512],
-    };
-    let mut it = std::env::args().skip(1);
-    while let Some(flag) = it.next() {
-        let mut value = || {
-            it.next()
-                .ok_or_else(|| anyhow::anyhow!("{flag} needs a value"))
-        };
-        match flag.as_str() {
-            "--model" => args.model = value()?,
-            "--cache" => args.cache = value()?.into(),
-            "--rows" => args.rows = value()?.parse()?,
-            "--prompt-len" => args.prompt_len = value()?.parse()?,
-            "--chunks" => {
-                args.chunks = value()?
-                    .split(',')
-                    .map(str::parse)
-                    .collect::<Result<_, _>>()?
-            }
-            other => anyhow::bail!(
-                "unknown flag {other} (--model, --cache, --rows, --prompt-len, --chunks)"
-            ),
-        }
-    }
-    anyhow::ensure!(
-        args.rows >= 1 && args.prompt_len >= 2 && args.chunks.iter().all(|&c| c >= 1),
-        "--rows, --prompt-len and every chunk must be positive (--prompt-len at least 2)"
-    );
-    Ok(args)
+    #[arg(long, env = "TANDEM_CACHE")]
+    cache: Option<PathBuf>,
+    /// Streams decoding beside the prompt.
+    #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u16).range(1..))]
+    rows: u16,
+    /// The prompt's length in tokens.
+    #[arg(long, default_value_t = 2048, value_parser = clap::value_parser!(u32).range(2..))]
+    prompt_len: u32,
+    /// The chunk sizes to measure, one fresh engine each.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "16,32,64,128,256,512",
+        value_parser = clap::value_parser!(u32).range(1..)
+    )]
+    chunks: Vec<u32>,
 }
 
 fn main() -> anyhow::Result<()> {
-    let args = parse_args()?;
+    let args = <Args as clap::Parser>::parse();
+    let (rows, prompt_len) = (usize::from(args.rows), args.prompt_len as usize);
+    let cache = args
+        .cache
+        .clone()
+        .unwrap_or_else(tandem_engine::fetch::default_cache_dir);
     let source: ModelSource = args.model.parse()?;
     let opts = LoadOptions {
-        cache_dir: args.cache.clone(),
+        cache_dir: cache,
         ..Default::default()
     };
     eprintln!("loading {}...", args.model);
@@ -85,16 +68,16 @@ fn main() -> anyhow::Result<()> {
         ..Default::default()
     };
     // Streams that outlast the prompt at any chunk size (one token a pass).
-    let stream_tokens = args.prompt_len + 64;
+    let stream_tokens = prompt_len + 64;
     let streams_up = || -> anyhow::Result<Engine> {
         let config = EngineConfig {
             kv_budget_bytes: 2 << 30,
-            max_batch_tokens: args.prompt_len.max(args.rows * 16),
-            max_running: args.rows + 1,
+            max_batch_tokens: prompt_len.max(rows * 16),
+            max_running: rows + 1,
             ..Default::default()
         };
         let mut engine = Engine::new(model.clone(), tokenizer.clone(), config)?;
-        for i in 0..args.rows {
+        for i in 0..rows {
             engine.add_request(
                 prompt(i as u32, 16),
                 SamplingParams::greedy(),
@@ -114,19 +97,15 @@ fn main() -> anyhow::Result<()> {
     let alone_ms = t.elapsed().as_secs_f64() * 1e3 / 32.0;
     println!(
         "{} streams, a {}-token prompt beside them; the streams' pass alone: {alone_ms:.1} ms",
-        args.rows, args.prompt_len
+        rows, prompt_len
     );
     println!(
         "| chunk | passes | prompt wall (ms) | beyond the streams' passes (ms) | per prompt token (ms) |"
     );
     println!("| ---: | ---: | ---: | ---: | ---: |");
-    for &chunk in &args.chunks {
+    for chunk in args.chunks.iter().map(|&c| c as usize) {
         let mut engine = streams_up()?;
-        let id = engine.add_request(
-            prompt(999, args.prompt_len),
-            SamplingParams::greedy(),
-            stop(1),
-        )?;
+        let id = engine.add_request(prompt(999, prompt_len), SamplingParams::greedy(), stop(1))?;
         engine.set_prompt_allowance(Some(chunk));
         let t = Instant::now();
         let mut passes = 0usize;
@@ -136,13 +115,13 @@ fn main() -> anyhow::Result<()> {
             if outputs.iter().any(|o| o.request == id) {
                 break;
             }
-            anyhow::ensure!(passes <= args.prompt_len + 1, "the prompt never finished");
+            anyhow::ensure!(passes <= prompt_len + 1, "the prompt never finished");
         }
         let wall = t.elapsed().as_secs_f64() * 1e3;
         let beyond = wall - passes as f64 * alone_ms;
         println!(
             "| {chunk} | {passes} | {wall:.0} | {beyond:.0} | {:.3} |",
-            beyond / args.prompt_len as f64
+            beyond / prompt_len as f64
         );
     }
     Ok(())

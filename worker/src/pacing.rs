@@ -146,14 +146,9 @@ impl Pacer {
         target_of: &dyn Fn(SeqId) -> Option<Duration>,
         tightest: Option<Duration>,
     ) {
-        let now = Instant::now();
-        let standings = self.standings(engine, target_of, now);
+        let standings = self.standings(engine, target_of, Instant::now());
         self.paced = !standings.is_empty();
-        self.streams_lead_ms = standings
-            .iter()
-            .map(|s| s.lead_ms(s.target_ms * tandem_cost::TPOT_HEADROOM))
-            .min_by(f64::total_cmp)
-            .unwrap_or(0.0);
+        self.streams_lead_ms = tandem_cost::least_lead_ms(&standings).unwrap_or(0.0);
         let (decode, prompt_at) = engine.decode_load();
         let share = team_share();
         // The fit prices the whole team's milliseconds; the standings are wall time.

@@ -232,10 +232,15 @@ impl CostView {
         if self.goes_before_queue(tokens, one_pass) {
             queue.min(self.rest_of_pass_ms(pass_ms))
         } else {
-            let into_pass = (self.pass_elapsed_ms > 0.0 && self.pass_elapsed_ms < pass_ms)
-                .then_some(self.pass_elapsed_ms);
-            queue - into_pass.unwrap_or(0.0).min(queue)
+            queue - self.pass_done_ms(pass_ms).unwrap_or(0.0).min(queue)
         }
+    }
+
+    /// How far the pass under way, a pass of `pass_ms`, has run: known when the report
+    /// caught it under way less than that long ago.
+    fn pass_done_ms(&self, pass_ms: f64) -> Option<f64> {
+        (self.pass_elapsed_ms > 0.0 && self.pass_elapsed_ms < pass_ms)
+            .then_some(self.pass_elapsed_ms)
     }
 
     /// Whether a prompt of `tokens` is scheduled before the queued prompts (see
@@ -248,12 +253,9 @@ impl CostView {
 
     /// What is left of the pass under way, a pass of `pass_ms`: known from the report when
     /// it ran less than that, else half of it.
-    pub(super) fn rest_of_pass_ms(&self, pass_ms: f64) -> f64 {
-        if self.pass_elapsed_ms > 0.0 && self.pass_elapsed_ms < pass_ms {
-            pass_ms - self.pass_elapsed_ms
-        } else {
-            pass_ms / 2.0
-        }
+    fn rest_of_pass_ms(&self, pass_ms: f64) -> f64 {
+        self.pass_done_ms(pass_ms)
+            .map_or(pass_ms / 2.0, |done| pass_ms - done)
     }
 }
 

@@ -225,36 +225,35 @@ fn decode_part(decode: &CostView, prompt: u64, start: u64, tpot_ms: f64) -> Deco
     } else {
         (allowance, streams.max(target))
     };
-    let tpot_ms = after.max(streams.max(target));
     // A short prompt behind queued prompt work goes first, but not alone: the worker's
     // pacing fills the pass under way and the prompt's own with chunks of the queue, as
     // many tokens as it let in at its last pass (with the lead its streams had banked, which
     // the model's allowance at the aim does not see). Such passes ran 120-650 ms beside 16
     // streams under a 60 ms target, where a pass of the streams' period had predicted
     // short prompts 40 ms that measured 140-600 (`scripts/bench-goodput`'s mixed load).
-    if allowance > 0 && decode.prompt_allowance > 0 && decode.goes_before_queue(tokens, one_pass) {
+    let (pass_ms, own) = if allowance > 0
+        && decode.prompt_allowance > 0
+        && decode.goes_before_queue(tokens, one_pass)
+    {
         let chunk = decode.prompt_allowance.min(decode.queued_prompt_tokens);
-        let under_way = decode
-            .coefficients
-            .step_ms(&decode.streams().plus(StepShape::chunk(0, chunk, false)))
-            .max(pass_ms);
+        let beside = |tokens, samples| {
+            let shape = decode.streams().plus(StepShape::chunk(0, tokens, samples));
+            decode.coefficients.step_ms(&shape)
+        };
         let with_queue = chunk
             .saturating_add(tokens)
             .min(decode.prompt_allowance.max(tokens));
-        let own_pass = decode
-            .coefficients
-            .step_ms(&decode.streams().plus(StepShape::chunk(0, with_queue, true)))
-            .max(own);
-        return DecodePart {
-            queue_ms: decode.rest_of_pass_ms(under_way),
-            own_ms: own_pass,
-            tpot_ms,
-        };
-    }
+        (
+            beside(chunk, false).max(pass_ms),
+            beside(with_queue, true).max(own),
+        )
+    } else {
+        (pass_ms, own)
+    };
     DecodePart {
         queue_ms: decode.queue_ms(own, tokens, one_pass, pass_ms),
         own_ms: own,
-        tpot_ms,
+        tpot_ms: after.max(streams.max(target)),
     }
 }
 
