@@ -46,7 +46,7 @@ fn main() -> anyhow::Result<()> {
         e.step()?;
     }
     println!(
-        "batch {batch}: {:.1} ms/step",
+        "batch {batch}: {:.2} ms/step",
         t.elapsed().as_secs_f64() * 1e3 / steps as f64
     );
     Ok(())

@@ -17,17 +17,17 @@ const MAX_LANES_AT_ONCE: usize = 6;
 /// accumulators are a fixed array of registers).
 #[cfg(target_arch = "x86_64")]
 macro_rules! in_lane_groups {
-    ($from:expr, $to:expr, $kernel:ident($($arg:expr),* $(,)?)) => {{
+    ($from:expr, $to:expr, $kernel:ident$([$($c:tt),+])?($($arg:expr),* $(,)?)) => {{
         let mut lane = $from;
         while lane < $to {
             let n = ($to - lane).min(MAX_LANES_AT_ONCE);
             match n {
-                6 => $kernel::<6>(lane, $($arg),*),
-                5 => $kernel::<5>(lane, $($arg),*),
-                4 => $kernel::<4>(lane, $($arg),*),
-                3 => $kernel::<3>(lane, $($arg),*),
-                2 => $kernel::<2>(lane, $($arg),*),
-                _ => $kernel::<1>(lane, $($arg),*),
+                6 => $kernel::<6 $($(, $c)+)?>(lane, $($arg),*),
+                5 => $kernel::<5 $($(, $c)+)?>(lane, $($arg),*),
+                4 => $kernel::<4 $($(, $c)+)?>(lane, $($arg),*),
+                3 => $kernel::<3 $($(, $c)+)?>(lane, $($arg),*),
+                2 => $kernel::<2 $($(, $c)+)?>(lane, $($arg),*),
+                _ => $kernel::<1 $($(, $c)+)?>(lane, $($arg),*),
             }
             lane += n;
         }
@@ -73,6 +73,85 @@ pub(super) unsafe fn block_scores(
             for j in 0..BLOCK_SIZE {
                 out[j] = qd.mul_add(krow[j], out[j]);
             }
+        }
+    }
+}
+
+/// [`block_scores`] for a run of blocks (`kts[k]` the K part of block `k`), every block's
+/// lanes `from..to` written from `scores[k · stride]` on. With AVX-512 the run's blocks are
+/// computed together (up to six lanes of four blocks: 24 independent accumulators), so the
+/// few lanes of a decode step keep the multiply-add units busy instead of waiting on one
+/// 64-long chain per lane. Each score is the same chain as [`block_scores`]'s: no bit
+/// changes.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+pub(super) unsafe fn block_scores_run(
+    isa: Isa,
+    kts: &[&[f32]],
+    qs: &[f32],
+    from: usize,
+    to: usize,
+    d: usize,
+    scores: &mut [[f32; BLOCK_SIZE]],
+    stride: usize,
+) {
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx512 {
+        debug_assert!(kts.len() <= 4 && scores.len() >= (kts.len() - 1) * stride + to);
+        let k = |i: usize| kts.get(i).map_or(std::ptr::null(), |k| k.as_ptr());
+        let at = [k(0), k(1), k(2), k(3)];
+        // SAFETY: each of the run's K parts holds d rows of 16; the caller's slices hold
+        // `to` lanes of `d` floats and the run's blocks of scores.
+        unsafe {
+            match kts.len() {
+                4 => in_lane_groups!(from, to, scores_run_avx512[4](&at, qs, d, scores, stride)),
+                3 => in_lane_groups!(from, to, scores_run_avx512[3](&at, qs, d, scores, stride)),
+                2 => in_lane_groups!(from, to, scores_run_avx512[2](&at, qs, d, scores, stride)),
+                _ => in_lane_groups!(from, to, scores_run_avx512[1](&at, qs, d, scores, stride)),
+            }
+        }
+        return;
+    }
+    for (k, kt) in kts.iter().enumerate() {
+        // SAFETY: the caller's promises, block by block.
+        unsafe { block_scores(isa, kt, qs, from, to, d, &mut scores[k * stride..]) };
+    }
+}
+
+/// `N` lanes of `B` blocks' scores: the accumulators of every (lane, block) in registers.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[inline(never)]
+unsafe fn scores_run_avx512<const N: usize, const B: usize>(
+    from: usize,
+    kts: &[*const f32; 4],
+    qs: &[f32],
+    d: usize,
+    scores: &mut [[f32; BLOCK_SIZE]],
+    stride: usize,
+) {
+    use std::arch::x86_64::*;
+    debug_assert!(qs.len() >= (from + N) * d && scores.len() >= (B - 1) * stride + from + N);
+    let mut acc = [[_mm512_setzero_ps(); B]; N];
+    // SAFETY: lanes from..from + N hold d floats each (asserted above).
+    let lanes: [*const f32; N] =
+        std::array::from_fn(|l| unsafe { qs.as_ptr().add((from + l) * d) });
+    for i in 0..d {
+        // SAFETY: i < d, so row i's 16 floats are inside each block's K part and input i
+        // inside each lane.
+        let k: [__m512; B] =
+            std::array::from_fn(|b| unsafe { _mm512_loadu_ps(kts[b].add(i * BLOCK_SIZE)) });
+        for (a, lane) in acc.iter_mut().zip(&lanes) {
+            let q = _mm512_set1_ps(unsafe { *lane.add(i) });
+            for (a, k) in a.iter_mut().zip(&k) {
+                *a = _mm512_fmadd_ps(q, *k, *a);
+            }
+        }
+    }
+    for (l, a) in acc.iter().enumerate() {
+        for (b, a) in a.iter().enumerate() {
+            // SAFETY: block b's lane from + l lies inside `scores` (asserted above).
+            unsafe { _mm512_storeu_ps(scores[b * stride + from + l].as_mut_ptr(), *a) };
         }
     }
 }
@@ -127,7 +206,15 @@ pub(super) unsafe fn accumulate_v(
     #[cfg(target_arch = "x86_64")]
     if isa == Isa::Avx512 && d.is_multiple_of(16) {
         // SAFETY: `vb` holds 16 rows of d, `probs` and `acc` hold `to` lanes.
-        unsafe { in_lane_groups!(from, to, accumulate_avx512(vb, probs, d, acc)) };
+        unsafe {
+            if d.is_multiple_of(64) {
+                in_lane_groups!(from, to, accumulate_avx512[4](vb, probs, d, acc))
+            } else if d.is_multiple_of(32) {
+                in_lane_groups!(from, to, accumulate_avx512[2](vb, probs, d, acc))
+            } else {
+                in_lane_groups!(from, to, accumulate_avx512[1](vb, probs, d, acc))
+            }
+        };
         return;
     }
     #[cfg(target_arch = "x86_64")]
@@ -148,9 +235,13 @@ pub(super) unsafe fn accumulate_v(
     }
 }
 
+/// `N` lanes over `C` vectors of 16 columns at a time: up to 24 accumulators in flight
+/// (each a chain of 16 multiply-adds, one per key), where one vector's three lanes left the
+/// units waiting on each chain's latency.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-unsafe fn accumulate_avx512<const N: usize>(
+#[inline(never)]
+unsafe fn accumulate_avx512<const N: usize, const C: usize>(
     from: usize,
     vb: &[f32],
     probs: &[[f32; BLOCK_SIZE]],
@@ -159,24 +250,37 @@ unsafe fn accumulate_avx512<const N: usize>(
 ) {
     use std::arch::x86_64::*;
     debug_assert!(
-        vb.len() >= BLOCK_SIZE * d && probs.len() >= from + N && acc.len() >= (from + N) * d
+        vb.len() >= BLOCK_SIZE * d
+            && probs.len() >= from + N
+            && acc.len() >= (from + N) * d
+            && d.is_multiple_of(16 * C)
     );
-    for c in (0..d).step_by(16) {
-        let mut regs = [_mm512_setzero_ps(); N];
+    let p: [&[f32; BLOCK_SIZE]; N] = std::array::from_fn(|l| &probs[from + l]);
+    for c0 in (0..d).step_by(16 * C) {
+        let mut regs = [[_mm512_setzero_ps(); C]; N];
         for (l, r) in regs.iter_mut().enumerate() {
-            // SAFETY: lane from + l has d floats in `acc`; c + 16 <= d.
-            *r = unsafe { _mm512_loadu_ps(acc.as_ptr().add((from + l) * d + c)) };
+            for (c, r) in r.iter_mut().enumerate() {
+                // SAFETY: lane from + l has d floats in `acc`; c0 + 16·(c + 1) <= d.
+                *r = unsafe { _mm512_loadu_ps(acc.as_ptr().add((from + l) * d + c0 + 16 * c)) };
+            }
         }
-        for (j, vrow) in vb.chunks_exact(d).take(BLOCK_SIZE).enumerate() {
-            // SAFETY: columns c..c + 16 <= d of row j.
-            let v = unsafe { _mm512_loadu_ps(vrow.as_ptr().add(c)) };
-            for (l, r) in regs.iter_mut().enumerate() {
-                *r = _mm512_fmadd_ps(_mm512_set1_ps(probs[from + l][j]), v, *r);
+        for j in 0..BLOCK_SIZE {
+            // SAFETY: columns c0..c0 + 16·C <= d of row j < 16.
+            let v: [__m512; C] = std::array::from_fn(|c| unsafe {
+                _mm512_loadu_ps(vb.as_ptr().add(j * d + c0 + 16 * c))
+            });
+            for (r, p) in regs.iter_mut().zip(&p) {
+                let pj = _mm512_set1_ps(p[j]);
+                for (r, v) in r.iter_mut().zip(&v) {
+                    *r = _mm512_fmadd_ps(pj, *v, *r);
+                }
             }
         }
         for (l, r) in regs.iter().enumerate() {
-            // SAFETY: as for the loads.
-            unsafe { _mm512_storeu_ps(acc.as_mut_ptr().add((from + l) * d + c), *r) };
+            for (c, r) in r.iter().enumerate() {
+                // SAFETY: as for the loads.
+                unsafe { _mm512_storeu_ps(acc.as_mut_ptr().add((from + l) * d + c0 + 16 * c), *r) };
+            }
         }
     }
 }

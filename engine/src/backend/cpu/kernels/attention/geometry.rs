@@ -138,9 +138,14 @@ impl Geometry {
     /// The buffer [`block_kv`] widens a half-precision cache's blocks into (exactly: every
     /// bf16 and f16 value is an f32), so the arithmetic is the f32 cache's; empty for f32.
     pub(super) fn widening_buffer(&self) -> Vec<f32> {
+        vec![0f32; self.widening_len()]
+    }
+
+    /// Floats of [`Self::widening_buffer`]: a block's K and V parts, none for f32.
+    pub(super) fn widening_len(&self) -> usize {
         match self.dtype {
-            KvDtype::F32 => Vec::new(),
-            KvDtype::Bf16 | KvDtype::F16 => vec![0f32; 2 * self.d * BLOCK_SIZE],
+            KvDtype::F32 => 0,
+            KvDtype::Bf16 | KvDtype::F16 => 2 * self.d * BLOCK_SIZE,
         }
     }
 }

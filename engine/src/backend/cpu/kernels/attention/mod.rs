@@ -22,13 +22,17 @@ mod geometry;
 #[cfg(target_arch = "x86_64")]
 mod lanes;
 mod per_lane;
+mod reuse;
 mod spans;
+
+use std::cell::Cell;
 
 use tandem_kv::{BLOCK_SIZE, KvCache};
 
 use super::{Isa, SharedMut, isa};
 use geometry::{Geometry, PartialOut, RowState, TaskSpan};
 use per_lane::task_body;
+use reuse::{refill, with_reused};
 use spans::{LaneDest, SPAN_BLOCKS, fold, write_out};
 
 pub use geometry::{AttnParams, AttnSeq};
@@ -165,6 +169,9 @@ struct Unit {
     rows: usize,
     first_span: usize,
     end_span: usize,
+    /// The blocks its rows read: `first_block..end_block`, inside its spans.
+    first_block: usize,
+    end_block: usize,
     split: bool,
     scratch: usize,
 }
@@ -212,7 +219,53 @@ fn run_units(
     out: SharedMut,
     split: Split,
 ) {
-    let mut units = Vec::new();
+    with_reused(&UNIT_SCRATCH, |scratch| {
+        run_units_in(isa, g, q, seqs, out, split, scratch)
+    })
+}
+
+/// The caller's buffers of [`run_units`] (see `reuse`).
+#[derive(Default)]
+struct UnitScratch {
+    units: Vec<Unit>,
+    tasks: Vec<(usize, Option<usize>)>,
+    /// The split spans' parts.
+    parts: Vec<f32>,
+    total: Vec<RowState>,
+    total_acc: Vec<f32>,
+}
+
+/// A task's buffers of [`run_whole`] (see `reuse`).
+#[derive(Default)]
+struct WholeScratch {
+    part_states: Vec<RowState>,
+    part_acc: Vec<f32>,
+    total: Vec<RowState>,
+    total_acc: Vec<f32>,
+}
+
+thread_local! {
+    static UNIT_SCRATCH: Cell<Option<UnitScratch>> = const { Cell::new(None) };
+    static WHOLE_SCRATCH: Cell<Option<WholeScratch>> = const { Cell::new(None) };
+}
+
+fn run_units_in(
+    isa: Isa,
+    g: &Geometry,
+    q: &[f32],
+    seqs: &[AttnSeq<'_>],
+    out: SharedMut,
+    split: Split,
+    scratch: &mut UnitScratch,
+) {
+    let UnitScratch {
+        units,
+        tasks,
+        parts,
+        total,
+        total_acc,
+    } = scratch;
+    units.clear();
     for (si, s) in seqs.iter().enumerate() {
         for group in 0..g.kv_heads {
             for r0 in (0..s.q_len).step_by(ROWS_PER_TASK) {
@@ -227,6 +280,8 @@ fn run_units(
                     rows,
                     first_span: first_block / SPAN_BLOCKS,
                     end_span: end_block.div_ceil(SPAN_BLOCKS),
+                    first_block,
+                    end_block,
                     split: false,
                     scratch: 0,
                 });
@@ -236,7 +291,7 @@ fn run_units(
     // Which units split changes no bit (see `spans`), only how the work spreads.
     let mut scratch_len = 0;
     if split.applies(units.len()) {
-        for u in &mut units {
+        for u in units.iter_mut() {
             let size = (u.end_span - u.first_span) * u.lanes(g) * part_floats(g.d);
             if u.end_span - u.first_span > 1 && size <= SPLIT_SCRATCH {
                 u.split = true;
@@ -245,7 +300,7 @@ fn run_units(
             }
         }
     }
-    let mut tasks = Vec::new();
+    tasks.clear();
     for (i, u) in units.iter().enumerate() {
         if u.split {
             tasks.extend((u.first_span..u.end_span).map(|c| (i, Some(c))));
@@ -253,15 +308,30 @@ fn run_units(
             tasks.push((i, None));
         }
     }
-    // Each split span's part: its lanes' accumulators, then their states.
-    let mut scratch = vec![0f32; scratch_len];
-    let scratch_ptr = SharedMut(scratch.as_mut_ptr());
+    // Longest first (a split unit's last span may hold a single block), so that the
+    // short ones fill the gaps at the end: the order changes no bit.
+    let blocks_of = |&(i, span): &(usize, Option<usize>)| {
+        let u: &Unit = &units[i];
+        match span {
+            Some(c) => {
+                ((c + 1) * SPAN_BLOCKS).min(u.end_block) - (c * SPAN_BLOCKS).max(u.first_block)
+            }
+            None => u.end_block - u.first_block,
+        }
+    };
+    tasks.sort_by_key(|t| std::cmp::Reverse(blocks_of(t)));
+    // Each split span's part: its lanes' accumulators, then their states. Every task
+    // writes its whole part before the fold reads it, so stale values never count.
+    if parts.len() < scratch_len {
+        parts.resize(scratch_len, 0.0);
+    }
+    let scratch_ptr = SharedMut(parts.as_mut_ptr());
     let part_of = |u: &Unit, c: usize| {
         // The whole wrapper, not its pointer field, is what the closure may share.
         let base = &scratch_ptr;
         let lanes = u.lanes(g);
         let at = u.scratch + (c - u.first_span) * lanes * part_floats(g.d);
-        // SAFETY: inside the unit's share of `scratch`, `spans · lanes · (d + 2)` floats:
+        // SAFETY: inside the unit's share of `parts`, `spans · lanes · (d + 2)` floats:
         // each span's accumulators, then its states (a `RowState` is two f32s, aligned as
         // one).
         unsafe {
@@ -271,6 +341,7 @@ fn run_units(
             }
         }
     };
+    let (units, tasks) = (&*units, &*tasks);
     super::team::parallel_for(tasks.len(), &|t| {
         let (i, span) = tasks[t];
         let u = &units[i];
@@ -282,11 +353,10 @@ fn run_units(
             None => unsafe { run_whole(isa, g, q, s, u, out) },
         }
     });
-    let split_units: Vec<&Unit> = units.iter().filter(|u| u.split).collect();
-    let fold_unit = |i: usize| {
-        let u = split_units[i];
+    let fold_unit = |u: &Unit, total: &mut Vec<RowState>, total_acc: &mut Vec<f32>| {
         let lanes = u.lanes(g);
-        let (mut total, mut total_acc) = (vec![RowState::START; lanes], vec![0f32; lanes * g.d]);
+        refill(total, lanes, RowState::START);
+        refill(total_acc, lanes * g.d, 0.0);
         for c in u.first_span..u.end_span {
             let part = part_of(u, c);
             // SAFETY: the span's task has finished writing its part.
@@ -296,21 +366,25 @@ fn run_units(
                     std::slice::from_raw_parts(part.acc, lanes * g.d),
                 )
             };
-            fold(isa, &mut total, &mut total_acc, states, acc, g.d);
+            fold(isa, total, total_acc, states, acc, g.d);
         }
         // SAFETY: the unit's rows and heads are written by this task alone.
-        unsafe { write_out(&total, &total_acc, g.d, &u.dest(g, &seqs[u.seq]), out) };
+        unsafe { write_out(total, total_acc, g.d, &u.dest(g, &seqs[u.seq]), out) };
     };
     // A fold is a multiply-add per float of each span's part: a decode step's few (three
     // units of 2-4 spans at batch 1) cost less than handing them to the team.
-    let fold_floats: usize = split_units
-        .iter()
+    let split_units = || units.iter().filter(|u| u.split);
+    let fold_floats: usize = split_units()
         .map(|u| (u.end_span - u.first_span) * u.lanes(g) * g.d)
         .sum();
     if fold_floats <= FOLD_INLINE_FLOATS {
-        (0..split_units.len()).for_each(fold_unit);
+        split_units().for_each(|u| fold_unit(u, total, total_acc));
     } else {
-        super::team::parallel_for(split_units.len(), &fold_unit);
+        let split: Vec<&Unit> = split_units().collect();
+        super::team::parallel_for(split.len(), &|i| {
+            let (mut total, mut total_acc) = (Vec::new(), Vec::new());
+            fold_unit(split[i], &mut total, &mut total_acc)
+        });
     }
 }
 
@@ -322,28 +396,30 @@ const FOLD_INLINE_FLOATS: usize = 1 << 14;
 /// # Safety
 /// As [`run_task`]'s; the unit's rows and heads of `out` are this task's alone.
 unsafe fn run_whole(isa: Isa, g: &Geometry, q: &[f32], s: &AttnSeq<'_>, u: &Unit, out: SharedMut) {
-    let lanes = u.lanes(g);
-    let mut part_states = vec![RowState::START; lanes];
-    let mut part_acc = vec![0f32; lanes * g.d];
-    let part = PartialOut {
-        acc: part_acc.as_mut_ptr(),
-        states: part_states.as_mut_ptr(),
-    };
-    let (mut total, mut total_acc) = (vec![RowState::START; lanes], vec![0f32; lanes * g.d]);
-    for c in u.first_span..u.end_span {
-        // SAFETY: the caller's promises; the part holds the unit's lanes.
-        unsafe { run_task(isa, g, q, s, u.span(c), part) };
-        fold(
-            isa,
-            &mut total,
-            &mut total_acc,
-            &part_states,
-            &part_acc,
-            g.d,
-        );
-    }
-    // SAFETY: the caller's promise.
-    unsafe { write_out(&total, &total_acc, g.d, &u.dest(g, s), out) };
+    with_reused(&WHOLE_SCRATCH, |scratch| {
+        let WholeScratch {
+            part_states,
+            part_acc,
+            total,
+            total_acc,
+        } = scratch;
+        let lanes = u.lanes(g);
+        refill(part_states, lanes, RowState::START);
+        refill(part_acc, lanes * g.d, 0.0);
+        refill(total, lanes, RowState::START);
+        refill(total_acc, lanes * g.d, 0.0);
+        let part = PartialOut {
+            acc: part_acc.as_mut_ptr(),
+            states: part_states.as_mut_ptr(),
+        };
+        for c in u.first_span..u.end_span {
+            // SAFETY: the caller's promises; the part holds the unit's lanes.
+            unsafe { run_task(isa, g, q, s, u.span(c), part) };
+            fold(isa, total, total_acc, part_states, part_acc, g.d);
+        }
+        // SAFETY: the caller's promise.
+        unsafe { write_out(total, total_acc, g.d, &u.dest(g, s), out) };
+    })
 }
 
 /// Defines `$name`, [`task_body`] compiled with the target features `$features`, so that the

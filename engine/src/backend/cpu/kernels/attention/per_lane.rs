@@ -8,12 +8,15 @@
 use tandem_kv::BLOCK_SIZE;
 
 use super::super::Isa;
-use super::block_ops::{accumulate_v, block_scores};
+use std::cell::Cell;
+
+use super::block_ops::{accumulate_v, block_scores_run};
 use super::geometry::{
     AttnSeq, Geometry, PartialOut, RowState, TaskSpan, block_kv, prefetch_block,
 };
 #[cfg(target_arch = "x86_64")]
 use super::lanes;
+use super::reuse::{keep, refill, take};
 
 /// The kernel body, compiled once per instruction set through the wrappers above: the
 /// task's lanes over the keys of its blocks, left in `part` (see [`PartialOut`]).
@@ -42,10 +45,23 @@ pub(super) unsafe fn task_body(
         // that set); the rest are the caller's promises, which are this function's.
         return unsafe { lanes::task(g, q, s, span, part) };
     }
-    let mut states = vec![RowState::START; lanes];
-    let mut acc = vec![0f32; lanes * d];
+    let mut scratch = take(&LANE_SCRATCH);
+    let LaneScratch {
+        states,
+        acc,
+        qs,
+        scores,
+        probs,
+        keys,
+        moves,
+        psums,
+        lane_pos,
+        widened,
+    } = &mut scratch;
+    refill(states, lanes, RowState::START);
+    refill(acc, lanes * d, 0.0);
     // Queries of this group's heads, pre-scaled by 1/√d.
-    let mut qs = vec![0f32; lanes * d];
+    refill(qs, lanes * d, 0.0);
     for r in 0..rows {
         let row = s.q_row + r0 + r;
         for h in 0..n_rep {
@@ -59,109 +75,184 @@ pub(super) unsafe fn task_body(
             }
         }
     }
-    let mut scores = vec![[0f32; BLOCK_SIZE]; lanes];
-    let mut probs = vec![[0f32; BLOCK_SIZE]; lanes];
+    // The scores of a run of up to `RUN_BLOCKS` blocks: block `k`'s lanes from `k · lanes`.
+    refill(scores, RUN_BLOCKS * lanes, [0f32; BLOCK_SIZE]);
+    refill(probs, lanes, [0f32; BLOCK_SIZE]);
     // Per lane, for the block at hand: its keys `skip..valid`, its running maximum's move
     // (`RowState::advance`) and its `Σ p`.
-    let mut keys = vec![(0usize, 0usize); lanes];
-    let mut moves = vec![(0f32, None::<f32>); lanes];
-    let mut psums = vec![0f32; lanes];
+    refill(keys, lanes, (0usize, 0usize));
+    refill(moves, lanes, (0f32, None::<f32>));
+    refill(psums, lanes, 0f32);
     let first_pos = s.start_pos + r0;
     // Each lane's position, once (a division per lane and block showed in profiles).
-    let lane_pos: Vec<usize> = (0..lanes).map(|lane| first_pos + lane / n_rep).collect();
+    lane_pos.clear();
+    lane_pos.extend((0..lanes).map(|lane| first_pos + lane / n_rep));
     let last_pos = first_pos + rows - 1;
     let blocks = last_pos / BLOCK_SIZE + 1;
     let (k_off, v_off) = g.kv_offsets(group);
-    let mut widened = g.widening_buffer();
+    let widen = g.widening_len();
+    refill(widened, RUN_BLOCKS * widen, 0.0);
     // Rows `from..to` of this task as lanes (each row is `n_rep` lanes).
     let lanes_of = |from: usize, to: usize| (from.min(rows) * n_rep, to.min(rows) * n_rep);
-    // Blocks wholly before the first row's window hold no key any row here sees.
-    let from = (g.window_start(first_pos) / BLOCK_SIZE).max(first_block);
-    for b in from..blocks.min(end_block) {
-        let first_key = b * BLOCK_SIZE;
-        let last_key = first_key + BLOCK_SIZE - 1;
-        // Lanes (row, head) that see at least one key of this block: the causal mask drops
-        // rows from the front of the task, the window rows from its back.
-        let (first_lane, end_lane) = lanes_of(
+    // Lanes (row, head) that see at least one key of block `b`: the causal mask drops rows
+    // from the front of the task, the window rows from its back.
+    let seeing = |b: usize| {
+        let (first_key, last_key) = (b * BLOCK_SIZE, b * BLOCK_SIZE + BLOCK_SIZE - 1);
+        lanes_of(
             first_key.saturating_sub(first_pos),
             g.window
                 .map_or(rows, |w| (last_key + w).saturating_sub(first_pos)),
-        );
+        )
+    };
+    // Blocks wholly before the first row's window hold no key any row here sees.
+    let from = (g.window_start(first_pos) / BLOCK_SIZE).max(first_block);
+    let end = blocks.min(end_block);
+    let mut run_start = from;
+    while run_start < end {
+        let (first_lane, end_lane) = seeing(run_start);
         if first_lane >= end_lane {
+            run_start += 1;
             continue;
         }
-        if b + 1 < blocks {
-            prefetch_block(g, s.block_table[b + 1], k_off, v_off);
+        // A run: the next blocks that the same lanes see (every block of a decode row's
+        // span), whose scores are computed together so that their independent chains of
+        // multiply-adds overlap (one block's few lanes left the multiply-add units waiting
+        // on each chain's latency). Each score is the same chain as alone: no bit changes.
+        let mut run = 1;
+        while run < RUN_BLOCKS
+            && run_start + run < end
+            && seeing(run_start + run) == (first_lane, end_lane)
+        {
+            run += 1;
         }
-        let block = s.block_table[b] as usize * g.block_elems;
-        // SAFETY: both parts lie inside the block (checked block id, layout sizes).
-        let (kt, vb) = unsafe { block_kv(g, block + k_off, block + v_off, &mut widened) };
-        // SAFETY: `kt` holds d rows of 16; `qs` and `scores` hold `lanes` lanes.
-        unsafe { block_scores(isa, kt, &qs, first_lane, end_lane, d, &mut scores) };
-        if let Some(cap) = g.softcap {
-            for sc in &mut scores[first_lane..end_lane] {
-                softcap16(sc, cap);
+        let mut kts: [&[f32]; RUN_BLOCKS] = [&[]; RUN_BLOCKS];
+        let mut vbs: [&[f32]; RUN_BLOCKS] = [&[]; RUN_BLOCKS];
+        // Each block's own widening buffer (none for an f32 cache).
+        let bufs = widened
+            .chunks_mut(widen.max(1))
+            .chain(std::iter::repeat_with(|| &mut [][..]));
+        for ((k, buf), (kt, vb)) in bufs
+            .enumerate()
+            .take(run)
+            .zip(kts.iter_mut().zip(vbs.iter_mut()))
+        {
+            let block = s.block_table[run_start + k] as usize * g.block_elems;
+            // SAFETY: both parts lie inside the block (checked block id, layout sizes).
+            (*kt, *vb) = unsafe { block_kv(g, block + k_off, block + v_off, buf) };
+        }
+        // SAFETY: each `kts[k]` holds d rows of 16; `qs` holds `lanes` lanes and `scores`
+        // `run` blocks of them.
+        unsafe {
+            block_scores_run(
+                isa,
+                &kts[..run],
+                &qs[..],
+                first_lane,
+                end_lane,
+                d,
+                scores,
+                lanes,
+            )
+        };
+        for k in 0..run {
+            let b = run_start + k;
+            // The next run's blocks, one a block: in cache by the time its scores start.
+            if b + run < blocks {
+                prefetch_block(g, s.block_table[b + run], k_off, v_off);
             }
-        }
-        // The online softmax in phases over the lanes rather than lane after lane: each
-        // lane's steps form one long dependent chain (maximum, exponentials, sum), and a
-        // phase's lanes are independent, so their chains overlap in the core instead of
-        // running one after another (a 2048-token prefill spent more of its attention here
-        // than in the multiply-adds). Each lane's operations are the same, so are the bits.
-        for lane in first_lane..end_lane {
-            let pos = lane_pos[lane];
-            // This lane's keys in the block: slots `skip..valid`.
-            let valid = (pos - first_key + 1).min(BLOCK_SIZE);
-            let skip = g.window_start(pos).saturating_sub(first_key);
-            let block_max = masked_max(isa, &scores[lane], skip, valid);
-            keys[lane] = (skip, valid);
-            moves[lane] = states[lane].advance(block_max);
-        }
-        for lane in first_lane..end_lane {
-            let (skip, valid) = keys[lane];
-            (probs[lane], psums[lane]) =
-                block_probs(isa, &scores[lane], skip, valid, moves[lane].0);
-        }
-        for lane in first_lane..end_lane {
-            let (skip, valid) = keys[lane];
-            let (new_max, correction) = moves[lane];
-            let a = &mut acc[lane * d..(lane + 1) * d];
-            if let Some(c) = correction {
-                for x in a.iter_mut() {
-                    *x *= c;
+            let scores = &mut scores[k * lanes..(k + 1) * lanes];
+            let vb = vbs[k];
+            let first_key = b * BLOCK_SIZE;
+            if let Some(cap) = g.softcap {
+                for sc in &mut scores[first_lane..end_lane] {
+                    softcap16(sc, cap);
                 }
             }
-            states[lane].fold(new_max, correction, psums[lane]);
-            let p = &probs[lane];
-            if skip > 0 || valid < BLOCK_SIZE {
-                // The diagonal block, or the window's first: only slots `skip..valid` count
-                // (past `valid` the block may hold stale data, never to be multiplied, even
-                // by zero).
-                for (j, &pj) in p.iter().enumerate().take(valid).skip(skip) {
-                    let vrow = &vb[j * d..(j + 1) * d];
-                    for (x, &vv) in a.iter_mut().zip(vrow) {
-                        *x = pj.mul_add(vv, *x);
+            // The online softmax in phases over the lanes rather than lane after lane: each
+            // lane's steps form one long dependent chain (maximum, exponentials, sum), and a
+            // phase's lanes are independent, so their chains overlap in the core instead of
+            // running one after another (a 2048-token prefill spent more of its attention
+            // here than in the multiply-adds). Each lane's operations are the same, so are
+            // the bits.
+            for lane in first_lane..end_lane {
+                let pos = lane_pos[lane];
+                // This lane's keys in the block: slots `skip..valid`.
+                let valid = (pos - first_key + 1).min(BLOCK_SIZE);
+                let skip = g.window_start(pos).saturating_sub(first_key);
+                let block_max = masked_max(isa, &scores[lane], skip, valid);
+                keys[lane] = (skip, valid);
+                moves[lane] = states[lane].advance(block_max);
+            }
+            for lane in first_lane..end_lane {
+                let (skip, valid) = keys[lane];
+                (probs[lane], psums[lane]) =
+                    block_probs(isa, &scores[lane], skip, valid, moves[lane].0);
+            }
+            for lane in first_lane..end_lane {
+                let (skip, valid) = keys[lane];
+                let (new_max, correction) = moves[lane];
+                let a = &mut acc[lane * d..(lane + 1) * d];
+                if let Some(c) = correction {
+                    for x in a.iter_mut() {
+                        *x *= c;
+                    }
+                }
+                states[lane].fold(new_max, correction, psums[lane]);
+                let p = &probs[lane];
+                if skip > 0 || valid < BLOCK_SIZE {
+                    // The diagonal block, or the window's first: only slots `skip..valid`
+                    // count (past `valid` the block may hold stale data, never to be
+                    // multiplied, even by zero).
+                    for (j, &pj) in p.iter().enumerate().take(valid).skip(skip) {
+                        let vrow = &vb[j * d..(j + 1) * d];
+                        for (x, &vv) in a.iter_mut().zip(vrow) {
+                            *x = pj.mul_add(vv, *x);
+                        }
                     }
                 }
             }
+            // Lanes that see the whole block (a suffix by causality, a prefix by the window)
+            // accumulate P·V together (see `accumulate_v`).
+            let (full_from, full_to) = lanes_of(
+                (first_key + BLOCK_SIZE - 1).saturating_sub(first_pos),
+                g.window
+                    .map_or(rows, |w| (first_key + w).saturating_sub(first_pos)),
+            );
+            let (full_from, full_to) = (full_from.max(first_lane), full_to.min(end_lane));
+            if full_from < full_to {
+                unsafe { accumulate_v(isa, vb, &probs[..], full_from, full_to, d, acc) };
+            }
         }
-        // Lanes that see the whole block (a suffix by causality, a prefix by the window)
-        // accumulate P·V together (see `accumulate_v`).
-        let (full_from, full_to) = lanes_of(
-            (last_key).saturating_sub(first_pos),
-            g.window
-                .map_or(rows, |w| (first_key + w).saturating_sub(first_pos)),
-        );
-        let (full_from, full_to) = (full_from.max(first_lane), full_to.min(end_lane));
-        if full_from < full_to {
-            unsafe { accumulate_v(isa, vb, &probs, full_from, full_to, d, &mut acc) };
-        }
+        run_start += run;
     }
     // SAFETY: the part holds this task's `lanes` lanes, and no other task writes them.
     unsafe {
         std::ptr::copy_nonoverlapping(states.as_ptr(), part.states, lanes);
         std::ptr::copy_nonoverlapping(acc.as_ptr(), part.acc, lanes * d);
     }
+    keep(&LANE_SCRATCH, scratch);
+}
+
+/// Blocks whose scores one call computes together (see `block_scores_run`).
+const RUN_BLOCKS: usize = 4;
+
+/// A task's working buffers (see `reuse`).
+#[derive(Default)]
+struct LaneScratch {
+    states: Vec<RowState>,
+    acc: Vec<f32>,
+    qs: Vec<f32>,
+    scores: Vec<[f32; BLOCK_SIZE]>,
+    probs: Vec<[f32; BLOCK_SIZE]>,
+    keys: Vec<(usize, usize)>,
+    moves: Vec<(f32, Option<f32>)>,
+    psums: Vec<f32>,
+    lane_pos: Vec<usize>,
+    widened: Vec<f32>,
+}
+
+thread_local! {
+    static LANE_SCRATCH: Cell<Option<LaneScratch>> = const { Cell::new(None) };
 }
 
 /// One lane's share of a block in the online softmax, first part: the maximum of the

@@ -1,10 +1,9 @@
-//! The integer tiles on x86-64, in 256-bit vectors: 32 bytes of quads are four consecutive
+//! The integer tiles on x86-64 in 256-bit vectors: 32 bytes of quads are four consecutive
 //! inputs of 8 lanes, so one instruction sequence gives each lane its dot product over 4
-//! inputs (unsigned weights × signed activations). Three sequences, one tile body compiled
-//! for each (`panel_maddubs`, `panel_avx512_vnni`, `panel_avx_vnni`): `vpdpbusd` where the
-//! CPU has AVX512_VNNI (EVEX, with AVX512_VL, and so 32 vector registers) or AVX-VNNI
+//! inputs (unsigned weights × signed activations). Two sequences, one tile body compiled
+//! for each (`panel_maddubs`, `panel_avx_vnni`): `vpdpbusd` where the CPU has AVX-VNNI
 //! (VEX), else AVX2's `vpmaddubsw` (adjacent pairs summed to i16) and `vpmaddwd` by ones
-//! (pairs of those to i32). Q8_0's weights are signed: their magnitudes multiply the
+//! (pairs of those to i32). CPUs with AVX512_VNNI take `x86_zmm`'s 512-bit tile. Q8_0's weights are signed: their magnitudes multiply the
 //! activations carrying the weights' signs (`vpsignb`), as GGML does. The sums are exact
 //! integers in every sequence and the f32 operations after each group are those of
 //! `int8::panel_portable`, so every tile gives the same bits.
@@ -25,21 +24,15 @@ use crate::backend::cpu::kernels::matmul::PANEL;
 /// dequantizers do: a decode step streams every weight once).
 const PREFETCH_AHEAD: usize = 16384;
 
-/// The dot-product sequences as the tile bodies' `$dot` (one compiled copy each).
+/// The dot-product sequences as the tile bodies' `$dot` (one compiled copy each; 1 was the
+/// 256-bit AVX512_VNNI copy that `x86_zmm` replaced).
 const MADDUBS: u8 = 0;
-const AVX512_VNNI: u8 = 1;
 const AVX_VNNI: u8 = 2;
 
 /// Whether this CPU runs the AVX2 tile ([`panel_maddubs`]): AVX2, FMA and F16C.
 pub(crate) fn has_avx2() -> bool {
     use std::arch::is_x86_feature_detected as has;
     has!("avx2") && has!("fma") && has!("f16c")
-}
-
-/// Whether this CPU runs [`panel_avx512_vnni`].
-pub(crate) fn has_avx512_vnni() -> bool {
-    use std::arch::is_x86_feature_detected as has;
-    has_avx2() && has!("avx512f") && has!("avx512vl") && has!("avx512vnni")
 }
 
 /// Whether this CPU runs [`panel_avx_vnni`].
@@ -71,15 +64,13 @@ macro_rules! by_kind {
 }
 
 /// Defines a tile's entry point `$panel` and body `$rows` compiled for `$features`, with
-/// dot sequence `$dot`: the same source three times, because an instruction set extension
+/// dot sequence `$dot`: the same source twice, because an instruction set extension
 /// is a property of the function that holds it.
 macro_rules! integer_tile {
-    ($panel:ident, $rows:ident, $features:literal, $dot:expr, $wide:literal) => {
+    ($panel:ident, $rows:ident, $features:literal, $dot:expr) => {
         /// One panel against `t.rows` (1..=4) rows with this copy's dot sequence: both halves
         /// of the panel in one pass for up to two rows, one half per pass beyond (16 vector
-        /// registers hold 4 rows' sums of one half), except where `$wide` (AVX-512's 32
-        /// registers) holds both halves of 4 rows: each activation quad is then broadcast
-        /// once for 16 lanes instead of twice for 8 (+15-20 % in a 512-token prefill on Zen 4).
+        /// registers hold 4 rows' sums of one half).
         ///
         /// # Safety
         /// The CPU has `$features` (the `has_` function of this copy); `w` is in quads; the
@@ -91,8 +82,6 @@ macro_rules! integer_tile {
                 match t.rows {
                     1 => by_kind!($rows, 1, 2, 0, (acts, w, p, t)),
                     2 => by_kind!($rows, 2, 2, 0, (acts, w, p, t)),
-                    3 if $wide => by_kind!($rows, 3, 2, 0, (acts, w, p, t)),
-                    4.. if $wide => by_kind!($rows, 4, 2, 0, (acts, w, p, t)),
                     3 => {
                         by_kind!($rows, 3, 1, 0, (acts, w, p, t));
                         if t.cols > 8 {
@@ -279,19 +268,11 @@ macro_rules! integer_tile {
                                     } else {
                                         ((a, xa), (b, xb))
                                     };
-                                    dot[r][h] = if $dot == AVX512_VNNI {
-                                        _mm256_dpbusd_epi32(
-                                            _mm256_dpbusd_epi32(dot[r][h], ua, xa),
-                                            ub,
-                                            xb,
-                                        )
-                                    } else {
-                                        _mm256_dpbusd_avx_epi32(
-                                            _mm256_dpbusd_avx_epi32(dot[r][h], ua, xa),
-                                            ub,
-                                            xb,
-                                        )
-                                    };
+                                    dot[r][h] = _mm256_dpbusd_avx_epi32(
+                                        _mm256_dpbusd_avx_epi32(dot[r][h], ua, xa),
+                                        ub,
+                                        xb,
+                                    );
                                 } else if SIGNED {
                                     // Q8_0: a pair of products may reach 32512, so each step widens.
                                     let pa = _mm256_maddubs_epi16(
@@ -359,18 +340,10 @@ macro_rules! integer_tile {
     };
 }
 
-integer_tile!(panel_maddubs, rows_maddubs, "avx2,f16c,fma", MADDUBS, false);
-integer_tile!(
-    panel_avx512_vnni,
-    rows_avx512_vnni,
-    "avx2,f16c,fma,avx512f,avx512vl,avx512vnni",
-    AVX512_VNNI,
-    true
-);
+integer_tile!(panel_maddubs, rows_maddubs, "avx2,f16c,fma", MADDUBS);
 integer_tile!(
     panel_avx_vnni,
     rows_avx_vnni,
     "avx2,f16c,fma,avxvnni",
-    AVX_VNNI,
-    false
+    AVX_VNNI
 );
