@@ -15,7 +15,7 @@
 //!
 //! The files: `geometry` (what a task reads), `per_lane` (the per-lane path), `block_ops` (its
 //! lane-grouped scores and P·V), `lanes` (the AVX-512 path for many lanes), `spans` (the
-//! key spans and their fold).
+//! key spans and their fold), `reuse` (working buffers kept per thread).
 
 mod block_ops;
 mod geometry;
