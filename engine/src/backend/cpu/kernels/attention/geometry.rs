@@ -135,13 +135,9 @@ impl Geometry {
         (group * d * b, self.kv_heads * d * b + group * b * d)
     }
 
-    /// The buffer [`block_kv`] widens a half-precision cache's blocks into (exactly: every
-    /// bf16 and f16 value is an f32), so the arithmetic is the f32 cache's; empty for f32.
-    pub(super) fn widening_buffer(&self) -> Vec<f32> {
-        vec![0f32; self.widening_len()]
-    }
-
-    /// Floats of [`Self::widening_buffer`]: a block's K and V parts, none for f32.
+    /// Floats of the buffer [`block_kv`] widens a half-precision cache's block into (exactly:
+    /// every bf16 and f16 value is an f32, so the arithmetic is the f32 cache's): a block's K
+    /// and V parts; none for f32.
     pub(super) fn widening_len(&self) -> usize {
         match self.dtype {
             KvDtype::F32 => 0,

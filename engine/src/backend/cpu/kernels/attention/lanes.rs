@@ -110,7 +110,7 @@ pub(super) unsafe fn task(
         })
         .collect();
     let (k_off, v_off) = g.kv_offsets(group);
-    let mut widened = g.widening_buffer();
+    let mut widened = vec![0f32; g.widening_len()];
     let from = (g.window_start(first_pos) / BLOCK_SIZE).max(first_block);
     for b in from..(last_pos / BLOCK_SIZE + 1).min(end_block) {
         let first_key = b * BLOCK_SIZE;

@@ -75,8 +75,12 @@ pub(super) unsafe fn task_body(
             }
         }
     }
-    // The scores of a run of up to `RUN_BLOCKS` blocks: block `k`'s lanes from `k · lanes`.
-    refill(scores, RUN_BLOCKS * lanes, [0f32; BLOCK_SIZE]);
+    // Blocks to a run (see below). AVX-512 only: AVX2's 16 registers hold one block's
+    // chains, and its runs of one block (the next prefetched while this one computes) were
+    // faster than longer ones.
+    let longest = if isa == Isa::Avx512 { RUN_BLOCKS } else { 1 };
+    // The scores of a run: block `k`'s lanes from `k · lanes`.
+    refill(scores, longest * lanes, [0f32; BLOCK_SIZE]);
     refill(probs, lanes, [0f32; BLOCK_SIZE]);
     // Per lane, for the block at hand: its keys `skip..valid`, its running maximum's move
     // (`RowState::advance`) and its `Σ p`.
@@ -91,7 +95,7 @@ pub(super) unsafe fn task_body(
     let blocks = last_pos / BLOCK_SIZE + 1;
     let (k_off, v_off) = g.kv_offsets(group);
     let widen = g.widening_len();
-    refill(widened, RUN_BLOCKS * widen, 0.0);
+    refill(widened, longest * widen, 0.0);
     // Rows `from..to` of this task as lanes (each row is `n_rep` lanes).
     let lanes_of = |from: usize, to: usize| (from.min(rows) * n_rep, to.min(rows) * n_rep);
     // Lanes (row, head) that see at least one key of block `b`: the causal mask drops rows
@@ -118,9 +122,6 @@ pub(super) unsafe fn task_body(
         // span), whose scores are computed together so that their independent chains of
         // multiply-adds overlap (one block's few lanes left the multiply-add units waiting
         // on each chain's latency). Each score is the same chain as alone: no bit changes.
-        // AVX-512 only: AVX2's 16 registers hold one block's chains, and its runs of one
-        // block (the next prefetched while this one computes) were faster than longer ones.
-        let longest = if isa == Isa::Avx512 { RUN_BLOCKS } else { 1 };
         let mut run = 1;
         while run < longest
             && run_start + run < end

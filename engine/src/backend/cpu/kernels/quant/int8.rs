@@ -81,6 +81,27 @@ impl QuantizedActs {
         &self.q[r * self.k..(r + 1) * self.k]
     }
 
+    /// Where rows `row..row + R` start (see [`RowStarts`]), for tiles over `cols` inputs that
+    /// read them through raw pointers.
+    ///
+    /// # Panics
+    /// If a row lies outside the activations or `cols` exceeds their `k`.
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    pub(super) fn row_starts<const R: usize>(&self, row: usize, cols: usize) -> RowStarts<R> {
+        assert!(
+            row + R <= self.rows && cols <= self.k,
+            "tile outside the activations"
+        );
+        let at = |r: usize, per: usize| (row + r) * self.k / per;
+        RowStarts {
+            x: std::array::from_fn(|r| self.row(row + r).as_ptr()),
+            scale: std::array::from_fn(|r| self.scale[at(r, ACT_BLOCK)..].as_ptr()),
+            x_sum: std::array::from_fn(|r| self.x_sum[at(r, ACT_BLOCK)..].as_ptr()),
+            q_sum: std::array::from_fn(|r| self.q_sum[at(r, SUM_BLOCK)..].as_ptr()),
+        }
+    }
+
     /// Σ qx over `len` (16 or 32) inputs of row `r` from input `first` (a multiple of `len`).
     #[inline(always)]
     pub(super) fn q_sum(&self, r: usize, first: usize, len: usize) -> i32 {
@@ -231,6 +252,17 @@ fn block_sum(x: &[f32; ACT_BLOCK]) -> f32 {
     }
     let quarter: [f32; 4] = std::array::from_fn(|i| lanes[i] + lanes[i + 4]);
     (quarter[0] + quarter[2]) + (quarter[1] + quarter[3])
+}
+
+/// Where `R` consecutive rows of [`QuantizedActs`] start: their integers, their scales and
+/// sums of activations (one per [`ACT_BLOCK`]) and their sums of integers (one per
+/// [`SUM_BLOCK`]); the x86-64 tiles read them without bounds checks.
+#[cfg(target_arch = "x86_64")]
+pub(crate) struct RowStarts<const R: usize> {
+    pub x: [*const i8; R],
+    pub scale: [*const f32; R],
+    pub x_sum: [*const f32; R],
+    pub q_sum: [*const i32; R],
 }
 
 /// Rows `row..row + rows` (at most 4) of the activations against one panel.

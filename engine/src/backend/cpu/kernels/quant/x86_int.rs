@@ -16,7 +16,7 @@
 use std::arch::x86_64::*;
 
 use super::ggml::QuantKind;
-use super::int8::{ACT_BLOCK, PanelRows, QuantizedActs, SUM_BLOCK};
+use super::int8::{ACT_BLOCK, PanelRows, QuantizedActs, RowStarts, SUM_BLOCK};
 use super::panels::QuantPanels;
 use crate::backend::cpu::kernels::matmul::PANEL;
 
@@ -133,20 +133,14 @@ macro_rules! integer_tile {
             debug_assert_eq!(SUPER, kind.super_blocks());
             let low = _mm256_set1_epi8(0x0F);
             let ones = _mm256_set1_epi16(1);
-            let x: [*const i8; R] = std::array::from_fn(|r| acts.row(t.row + r).as_ptr());
-            // The rows' per-block figures, read below without bounds checks: every group's first
-            // input is under `k`, so its blocks lie inside the row's.
-            assert!(
-                t.row + R <= acts.rows && w.cols() <= acts.k,
-                "tile outside the activations"
-            );
-            let at_row = |r: usize, per: usize| (t.row + r) * acts.k / per;
-            let dx_row: [*const f32; R] =
-                std::array::from_fn(|r| acts.scale[at_row(r, ACT_BLOCK)..].as_ptr());
-            let x_sum_row: [*const f32; R] =
-                std::array::from_fn(|r| acts.x_sum[at_row(r, ACT_BLOCK)..].as_ptr());
-            let q_sum_row: [*const i32; R] =
-                std::array::from_fn(|r| acts.q_sum[at_row(r, SUM_BLOCK)..].as_ptr());
+            // The rows' integers and per-block figures, read below without bounds checks: every
+            // group's first input is under `k`, so its blocks lie inside the row's.
+            let RowStarts {
+                x,
+                scale: dx_row,
+                x_sum: x_sum_row,
+                q_sum: q_sum_row,
+            } = acts.row_starts::<R>(t.row, w.cols());
             let mut acc = [[_mm256_setzero_ps(); H]; R];
             // The f32 part of a group's results (from input `first`), run one group late:
             // its chain of dependent conversions and multiply-adds then overlaps the next
