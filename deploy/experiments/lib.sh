@@ -19,7 +19,14 @@ fi
 mkdir -p "$OUT"
 PIDS=()
 
+# build: the binaries the scripts run. TANDEM_BIN=DIR runs the ones in DIR instead and builds
+# nothing (`tandem`, `tandem-router`, `tandem-prefill`, `tandem-decode` and `tandem-bench` copied
+# there from another tree's build: an A/B of two builds in one sitting).
 build() {
+  if [ -n "${TANDEM_BIN:-}" ]; then
+    BIN="$TANDEM_BIN"
+    return
+  fi
   cargo_build --bins
 }
 
