@@ -30,46 +30,31 @@ use tandem_transfer::{
 };
 use tokio::net::TcpListener;
 
-/// What to measure: the flags.
+/// KV transfer rates, TTFT disaggregated and aggregated, and the latency the router adds.
+#[derive(clap::Parser)]
 struct Opts {
     /// The model the real binaries serve in 3-4.
+    #[arg(long, default_value = "smollm2")]
     model: String,
-    /// The prompt's length in tokens (a multiple of the 16-token block).
+    /// The prompt's length in tokens (a multiple of the 16-token block, at least 64).
+    #[arg(long, default_value_t = 2048, value_parser = prompt_tokens)]
     tokens: usize,
     /// Best of how many runs, for each rate.
-    repeats: usize,
+    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u16).range(1..))]
+    repeats: u16,
+    /// Measure 1-2 only (the copy floor and the transports).
+    #[arg(long)]
     transports_only: bool,
 }
 
-const USAGE: &str = "transfer_bench [--transports-only] [--model M] [--tokens N] [--repeats N]";
-
-fn parse_opts() -> anyhow::Result<Opts> {
-    let mut opts = Opts {
-        model: "smollm2".into(),
-        tokens: 2048,
-        repeats: 5,
-        transports_only: false,
-    };
-    let mut args = std::env::args().skip(1);
-    while let Some(arg) = args.next() {
-        let mut value = || {
-            args.next()
-                .ok_or_else(|| anyhow::anyhow!("{arg} needs a value; usage: {USAGE}"))
-        };
-        match arg.as_str() {
-            "--transports-only" => opts.transports_only = true,
-            "--model" => opts.model = value()?,
-            "--tokens" => opts.tokens = value()?.parse()?,
-            "--repeats" => opts.repeats = value()?.parse()?,
-            other => anyhow::bail!("unknown argument `{other}`; usage: {USAGE}"),
-        }
+/// A prompt length whole blocks fill: a multiple of 16, 64 to 65536 tokens.
+fn prompt_tokens(text: &str) -> Result<usize, String> {
+    let tokens: usize = text.parse().map_err(|e| format!("{e}"))?;
+    if (64..=65536).contains(&tokens) && tokens.is_multiple_of(16) {
+        Ok(tokens)
+    } else {
+        Err("a multiple of 16, from 64 to 65536".into())
     }
-    anyhow::ensure!(
-        opts.tokens >= 64 && opts.tokens.is_multiple_of(16),
-        "--tokens must be a multiple of 16, at least 64"
-    );
-    anyhow::ensure!(opts.repeats >= 1, "--repeats must be at least 1");
-    Ok(opts)
 }
 
 fn smollm2_layout() -> KvLayout {
@@ -332,8 +317,8 @@ fn median(mut v: Vec<f64>) -> f64 {
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() -> anyhow::Result<()> {
-    let opts = parse_opts()?;
-    let (tokens, repeats) = (opts.tokens, opts.repeats);
+    let opts: Opts = clap::Parser::parse();
+    let (tokens, repeats) = (opts.tokens, usize::from(opts.repeats));
     // 1-2: transports in process.
     let layout = smollm2_layout();
     let nblocks = tokens / layout.block_size;

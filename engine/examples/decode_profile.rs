@@ -8,11 +8,29 @@ use tandem_engine::{
     Engine, EngineConfig, LoadOptions, ModelSource, SamplingParams, StopParams, load_model,
 };
 
+/// Decode steps of SmolLM2-135M at one batch size, timed.
+#[derive(clap::Parser)]
+struct Args {
+    /// Sequences decoding together.
+    #[arg(default_value_t = 32, value_parser = clap::value_parser!(u32).range(1..=256))]
+    batch: u32,
+    /// Steps timed.
+    #[arg(default_value_t = 50, value_parser = clap::value_parser!(u32).range(1..))]
+    steps: u32,
+    /// Tokens of each sequence's prompt.
+    #[arg(default_value_t = 128, value_parser = clap::value_parser!(u32).range(1..=8192))]
+    prompt_len: u32,
+    /// Where models are cached (default: the user's cache folder).
+    #[arg(long, env = "TANDEM_CACHE")]
+    cache: Option<std::path::PathBuf>,
+}
+
 fn main() -> anyhow::Result<()> {
-    let arg = |i: usize, default: usize| std::env::args().nth(i).map_or(Ok(default), |s| s.parse());
-    let (batch, steps, prompt_len) = (arg(1, 32)?, arg(2, 50)?, arg(3, 128)? as u32);
-    let cache = std::env::var_os("TANDEM_CACHE")
-        .map_or_else(tandem_engine::fetch::default_cache_dir, Into::into);
+    let args: Args = clap::Parser::parse();
+    let (batch, steps, prompt_len) = (args.batch, args.steps as usize, args.prompt_len);
+    let cache = args
+        .cache
+        .unwrap_or_else(tandem_engine::fetch::default_cache_dir);
     let opts = LoadOptions {
         cache_dir: cache,
         ..Default::default()
@@ -25,7 +43,7 @@ fn main() -> anyhow::Result<()> {
         ..Default::default()
     };
     let mut e = Engine::new(Arc::new(model), tok, config)?;
-    for i in 0..batch as u32 {
+    for i in 0..batch {
         let p: Vec<u32> = (0..prompt_len)
             .map(|j| 3 + (j * 7919 + i * 104_729) % 49_000)
             .collect();

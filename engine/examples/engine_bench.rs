@@ -25,62 +25,40 @@ use tandem_engine::{
     load_model,
 };
 
+/// The engine alone: the machine's floors, then the model's prefill and decode rates.
+#[derive(clap::Parser)]
 struct Args {
+    /// A preset (`smollm2`, `tiny`, `dummy:SHAPE`…), a GGUF file or a model folder.
+    #[arg(long, default_value = "smollm2")]
     model: String,
+    /// How the weights are stored: `native` (as the file stores them), `f32`, `bf16`,
+    /// `q8_0`…
+    #[arg(long, default_value = "native")]
     weights: WeightFormat,
+    /// The KV cache's element type: `f32`, `bf16` or `f16`.
+    #[arg(long, default_value = "f32")]
     kv_dtype: tandem_kv::KvDtype,
-    cache: PathBuf,
-    prompt_len: usize,
-    decode_prompt_len: usize,
-    decode_steps: usize,
-    /// Size of the bandwidth measurement's buffers.
-    copy_mib: usize,
+    /// Where models are cached (default: the user's cache folder).
+    #[arg(long, env = "TANDEM_CACHE")]
+    cache: Option<PathBuf>,
+    /// Tokens of the prefill run's prompt.
+    #[arg(long, default_value_t = 512, value_parser = clap::value_parser!(u32).range(1..))]
+    prompt_len: u32,
+    /// Tokens of each decode run's prompts.
+    #[arg(long, default_value_t = 128, value_parser = clap::value_parser!(u32).range(1..))]
+    decode_prompt_len: u32,
+    /// Steps each decode run times.
+    #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..))]
+    decode_steps: u32,
+    /// Size of the bandwidth measurement's buffers, MiB.
+    #[arg(long, default_value_t = 512, value_parser = clap::value_parser!(u32).range(4..=65536))]
+    copy_mib: u32,
     /// Side of the square matmul that measures the peak.
-    matmul_size: usize,
-}
-
-fn parse_args() -> anyhow::Result<Args> {
-    let mut args = Args {
-        model: "smollm2".into(),
-        weights: WeightFormat::Native,
-        kv_dtype: tandem_kv::KvDtype::F32,
-        cache: std::env::var_os("TANDEM_CACHE")
-            .map_or_else(tandem_engine::fetch::default_cache_dir, PathBuf::from),
-        prompt_len: 512,
-        decode_prompt_len: 128,
-        decode_steps: 16,
-        copy_mib: 512,
-        matmul_size: 2048,
-    };
-    let mut it = std::env::args().skip(1);
-    while let Some(flag) = it.next() {
-        let mut value = || {
-            it.next()
-                .ok_or_else(|| anyhow::anyhow!("{flag} needs a value"))
-        };
-        match flag.as_str() {
-            "--model" => args.model = value()?,
-            "--weights" => args.weights = value()?.parse()?,
-            "--kv-dtype" => args.kv_dtype = value()?.parse()?,
-            "--cache" => args.cache = value()?.into(),
-            "--prompt-len" => args.prompt_len = value()?.parse()?,
-            "--decode-prompt-len" => args.decode_prompt_len = value()?.parse()?,
-            "--decode-steps" => args.decode_steps = value()?.parse()?,
-            "--copy-mib" => args.copy_mib = value()?.parse()?,
-            "--matmul-size" => args.matmul_size = value()?.parse()?,
-            "--isa" => {
-                select_isa(Isa::parse(&value()?)?)?;
-            }
-            other => anyhow::bail!(
-                "unknown flag {other} (--model, --weights, --kv-dtype, --cache, --prompt-len, --decode-prompt-len, --decode-steps, --copy-mib, --matmul-size, --isa)"
-            ),
-        }
-    }
-    anyhow::ensure!(
-        args.copy_mib >= 4 && args.matmul_size >= 16,
-        "--copy-mib must be at least 4 and --matmul-size at least 16"
-    );
-    Ok(args)
+    #[arg(long, default_value_t = 2048, value_parser = clap::value_parser!(u32).range(16..=16384))]
+    matmul_size: u32,
+    /// The kernels of another instruction set than the CPU's best (as `TANDEM_ISA`).
+    #[arg(long)]
+    isa: Option<String>,
 }
 
 /// Best-of-5 parallel copy of a `mib` MiB buffer (512 by default); bytes read plus bytes
@@ -153,7 +131,19 @@ fn matmul_rates(s: usize) -> anyhow::Result<(f64, f64)> {
 }
 
 fn main() -> anyhow::Result<()> {
-    let args = parse_args()?;
+    let args: Args = clap::Parser::parse();
+    if let Some(name) = &args.isa {
+        select_isa(Isa::parse(name)?)?;
+    }
+    let cache = args
+        .cache
+        .clone()
+        .unwrap_or_else(tandem_engine::fetch::default_cache_dir);
+    let (prompt_len, decode_prompt_len, decode_steps) = (
+        args.prompt_len as usize,
+        args.decode_prompt_len as usize,
+        args.decode_steps as usize,
+    );
     let threads = rayon::current_num_threads();
     // Resolve the kernels' instruction set before timing anything (TANDEM_ISA is refused here,
     // with its reason, if this CPU cannot run it).
@@ -162,17 +152,17 @@ fn main() -> anyhow::Result<()> {
         None => isa(),
     };
     eprintln!("measuring floors ({threads} threads, {isa} kernels)...");
-    let bandwidth = copy_bandwidth(args.copy_mib);
-    let read_bw = read_bandwidth(args.copy_mib);
-    let (candle_gflops, own_gflops) = matmul_rates(args.matmul_size)?;
-    let m = args.matmul_size;
+    let bandwidth = copy_bandwidth(args.copy_mib as usize);
+    let read_bw = read_bandwidth(args.copy_mib as usize);
+    let (candle_gflops, own_gflops) = matmul_rates(args.matmul_size as usize)?;
+    let m = args.matmul_size as usize;
     let peak = candle_gflops.max(own_gflops);
 
     let source: ModelSource = args.model.parse()?;
     let opts = LoadOptions {
         format: args.weights,
         kv_dtype: args.kv_dtype,
-        cache_dir: args.cache.clone(),
+        cache_dir: cache,
         tokenizer: None,
         ..Default::default()
     };
@@ -206,12 +196,12 @@ fn main() -> anyhow::Result<()> {
     let mut prefill_s = f64::MAX;
     for i in 0..3 {
         let mut engine = Engine::new(model.clone(), tokenizer.clone(), config.clone())?;
-        engine.add_request(prompt(i, args.prompt_len), greedy.clone(), stop(1))?;
+        engine.add_request(prompt(i, prompt_len), greedy.clone(), stop(1))?;
         let t = Instant::now();
         engine.step()?;
         prefill_s = prefill_s.min(t.elapsed().as_secs_f64());
     }
-    let t = args.prompt_len as f64;
+    let t = prompt_len as f64;
     let linear_flops = 2.0 * (cfg.num_parameters() - cfg.vocab_size * cfg.hidden_size) as f64 * t
         + 2.0 * (cfg.vocab_size * cfg.hidden_size) as f64; // LM head for the last token only
     let attn_flops =
@@ -227,20 +217,20 @@ fn main() -> anyhow::Result<()> {
         let mut engine = Engine::new(model.clone(), tokenizer.clone(), config.clone())?;
         for i in 0..batch {
             engine.add_request(
-                prompt(i as u32, args.decode_prompt_len),
+                prompt(i as u32, decode_prompt_len),
                 greedy.clone(),
-                stop(args.decode_steps + 2),
+                stop(decode_steps + 2),
             )?;
         }
         engine.step()?; // prefill of every prompt (fits the token budget)
         engine.step()?; // first decode step: warm-up
         let t0 = Instant::now();
         let mut tokens = 0;
-        for _ in 0..args.decode_steps {
+        for _ in 0..decode_steps {
             tokens += engine.step()?.len();
         }
         let secs = t0.elapsed().as_secs_f64();
-        decode.push((batch, secs / args.decode_steps as f64, tokens as f64 / secs));
+        decode.push((batch, secs / decode_steps as f64, tokens as f64 / secs));
     }
     // The floor uses the faster of the two bandwidth figures, so it is never flattering.
     let floor_step = weight_bytes as f64 / bandwidth.max(read_bw);

@@ -31,18 +31,23 @@ fn rel_err(a: &[f32], b: &[f32]) -> f32 {
     num / den.max(1e-6)
 }
 
+/// The GPU forward pass against the CPU's on one model.
+#[derive(clap::Parser)]
+struct Args {
+    /// A preset (`tiny`, `smollm2`…), a GGUF file or a model folder.
+    #[arg(long, default_value = "tiny")]
+    model: String,
+    /// Where models are cached (default: the user's cache folder).
+    #[arg(long, env = "TANDEM_CACHE")]
+    cache: Option<PathBuf>,
+}
+
 fn main() -> anyhow::Result<()> {
-    let mut model = "tiny".to_string();
-    let mut cache_dir = std::env::var_os("TANDEM_CACHE")
-        .map_or_else(tandem_engine::fetch::default_cache_dir, PathBuf::from);
-    let mut args = std::env::args().skip(1);
-    while let Some(a) = args.next() {
-        match a.as_str() {
-            "--model" => model = args.next().unwrap_or_default(),
-            "--cache" => cache_dir = args.next().unwrap_or_default().into(),
-            other => anyhow::bail!("unknown flag {other}"),
-        }
-    }
+    let args: Args = clap::Parser::parse();
+    let model = args.model;
+    let cache_dir = args
+        .cache
+        .unwrap_or_else(tandem_engine::fetch::default_cache_dir);
     if !available() {
         println!("SKIP: no CUDA device here");
         return Ok(());

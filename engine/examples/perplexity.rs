@@ -11,59 +11,39 @@ use std::path::PathBuf;
 use tandem_engine::eval::perplexity;
 use tandem_engine::{LoadOptions, ModelSource, WeightFormat, load_model};
 
+/// Perplexity of one model stored each way, on the same tokens of a text.
+#[derive(clap::Parser)]
 struct Args {
+    /// A preset (`smollm2`, `tiny`…), a GGUF file or a model folder.
+    #[arg(long, default_value = "smollm2")]
     model: String,
+    /// The weight storages to compare, the first the baseline the others are set against.
+    #[arg(
+        long = "weights",
+        value_delimiter = ',',
+        default_value = "f32,native,bf16,q8_0,q4_0,q4_1"
+    )]
     formats: Vec<WeightFormat>,
+    /// The text whose tokens are scored.
+    #[arg(long)]
     text: PathBuf,
-    tokens: usize,
+    /// Tokens of the text scored.
+    #[arg(long, default_value_t = 512, value_parser = clap::value_parser!(u32).range(2..))]
+    tokens: u32,
+    /// The KV cache's element type: `f32`, `bf16` or `f16`.
+    #[arg(long, default_value = "f32")]
     kv_dtype: tandem_kv::KvDtype,
-    cache: PathBuf,
-}
-
-fn parse_args() -> anyhow::Result<Args> {
-    let mut model = "smollm2".to_string();
-    let mut formats = "f32,native,bf16,q8_0,q4_0,q4_1".to_string();
-    let mut text = None;
-    let mut tokens = 512;
-    let mut kv_dtype = tandem_kv::KvDtype::F32;
-    let mut cache = std::env::var_os("TANDEM_CACHE")
-        .map_or_else(tandem_engine::fetch::default_cache_dir, PathBuf::from);
-    let mut it = std::env::args().skip(1);
-    while let Some(flag) = it.next() {
-        let mut value = || {
-            it.next()
-                .ok_or_else(|| anyhow::anyhow!("{flag} needs a value"))
-        };
-        match flag.as_str() {
-            "--model" => model = value()?,
-            "--weights" => formats = value()?,
-            "--text" => text = Some(PathBuf::from(value()?)),
-            "--tokens" => tokens = value()?.parse()?,
-            "--cache" => cache = value()?.into(),
-            "--kv-dtype" => kv_dtype = value()?.parse()?,
-            other => anyhow::bail!(
-                "unknown flag {other} (--model, --weights, --kv-dtype, --text, --tokens, --cache)"
-            ),
-        }
-    }
-    let formats = formats
-        .split(',')
-        .map(str::parse)
-        .collect::<Result<Vec<WeightFormat>, _>>()?;
-    let text = text.ok_or_else(|| anyhow::anyhow!("--text FILE is required"))?;
-    anyhow::ensure!(tokens >= 2, "--tokens must be at least 2");
-    Ok(Args {
-        model,
-        formats,
-        text,
-        tokens,
-        kv_dtype,
-        cache,
-    })
+    /// Where models are cached (default: the user's cache folder).
+    #[arg(long, env = "TANDEM_CACHE")]
+    cache: Option<PathBuf>,
 }
 
 fn main() -> anyhow::Result<()> {
-    let args = parse_args()?;
+    let args: Args = clap::Parser::parse();
+    let cache = args
+        .cache
+        .clone()
+        .unwrap_or_else(tandem_engine::fetch::default_cache_dir);
     let source: ModelSource = args.model.parse()?;
     let text = std::fs::read_to_string(&args.text)?;
     let mut rows = Vec::new();
@@ -71,7 +51,7 @@ fn main() -> anyhow::Result<()> {
     for &format in &args.formats {
         let opts = LoadOptions {
             format,
-            cache_dir: args.cache.clone(),
+            cache_dir: cache.clone(),
             kv_dtype: args.kv_dtype,
             tokenizer: None,
             ..Default::default()
@@ -81,12 +61,12 @@ fn main() -> anyhow::Result<()> {
         if tokens.is_empty() {
             tokens = tokenizer.encode(&text, false)?;
             anyhow::ensure!(
-                tokens.len() >= args.tokens,
+                tokens.len() >= args.tokens as usize,
                 "the text has {} tokens, fewer than --tokens {}",
                 tokens.len(),
                 args.tokens
             );
-            tokens.truncate(args.tokens);
+            tokens.truncate(args.tokens as usize);
         }
         let t = std::time::Instant::now();
         let ppl = perplexity(&model, &tokens)?;

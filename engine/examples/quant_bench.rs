@@ -23,28 +23,37 @@ use tandem_engine::backend::cpu::kernels::{
 /// Bytes of matrices streamed per pass of the "memory" case: several times any L3 here.
 const MEMORY_BYTES: usize = 512 << 20;
 
+/// One-row and batched `linear` per weight storage, from memory and from cache.
+#[derive(clap::Parser)]
+struct Args {
+    /// Storages to time: `f32`, `bf16`, a GGML format (`q4_1`…) in `exact` mode, or with
+    /// `:fast` in `fast` mode.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "q4_1,q4_1:fast,q8_0,q8_0:fast,q4_0,bf16,f32"
+    )]
+    formats: Vec<String>,
+    /// Output features of the matrix.
+    #[arg(long, default_value_t = 3072, value_parser = clap::value_parser!(u32).range(1..=65536))]
+    rows: u32,
+    /// Input features (a multiple of the format's block).
+    #[arg(long, default_value_t = 576, value_parser = clap::value_parser!(u32).range(1..=65536))]
+    cols: u32,
+    /// Rows of the batched case.
+    #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..=4096))]
+    batch: u32,
+    /// The kernels of another instruction set than the CPU's best (as `TANDEM_ISA`).
+    #[arg(long)]
+    isa: Option<String>,
+}
+
 fn main() -> anyhow::Result<()> {
-    let mut formats = "q4_1,q4_1:fast,q8_0,q8_0:fast,q4_0,bf16,f32".to_string();
-    let (mut rows, mut cols, mut batch) = (3072usize, 576usize, 64usize);
-    let mut it = std::env::args().skip(1);
-    while let Some(flag) = it.next() {
-        let mut value = || {
-            it.next()
-                .ok_or_else(|| anyhow::anyhow!("{flag} needs a value"))
-        };
-        match flag.as_str() {
-            "--formats" => formats = value()?,
-            "--rows" => rows = value()?.parse()?,
-            "--cols" => cols = value()?.parse()?,
-            "--batch" => batch = value()?.parse()?,
-            "--isa" => {
-                select_isa(Isa::parse(&value()?)?)?;
-            }
-            other => {
-                anyhow::bail!("unknown flag {other} (--formats, --rows, --cols, --batch, --isa)")
-            }
-        }
+    let args: Args = clap::Parser::parse();
+    if let Some(name) = &args.isa {
+        select_isa(Isa::parse(name)?)?;
     }
+    let (rows, cols, batch) = (args.rows as usize, args.cols as usize, args.batch as usize);
     // Values in [-1, 1), deterministic: the rate does not depend on them.
     let values: Vec<f32> = (0..rows * cols)
         .map(|i| ((i as u64).wrapping_mul(2_654_435_761) % 2000) as f32 / 1000.0 - 1.0)
@@ -59,7 +68,8 @@ fn main() -> anyhow::Result<()> {
     );
     println!("|---|---:|---:|---:|---:|");
     let mut json = Vec::new();
-    for name in formats.split(',') {
+    for name in &args.formats {
+        let name = name.as_str();
         let one = matrix(name, rows, cols, &values)?;
         let bytes = one.size_in_bytes();
         let copies = MEMORY_BYTES.div_ceil(bytes).max(2);

@@ -43,7 +43,7 @@ mod soak;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use anyhow::{Context, bail};
+use anyhow::Context;
 
 use crate::client::{Call, Outcome, REQUEST_TIMEOUT};
 use crate::deployment::Deployment;
@@ -65,51 +65,62 @@ pub struct Opts {
     pub router_args: Vec<String>,
 }
 
-const USAGE: &str = "fault_bench [--model tiny|smollm2|...] [--soak-requests N] [--concurrency N] [--quick] [--chaos-only] [--keep] [--bin-dir DIR] [--router-arg FLAG]...";
+/// The abuse and fault matrix, a soak, an overload burst and chaos between hosts, against a
+/// real deployment.
+#[derive(clap::Parser)]
+struct Flags {
+    /// The model the deployment serves (`tiny`, `smollm2`…).
+    #[arg(long, default_value = "tiny")]
+    model: String,
+    /// Requests of the soak (default 300, 60 with `--quick`).
+    #[arg(long, value_parser = clap::value_parser!(u32).range(0..=1_000_000))]
+    soak_requests: Option<u32>,
+    /// Requests in flight at once in the soak.
+    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u16).range(1..))]
+    concurrency: u16,
+    /// Shorter impairments and overload burst, and a 60-request soak.
+    #[arg(long)]
+    quick: bool,
+    /// Only the chaos rows: the first deployment is not started.
+    #[arg(long)]
+    chaos_only: bool,
+    /// Keep the deployments' folders and logs.
+    #[arg(long)]
+    keep: bool,
+    /// Where the tandem binaries are (default: beside this one's build).
+    #[arg(long)]
+    bin_dir: Option<PathBuf>,
+    /// A router flag after the deployment's own (for an A/B of a setting); repeatable.
+    #[arg(long = "router-arg", allow_hyphen_values = true)]
+    router_args: Vec<String>,
+}
 
-fn parse_opts() -> anyhow::Result<Opts> {
-    let mut opts = Opts {
-        model: "tiny".into(),
-        soak_requests: 300,
-        concurrency: 8,
-        keep: false,
-        bin_dir: None,
-        overload_burst: std::time::Duration::from_secs(60),
-        chaos_only: false,
-        chaos: chaos::Durations::FULL,
-        router_args: Vec::new(),
+fn parse_opts() -> Opts {
+    let flags: Flags = clap::Parser::parse();
+    let (chaos, overload_burst, soak) = if flags.quick {
+        (
+            chaos::Durations::QUICK,
+            std::time::Duration::from_secs(5),
+            60,
+        )
+    } else {
+        (
+            chaos::Durations::FULL,
+            std::time::Duration::from_secs(60),
+            300,
+        )
     };
-    let mut soak_requests = None;
-    let mut quick = false;
-    let mut args = std::env::args().skip(1);
-    while let Some(arg) = args.next() {
-        let mut value = || {
-            args.next()
-                .with_context(|| format!("{arg} needs a value; usage: {USAGE}"))
-        };
-        match arg.as_str() {
-            "--model" => opts.model = value()?,
-            "--soak-requests" => soak_requests = Some(value()?.parse().context("--soak-requests")?),
-            "--concurrency" => opts.concurrency = value()?.parse().context("--concurrency")?,
-            "--bin-dir" => opts.bin_dir = Some(PathBuf::from(value()?)),
-            "--router-arg" => opts.router_args.push(value()?),
-            "--quick" => quick = true,
-            "--chaos-only" => opts.chaos_only = true,
-            "--keep" => opts.keep = true,
-            "-h" | "--help" => {
-                println!("{USAGE}");
-                std::process::exit(0);
-            }
-            other => bail!("unknown argument `{other}`; usage: {USAGE}"),
-        }
+    Opts {
+        model: flags.model,
+        soak_requests: flags.soak_requests.map_or(soak, |n| n as usize),
+        concurrency: usize::from(flags.concurrency),
+        keep: flags.keep,
+        bin_dir: flags.bin_dir,
+        overload_burst,
+        chaos_only: flags.chaos_only,
+        chaos,
+        router_args: flags.router_args,
     }
-    opts.soak_requests = soak_requests.unwrap_or(if quick { 60 } else { opts.soak_requests });
-    if quick {
-        opts.chaos = chaos::Durations::QUICK;
-        opts.overload_burst = std::time::Duration::from_secs(5);
-    }
-    anyhow::ensure!(opts.concurrency >= 1, "--concurrency must be at least 1");
-    Ok(opts)
 }
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
@@ -125,7 +136,7 @@ async fn main() -> std::process::ExitCode {
 }
 
 async fn bench() -> anyhow::Result<()> {
-    let opts = parse_opts()?;
+    let opts = parse_opts();
     let started = Instant::now();
     let bin_dir = match &opts.bin_dir {
         Some(d) => d.clone(),
