@@ -18,13 +18,12 @@ mod pacing;
 
 pub use pacing::{
     DEBT_HORIZON, MIN_PACED_CHUNK, Pacing, PassBudget, Standing, Waiting, idle_ms, least_lead_ms,
-    lone_pass_allowance, pass_budget,
+    lone_pass_allowance, paced_prompt_ms, pass_budget,
 };
 
 /// The longest a paced pass may take, in its tightest stream's targets, however much room
 /// the streams have: whatever arrives meanwhile (a new stream's prompt, with a TTFT target
-/// of about a second) waits for the pass under way. (Here rather than in `pacing`, which
-/// uses it with the rest of this crate: the router's prediction of a paced prompt needs it.)
+/// of about a second) waits for the pass under way.
 pub const LONGEST_PASS_TARGETS: f64 = 5.0;
 
 /// When the streams' passes alone fill their aim, a waiting prompt still gets one granule
@@ -178,43 +177,6 @@ impl Coefficients {
             if fits(mid) { lo = mid } else { hi = mid - 1 }
         }
         lo * granule
-    }
-
-    /// How long prompt tokens `start..start + tokens` take on a worker whose streams
-    /// (`beside`) are paced to `aim_ms` by [`Pacing`] and hold a lead of `lead_ms` on it
-    /// (the least of theirs; negative: a debt). Over the streams' periods the prompt gets
-    /// their slack: the streams must produce a token per `aim_ms` of wall time, less the lead
-    /// they may spend, so a prompt of `C` ms alone takes `W = (C·aim − lead·s) / (aim − s)`
-    /// beside streams whose passes take `s`. A lead large enough to carry the whole prompt
-    /// still leaves the streams a pass every [`LONGEST_PASS_TARGETS`] targets. When the
-    /// streams alone fill their aim it gets a granule every [`STARVED_PASSES`] passes.
-    #[allow(clippy::too_many_arguments)]
-    pub fn paced_prompt_ms(
-        &self,
-        beside: StepShape,
-        start: u64,
-        tokens: u64,
-        aim_ms: f64,
-        lead_ms: f64,
-        max: u64,
-        granule: u64,
-    ) -> f64 {
-        let streams_ms = self.step_ms(&beside);
-        let granule = granule.max(1);
-        if streams_ms >= aim_ms {
-            let chunks = tokens.div_ceil(granule) as f64;
-            return chunks * STARVED_PASSES as f64 * streams_ms;
-        }
-        let chunk = self
-            .chunk_allowance(beside, start, aim_ms, max, granule)
-            .max(granule);
-        let (with_streams, passes) = self.prompt_ms(beside, start, tokens, chunk);
-        let prompt_alone = (with_streams - passes as f64 * streams_ms).max(0.0);
-        let lead_ms = if lead_ms.is_finite() { lead_ms } else { 0.0 };
-        let paced = (prompt_alone * aim_ms - lead_ms * streams_ms) / (aim_ms - streams_ms);
-        let longest = LONGEST_PASS_TARGETS * aim_ms / TPOT_HEADROOM;
-        let fastest = prompt_alone * longest / (longest - streams_ms).max(f64::EPSILON);
-        paced.max(fastest)
     }
 }
 
@@ -537,40 +499,5 @@ mod tests {
             ..TRUE
         };
         assert_eq!(blind.chunk_allowance(beside, 0, 60.0, 512, 16), 512);
-    }
-
-    #[test]
-    fn a_paced_prompt_takes_its_compute_over_the_slack_share() {
-        let beside = StepShape::decode(8, 8 * 1000);
-        let streams = TRUE.step_ms(&beside);
-        let target = 60.0;
-        let paced = TRUE.paced_prompt_ms(beside, 0, 1024, target, 0.0, 512, 16);
-        let chunk = TRUE.chunk_allowance(beside, 0, target, 512, 16);
-        let (with, passes) = TRUE.prompt_ms(beside, 0, 1024, chunk);
-        let alone = with - passes as f64 * streams;
-        assert!(close(paced, alone * target / (target - streams), 1e-9));
-        assert!(paced > alone);
-        // A lead the streams banked is spent on the prompt: each of its milliseconds saves
-        // the streams' share of one; a debt is repaid first.
-        let lead = 100.0;
-        let ahead = TRUE.paced_prompt_ms(beside, 0, 1024, target, lead, 512, 16);
-        assert!(
-            close(paced - ahead, lead * streams / (target - streams), 1e-9),
-            "{paced} {ahead} {streams} {alone}"
-        );
-        let behind = TRUE.paced_prompt_ms(beside, 0, 1024, target, -lead, 512, 16);
-        assert!(close(
-            behind - paced,
-            lead * streams / (target - streams),
-            1e-9
-        ));
-        // However long the lead, the streams keep a pass every LONGEST_PASS_TARGETS targets.
-        let carried = TRUE.paced_prompt_ms(beside, 0, 1024, target, 1e9, 512, 16);
-        let longest = LONGEST_PASS_TARGETS * target / TPOT_HEADROOM;
-        assert!(close(carried, alone * longest / (longest - streams), 1e-9));
-        assert!(carried > alone && carried < ahead);
-        // Streams that fill the target alone: a granule every STARVED_PASSES passes.
-        let starved = TRUE.paced_prompt_ms(beside, 0, 64, streams, 0.0, 512, 16);
-        assert!(close(starved, 4.0 * STARVED_PASSES as f64 * streams, 1e-9));
     }
 }

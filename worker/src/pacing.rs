@@ -57,8 +57,10 @@ pub struct Pacer {
     stall_window: Option<(Instant, u64)>,
     /// What the last window said: someone else wants the CPU.
     someone_waits: bool,
-    /// The least lead of the streams with a target on their aims, as of the last pass.
+    /// The least lead of the streams with a target on their aims, and on the targets
+    /// themselves, as of the last pass.
     streams_lead_ms: f64,
+    streams_target_lead_ms: f64,
 }
 
 /// Where a stream's standing is measured from.
@@ -149,6 +151,12 @@ impl Pacer {
         let standings = self.standings(engine, target_of, Instant::now());
         self.paced = !standings.is_empty();
         self.streams_lead_ms = tandem_cost::least_lead_ms(&standings).unwrap_or(0.0);
+        self.streams_target_lead_ms = standings
+            .iter()
+            .map(|s| s.lead_ms(s.target_ms))
+            .filter(|ms| !ms.is_nan())
+            .min_by(f64::total_cmp)
+            .unwrap_or(0.0);
         let (decode, prompt_at) = engine.decode_load();
         let share = team_share();
         // The fit prices the whole team's milliseconds; the standings are wall time.
@@ -305,6 +313,7 @@ impl Pacer {
             pass_elapsed_ms: 0.0,
             lends_slack: self.lend_slack,
             streams_lead_ms: self.streams_lead_ms,
+            streams_target_lead_ms: self.streams_target_lead_ms,
         });
     }
 }

@@ -37,8 +37,15 @@ pub struct CostView {
     pub lends_slack: bool,
     /// The prompt tokens its pacing let into its last pass beside streams (0: not capped).
     pub prompt_allowance: u64,
-    /// The least lead its streams hold on their pacing aims (`StepCost.streams_lead_ms`).
+    /// The least lead its streams hold on their pacing aims (`StepCost.streams_lead_ms`),
+    /// and on their targets (`StepCost.streams_target_lead_ms`).
     pub streams_lead_ms: f64,
+    pub streams_target_lead_ms: f64,
+}
+
+/// A figure from a peer, 0 when it is not a number.
+fn finite_or_zero(value: f64) -> f64 {
+    if value.is_finite() { value } else { 0.0 }
 }
 
 /// What a router sent to a worker and saw end there since its last load report.
@@ -135,11 +142,11 @@ impl CostView {
             prompts_known,
             lends_slack: cost.lends_slack,
             prompt_allowance: u64::from(cost.prompt_allowance),
-            streams_lead_ms: if cost.streams_lead_ms.is_finite() {
-                cost.streams_lead_ms
-            } else {
-                0.0
-            },
+            streams_lead_ms: finite_or_zero(cost.streams_lead_ms),
+            // A stream's lead on its target is at least its lead on its aim (a worker that
+            // does not report it: no margin).
+            streams_target_lead_ms: finite_or_zero(cost.streams_target_lead_ms)
+                .max(finite_or_zero(cost.streams_lead_ms)),
         })
     }
 
@@ -163,6 +170,27 @@ impl CostView {
                 .per_mpair_ms
                 .max(from.coefficients.per_mpair_ms);
             self.prompts_known = true;
+        }
+    }
+
+    /// The tightest of a worker's streams, as its report gives it, under a TPOT target of
+    /// `target_ms` ([`tandem_cost::Standing`]): its leads on aim and target fix the tokens it
+    /// produced (each adds the margin between them) and the time they took. Its remaining
+    /// tokens are unknown: as many as the pacing looks ahead.
+    pub(super) fn tightest_stream(&self, target_ms: f64) -> tandem_cost::Standing {
+        let margin = target_ms * (1.0 - TPOT_HEADROOM);
+        let tokens = if margin > 0.0 {
+            ((self.streams_target_lead_ms - self.streams_lead_ms) / margin)
+                .round()
+                .clamp(0.0, 1e9)
+        } else {
+            0.0
+        };
+        tandem_cost::Standing {
+            target_ms,
+            tokens: tokens as u64,
+            elapsed_ms: target_ms * TPOT_HEADROOM * tokens - self.streams_lead_ms,
+            remaining: tandem_cost::DEBT_HORIZON,
         }
     }
 
@@ -307,12 +335,26 @@ mod tests {
                 pass_elapsed_ms: 0.0,
                 lends_slack: false,
                 streams_lead_ms: -25.0,
+                streams_target_lead_ms: 41.0,
             }),
             ..Default::default()
         };
         // A debt is kept.
         let v = CostView::from_report(&load, SinceReport::default(), true).unwrap();
         assert_eq!(v.streams_lead_ms, -25.0);
+        // Its tightest stream under a 60 ms target: 11 tokens (each adds 6 ms of margin
+        // between the 54 ms aim and the target) in 619 ms.
+        let tightest = v.tightest_stream(60.0);
+        assert_eq!((tightest.tokens, tightest.elapsed_ms), (11, 619.0));
+        assert!((tightest.lead_ms(54.0) + 25.0).abs() < 1e-9);
+        assert!((tightest.lead_ms(60.0) - 41.0).abs() < 1e-9);
+        // A worker that reports no lead on the targets: none beyond the aim's.
+        let mut older = load.clone();
+        older.step_cost.as_mut().unwrap().streams_target_lead_ms = 0.0;
+        older.step_cost.as_mut().unwrap().streams_lead_ms = 30.0;
+        let v = CostView::from_report(&older, SinceReport::default(), true).unwrap();
+        assert_eq!(v.streams_target_lead_ms, 30.0);
+        assert_eq!(v.tightest_stream(60.0).tokens, 0);
         let queued = LoadReport {
             queued_prompts: 1,
             ..load.clone()

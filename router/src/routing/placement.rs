@@ -10,9 +10,10 @@
 //! - **disaggregated on prefill worker P**: TTFT is P's queued prompt tokens and then this
 //!   prompt (less what P's cache holds) in full passes; the streams' passes gain one row.
 //! - **aggregated on the decode worker**: its queued prompt tokens and this prompt run in
-//!   chunks beside its streams, each chunk sized as the worker sizes it (the most prompt
-//!   tokens that keep a pass within the TPOT target, `Coefficients::chunk_allowance`);
-//!   the streams' passes stay within the target while it runs.
+//!   chunks beside its streams, each chunk sized as the worker sizes it: the prompt's passes
+//!   are the worker's own pacing replayed from its tightest stream's standing
+//!   (`tandem_cost::paced_prompt_ms`), and the streams' passes stay within the target while
+//!   it runs.
 //! - **split between prefill worker P and the decode worker**: P computes the prompt's first
 //!   part and sends its KV; the decode worker computes the rest as it would aggregated. The
 //!   request's TTFT is never better than both whole placements', but the prefill worker,
@@ -200,12 +201,12 @@ fn decode_part(decode: &CostView, prompt: u64, start: u64, tpot_ms: f64) -> Deco
         };
     }
     let target = tpot_ms * TPOT_HEADROOM;
-    let own = decode.coefficients.paced_prompt_ms(
+    let own = tandem_cost::paced_prompt_ms(
+        &decode.coefficients,
         decode.streams(),
         start,
         tokens,
-        target,
-        decode.streams_lead_ms,
+        decode.tightest_stream(tpot_ms),
         decode.max_batch_tokens,
         CHUNK_GRANULE,
     );
@@ -381,6 +382,7 @@ mod tests {
             lends_slack: false,
             prompt_allowance: 0,
             streams_lead_ms: 0.0,
+            streams_target_lead_ms: 0.0,
         }
     }
 
