@@ -240,7 +240,13 @@ async fn send(dep: &Deployment, case: BadInput) -> Answer {
     };
     let named = match case.field {
         Some(field) if tgi => message.is_some_and(|m| m.contains(field)),
-        Some(field) => body["error"]["param"].as_str() == Some(field),
+        // The field itself, or a path inside it (`tools[0].function` names `tools`).
+        Some(field) => body["error"]["param"].as_str().is_some_and(|param| {
+            param == field
+                || param
+                    .strip_prefix(field)
+                    .is_some_and(|rest| rest.starts_with(['[', '.']))
+        }),
         None => message.is_some_and(|m| !m.is_empty()),
     };
     match named {
