@@ -18,7 +18,7 @@ mod pacing;
 
 pub use pacing::{
     DEBT_HORIZON, MIN_PACED_CHUNK, Pacing, PassBudget, Standing, Waiting, idle_ms, least_lead_ms,
-    lone_pass_allowance, paced_prompt_ms, pass_budget,
+    least_target_lead_ms, lone_pass_allowance, paced_prompt_ms, pass_budget,
 };
 
 /// The longest a paced pass may take, in its tightest stream's targets, however much room

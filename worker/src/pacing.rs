@@ -151,12 +151,7 @@ impl Pacer {
         let standings = self.standings(engine, target_of, Instant::now());
         self.paced = !standings.is_empty();
         self.streams_lead_ms = tandem_cost::least_lead_ms(&standings).unwrap_or(0.0);
-        self.streams_target_lead_ms = standings
-            .iter()
-            .map(|s| s.lead_ms(s.target_ms))
-            .filter(|ms| !ms.is_nan())
-            .min_by(f64::total_cmp)
-            .unwrap_or(0.0);
+        self.streams_target_lead_ms = tandem_cost::least_target_lead_ms(&standings).unwrap_or(0.0);
         let (decode, prompt_at) = engine.decode_load();
         let share = team_share();
         // The fit prices the whole team's milliseconds; the standings are wall time.
